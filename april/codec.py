@@ -1,0 +1,327 @@
+"""Encoding and strict decoding of protocol messages to ZeroMQ frames.
+
+Frames are `[header, body, *buffers]`: `header = msgpack([PROTOCOL_VERSION, kind])`, `body` a msgpack map
+with exactly the message's fields, and every numpy array field sent as its own frame (zero-copy on both
+sides) referenced from the body as `[frame_index, dtype, length]`.
+
+The schema of each message is read once from its dataclass annotations: scalars (int, float, str, bool),
+enums, `list[...]`, `dict[str, ...]`, `X | None`, nested frozen dataclasses ("structs") and 1-D arrays
+declared with `Annotated[..., ArraySpec(dtype)]`. Decoding checks everything (header, version, kind,
+missing/extra fields, types, sizes) and then calls the struct's `validate()` if it has one; any failure is a
+`ProtocolError` carrying a short `reason` (used for per-reason counters) and a message naming what was wrong.
+No pickle, no eval: only msgpack scalars, maps, lists and raw little-endian buffers.
+
+Does not know the message types: `april.protocol` registers them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+Frame = bytes | memoryview
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+MAX_FRAMES = 1024
+MAX_HEADER_BYTES = 64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class ProtocolError(Exception):
+    """A message that does not follow the protocol. `reason` is a short counter key."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class ArraySpec:
+    """Marks a field as a 1-D little-endian numpy array of this dtype, sent as its own frame."""
+
+    dtype: str  # numpy dtype string, e.g. "<i4"
+
+
+Int32Array = typing.Annotated[npt.NDArray[np.int32], ArraySpec("<i4")]
+Int64Array = typing.Annotated[npt.NDArray[np.int64], ArraySpec("<i8")]
+UInt8Array = typing.Annotated[npt.NDArray[np.uint8], ArraySpec("|u1")]
+Float32Array = typing.Annotated[npt.NDArray[np.float32], ArraySpec("<f4")]
+Float64Array = typing.Annotated[npt.NDArray[np.float64], ArraySpec("<f8")]
+
+# ---------------------------------------------------------------------------------------------------
+# Type specs: a tiny schema language compiled from annotations.
+
+
+@dataclass(frozen=True, slots=True)
+class _Scalar:
+    py: type
+
+
+@dataclass(frozen=True, slots=True)
+class _Enum:
+    cls: type[enum.Enum]
+
+
+@dataclass(frozen=True, slots=True)
+class _Optional:
+    inner: _Spec
+
+
+@dataclass(frozen=True, slots=True)
+class _List:
+    inner: _Spec
+
+
+@dataclass(frozen=True, slots=True)
+class _Dict:
+    inner: _Spec
+
+
+@dataclass(frozen=True, slots=True)
+class _Array:
+    dtype: np.dtype[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Struct:
+    cls: type
+    fields: tuple[tuple[str, _Spec], ...]
+
+
+_Spec = _Scalar | _Enum | _Optional | _List | _Dict | _Array | _Struct
+_SCHEMAS: dict[type, _Struct] = {}
+
+
+def struct_schema(cls: type) -> _Struct:
+    """Compile (once) and return the schema of a dataclass."""
+    cached = _SCHEMAS.get(cls)
+    if cached is not None:
+        return cached
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is not a dataclass")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = tuple(
+        (f.name, _compile(hints[f.name], f"{cls.__name__}.{f.name}")) for f in dataclasses.fields(cls)
+    )
+    schema = _Struct(cls, fields)
+    _SCHEMAS[cls] = schema
+    return schema
+
+
+def _compile(tp: Any, where: str) -> _Spec:
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        for meta in tp.__metadata__:
+            if isinstance(meta, ArraySpec):
+                return _Array(np.dtype(meta.dtype))
+        raise TypeError(f"{where}: Annotated without ArraySpec")
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1 or len(typing.get_args(tp)) != 2:
+            raise TypeError(f"{where}: only `X | None` unions are supported")
+        return _Optional(_compile(args[0], where))
+    if origin is list:
+        return _List(_compile(typing.get_args(tp)[0], where))
+    if origin is dict:
+        key, value = typing.get_args(tp)
+        if key is not str:
+            raise TypeError(f"{where}: dict keys must be str")
+        return _Dict(_compile(value, where))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _Enum(tp)
+    if tp in (int, float, str, bool, bytes):
+        return _Scalar(tp)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return struct_schema(tp)
+    raise TypeError(f"{where}: unsupported field type {tp!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoding
+
+
+def encode_struct(obj: Any, buffers: list[Frame]) -> dict[str, Any]:
+    """Body map of a dataclass instance; arrays are appended to `buffers`."""
+    schema = struct_schema(type(obj))
+    return {name: _encode_value(getattr(obj, name), spec, buffers) for name, spec in schema.fields}
+
+
+def _encode_value(value: Any, spec: _Spec, buffers: list[Frame]) -> Any:
+    match spec:
+        case _Array(dtype):
+            arr = np.ascontiguousarray(value, dtype=dtype)
+            if arr.ndim != 1:
+                raise ValueError(f"array fields must be 1-D, got shape {arr.shape}")
+            buffers.append(arr.data.cast("B"))
+            return [len(buffers) + 1, dtype.str, int(arr.shape[0])]  # frame index counts header and body
+        case _Enum():
+            return value.value
+        case _Optional(inner):
+            return None if value is None else _encode_value(value, inner, buffers)
+        case _List(inner):
+            return [_encode_value(v, inner, buffers) for v in value]
+        case _Dict(inner):
+            return {k: _encode_value(v, inner, buffers) for k, v in value.items()}
+        case _Struct():
+            return encode_struct(value, buffers)
+        case _Scalar(py) if py is float:
+            return float(value)
+    return value
+
+
+def encode_frames(version: int, kind: int, msg: Any) -> list[Frame]:
+    buffers: list[Frame] = []
+    body = encode_struct(msg, buffers)
+    return [msgpack.packb([version, kind]), msgpack.packb(body, use_bin_type=True), *buffers]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding
+
+
+def _unpack(data: Frame, what: str, limit: int) -> Any:
+    n = len(data)
+    if n > limit:
+        raise ProtocolError("oversize", f"{what}: {n} bytes, limit {limit}")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=n,
+            max_ext_len=0,
+        )
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        raise ProtocolError("bad_msgpack", f"{what}: not valid msgpack ({type(exc).__name__})") from exc
+    except RecursionError as exc:
+        raise ProtocolError("bad_msgpack", f"{what}: nested too deeply") from exc
+
+
+def decode_header(frames: Sequence[Frame], version: int) -> int:
+    """Check the frame count, header and protocol version; return the message kind code."""
+    if len(frames) < 2:
+        raise ProtocolError("bad_frames", f"expected at least 2 frames (header, body), got {len(frames)}")
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError("oversize", f"{len(frames)} frames, limit {MAX_FRAMES}")
+    header = _unpack(frames[0], "header", MAX_HEADER_BYTES)
+    if (
+        not isinstance(header, list)
+        or len(header) != 2
+        or not all(type(x) is int for x in header)  # bool is not a valid header field
+    ):
+        raise ProtocolError("bad_header", f"header must be [protocol_version, kind] integers, got {header!r}")
+    got_version, kind = header
+    if got_version != version:
+        raise ProtocolError("wrong_version", f"protocol version {got_version}, expected {version}")
+    return int(kind)
+
+
+def decode_body(cls: type, frames: Sequence[Frame], max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """Decode and validate frames[1:] as an instance of dataclass `cls`."""
+    total = sum(len(f) for f in frames)
+    if total > max_bytes:
+        raise ProtocolError("oversize", f"{cls.__name__}: {total} bytes, limit {max_bytes}")
+    body = _unpack(frames[1], f"{cls.__name__} body", max_bytes)
+    used: set[int] = set()
+    obj = _decode_struct(body, struct_schema(cls), frames, used, cls.__name__)
+    if len(used) != len(frames) - 2:
+        raise ProtocolError(
+            "bad_buffer", f"{cls.__name__}: {len(frames) - 2} buffer frames, {len(used)} referenced"
+        )
+    return obj
+
+
+def _decode_struct(raw: Any, schema: _Struct, frames: Sequence[Frame], used: set[int], where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ProtocolError("wrong_type", f"{where}: expected a map, got {type(raw).__name__}")
+    names = [name for name, _ in schema.fields]
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise ProtocolError("missing_field", f"{where}: missing field(s) {', '.join(missing)}")
+    extra = sorted(set(raw) - set(names))
+    if extra:
+        raise ProtocolError("extra_field", f"{where}: unknown field(s) {', '.join(map(str, extra))}")
+    values = {
+        name: _decode_value(raw[name], spec, frames, used, f"{where}.{name}") for name, spec in schema.fields
+    }
+    obj = schema.cls(**values)
+    validate: Callable[[], None] | None = getattr(obj, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ValueError as exc:
+            raise ProtocolError("invalid_value", f"{where}: {exc}") from exc
+    return obj
+
+
+def _decode_value(raw: Any, spec: _Spec, frames: Sequence[Frame], used: set[int], where: str) -> Any:
+    match spec:
+        case _Scalar(py):
+            return _decode_scalar(raw, py, where)
+        case _Enum(cls):
+            try:
+                return cls(raw)
+            except (ValueError, TypeError):
+                allowed = ", ".join(repr(m.value) for m in cls)
+                raise ProtocolError("invalid_value", f"{where}: {raw!r} is not one of {allowed}") from None
+        case _Optional(inner):
+            return None if raw is None else _decode_value(raw, inner, frames, used, where)
+        case _List(inner):
+            if not isinstance(raw, list):
+                raise ProtocolError("wrong_type", f"{where}: expected a list, got {type(raw).__name__}")
+            return [_decode_value(v, inner, frames, used, f"{where}[{i}]") for i, v in enumerate(raw)]
+        case _Dict(inner):
+            if not isinstance(raw, dict):
+                raise ProtocolError("wrong_type", f"{where}: expected a map, got {type(raw).__name__}")
+            return {k: _decode_value(v, inner, frames, used, f"{where}[{k!r}]") for k, v in raw.items()}
+        case _Array(dtype):
+            return _decode_array(raw, dtype, frames, used, where)
+        case _Struct():
+            return _decode_struct(raw, spec, frames, used, where)
+    raise AssertionError(f"unhandled spec {spec!r}")  # pragma: no cover
+
+
+def _decode_scalar(raw: Any, py: type, where: str) -> Any:
+    if py is float:
+        if type(raw) in (float, int):
+            return float(raw)
+    elif py is int:
+        if type(raw) is int and INT64_MIN <= raw <= INT64_MAX:
+            return raw
+    elif type(raw) is py:
+        return raw
+    raise ProtocolError(
+        "wrong_type", f"{where}: expected {py.__name__}, got {type(raw).__name__} {raw!r:.40}"
+    )
+
+
+def _decode_array(
+    raw: Any, dtype: np.dtype[Any], frames: Sequence[Frame], used: set[int], where: str
+) -> np.ndarray[Any, Any]:
+    ok = isinstance(raw, list) and len(raw) == 3 and type(raw[0]) is int and type(raw[2]) is int
+    if not ok or raw[1] != dtype.str:
+        raise ProtocolError(
+            "wrong_type", f"{where}: expected array ref [frame, {dtype.str!r}, length], got {raw!r:.60}"
+        )
+    index, _, length = raw
+    if not 2 <= index < len(frames) or index in used:
+        raise ProtocolError("bad_buffer", f"{where}: frame index {index} missing or reused")
+    used.add(index)
+    buf = frames[index]
+    if length < 0 or len(buf) != length * dtype.itemsize:
+        raise ProtocolError(
+            "bad_buffer", f"{where}: frame has {len(buf)} bytes, expected {length} x {dtype.itemsize}"
+        )
+    return np.frombuffer(buf, dtype=dtype)

@@ -1,0 +1,401 @@
+"""Typed, frozen run configuration: schema, loading, precedence, validation and writing.
+
+Owns: one frozen dataclass per TOML section (``[run]``, ``[algo]``, ``[data]``, ``[broker]``,
+``[worker]``, ``[learner]``) with its defaults and range checks; ``load_config``, which layers
+dataclass defaults < TOML file < ``APRIL_<SECTION>_<KEY>`` environment variables < ``section.key``
+overrides; the slime-style ``run.partial_rollout`` alias; ``write_config``, which saves the resolved
+config as TOML that loads back to an equal ``Config``. Every error is a ``ConfigError`` with one
+readable line naming ``section.key``, the value got and what was expected.
+
+Does not own: any role logic. Roles read the fields they need; nothing here starts, connects to or
+computes anything, and nothing is done at import time.
+"""
+
+import enum
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad config value, key or file; the message is one user-facing line."""
+
+
+class Mode(enum.StrEnum):
+    SYNC = "sync"
+    APRIL = "april"
+    ASYNC = "async"
+
+
+class Algorithm(enum.StrEnum):
+    GRPO = "grpo"
+    DR_GRPO = "dr_grpo"
+    DAPO = "dapo"
+    GSPO = "gspo"
+
+
+class OffPolicy(enum.StrEnum):
+    NONE = "none"
+    MASK = "mask"
+    TIS = "tis"
+    DECOUPLED = "decoupled"
+
+
+def _fmt(value: object) -> str:
+    return repr(value.value) if isinstance(value, enum.Enum) else repr(value)
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} = {_fmt(value)}: {expected}")
+
+
+def _positive(section: object, prefix: str, *names: str) -> None:
+    for n in names:
+        v = getattr(section, n)
+        _check(v > 0, f"{prefix}.{n}", v, "must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    name: str = "april"
+    run_dir: str = ""  # empty: runs/<name>
+    seed: int = 0
+    steps: int = 20
+    mode: Mode = Mode.APRIL
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "run.name", self.name, "must be a non-empty string")
+        _positive(self, "run", "steps")
+
+    @property
+    def partial_rollout(self) -> bool:
+        """slime's --partial-rollout: true exactly when the mode is april."""
+        return self.mode == Mode.APRIL
+
+
+@dataclass(frozen=True, slots=True)
+class AlgoConfig:
+    algorithm: Algorithm = Algorithm.GRPO
+    rollout_batch_size: int = 8  # prompts per train step
+    over_sampling_batch_size: int = 16  # prompts in flight per step (>= rollout_batch_size)
+    n_samples_per_prompt: int = 4
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_staleness: int = 1  # policy versions a sample may lag the learner
+    dynamic_sampling: bool = False
+    offpolicy: OffPolicy = OffPolicy.NONE
+    tis_cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "algo", "rollout_batch_size", "over_sampling_batch_size")
+        _positive(self, "algo", "n_samples_per_prompt", "max_new_tokens", "temperature")
+        _check(
+            self.over_sampling_batch_size >= self.rollout_batch_size,
+            "algo.over_sampling_batch_size",
+            self.over_sampling_batch_size,
+            f"must be >= algo.rollout_batch_size ({self.rollout_batch_size})",
+        )
+        _check(0 < self.top_p <= 1, "algo.top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, "algo.top_k", self.top_k, "must be >= 0 (0 = off)")
+        _check(self.max_staleness >= 0, "algo.max_staleness", self.max_staleness, "must be >= 0")
+        _check(self.tis_cap >= 1, "algo.tis_cap", self.tis_cap, "must be >= 1")
+
+    @property
+    def samples_per_batch(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+@dataclass(frozen=True, slots=True)
+class DataConfig:
+    source: str = "synthetic"  # "synthetic" or a path to a JSONL file
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    shuffle: bool = True
+    synthetic_prompt_len_min: int = 8
+    synthetic_prompt_len_max: int = 64
+    synthetic_vocab_size: int = 1000
+
+    def __post_init__(self) -> None:
+        _positive(self, "data", "synthetic_prompt_len_min", "synthetic_vocab_size")
+        _check(
+            self.synthetic_prompt_len_max >= self.synthetic_prompt_len_min,
+            "data.synthetic_prompt_len_max",
+            self.synthetic_prompt_len_max,
+            f"must be >= data.synthetic_prompt_len_min ({self.synthetic_prompt_len_min})",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    bind_host: str = "127.0.0.1"
+    worker_port: int = 5555
+    learner_port: int = 5556
+    pub_port: int = 5557
+    heartbeat_interval_s: float = 1.0
+    liveness: int = 3  # missed heartbeats before a peer is declared dead
+    abort_timeout_s: float = 5.0
+    abort_retries: int = 3
+    max_message_bytes: int = 268435456  # 256 MiB
+    max_buffered_samples: int = 1000000
+    snapshot_interval_s: float = 30.0
+    curve_keys_dir: str = ""  # empty: no CURVE encryption
+    debug_ledger: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "broker", "heartbeat_interval_s", "liveness", "abort_timeout_s")
+        _positive(self, "broker", "max_message_bytes", "max_buffered_samples", "snapshot_interval_s")
+        _check(self.abort_retries >= 0, "broker.abort_retries", self.abort_retries, "must be >= 0")
+        seen: dict[int, str] = {}
+        for n in ("worker_port", "learner_port", "pub_port"):
+            port = getattr(self, n)
+            _check(1 <= port <= 65535, f"broker.{n}", port, "must be a port in 1..65535")
+            _check(port not in seen, f"broker.{n}", port, f"must differ from broker.{seen.get(port)}")
+            seen[port] = n
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    broker: str = "tcp://127.0.0.1:5555"
+    engine: str = "torch"
+    slots: int = 8  # concurrent generations per worker
+    model: str = ""
+    reward: str = "exact"  # built-in name or "module:function"
+    reward_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "worker", "slots", "reward_timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerConfig:
+    broker: str = "tcp://127.0.0.1:5556"
+    model: str = ""
+    lr: float = 1e-6
+    checkpoint_every: int = 10  # train steps between checkpoints
+
+    def __post_init__(self) -> None:
+        _positive(self, "learner", "lr")
+        _check(self.checkpoint_every >= 0, "learner.checkpoint_every", self.checkpoint_every, "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+
+    def run_path(self) -> Path:
+        """The run directory: run.run_dir, or runs/<run.name> when that is empty."""
+        return Path(self.run.run_dir) if self.run.run_dir else Path("runs") / self.run.name
+
+
+_SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in fields(Config)}  # type: ignore[misc]
+_ALIAS = ("run", "partial_rollout")
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+# One layer of settings: (section, key) -> (typed value, where it came from).
+_Layer = dict[tuple[str, str], tuple[object, str]]
+
+
+def _field_type(section: str, key: str, where: str) -> type[Any]:
+    """The type of section.key, or a ConfigError naming the section/key and the known names."""
+    if section not in _SECTIONS:
+        raise ConfigError(f"{where}unknown section [{section}] (known: {', '.join(_SECTIONS)})")
+    types: dict[str, type[Any]] = {f.name: f.type for f in fields(_SECTIONS[section])}  # type: ignore[misc]
+    if section == _ALIAS[0]:
+        types[_ALIAS[1]] = bool
+    if key not in types:
+        raise ConfigError(f'{where}unknown key "{key}" in section [{section}] (known: {", ".join(types)})')
+    return types[key]
+
+
+def _expected(typ: type[Any]) -> str:
+    if issubclass(typ, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in typ)
+    return {bool: "a bool", int: "an int", float: "a float", str: "a string"}[typ]
+
+
+def _type_error(where: str, name: str, value: object, typ: type[Any]) -> ConfigError:
+    return ConfigError(f"{where}{name} = {value!r} ({type(value).__name__}): expected {_expected(typ)}")
+
+
+def _coerce(value: object, typ: type[Any], name: str, where: str) -> object:
+    """Check an already-typed value (TOML, typed override): int is fine for float, bool is not an int."""
+    if issubclass(typ, enum.Enum):
+        if isinstance(value, str) and value in {m.value for m in typ}:
+            return typ(value)
+    elif typ is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, typ):
+        return value
+    raise _type_error(where, name, value, typ)
+
+
+def _parse(text: str, typ: type[Any], name: str, where: str) -> object:
+    """Parse a string (environment variable, --set value) per the field's type."""
+    word = text.strip().lower()
+    try:
+        if issubclass(typ, enum.Enum):
+            return typ(word)
+        if typ is bool:
+            if word in _TRUE or word in _FALSE:
+                return word in _TRUE
+            raise ValueError(text)
+        if typ is int or typ is float:
+            return typ(text.strip())
+    except ValueError:
+        raise _type_error(where, name, text, typ) from None
+    return text
+
+
+def _toml_layer(path: Path) -> _Layer:
+    import tomllib
+
+    where = f"{path}: "
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where}invalid TOML: {e}") from None
+    layer: _Layer = {}
+    for section, table in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"{where}unknown section [{section}] (known: {', '.join(_SECTIONS)})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}{section} = {table!r}: expected a [{section}] table")
+        for key, value in table.items():
+            typ = _field_type(section, key, where)
+            layer[(section, key)] = (_coerce(value, typ, f"{section}.{key}", where), where)
+    return layer
+
+
+def _env_layer(env: Mapping[str, str]) -> _Layer:
+    layer: _Layer = {}
+    for var in sorted(env):
+        parts = var.lower().split("_", 2)
+        if len(parts) < 3 or parts[0] != "april" or parts[1] not in _SECTIONS:
+            continue  # not ours: other tools use APRIL_ too
+        section, key = parts[1], parts[2]
+        where = f"environment variable {var}: "
+        typ = _field_type(section, key, where)
+        layer[(section, key)] = (_parse(env[var], typ, f"{section}.{key}", where), where)
+    return layer
+
+
+def _override_layer(overrides: Mapping[str, object]) -> _Layer:
+    layer: _Layer = {}
+    for name, value in overrides.items():
+        where = f"override {name}: "
+        section, dot, key = name.partition(".")
+        if not dot:
+            raise ConfigError(f'{where}expected "section.key" (sections: {", ".join(_SECTIONS)})')
+        typ = _field_type(section, key, where)
+        parsed = (
+            _parse(value, typ, name, where) if isinstance(value, str) else _coerce(value, typ, name, where)
+        )
+        layer[(section, key)] = (parsed, where)
+    return layer
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """Resolve a Config: dataclass defaults < TOML file < APRIL_* environment < overrides."""
+    layers = [
+        _toml_layer(Path(path)) if path is not None else {},
+        _env_layer(os.environ if env is None else env),
+        _override_layer(overrides or {}),
+    ]
+    merged: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    partial_from = ""  # where run.partial_rollout = true was set, if anywhere yet
+    for layer in layers:
+        alias = layer.pop(_ALIAS, None)
+        if alias is not None and alias[0] is True:
+            partial_from = alias[1]
+        mode = layer.get(("run", "mode"))
+        if partial_from and mode is not None and mode[0] != Mode.APRIL:
+            raise ConfigError(
+                f"{mode[1]}run.mode = {_fmt(mode[0])}: conflicts with run.partial_rollout = true "
+                f"(set by {partial_from[:-2]}), which means mode 'april'"
+            )
+        for (section, key), (value, _) in layer.items():
+            merged[section][key] = value
+        if partial_from:
+            merged["run"]["mode"] = Mode.APRIL
+    return Config(**{s: cls(**merged[s]) for s, cls in _SECTIONS.items()})
+
+
+def parse_override(text: str) -> tuple[str, str]:
+    """Split a CLI ``--set section.key=value`` string into ("section.key", "value")."""
+    name, eq, value = text.partition("=")
+    name = name.strip()
+    if not eq:
+        raise ConfigError(f"--set {text!r}: expected section.key=value (no '=')")
+    if "." not in name:
+        raise ConfigError(f"--set {text!r}: expected section.key=value (no '.' in {name!r})")
+    return name, value
+
+
+def config_to_dict(config: Config) -> dict[str, dict[str, object]]:
+    """The resolved config as plain JSON-able values (enums as their string value)."""
+    out: dict[str, dict[str, object]] = {}
+    for s in _SECTIONS:
+        section = getattr(config, s)
+        out[s] = {}
+        for f in fields(section):
+            v = getattr(section, f.name)
+            out[s][f.name] = v.value if isinstance(v, enum.Enum) else v
+    return out
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # round-trips; inf/nan are valid TOML too
+    if isinstance(value, str):
+        chars = (_ESCAPES.get(c, f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in value)
+        return '"' + "".join(chars) + '"'
+    raise TypeError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
+
+
+def write_config(config: Config, path: Path) -> None:
+    """Write the fully resolved config as TOML, atomically (temp file in the same folder + os.replace)."""
+    lines = ["# Resolved april config (april.config.write_config); load_config() reads it back."]
+    for section, values in config_to_dict(config).items():
+        lines += ["", f"[{section}]"]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write("\n".join(lines) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,298 @@
+"""Every message that crosses a process boundary, and the registry that gives each its wire kind.
+
+One frozen dataclass per message; `KIND_OF` is the explicit registry (kind codes are part of the wire
+format: never renumber, only append). `encode(msg) -> frames` and `decode(frames) -> msg` wrap the strict
+codec in `april.codec`. docs/protocol.md documents the same messages for implementers in other languages.
+
+Directions: W = worker, B = broker, L = learner, S = any read-only client (`april status`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from april.codec import (
+    DEFAULT_MAX_BYTES,
+    Frame,
+    Int32Array,
+    Int64Array,
+    ProtocolError,
+    decode_body,
+    encode_frames,
+)
+from april.codec import decode_header as _decode_header
+from april.ledger import Ledger
+from april.wire_records import SampleBatch
+
+PROTOCOL_VERSION = 1
+
+
+def _check_non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            raise ValueError(f"{name} = {value}, must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """W<->B, L<->B. Liveness only; any message counts as a heartbeat."""
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """B->W/L/S. The broker rejected a message from this peer. `code` is the counter reason."""
+
+    code: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHello:
+    """W->B. Register (or re-register). Resets the broker's view of this worker: leases it holds that are
+    not in `held_leases` are reclaimed, and its credit becomes `slots` minus the leases it kept."""
+
+    worker_id: str
+    engine: str
+    slots: int
+    version: int  # weights version the engine has loaded
+    pid: int
+    host: str
+    held_leases: Int64Array  # leases still being generated (reconnecting after a broker restart)
+
+    def validate(self) -> None:
+        _check_non_negative(self, "version", "pid")
+        if not 1 <= self.slots <= 65536:
+            raise ValueError(f"slots = {self.slots}, must be in 1..65536")
+        if not 1 <= len(self.worker_id) <= 128:
+            raise ValueError("worker_id must be 1..128 characters")
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """B->W/L. Answer to a hello: the current weights and the sampling settings of the run."""
+
+    peer_id: str
+    mode: str
+    version: int
+    weights_uri: str  # empty for version 0 (the model the worker was started with)
+    weights_sha256: str
+    heartbeat_interval_s: float
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRequest:
+    """W->B. Grant `credit` more samples of work (free engine slots)."""
+
+    credit: int
+
+    def validate(self) -> None:
+        if not 0 <= self.credit <= 65536:
+            raise ValueError(f"credit = {self.credit}, must be in 0..65536")
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """B->W. Generate these samples. Each sample resumes from its response so far (empty for a fresh one)
+    with `budgets[i]` new tokens at most; new tokens belong to a segment of the worker's loaded version.
+    `lease_ids[i]` must be echoed when the sample comes back."""
+
+    lease_ids: Int64Array  # [S]
+    budgets: Int32Array  # [S]
+    samples: SampleBatch
+
+    def validate(self) -> None:
+        if self.lease_ids.shape[0] != len(self.samples) or self.budgets.shape[0] != len(self.samples):
+            raise ValueError("lease_ids, budgets and samples differ in length")
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    """W->B. Samples that left the engine: FINISHED (scored), FAILED, or INTERRUPTED (after an Abort),
+    streamed as they leave. `credit` adds free slots, like a LeaseRequest."""
+
+    lease_ids: Int64Array  # [S], as received in the Lease
+    samples: SampleBatch
+    credit: int
+
+    def validate(self) -> None:
+        if self.lease_ids.shape[0] != len(self.samples):
+            raise ValueError(f"{self.lease_ids.shape[0]} lease_ids for {len(self.samples)} samples")
+        if not 0 <= self.credit <= 65536:
+            raise ValueError(f"credit = {self.credit}, must be in 0..65536")
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """B->W. Stop generating; return every unfinished leased sample as INTERRUPTED (with its tokens and
+    log-probs so far), then confirm with AbortDone once the engine is really idle."""
+
+    round_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortDone:
+    """W->B. The engine is idle and every leased sample was returned. Resets credit to `credit`."""
+
+    round_id: int
+    credit: int
+
+    def validate(self) -> None:
+        _check_non_negative(self, "round_id", "credit")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsReady:
+    """L->B (publish) and B->W (relay). Weights `version` are at `uri`, verify with `sha256` (hex)."""
+
+    version: int
+    uri: str
+    sha256: str
+
+    def validate(self) -> None:
+        _check_non_negative(self, "version")
+        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256):
+            raise ValueError("sha256 must be 64 lowercase hex characters")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsLoaded:
+    """W->B. Result of loading a relayed version: ok, or the error (the worker keeps its old weights)."""
+
+    version: int
+    ok: bool
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    """W->B or L->B. Leaving cleanly; the broker reclaims anything still leased to the sender."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerHello:
+    """L->B. Register the learner (rank 0). `version` is the weights version it holds."""
+
+    learner_id: str
+    version: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequest:
+    """L->B. Send the batch for `step` when it is ready (an unacked batch is sent again)."""
+
+    step: int
+
+    def validate(self) -> None:
+        _check_non_negative(self, "step")
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """B->L. Exactly N = rollout_batch_size x n_samples_per_prompt FINISHED samples in complete groups.
+    `stats` are the broker's figures for metrics.jsonl (aborted, resumed, partial_buffer, ...)."""
+
+    batch_id: int
+    step: int
+    version: int
+    samples: SampleBatch
+    stats: dict[str, float]
+    ledger: Ledger
+
+
+@dataclass(frozen=True, slots=True)
+class BatchAck:
+    """L->B. The batch was trained; the broker forgets it and counts its groups as trained."""
+
+    batch_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    """S->B. Ask for the broker's state."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply:
+    """B->S, and published on the PUB socket under topic b"status". `state_json` is a JSON object."""
+
+    state_json: str
+
+
+# The registry. Kind codes are wire format: append only.
+KIND_OF: dict[type, int] = {
+    Heartbeat: 1,
+    Error: 2,
+    WorkerHello: 10,
+    Welcome: 11,
+    LeaseRequest: 12,
+    Lease: 13,
+    SampleResult: 14,
+    Abort: 15,
+    AbortDone: 16,
+    WeightsReady: 17,
+    WeightsLoaded: 18,
+    Disconnect: 19,
+    LearnerHello: 30,
+    BatchRequest: 31,
+    Batch: 32,
+    BatchAck: 33,
+    StatusRequest: 40,
+    StatusReply: 41,
+}
+TYPE_OF: dict[int, type] = {kind: cls for cls, kind in KIND_OF.items()}
+MESSAGE_TYPES = tuple(KIND_OF)
+
+Message = (
+    Heartbeat
+    | Error
+    | WorkerHello
+    | Welcome
+    | LeaseRequest
+    | Lease
+    | SampleResult
+    | Abort
+    | AbortDone
+    | WeightsReady
+    | WeightsLoaded
+    | Disconnect
+    | LearnerHello
+    | BatchRequest
+    | Batch
+    | BatchAck
+    | StatusRequest
+    | StatusReply
+)
+
+
+def encode(msg: Message) -> list[Frame]:
+    """Frames `[header, body, *buffers]` for one message."""
+    kind = KIND_OF.get(type(msg))
+    if kind is None:
+        raise TypeError(f"{type(msg).__name__} is not a registered message")
+    return encode_frames(PROTOCOL_VERSION, kind, msg)
+
+
+def decode(frames: Sequence[Frame], max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
+    """Decode one message; anything malformed raises ProtocolError (and nothing else)."""
+    kind = _decode_header(frames, PROTOCOL_VERSION)
+    cls = TYPE_OF.get(kind)
+    if cls is None:
+        raise ProtocolError("unknown_kind", f"unknown message kind {kind}")
+    msg: Message = decode_body(cls, frames, max_bytes)
+    return msg
+
+
+def empty_lease_ids() -> np.ndarray[Any, np.dtype[np.int64]]:
+    return np.zeros(0, dtype=np.int64)

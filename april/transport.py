@@ -1,0 +1,52 @@
+"""ZeroMQ plumbing shared by every role: socket set-up, sending a message, receiving with a timeout.
+
+Sockets get linger 0 (closing never blocks), a MAXMSGSIZE bound (a peer cannot make us buffer more),
+and DEALER sockets a routing identity equal to the peer id, so the broker's ROUTER knows who spoke.
+Knows the codec, not the roles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import zmq
+
+from april.codec import DEFAULT_MAX_BYTES, Frame
+from april.protocol import Message, decode, encode
+
+HIGH_WATER_MARK = 100_000  # messages; a ROUTER drops silently past it, so keep it far from reach
+
+
+def configure(sock: zmq.Socket[bytes], max_bytes: int = DEFAULT_MAX_BYTES) -> zmq.Socket[bytes]:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+    sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+    return sock
+
+
+def dealer(
+    ctx: zmq.Context[zmq.Socket[bytes]], address: str, identity: str, max_bytes: int = DEFAULT_MAX_BYTES
+) -> zmq.Socket[bytes]:
+    """A DEALER connected to `address`, speaking as `identity`."""
+    sock = configure(ctx.socket(zmq.DEALER), max_bytes)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+    sock.connect(address)
+    return sock
+
+
+def send(sock: zmq.Socket[bytes], msg: Message, identity: bytes | None = None) -> None:
+    frames: list[Frame] = encode(msg)
+    if identity is not None:
+        frames = [identity, *frames]
+    sock.send_multipart(frames, copy=len(frames) < 4)
+
+
+def recv(sock: zmq.Socket[bytes], timeout_ms: int, max_bytes: int = DEFAULT_MAX_BYTES) -> Message | None:
+    """The next message on a DEALER/SUB-less socket, or None after `timeout_ms`. Raises ProtocolError."""
+    if not sock.poll(timeout_ms, zmq.POLLIN):
+        return None
+    frames: Sequence[Frame] = [f.buffer for f in sock.recv_multipart(copy=False)]
+    return decode(frames, max_bytes)

@@ -1,0 +1,170 @@
+"""Flat ragged (columnar) wire form of a list of samples.
+
+`SampleBatch` carries S samples as a handful of 1-D arrays: one entry per sample for the scalars, and
+concatenated token / log-prob / segment arrays with `*_offsets` of length S+1 (sample i owns
+`x[offsets[i]:offsets[i+1]]`). Segments travel as int64 triples `(version, start, end)`, offsets counted in
+segments. This keeps a 2k-token sample at two arrays of bytes on the wire instead of 4k msgpack items, and
+lets the receiver slice views without copying.
+
+`validate()` is called by the codec after decoding, so a malformed batch is a ProtocolError before any role
+sees it. Owns the conversion to and from `april.records.Sample`; knows nothing about sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from april.codec import Float32Array, Float64Array, Int32Array, Int64Array, UInt8Array
+from april.records import FinishReason, Sample, SampleStatus, Segment
+
+_STATUS_MAX = max(SampleStatus)
+_FINISH_MAX = max(FinishReason)
+LOGPROB_TOLERANCE = 1e-3  # engines round; a log-prob above this is not a probability
+
+
+@dataclass(frozen=True, slots=True)
+class SampleBatch:
+    group_id: Int64Array  # [S]
+    index: Int32Array  # [S]
+    status: UInt8Array  # [S] SampleStatus codes
+    finish_reason: UInt8Array  # [S] FinishReason codes
+    resumes: Int32Array  # [S]
+    reward: Float64Array  # [S], NaN = not scored
+    prompt_offsets: Int64Array  # [S+1]
+    prompt_ids: Int32Array  # [sum prompt lengths]
+    response_offsets: Int64Array  # [S+1]
+    response_ids: Int32Array  # [sum response lengths]
+    response_logprobs: Float32Array  # [sum response lengths]
+    segment_offsets: Int64Array  # [S+1], in segments
+    segments: Int64Array  # [3 x total segments]: version, start, end
+    prompt_text: list[str]  # [S]
+    metadata: list[dict[str, str]]  # [S]
+    error: list[str]  # [S]
+
+    def __len__(self) -> int:
+        return int(self.group_id.shape[0])
+
+    @property
+    def response_tokens(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistency (lengths, offsets, codes, segments, log-probs)."""
+        s = len(self)
+        for name in ("index", "status", "finish_reason", "resumes", "reward"):
+            if getattr(self, name).shape[0] != s:
+                raise ValueError(f"{name} has {getattr(self, name).shape[0]} entries for {s} samples")
+        for name in ("prompt_text", "metadata", "error"):
+            if len(getattr(self, name)) != s:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {s} samples")
+        _check_offsets("prompt_offsets", self.prompt_offsets, s, self.prompt_ids.shape[0])
+        _check_offsets("response_offsets", self.response_offsets, s, self.response_ids.shape[0])
+        if self.segments.shape[0] % 3:
+            raise ValueError(f"segments length {self.segments.shape[0]} is not a multiple of 3")
+        _check_offsets("segment_offsets", self.segment_offsets, s, self.segments.shape[0] // 3)
+        if self.response_logprobs.shape[0] != self.response_ids.shape[0]:
+            raise ValueError(
+                f"{self.response_logprobs.shape[0]} log-probs for {self.response_ids.shape[0]} tokens"
+            )
+        if s and (self.status.max() > _STATUS_MAX or self.finish_reason.max() > _FINISH_MAX):
+            raise ValueError("status or finish_reason code out of range")
+        if s and (self.group_id.min() < 0 or self.index.min() < 0 or self.resumes.min() < 0):
+            raise ValueError("negative group_id, index or resumes")
+        if self.prompt_ids.shape[0] and self.prompt_ids.min() < 0:
+            raise ValueError("negative prompt token id")
+        if self.response_ids.shape[0]:
+            if self.response_ids.min() < 0:
+                raise ValueError("negative response token id")
+            lp = self.response_logprobs
+            if not np.all(np.isfinite(lp)) or float(lp.max()) > LOGPROB_TOLERANCE:
+                raise ValueError("log-probs must be finite and <= 0")
+        if np.any(np.isinf(self.reward)):
+            raise ValueError("reward is infinite")
+        self._validate_segments()
+
+    def _validate_segments(self) -> None:
+        seg = self.segments.reshape(-1, 3)
+        if seg.shape[0] and (seg[:, 0].min() < 0 or np.any(seg[:, 2] <= seg[:, 1])):
+            raise ValueError("segments need version >= 0 and end > start")
+        lengths = np.diff(self.response_offsets)
+        for i in range(len(self)):
+            lo, hi = int(self.segment_offsets[i]), int(self.segment_offsets[i + 1])
+            n = int(lengths[i])
+            if hi == lo:
+                if n:
+                    raise ValueError(f"sample {i}: {n} response tokens but no segment")
+                continue
+            s = seg[lo:hi]
+            # contiguous from 0 to n, versions non-decreasing
+            if s[0, 1] != 0 or s[-1, 2] != n or np.any(s[1:, 1] != s[:-1, 2]) or np.any(np.diff(s[:, 0]) < 0):
+                raise ValueError(f"sample {i}: segments do not tile [0, {n}) with non-decreasing versions")
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample]) -> SampleBatch:
+        def offsets(lengths: list[int]) -> np.ndarray:
+            out = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=out[1:])
+            return out
+
+        def cat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+            return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+        segs = [x for s in samples for seg in s.segments for x in (seg.version, seg.start, seg.end)]
+        return cls(
+            group_id=np.array([s.group_id for s in samples], dtype=np.int64),
+            index=np.array([s.index for s in samples], dtype=np.int32),
+            status=np.array([int(s.status) for s in samples], dtype=np.uint8),
+            finish_reason=np.array([int(s.finish_reason) for s in samples], dtype=np.uint8),
+            resumes=np.array([s.resumes for s in samples], dtype=np.int32),
+            reward=np.array([s.reward for s in samples], dtype=np.float64),
+            prompt_offsets=offsets([int(s.prompt_ids.shape[0]) for s in samples]),
+            prompt_ids=cat([s.prompt_ids for s in samples], np.int32),
+            response_offsets=offsets([s.response_len for s in samples]),
+            response_ids=cat([s.response_ids for s in samples], np.int32),
+            response_logprobs=cat([s.response_logprobs for s in samples], np.float32),
+            segment_offsets=offsets([len(s.segments) for s in samples]),
+            segments=np.array(segs, dtype=np.int64),
+            prompt_text=[s.prompt_text for s in samples],
+            metadata=[dict(s.metadata) for s in samples],
+            error=[s.error for s in samples],
+        )
+
+    def to_samples(self) -> list[Sample]:
+        """Samples whose arrays are views into this batch (no copies)."""
+        po, ro, so = (
+            self.prompt_offsets.tolist(),
+            self.response_offsets.tolist(),
+            self.segment_offsets.tolist(),
+        )
+        seg = self.segments.reshape(-1, 3).tolist()
+        gids, idx = self.group_id.tolist(), self.index.tolist()
+        status, finish = self.status.tolist(), self.finish_reason.tolist()
+        resumes, reward = self.resumes.tolist(), self.reward.tolist()
+        return [
+            Sample(
+                group_id=gids[i],
+                index=idx[i],
+                prompt_ids=self.prompt_ids[po[i] : po[i + 1]],
+                response_ids=self.response_ids[ro[i] : ro[i + 1]],
+                response_logprobs=self.response_logprobs[ro[i] : ro[i + 1]],
+                segments=tuple(Segment(v, a, b) for v, a, b in seg[so[i] : so[i + 1]]),
+                status=SampleStatus(status[i]),
+                finish_reason=FinishReason(finish[i]),
+                resumes=resumes[i],
+                reward=reward[i],
+                prompt_text=self.prompt_text[i],
+                metadata=self.metadata[i],
+                error=self.error[i],
+            )
+            for i in range(len(self))
+        ]
+
+
+def _check_offsets(name: str, offsets: np.ndarray, count: int, total: int) -> None:
+    if offsets.shape[0] != count + 1:
+        raise ValueError(f"{name} has {offsets.shape[0]} entries, expected {count + 1}")
+    if offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"{name} must rise from 0 to {total}")

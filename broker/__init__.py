@@ -1,0 +1,6 @@
+"""The broker role: the only meeting point of workers and learner (DESIGN.md section 2).
+
+`broker.server` (sockets and the poll loop), `broker.state` (the books), `broker.snapshot`
+(persistence), `broker.peers` (liveness and rejection counters), `broker.status` (the status object).
+Never imports torch.
+"""

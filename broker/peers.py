@@ -1,0 +1,87 @@
+"""Who is connected to the broker: workers, the learner, and what each got rejected for.
+
+Tracks liveness (any message counts as a heartbeat; a peer silent for liveness x interval is dead),
+credit (free engine slots a worker granted), the weights version each worker acked, and bounded
+per-peer, per-reason rejection counters. Knows nothing about samples or leases.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+MAX_WORKERS = 4096  # bound on the registry: strangers cannot grow it without limit
+MAX_COUNTED_PEERS = 1024  # rejections past this many distinct peers are counted under "other"
+
+
+@dataclass(slots=True)
+class Peer:
+    peer_id: str
+    last_seen: float
+    last_sent: float = 0.0
+
+
+@dataclass(slots=True)
+class WorkerPeer(Peer):
+    engine: str = ""
+    slots: int = 0
+    credit: int = 0
+    version: int = 0  # weights version the worker reports loaded
+    pid: int = 0
+    host: str = ""
+    restored: bool = False  # known only from a snapshot's leases; has not said hello to this broker
+
+
+@dataclass(slots=True)
+class Rejections:
+    """Dropped messages, by peer and by reason."""
+
+    by_reason: Counter[str] = field(default_factory=Counter)
+    by_peer: dict[str, Counter[str]] = field(default_factory=dict)
+
+    def count(self, peer: str, reason: str) -> None:
+        self.by_reason[reason] += 1
+        if peer not in self.by_peer and len(self.by_peer) >= MAX_COUNTED_PEERS:
+            peer = "other"
+        self.by_peer.setdefault(peer, Counter())[reason] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+
+class Workers:
+    def __init__(self, heartbeat_interval_s: float, liveness: int) -> None:
+        self.interval = heartbeat_interval_s
+        self.liveness = liveness
+        self.peers: dict[str, WorkerPeer] = {}
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self.peers
+
+    def __len__(self) -> int:
+        return len(self.peers)
+
+    def get(self, worker_id: str) -> WorkerPeer | None:
+        return self.peers.get(worker_id)
+
+    def register(self, worker_id: str, now: float, **info: object) -> WorkerPeer | None:
+        """Add or reset a worker; None when the registry is full."""
+        if worker_id not in self.peers and len(self.peers) >= MAX_WORKERS:
+            return None
+        peer = WorkerPeer(worker_id, last_seen=now, **info)  # type: ignore[arg-type]
+        self.peers[worker_id] = peer
+        return peer
+
+    def remove(self, worker_id: str) -> None:
+        self.peers.pop(worker_id, None)
+
+    def dead(self, now: float) -> list[str]:
+        limit = self.liveness * self.interval
+        return [w for w, p in self.peers.items() if now - p.last_seen > limit]
+
+    def due_heartbeat(self, now: float) -> list[WorkerPeer]:
+        return [p for p in self.peers.values() if now - p.last_sent >= self.interval]
+
+    def with_credit(self) -> list[WorkerPeer]:
+        return [p for p in self.peers.values() if p.credit > 0]

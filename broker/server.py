@@ -1,0 +1,439 @@
+"""The broker process: one poll loop over three sockets, driving `BrokerState` from peers' messages.
+
+Sockets: ROUTER for workers (5555), ROUTER for the learner and status clients (5556), PUB for status
+snapshots (5557). Every poll has a timeout; every received message is decoded strictly, and a bad one is
+dropped, counted (per peer, per reason) and answered with an Error: the broker never exits on a peer's
+message. Orchestrates what needs clocks: liveness, the confirmed abort (re-abort on timeout, then declare
+the worker dead), heartbeats, periodic snapshots and status publishing. Scheduling decisions are the
+policy's (`april.policy`) and the books are `broker.state`'s; this module only wires them to the network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from april import policy, protocol
+from april.codec import ProtocolError
+from april.config import Config
+from april.data import open_source
+from april.protocol import Message
+from april.transport import configure
+from april.wire_records import SampleBatch
+from broker import snapshot
+from broker.peers import Peer, Rejections, Workers
+from broker.state import BrokerState, PendingBatch, ResultRejected
+from broker.status import build_status
+
+log = logging.getLogger("april.broker")
+DRAIN_LIMIT = 256  # messages handled per socket before the loop ticks again
+STATUS_PERIOD_S = 1.0
+
+
+@dataclass(slots=True)
+class AbortRound:
+    """An abort in progress: workers that still owe an AbortDone, with their deadline and attempts."""
+
+    round_id: int
+    started: float
+    deadline: dict[str, float] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
+
+
+class Broker:
+    def __init__(self, config: Config, run_dir: Path, *, resume: bool = False) -> None:
+        self.config = config
+        self.cfg = config.broker
+        self.run_dir = run_dir
+        source = open_source(config.data, config.run.seed)
+        self.workers = Workers(self.cfg.heartbeat_interval_s, self.cfg.liveness)
+        now = time.monotonic()
+        if resume:
+            snap = snapshot.read(run_dir / "broker")
+            self.state = snapshot.restore(snap, config.run.mode, config.algo, source)
+            for worker_id in {lease.worker_id for lease in self.state.leases.values()}:
+                self.workers.register(worker_id, now, restored=True)
+        else:
+            self.state = BrokerState(config.run.mode, config.algo, source)
+        self.learner: Peer | None = None
+        self.learner_identity = b""
+        self.learner_waiting: int | None = None  # step of an unanswered BatchRequest
+        self.rejections = Rejections()
+        self.abort: AbortRound | None = None
+        self.round_id = 0
+        self.aborts_done = 0
+        self.started = now
+        self.round_started = now
+        self.last_status = 0.0
+        self.last_snapshot = now
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.worker_sock = configure(self.ctx.socket(zmq.ROUTER), self.cfg.max_message_bytes)
+        self.learner_sock = configure(self.ctx.socket(zmq.ROUTER), self.cfg.max_message_bytes)
+        self.pub_sock = configure(self.ctx.socket(zmq.PUB), self.cfg.max_message_bytes)
+        for sock in (self.worker_sock, self.learner_sock):
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished peer is dropped, never raises
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def bind(self) -> None:
+        host = self.cfg.bind_host
+        self.worker_sock.bind(f"tcp://{host}:{self.cfg.worker_port}")
+        self.learner_sock.bind(f"tcp://{host}:{self.cfg.learner_port}")
+        self.pub_sock.bind(f"tcp://{host}:{self.cfg.pub_port}")
+        log.info(
+            "broker %s mode=%s on %s ports %d/%d/%d",
+            self.run_dir,
+            self.state.mode.value,
+            host,
+            self.cfg.worker_port,
+            self.cfg.learner_port,
+            self.cfg.pub_port,
+        )
+
+    def serve(self, should_stop: Callable[[], bool]) -> None:
+        poller = zmq.Poller()
+        poller.register(self.worker_sock, zmq.POLLIN)
+        poller.register(self.learner_sock, zmq.POLLIN)
+        timeout_ms = max(1, int(self.cfg.heartbeat_interval_s * 250))
+        while not should_stop():
+            events = dict(poller.poll(timeout_ms))
+            if self.worker_sock in events:
+                self._drain(self.worker_sock, self._on_worker)
+            if self.learner_sock in events:
+                self._drain(self.learner_sock, self._on_learner)
+            self.tick(time.monotonic())
+
+    def close(self) -> None:
+        self.save_snapshot()
+        for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
+            sock.close(linger=0)
+        self.ctx.term()
+
+    def save_snapshot(self) -> None:
+        snapshot.write(snapshot.capture(self.state), self.run_dir / "broker")
+        self.last_snapshot = time.monotonic()
+
+    # ------------------------------------------------------------------ receiving
+
+    def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[bytes, Message, float], None]) -> None:
+        for _ in range(DRAIN_LIMIT):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes
+            now = time.monotonic()
+            try:
+                msg = protocol.decode([f.buffer for f in frames[1:]], self.cfg.max_message_bytes)
+            except ProtocolError as exc:
+                self._reject(sock, identity, exc.reason, str(exc))
+                continue
+            handle(identity, msg, now)
+
+    def _reject(self, sock: zmq.Socket[bytes], identity: bytes, reason: str, detail: str) -> None:
+        peer = identity.decode("utf-8", "replace")[:64]
+        self.rejections.count(peer, reason)
+        log.debug("rejected message from %r: %s", peer, detail)
+        self._send(sock, identity, protocol.Error(reason, detail[:500]))
+
+    def _send(self, sock: zmq.Socket[bytes], identity: bytes, msg: Message) -> None:
+        frames = protocol.encode(msg)
+        sock.send_multipart([identity, *frames], copy=len(frames) < 4)
+
+    def _send_worker(self, worker_id: str, msg: Message, now: float) -> None:
+        self._send(self.worker_sock, worker_id.encode(), msg)
+        peer = self.workers.get(worker_id)
+        if peer is not None:
+            peer.last_sent = now
+
+    # ------------------------------------------------------------------ workers
+
+    def _on_worker(self, identity: bytes, msg: Message, now: float) -> None:
+        worker_id = identity.decode("utf-8", "replace")
+        if isinstance(msg, protocol.WorkerHello):
+            self._on_hello(identity, msg, now)
+            return
+        peer = self.workers.get(worker_id)
+        if peer is None:
+            self._reject(self.worker_sock, identity, "not_registered", "send WorkerHello first")
+            return
+        peer.last_seen = now
+        match msg:
+            case protocol.Heartbeat():
+                pass
+            case protocol.LeaseRequest(credit=credit):
+                self._grant(worker_id, credit)
+            case protocol.SampleResult():
+                self._on_results(worker_id, msg)
+            case protocol.AbortDone():
+                self._on_abort_done(worker_id, msg, now)
+            case protocol.WeightsLoaded(version=version, ok=ok, error=error):
+                if ok:
+                    peer.version = max(peer.version, version)
+                else:
+                    log.warning("worker %s failed to load weights v%d: %s", worker_id, version, error)
+            case protocol.Disconnect(reason=reason):
+                log.info("worker %s disconnected: %s", worker_id, reason)
+                self._drop_worker(worker_id)
+            case _:
+                self._reject(self.worker_sock, identity, "unexpected_message", type(msg).__name__)
+
+    def _on_hello(self, identity: bytes, msg: protocol.WorkerHello, now: float) -> None:
+        if identity != msg.worker_id.encode():
+            self._reject(
+                self.worker_sock, identity, "identity_mismatch", "worker_id must equal the socket identity"
+            )
+            return
+        held = set(msg.held_leases.tolist())
+        kept = 0
+        for lease_id in self.state.leases_of(msg.worker_id):
+            if lease_id in held:
+                kept += 1
+            else:
+                self.state.reclaim(lease_id)
+        peer = self.workers.register(
+            msg.worker_id,
+            now,
+            engine=msg.engine,
+            slots=msg.slots,
+            credit=max(0, msg.slots - kept),
+            version=msg.version,
+            pid=msg.pid,
+            host=msg.host,
+        )
+        if peer is None:
+            self._reject(self.worker_sock, identity, "too_many_workers", "worker registry is full")
+            return
+        log.info(
+            "worker %s registered (%s, %d slots, v%d, kept %d leases)",
+            msg.worker_id,
+            msg.engine,
+            msg.slots,
+            msg.version,
+            kept,
+        )
+        self._send_worker(msg.worker_id, self._welcome(msg.worker_id), now)
+        if self.abort is not None and kept:
+            self._send_abort(msg.worker_id, now)
+
+    def _welcome(self, peer_id: str) -> protocol.Welcome:
+        algo = self.config.algo
+        return protocol.Welcome(
+            peer_id=peer_id,
+            mode=self.state.mode.value,
+            version=self.state.version,
+            weights_uri=self.state.weights_uri,
+            weights_sha256=self.state.weights_sha256,
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+            max_new_tokens=algo.max_new_tokens,
+            temperature=algo.temperature,
+            top_p=algo.top_p,
+            top_k=algo.top_k,
+        )
+
+    def _grant(self, worker_id: str, credit: int) -> None:
+        peer = self.workers.peers[worker_id]
+        held = len(self.state.leases_of(worker_id)) if peer.restored else 0
+        cap = peer.slots - held if peer.slots else credit + peer.credit
+        peer.credit = max(0, min(peer.credit + credit, cap))
+
+    def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
+        for lease_id, sample in zip(msg.lease_ids.tolist(), msg.samples.to_samples(), strict=True):
+            try:
+                self.state.accept_result(worker_id, lease_id, sample)
+            except ResultRejected as exc:
+                self.rejections.count(worker_id, exc.reason)
+                log.warning("rejected sample from %s: %s", worker_id, exc)
+                self._send(self.worker_sock, worker_id.encode(), protocol.Error(exc.reason, str(exc)[:500]))
+                if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
+                    self.state.reclaim(lease_id)
+        self._grant(worker_id, msg.credit)
+
+    def _drop_worker(self, worker_id: str) -> None:
+        for lease_id in self.state.leases_of(worker_id):
+            self.state.reclaim(lease_id)
+        self.workers.remove(worker_id)
+        if self.abort is not None:
+            self.abort.deadline.pop(worker_id, None)
+
+    def _dispatch(self, now: float) -> None:
+        if self.abort is not None or not self.state.dispatch_allowed():
+            return
+        for peer in self.workers.with_credit():
+            work = self.state.take_work(peer.peer_id, peer.credit)
+            if not work:
+                break
+            peer.credit -= len(work)
+            lease = protocol.Lease(
+                lease_ids=np.array([w[0] for w in work], dtype=np.int64),
+                budgets=np.array([w[1] for w in work], dtype=np.int32),
+                samples=SampleBatch.from_samples([w[2] for w in work]),
+            )
+            self._send_worker(peer.peer_id, lease, now)
+
+    # ------------------------------------------------------------------ aborts
+
+    def _start_abort(self, now: float) -> None:
+        self.round_id += 1
+        self.abort = AbortRound(self.round_id, now)
+        holders = {lease.worker_id for lease in self.state.leases.values()}
+        log.info(
+            "abort round %d: %d leased samples on %d workers",
+            self.round_id,
+            self.state.leased_samples,
+            len(holders),
+        )
+        for worker_id in holders:
+            self._send_abort(worker_id, now)
+
+    def _send_abort(self, worker_id: str, now: float) -> None:
+        assert self.abort is not None
+        self.abort.deadline[worker_id] = now + self.cfg.abort_timeout_s
+        self.abort.attempts[worker_id] = self.abort.attempts.get(worker_id, 0) + 1
+        self._send_worker(worker_id, protocol.Abort(self.abort.round_id), now)
+
+    def _on_abort_done(self, worker_id: str, msg: protocol.AbortDone, now: float) -> None:
+        peer = self.workers.peers[worker_id]
+        peer.credit = min(msg.credit, peer.slots) if peer.slots else msg.credit
+        if self.abort is None or msg.round_id != self.abort.round_id:
+            return  # a late confirmation of an earlier round: credit reset is all it means
+        unreturned = self.state.leases_of(worker_id)
+        if unreturned:
+            self.rejections.count(worker_id, "abort_unreturned")
+            log.warning("worker %s confirmed abort but kept %d leases: reclaimed", worker_id, len(unreturned))
+            for lease_id in unreturned:
+                self.state.reclaim(lease_id)
+        self.abort.deadline.pop(worker_id, None)
+
+    def _check_abort(self, now: float) -> None:
+        assert self.abort is not None
+        for worker_id, deadline in list(self.abort.deadline.items()):
+            if now < deadline:
+                continue
+            if self.abort.attempts[worker_id] <= self.cfg.abort_retries:
+                log.warning("worker %s has not confirmed abort %d: re-abort", worker_id, self.abort.round_id)
+                self._send_abort(worker_id, now)
+            else:
+                log.error("worker %s never confirmed abort %d: declared dead", worker_id, self.abort.round_id)
+                self._drop_worker(worker_id)
+        if not self.abort.deadline:
+            log.info("abort round %d confirmed in %.3fs", self.abort.round_id, now - self.abort.started)
+            self.abort = None
+            self.aborts_done += 1
+            if policy.is_round_based(self.state.mode):
+                self.state.park_queued_samples()
+
+    # ------------------------------------------------------------------ learner and status clients
+
+    def _on_learner(self, identity: bytes, msg: Message, now: float) -> None:
+        if isinstance(msg, protocol.StatusRequest):
+            self._send(self.learner_sock, identity, protocol.StatusReply(json.dumps(self.status(now))))
+            return
+        if isinstance(msg, protocol.LearnerHello):
+            self.learner = Peer(msg.learner_id, last_seen=now, last_sent=now)
+            self.learner_identity = identity
+            log.info("learner %s registered (v%d)", msg.learner_id, msg.version)
+            self._send(self.learner_sock, identity, self._welcome(msg.learner_id))
+            return
+        if self.learner is None or identity != self.learner_identity:
+            self._reject(self.learner_sock, identity, "not_registered", "send LearnerHello first")
+            return
+        self.learner.last_seen = now
+        match msg:
+            case protocol.Heartbeat():
+                pass
+            case protocol.BatchRequest(step=step):
+                self.learner_waiting = step
+            case protocol.BatchAck(batch_id=batch_id):
+                if self.state.ack_batch(batch_id):
+                    self.state.check_ledger(f"after acking batch {batch_id}")
+                    self.save_snapshot()
+                    self.round_started = now
+                else:
+                    self._reject(
+                        self.learner_sock, identity, "stale_batch_ack", f"no unacked batch {batch_id}"
+                    )
+            case protocol.WeightsReady():
+                self._on_weights(msg, now)
+            case protocol.Disconnect():
+                self.learner = None
+            case _:
+                self._reject(self.learner_sock, identity, "unexpected_message", type(msg).__name__)
+
+    def _on_weights(self, msg: protocol.WeightsReady, now: float) -> None:
+        if not self.state.set_weights(msg.version, msg.uri, msg.sha256):
+            self.rejections.count(self.learner.peer_id if self.learner else "learner", "stale_weights")
+            return
+        log.info("weights v%d published: relaying to %d workers", msg.version, len(self.workers))
+        for worker_id in list(self.workers.peers):
+            self._send_worker(worker_id, msg, now)
+        if policy.abort_on_new_version(self.state.mode) and self.state.leased_samples and self.abort is None:
+            self._start_abort(now)
+
+    def _try_send_batch(self, now: float) -> None:
+        if self.learner_waiting is None or self.learner is None:
+            return
+        fresh = self.state.batch is None
+        batch = self.state.form_batch(self.learner_waiting)
+        if batch is None:
+            return
+        if fresh:
+            batch.stats["rollout_s"] = now - self.round_started
+            self.state.check_ledger(f"after forming batch {batch.batch_id}")
+            self.save_snapshot()
+        self._send(self.learner_sock, self.learner_identity, self._batch_message(batch))
+        self.learner.last_sent = now
+        self.learner_waiting = None
+
+    def _batch_message(self, batch: PendingBatch) -> protocol.Batch:
+        return protocol.Batch(
+            batch_id=batch.batch_id,
+            step=batch.step,
+            version=batch.version,
+            samples=SampleBatch.from_samples(batch.samples),
+            stats=dict(batch.stats),
+            ledger=self.state.ledger(),
+        )
+
+    # ------------------------------------------------------------------ the tick
+
+    def tick(self, now: float) -> None:
+        for worker_id in self.workers.dead(now):
+            log.warning(
+                "worker %s silent for %.1fs: dead, %d leases re-queued",
+                worker_id,
+                now - self.workers.peers[worker_id].last_seen,
+                len(self.state.leases_of(worker_id)),
+            )
+            self._drop_worker(worker_id)
+        if self.abort is not None:
+            self._check_abort(now)
+        if self.state.close_round_if_complete():
+            log.info("round complete: %d complete groups", len(self.state.complete))
+            if self.state.leased_samples:
+                self._start_abort(now)
+        self._dispatch(now)
+        self._try_send_batch(now)
+        for peer in self.workers.due_heartbeat(now):
+            self._send_worker(peer.peer_id, protocol.Heartbeat(), now)
+        if self.learner is not None and now - self.learner.last_sent >= self.cfg.heartbeat_interval_s:
+            self._send(self.learner_sock, self.learner_identity, protocol.Heartbeat())
+            self.learner.last_sent = now
+        if now - self.last_status >= STATUS_PERIOD_S:
+            self.last_status = now
+            reply = protocol.StatusReply(json.dumps(self.status(now)))
+            self.pub_sock.send_multipart([b"status", *protocol.encode(reply)])
+        if now - self.last_snapshot >= self.cfg.snapshot_interval_s:
+            self.save_snapshot()
+        if self.cfg.debug_ledger:
+            self.state.check_ledger("in debug tick")
+
+    def status(self, now: float) -> dict[str, object]:
+        return build_status(self, now)

@@ -1,0 +1,394 @@
+"""The broker's books: groups, the dispatch queue (partial buffer + fresh samples), leases, complete
+groups, the unacked batch and the ledger.
+
+`BrokerState` is a deterministic state machine driven by the server's message handlers: every method is
+one protocol event (issue, lease, result, reclaim, batch, ack) and keeps per-group status counts up to
+date so the policy's `PoolCounts` and the ledger cost O(1). It never touches sockets or clocks (times are
+passed in), so it is tested directly and snapshotted whole by `broker.snapshot`.
+
+Lease ids are `epoch << 40 | n`: a broker restarted from a snapshot starts a new epoch, so a result for a
+lease granted after the snapshot can never match a lease granted after the restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from april import policy
+from april.config import AlgoConfig, Mode
+from april.data import PromptSource
+from april.ledger import Ledger, LedgerError
+from april.records import FinishReason, Group, Sample, SampleStatus, new_group_samples
+
+LEASE_EPOCH_SHIFT = 40
+
+
+@dataclass(slots=True)
+class GroupEntry:
+    """A live group (issued, not yet trained or dropped) and how many of its samples are in each status."""
+
+    group_id: int
+    samples: list[Sample]
+    counts: Counter[SampleStatus] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.counts = Counter(s.status for s in self.samples)
+
+    @property
+    def state(self) -> str:
+        c = self.counts
+        if c[SampleStatus.RUNNING] or c[SampleStatus.PENDING]:
+            return "in_flight"
+        if c[SampleStatus.INTERRUPTED]:
+            return "partial"
+        return "done"  # every sample finished or failed: about to be completed or dropped
+
+    def set(self, sample: Sample) -> None:
+        old = self.samples[sample.index]
+        self.counts[old.status] -= 1
+        self.counts[sample.status] += 1
+        self.samples[sample.index] = sample
+
+    def as_group(self) -> Group:
+        return Group(self.group_id, tuple(self.samples))
+
+    def min_version(self) -> int | None:
+        return self.as_group().min_version()
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseEntry:
+    lease_id: int
+    worker_id: str
+    at_lease: Sample  # the sample as it was before the lease: restored if the lease is reclaimed
+
+
+@dataclass(slots=True)
+class PendingBatch:
+    """A batch handed to the learner and remembered until it is acked."""
+
+    batch_id: int
+    step: int
+    version: int
+    group_ids: list[int]
+    samples: list[Sample]
+    stats: dict[str, float]
+
+
+class ResultRejected(Exception):
+    """A returned sample that does not match its lease. `reason` is the counter key."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class RoundCounters:
+    """Figures for the next Batch's stats; reset when a batch is formed."""
+
+    aborted: int = 0  # samples returned interrupted
+    resumed: int = 0  # samples leased with a partial response
+    tokens_generated: int = 0  # new response tokens received
+    samples_finished: int = 0
+
+
+class BrokerState:
+    def __init__(self, mode: Mode, algo: AlgoConfig, source: PromptSource, epoch: int = 0) -> None:
+        self.mode = mode
+        self.algo = algo
+        self.source = source
+        self.epoch = epoch
+        self.version = 0
+        self.weights_uri = ""
+        self.weights_sha256 = ""
+        self.cursor = 0  # prompts drawn from the source
+        self.next_group_id = 0
+        self.next_batch_id = 0
+        self.next_lease = epoch << LEASE_EPOCH_SHIFT
+        self.groups: dict[int, GroupEntry] = {}
+        self.queue = policy.DispatchQueue()
+        self.leases: dict[int, LeaseEntry] = {}
+        self.complete: dict[int, None] = {}  # complete, filter-passing groups in completion order
+        self.batch: PendingBatch | None = None
+        self.issued = 0
+        self.trained = 0
+        self.dropped: Counter[str] = Counter()
+        self.in_flight = 0  # groups (maintained by _moved)
+        self.partial = 0
+        self.round_open = True  # sync/april: generation allowed in this round
+        self.round = RoundCounters()
+        self.totals = RoundCounters()
+
+    # ------------------------------------------------------------------ counts and ledger
+
+    def counts(self) -> policy.PoolCounts:
+        return policy.PoolCounts(
+            in_flight=self.in_flight,
+            partial=self.partial,
+            complete=len(self.complete),
+            accepted=self.issued - sum(self.dropped.values()),
+        )
+
+    def ledger(self) -> Ledger:
+        handed_out = len(self.batch.group_ids) if self.batch else 0
+        return Ledger(
+            issued=self.issued,
+            trained=self.trained,
+            complete_waiting=len(self.complete) + handed_out,
+            in_flight=self.in_flight,
+            partial=self.partial,
+            dropped=dict(self.dropped),
+        )
+
+    def check_ledger(self, where: str = "") -> Ledger:
+        """Check the books two ways: the identity, and the counters against a full recount."""
+        ledger = self.ledger()
+        ledger.check(where)
+        states = Counter(g.state for g in self.groups.values() if g.group_id not in self.complete)
+        handed = set(self.batch.group_ids) if self.batch else set()
+        recount = (states["in_flight"], states["partial"])
+        if recount != (self.in_flight, self.partial) or states["done"] != len(handed):
+            raise LedgerError(
+                f"group counters drifted {where}: counted {(self.in_flight, self.partial)}, "
+                f"recount {dict(states)} with {len(handed)} handed out"
+            )
+        return ledger
+
+    def _moved(self, before: str, after: str) -> None:
+        if before == after:
+            return
+        for state, delta in ((before, -1), (after, 1)):
+            if state == "in_flight":
+                self.in_flight += delta
+            elif state == "partial":
+                self.partial += delta
+
+    def _update(self, entry: GroupEntry, sample: Sample) -> None:
+        before = entry.state
+        entry.set(sample)
+        self._moved(before, entry.state)
+
+    @property
+    def leased_samples(self) -> int:
+        return len(self.leases)
+
+    def partial_samples(self) -> list[Sample]:
+        return [
+            self.groups[g].samples[i]
+            for g, i in self.queue.ordered()
+            if self.groups[g].samples[i].status == SampleStatus.INTERRUPTED
+        ]
+
+    # ------------------------------------------------------------------ issuing and leasing
+
+    def issue_group(self) -> GroupEntry:
+        record = self.source.get(self.cursor)
+        self.cursor += 1
+        gid = self.next_group_id
+        self.next_group_id += 1
+        samples = new_group_samples(
+            gid, self.algo.n_samples_per_prompt, record.prompt_ids, record.text, record.metadata
+        )
+        entry = GroupEntry(gid, samples)
+        self.groups[gid] = entry
+        self.issued += 1
+        self.in_flight += 1
+        for s in samples:
+            self.queue.push(s.key, None)
+        return entry
+
+    def dispatch_allowed(self) -> bool:
+        return self.round_open or not policy.is_round_based(self.mode)
+
+    def take_work(self, worker_id: str, credit: int) -> list[tuple[int, int, Sample]]:
+        """Lease up to `credit` samples to a worker: queued samples first, then fresh groups as the policy
+        allows. Returns (lease_id, budget, leased sample) triples."""
+        out: list[tuple[int, int, Sample]] = []
+        if not self.dispatch_allowed():
+            return out
+        while len(out) < credit:
+            if not self.queue:
+                allowance = policy.fresh_group_allowance(
+                    self.mode, self.algo, self.counts(), self.version, self.round_open
+                )
+                if allowance <= 0:
+                    break
+                self.issue_group()
+            gid, idx = self.queue.pop()
+            entry = self.groups[gid]
+            before = entry.samples[idx]
+            leased = before.resumed()
+            lease_id = self.next_lease
+            self.next_lease += 1
+            self.leases[lease_id] = LeaseEntry(lease_id, worker_id, before)
+            self._update(entry, leased)
+            if before.response_len:
+                self.round.resumed += 1
+                self.totals.resumed += 1
+            out.append((lease_id, leased.budget(self.algo.max_new_tokens), leased))
+        return out
+
+    def leases_of(self, worker_id: str) -> list[int]:
+        return [lid for lid, lease in self.leases.items() if lease.worker_id == worker_id]
+
+    def reclaim(self, lease_id: int) -> None:
+        """Put a leased sample back in the queue as it was leased (its worker died or left)."""
+        lease = self.leases.pop(lease_id)
+        entry = self.groups[lease.at_lease.group_id]
+        restored = lease.at_lease  # PENDING or INTERRUPTED, exactly as it was queued
+        self._update(entry, restored)
+        self.queue.push(restored.key, restored.min_version)
+
+    # ------------------------------------------------------------------ results
+
+    def accept_result(self, worker_id: str, lease_id: int, sample: Sample) -> None:
+        """Take one returned sample. Raises ResultRejected (the lease is then reclaimed by the caller,
+        or unknown) when it does not continue what was leased."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.worker_id != worker_id:
+            raise ResultRejected("not_leased", f"lease {lease_id} is not held by {worker_id}")
+        self._check_continues(lease.at_lease, sample)
+        del self.leases[lease_id]
+        entry = self.groups[sample.group_id]
+        new_tokens = sample.response_len - lease.at_lease.response_len
+        self.round.tokens_generated += new_tokens
+        self.totals.tokens_generated += new_tokens
+        self._update(entry, sample)
+        if sample.status == SampleStatus.INTERRUPTED:
+            self.round.aborted += 1
+            self.totals.aborted += 1
+            self.queue.push(sample.key, sample.min_version)
+        else:
+            self.round.samples_finished += 1
+            self.totals.samples_finished += 1
+            if entry.state == "done":
+                self._complete_group(entry)
+
+    def _check_continues(self, before: Sample, after: Sample) -> None:
+        if after.key != before.key:
+            raise ResultRejected("wrong_sample", f"lease was for {before.key}, result is {after.key}")
+        if after.status not in (SampleStatus.FINISHED, SampleStatus.FAILED, SampleStatus.INTERRUPTED):
+            raise ResultRejected("bad_status", f"sample {after.key} returned {after.status.name}")
+        n0, n1, budget = before.response_len, after.response_len, before.budget(self.algo.max_new_tokens)
+        if n1 < n0 or n1 - n0 > budget:
+            raise ResultRejected(
+                "bad_length", f"sample {after.key}: {n1} response tokens after {n0}, budget {budget}"
+            )
+        if after.segments[: len(before.segments) - 1] != before.segments[:-1] or (
+            n0 and not np.array_equal(after.response_ids[:n0], before.response_ids)
+        ):
+            raise ResultRejected("not_a_continuation", f"sample {after.key} rewrote its earlier response")
+        if after.segments and after.segments[-1].version > self.version:
+            raise ResultRejected(
+                "future_version", f"sample {after.key} claims version {after.segments[-1].version}"
+            )
+        if before.prompt_ids.shape[0] and not np.array_equal(before.prompt_ids, after.prompt_ids):
+            raise ResultRejected("prompt_changed", f"sample {after.key} changed its prompt")
+        if n1 and after.prompt_ids.shape[0] == 0:
+            raise ResultRejected("no_prompt_ids", f"sample {after.key} has a response but no prompt_ids")
+        if after.status == SampleStatus.FINISHED and (
+            after.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH)
+            or not np.isfinite(after.reward)
+        ):
+            raise ResultRejected("bad_finish", f"finished sample {after.key} needs stop/length and a reward")
+        if after.status == SampleStatus.INTERRUPTED and after.finish_reason != FinishReason.ABORT:
+            raise ResultRejected("bad_finish", f"interrupted sample {after.key} needs finish_reason abort")
+
+    def _complete_group(self, entry: GroupEntry) -> None:
+        reason = policy.drop_reason(entry.as_group(), self.algo)
+        if reason is None:
+            self.complete[entry.group_id] = None
+        else:
+            self.dropped[reason] += 1
+            del self.groups[entry.group_id]
+
+    # ------------------------------------------------------------------ rounds (sync / april)
+
+    def round_complete(self) -> bool:
+        return policy.round_complete(self.mode, self.algo, self.counts())
+
+    def close_round_if_complete(self) -> bool:
+        """Close the round once it is complete; True if it was just closed."""
+        if policy.is_round_based(self.mode) and self.round_open and self.round_complete():
+            self.round_open = False
+            return True
+        return False
+
+    def park_queued_samples(self) -> None:
+        """End of an april round: queued samples that never started wait, like partials, for the next."""
+        for gid, idx in self.queue.ordered():
+            s = self.groups[gid].samples[idx]
+            if s.status == SampleStatus.PENDING:
+                self._update(self.groups[gid], dataclasses.replace(s, status=SampleStatus.INTERRUPTED))
+
+    # ------------------------------------------------------------------ batches
+
+    def incomplete_due(self) -> int:
+        if self.mode != Mode.ASYNC:
+            return 0
+        return sum(
+            1
+            for g in self.groups.values()
+            if g.group_id not in self.complete
+            and (self.batch is None or g.group_id not in self.batch.group_ids)
+            and policy.is_due(g.min_version(), self.version, self.algo.max_staleness)
+        )
+
+    def form_batch(self, step: int) -> PendingBatch | None:
+        """Hand out the next batch if one can be formed (and none is unacked)."""
+        if self.batch is not None:
+            return self.batch
+        ages = [policy.GroupAge(gid, self.groups[gid].min_version()) for gid in self.complete]
+        chosen = policy.select_batch(self.mode, self.algo, ages, self.version, self.incomplete_due())
+        if chosen is None:
+            return None
+        samples = [s for gid in chosen for s in self.groups[gid].samples]
+        for gid in chosen:
+            del self.complete[gid]
+        self.batch = PendingBatch(
+            self.next_batch_id, step, self.version, chosen, samples, self._batch_stats(samples)
+        )
+        self.next_batch_id += 1
+        self.round = RoundCounters()
+        return self.batch
+
+    def _batch_stats(self, samples: list[Sample]) -> dict[str, float]:
+        staleness = [s.staleness(self.version) for s in samples]
+        tokens = sum(s.response_len for s in samples)
+        offpolicy = sum(
+            seg.end - seg.start for s in samples for seg in s.segments if seg.version < self.version
+        )
+        return {
+            "aborted": float(self.round.aborted),
+            "resumed": float(self.round.resumed),
+            "tokens_generated": float(self.round.tokens_generated),
+            "partial_buffer": float(len(self.partial_samples())),
+            "in_flight": float(self.in_flight),
+            "staleness_max": float(max(staleness, default=0)),
+            "staleness_mean": float(np.mean(staleness)) if staleness else 0.0,
+            "offpolicy_token_frac": offpolicy / tokens if tokens else 0.0,
+        }
+
+    def ack_batch(self, batch_id: int) -> bool:
+        """The learner trained the batch: count it and forget it. False if no such batch is pending."""
+        if self.batch is None or self.batch.batch_id != batch_id:
+            return False
+        for gid in self.batch.group_ids:
+            del self.groups[gid]
+        self.trained += len(self.batch.group_ids)
+        self.batch = None
+        if policy.is_round_based(self.mode):
+            self.round_open = True  # the next round runs on the weights published before the ack
+        return True
+
+    def set_weights(self, version: int, uri: str, sha256: str) -> bool:
+        """A newer weight version was published. False if it is not newer (a replay)."""
+        if version <= self.version:
+            return False
+        self.version, self.weights_uri, self.weights_sha256 = version, uri, sha256
+        return True

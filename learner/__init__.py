@@ -1,0 +1,1 @@
+"""The learner role: consumes exactly-N batches, steps the optimizer, publishes weights."""
