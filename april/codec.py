@@ -32,6 +32,7 @@ Frame = bytes | memoryview
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 MAX_FRAMES = 1024
 MAX_HEADER_BYTES = 64
+MAX_BODY_BYTES = 64 * 1024 * 1024  # the map of scalars; bulk data travels in buffer frames
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -233,7 +234,7 @@ def decode_body(cls: type, frames: Sequence[Frame], max_bytes: int = DEFAULT_MAX
     total = sum(len(f) for f in frames)
     if total > max_bytes:
         raise ProtocolError("oversize", f"{cls.__name__}: {total} bytes, limit {max_bytes}")
-    body = _unpack(frames[1], f"{cls.__name__} body", max_bytes)
+    body = _unpack(frames[1], f"{cls.__name__} body", min(max_bytes, MAX_BODY_BYTES))
     used: set[int] = set()
     obj = _decode_struct(body, struct_schema(cls), frames, used, cls.__name__)
     if len(used) != len(frames) - 2:
@@ -244,8 +245,7 @@ def decode_body(cls: type, frames: Sequence[Frame], max_bytes: int = DEFAULT_MAX
 
 
 def _decode_struct(raw: Any, schema: _Struct, frames: Sequence[Frame], used: set[int], where: str) -> Any:
-    if not isinstance(raw, dict):
-        raise ProtocolError("wrong_type", f"{where}: expected a map, got {type(raw).__name__}")
+    _check_map(raw, where)
     names = [name for name, _ in schema.fields]
     missing = [n for n in names if n not in raw]
     if missing:
@@ -272,10 +272,14 @@ def _decode_value(raw: Any, spec: _Spec, frames: Sequence[Frame], used: set[int]
             return _decode_scalar(raw, py, where)
         case _Enum(cls):
             try:
+                if type(raw) is not int:
+                    raise TypeError(raw)
                 return cls(raw)
             except (ValueError, TypeError):
                 allowed = ", ".join(repr(m.value) for m in cls)
-                raise ProtocolError("invalid_value", f"{where}: {raw!r} is not one of {allowed}") from None
+                raise ProtocolError(
+                    "invalid_value", f"{where}: {_show(raw)} is not one of {allowed}"
+                ) from None
         case _Optional(inner):
             return None if raw is None else _decode_value(raw, inner, frames, used, where)
         case _List(inner):
@@ -283,8 +287,7 @@ def _decode_value(raw: Any, spec: _Spec, frames: Sequence[Frame], used: set[int]
                 raise ProtocolError("wrong_type", f"{where}: expected a list, got {type(raw).__name__}")
             return [_decode_value(v, inner, frames, used, f"{where}[{i}]") for i, v in enumerate(raw)]
         case _Dict(inner):
-            if not isinstance(raw, dict):
-                raise ProtocolError("wrong_type", f"{where}: expected a map, got {type(raw).__name__}")
+            _check_map(raw, where)
             return {k: _decode_value(v, inner, frames, used, f"{where}[{k!r}]") for k, v in raw.items()}
         case _Array(dtype):
             return _decode_array(raw, dtype, frames, used, where)
@@ -302,9 +305,7 @@ def _decode_scalar(raw: Any, py: type, where: str) -> Any:
             return raw
     elif type(raw) is py:
         return raw
-    raise ProtocolError(
-        "wrong_type", f"{where}: expected {py.__name__}, got {type(raw).__name__} {raw!r:.40}"
-    )
+    raise ProtocolError("wrong_type", f"{where}: expected {py.__name__}, got {_show(raw)}")
 
 
 def _decode_array(
@@ -313,7 +314,7 @@ def _decode_array(
     ok = isinstance(raw, list) and len(raw) == 3 and type(raw[0]) is int and type(raw[2]) is int
     if not ok or raw[1] != dtype.str:
         raise ProtocolError(
-            "wrong_type", f"{where}: expected array ref [frame, {dtype.str!r}, length], got {raw!r:.60}"
+            "wrong_type", f"{where}: expected array ref [frame, {dtype.str!r}, length], got {_show(raw)}"
         )
     index, _, length = raw
     if not 2 <= index < len(frames) or index in used:
@@ -325,3 +326,21 @@ def _decode_array(
             "bad_buffer", f"{where}: frame has {len(buf)} bytes, expected {length} x {dtype.itemsize}"
         )
     return np.frombuffer(buf, dtype=dtype)
+
+
+def _check_map(raw: Any, where: str) -> None:
+    if not isinstance(raw, dict):
+        raise ProtocolError("wrong_type", f"{where}: expected a map, got {_show(raw)}")
+    for key in raw:
+        if type(key) is not str:
+            raise ProtocolError("wrong_type", f"{where}: map keys must be strings, got {_show(key)}")
+
+
+def _show(raw: Any) -> str:
+    """A short description of a received value for an error message (never a full or recursive repr)."""
+    if isinstance(raw, list | dict):
+        return f"{type(raw).__name__} of {len(raw)} items"
+    if isinstance(raw, str | bytes):
+        text = repr(raw[:40])
+        return f"{type(raw).__name__} {text}{'...' if len(raw) > 40 else ''}"
+    return f"{type(raw).__name__} {raw!r}"

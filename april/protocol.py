@@ -87,6 +87,11 @@ class Welcome:
     top_p: float
     top_k: int
 
+    def validate(self) -> None:
+        _check_non_negative(self, "version", "max_new_tokens", "top_k")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat_interval_s = {self.heartbeat_interval_s}, must be > 0")
+
 
 @dataclass(frozen=True, slots=True)
 class LeaseRequest:
@@ -137,6 +142,9 @@ class Abort:
 
     round_id: int
 
+    def validate(self) -> None:
+        _check_non_negative(self, "round_id")
+
 
 @dataclass(frozen=True, slots=True)
 class AbortDone:
@@ -171,6 +179,9 @@ class WeightsLoaded:
     ok: bool
     error: str
 
+    def validate(self) -> None:
+        _check_non_negative(self, "version")
+
 
 @dataclass(frozen=True, slots=True)
 class Disconnect:
@@ -186,6 +197,11 @@ class LearnerHello:
     learner_id: str
     version: int
     pid: int
+
+    def validate(self) -> None:
+        _check_non_negative(self, "version", "pid")
+        if not 1 <= len(self.learner_id) <= 128:
+            raise ValueError("learner_id must be 1..128 characters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +232,9 @@ class BatchAck:
     """L->B. The batch was trained; the broker forgets it and counts its groups as trained."""
 
     batch_id: int
+
+    def validate(self) -> None:
+        _check_non_negative(self, "batch_id")
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,8 +120,8 @@ class Sample:
         """
         ids = np.asarray(new_ids, dtype=np.int32)
         lps = np.asarray(new_logprobs, dtype=np.float32)
-        if ids.shape != lps.shape or ids.ndim != 1:
-            raise ValueError(f"extend: {ids.shape[0]} token ids but {lps.shape[0]} log-probs")
+        if ids.ndim != 1 or ids.shape != lps.shape:
+            raise ValueError(f"extend: token ids of shape {ids.shape} but log-probs of shape {lps.shape}")
         if self.segments and version < self.segments[-1].version:
             raise ValueError(f"extend: version {version} older than last segment {self.segments[-1].version}")
         start, end = self.response_len, self.response_len + int(ids.shape[0])
@@ -216,8 +216,8 @@ class Group:
     @property
     def uniform_reward(self) -> bool:
         """True when every sample has the same reward: no learning signal (dynamic sampling drops it)."""
-        r = self.rewards
-        return len(set(r)) <= 1
+        r = self.rewards  # NaN (unscored) never equals anything: such a group is not uniform
+        return all(x == r[0] for x in r)
 
     def min_version(self) -> int | None:
         versions = [v for v in (s.min_version for s in self.samples) if v is not None]

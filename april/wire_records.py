@@ -166,5 +166,6 @@ class SampleBatch:
 def _check_offsets(name: str, offsets: np.ndarray, count: int, total: int) -> None:
     if offsets.shape[0] != count + 1:
         raise ValueError(f"{name} has {offsets.shape[0]} entries, expected {count + 1}")
-    if offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+    # compare neighbours instead of np.diff, which wraps around for int64 extremes
+    if offsets[0] != 0 or offsets[-1] != total or np.any(offsets[1:] < offsets[:-1]):
         raise ValueError(f"{name} must rise from 0 to {total}")

@@ -1,0 +1,69 @@
+"""`april broker`: run the broker process until SIGINT/SIGTERM, snapshotting on the way out."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+import zmq
+
+from april.config import Config, write_config
+from broker.server import Broker
+from broker.snapshot import SnapshotError
+
+
+class BrokerStartError(Exception):
+    """The broker cannot start as configured (busy port, non-loopback bind without keys, ...)."""
+
+
+def _check_bind_host(host: str) -> None:
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise BrokerStartError(
+            f"broker.bind_host = {host!r}: binding a non-loopback address needs CurveZMQ keys, which this "
+            "version does not support yet; bind 127.0.0.1 and tunnel, or run everything on one host"
+        )
+
+
+def run_broker(config: Config, run_dir: Path, resume: bool) -> None:
+    _check_bind_host(config.broker.bind_host)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        broker = Broker(config, run_dir, resume=resume)
+    except SnapshotError as exc:
+        raise BrokerStartError(str(exc)) from None
+    try:
+        broker.bind()
+    except zmq.ZMQError as exc:
+        broker.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise BrokerStartError(
+                f"a broker port ({config.broker.worker_port}, {config.broker.learner_port} or "
+                f"{config.broker.pub_port}) on {config.broker.bind_host} is busy: is another broker running?"
+            ) from None
+        raise BrokerStartError(f"cannot bind on {config.broker.bind_host}: {exc}") from None
+    write_config(config, run_dir / "config.toml")
+    stopping = False
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        broker.serve(lambda: stopping)
+    finally:
+        broker.close()
+        logging.getLogger("april.broker").info("broker stopped; state saved in %s", run_dir / "broker")

@@ -1,0 +1,111 @@
+"""The `april` command: one typer app whose commands compose the roles (DESIGN.md section 9).
+
+Thin by design: each command resolves the config, then calls a plain function of the role it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from april.config import Mode
+from cli.broker_cmd import BrokerStartError, run_broker
+from cli.options import resolve_config, user_errors
+from cli.status_cmd import StatusError, fetch_status, print_status
+
+app = typer.Typer(
+    name="april",
+    help="Active Partial Rollouts: RL for LLMs with over-provisioned, abortable, resumable rollouts.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="TOML config file.", exists=True, dir_okay=False)
+]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
+]
+ModeOpt = Annotated[Mode | None, typer.Option("--mode", help="sync | april | async (run.mode).")]
+PartialOpt = Annotated[
+    bool | None,
+    typer.Option("--partial-rollout/--no-partial-rollout", help="slime flag: same as --mode april."),
+]
+RbsOpt = Annotated[int | None, typer.Option("--rollout-batch-size", help="Groups per training step.")]
+OsbsOpt = Annotated[int | None, typer.Option("--over-sampling-batch-size", help="Groups in flight (april).")]
+NspOpt = Annotated[int | None, typer.Option("--n-samples-per-prompt", help="Samples per group.")]
+
+
+@app.command()
+def broker(
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory (state in RUN_DIR/broker/).")],
+    config: ConfigOpt = None,
+    bind_host: Annotated[str | None, typer.Option("--bind-host", help="Address to bind (127.0.0.1).")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Restore the state saved in RUN_DIR/broker/.")
+    ] = False,
+    mode: ModeOpt = None,
+    partial_rollout: PartialOpt = None,
+    rollout_batch_size: RbsOpt = None,
+    over_sampling_batch_size: OsbsOpt = None,
+    n_samples_per_prompt: NspOpt = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
+    ] = None,
+) -> None:
+    """Run the broker: workers connect on 5555, the learner and `april status` on 5556, PUB on 5557."""
+    with user_errors(BrokerStartError):
+        cfg = resolve_config(
+            config,
+            set_,
+            run__mode=mode,
+            run__partial_rollout=partial_rollout,
+            algo__rollout_batch_size=rollout_batch_size,
+            algo__over_sampling_batch_size=over_sampling_batch_size,
+            algo__n_samples_per_prompt=n_samples_per_prompt,
+            broker__bind_host=bind_host,
+        )
+        run_broker(cfg, run_dir, resume)
+
+
+@app.command()
+def status(
+    broker_address: Annotated[str, typer.Option("--broker", help="The broker's learner port.")] = (
+        "tcp://127.0.0.1:5556"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for an answer.")] = 3.0,
+) -> None:
+    """Print a running broker's state: workers, in-flight work, partial buffer, ledger, rejections."""
+    with user_errors(StatusError):
+        print_status(fetch_status(broker_address, timeout), as_json)
+
+
+@app.command()
+def up(
+    config: ConfigOpt = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --run-dir.")] = False,
+    mode: ModeOpt = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
+    ] = None,
+) -> None:
+    """Launch a run. For now this starts the broker alone: the workers, learner and dashboard that
+    `april up` will also launch are not built yet."""
+    with user_errors(BrokerStartError):
+        cfg = resolve_config(config, set_, run__mode=mode)
+        target = run_dir or cfg.run_path()
+        typer.echo(
+            f"april up: workers, learner and dashboard are not available yet; starting the broker alone "
+            f"in {target} (Ctrl-C to stop; `april status` in another terminal shows its state).",
+            err=True,
+        )
+        run_broker(cfg, target, resume)
+
+
+def main() -> None:
+    app()

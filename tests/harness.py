@@ -1,0 +1,159 @@
+"""A small cluster of real processes for broker integration tests.
+
+Starts `april broker` and scripted peers (tests/peers.py) as subprocesses on free loopback ports, reads
+their JSON-line event files, asks the broker for its status, and kills everything at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cli.status_cmd import StatusError, fetch_status
+
+PEERS = str(Path(__file__).with_name("peers.py"))
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Cluster:
+    def __init__(self, tmp: Path, **config: dict[str, Any]) -> None:
+        self.tmp = tmp
+        self.run_dir = tmp / "run"
+        self.ports = free_ports(3)
+        sections: dict[str, dict[str, Any]] = {
+            "run": {"mode": "april", "seed": 0},
+            "algo": {
+                "rollout_batch_size": 4,
+                "over_sampling_batch_size": 8,
+                "n_samples_per_prompt": 2,
+                "max_new_tokens": 24,
+                "max_staleness": 1,
+            },
+            "data": {"source": "synthetic", "synthetic_prompt_len_min": 3, "synthetic_prompt_len_max": 6},
+            "broker": {
+                "worker_port": self.ports[0],
+                "learner_port": self.ports[1],
+                "pub_port": self.ports[2],
+                "heartbeat_interval_s": 0.2,
+                "liveness": 3,
+                "abort_timeout_s": 1.0,
+                "abort_retries": 2,
+                "snapshot_interval_s": 1.0,
+                "debug_ledger": True,
+            },
+        }
+        for name, values in config.items():
+            sections[name].update(values)
+        self.config = sections
+        self.config_path = tmp / "april.toml"
+        self.config_path.write_text(
+            "".join(
+                f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()) + "\n"
+                for name, values in sections.items()
+            )
+        )
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.events: dict[str, Path] = {}
+
+    @property
+    def worker_address(self) -> str:
+        return f"tcp://127.0.0.1:{self.ports[0]}"
+
+    @property
+    def learner_address(self) -> str:
+        return f"tcp://127.0.0.1:{self.ports[1]}"
+
+    def start_broker(self, resume: bool = False) -> None:
+        cmd = [
+            sys.executable,
+            "-c",
+            "from cli.main import main; main()",
+            "broker",
+            "--run-dir",
+            str(self.run_dir),
+            "--config",
+            str(self.config_path),
+        ]
+        with open(self.tmp / "broker.log", "ab") as log:  # the child keeps its own descriptor
+            self.procs["broker"] = subprocess.Popen(
+                [*cmd, "--resume"] if resume else cmd, stdout=log, stderr=subprocess.STDOUT
+            )
+        wait_for(self.try_status, 20, "the broker to answer status")
+
+    def start_peer(self, role: str, name: str, **args: Any) -> Path:
+        events = self.tmp / f"{name}.jsonl"
+        address = self.worker_address if role == "worker" else self.learner_address
+        spec = {"address": address, "events": str(events), **args}
+        if role == "worker":
+            spec.setdefault("worker_id", name)
+        with open(self.tmp / f"{name}.err", "ab") as err:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen([sys.executable, PEERS, role, json.dumps(spec)], stderr=err)
+        self.events[name] = events
+        return events
+
+    def start_learner(self, name: str = "learner", **args: Any) -> Path:
+        algo = self.config["algo"]
+        args.setdefault("samples_per_batch", algo["rollout_batch_size"] * algo["n_samples_per_prompt"])
+        args.setdefault("group_size", algo["n_samples_per_prompt"])
+        return self.start_peer("learner", name, **args)
+
+    def read(self, name: str) -> list[dict[str, Any]]:
+        path = self.events[name]
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def try_status(self) -> dict[str, Any] | None:
+        try:
+            return fetch_status(self.learner_address, 0.5)
+        except StatusError:
+            return None
+
+    def status(self) -> dict[str, Any]:
+        return wait_for(self.try_status, 10, "broker status")  # type: ignore[no-any-return]
+
+    def wait_exit(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} did not finish within {timeout}s; logs in {self.tmp}") from None
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        proc.send_signal(sig)
+        proc.wait(10)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+    def batches(self, learner: str = "learner") -> list[dict[str, Any]]:
+        return [e for e in self.read(learner) if e["kind"] == "batch"]
