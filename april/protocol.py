@@ -206,12 +206,19 @@ class LearnerHello:
 
 @dataclass(frozen=True, slots=True)
 class BatchRequest:
-    """L->B. Send the batch for `step` when it is ready (an unacked batch is sent again)."""
+    """L->B. Send the batch for `step` when it is ready (an unacked batch is sent again).
+
+    `last_batch_id` is the last batch the learner trained (-1: none). It acks that batch if the broker
+    still holds it, so an ack lost with a crashed broker or a dropped connection is never lost for good
+    and a trained batch is never handed out again."""
 
     step: int
+    last_batch_id: int
 
     def validate(self) -> None:
         _check_non_negative(self, "step")
+        if self.last_batch_id < -1:
+            raise ValueError(f"last_batch_id = {self.last_batch_id}, must be >= -1")
 
 
 @dataclass(frozen=True, slots=True)

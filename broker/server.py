@@ -60,6 +60,8 @@ class Broker:
             self.state = snapshot.restore(snap, config.run.mode, config.algo, source)
             for worker_id in {lease.worker_id for lease in self.state.leases.values()}:
                 self.workers.register(worker_id, now, restored=True)
+            # persist the new epoch at once: a second crash must not reuse this epoch's lease ids
+            snapshot.write(snapshot.capture(self.state), run_dir / "broker")
         else:
             self.state = BrokerState(config.run.mode, config.algo, source)
         self.learner: Peer | None = None
@@ -79,6 +81,7 @@ class Broker:
         self.pub_sock = configure(self.ctx.socket(zmq.PUB), self.cfg.max_message_bytes)
         for sock in (self.worker_sock, self.learner_sock):
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished peer is dropped, never raises
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting under its id replaces the old pipe
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -349,14 +352,13 @@ class Broker:
         match msg:
             case protocol.Heartbeat():
                 pass
-            case protocol.BatchRequest(step=step):
+            case protocol.BatchRequest(step=step, last_batch_id=last):
+                if self.state.batch is not None and self.state.batch.batch_id == last:
+                    self._ack(last, now)  # the learner trained it; its BatchAck was lost
                 self.learner_waiting = step
+                log.info("learner asks for step %d (last trained batch %d)", step, last)
             case protocol.BatchAck(batch_id=batch_id):
-                if self.state.ack_batch(batch_id):
-                    self.state.check_ledger(f"after acking batch {batch_id}")
-                    self.save_snapshot()
-                    self.round_started = now
-                else:
+                if not self._ack(batch_id, now):
                     self._reject(
                         self.learner_sock, identity, "stale_batch_ack", f"no unacked batch {batch_id}"
                     )
@@ -366,6 +368,14 @@ class Broker:
                 self.learner = None
             case _:
                 self._reject(self.learner_sock, identity, "unexpected_message", type(msg).__name__)
+
+    def _ack(self, batch_id: int, now: float) -> bool:
+        if not self.state.ack_batch(batch_id):
+            return False
+        self.state.check_ledger(f"after acking batch {batch_id}")
+        self.save_snapshot()
+        self.round_started = now
+        return True
 
     def _on_weights(self, msg: protocol.WeightsReady, now: float) -> None:
         if not self.state.set_weights(msg.version, msg.uri, msg.sha256):
@@ -389,6 +399,13 @@ class Broker:
             self.state.check_ledger(f"after forming batch {batch.batch_id}")
             self.save_snapshot()
         self._send(self.learner_sock, self.learner_identity, self._batch_message(batch))
+        log.info(
+            "batch %d for step %d sent (%d samples)%s",
+            batch.batch_id,
+            batch.step,
+            len(batch.samples),
+            "" if fresh else " again: not acked yet",
+        )
         self.learner.last_sent = now
         self.learner_waiting = None
 

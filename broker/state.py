@@ -279,9 +279,7 @@ class BrokerState:
             raise ResultRejected(
                 "bad_length", f"sample {after.key}: {n1} response tokens after {n0}, budget {budget}"
             )
-        if after.segments[: len(before.segments) - 1] != before.segments[:-1] or (
-            n0 and not np.array_equal(after.response_ids[:n0], before.response_ids)
-        ):
+        if not _continues(before, after):
             raise ResultRejected("not_a_continuation", f"sample {after.key} rewrote its earlier response")
         if after.segments and after.segments[-1].version > self.version:
             raise ResultRejected(
@@ -392,3 +390,23 @@ class BrokerState:
             return False
         self.version, self.weights_uri, self.weights_sha256 = version, uri, sha256
         return True
+
+
+def _continues(before: Sample, after: Sample) -> bool:
+    """`after` keeps every earlier token, behaviour log-prob and version tag of `before` unchanged.
+
+    Old segments are kept as they were, except that the last one may grow when generation went on
+    under the same version; tokens and log-probs of the old response are byte-identical.
+    """
+    old, new = before.segments, after.segments
+    if old:
+        last = len(old) - 1
+        if len(new) < len(old) or new[:last] != old[:last]:
+            return False
+        if (new[last].version, new[last].start) != (old[last].version, old[last].start):
+            return False
+    n0 = before.response_len
+    return n0 == 0 or (
+        np.array_equal(after.response_ids[:n0], before.response_ids)
+        and np.array_equal(after.response_logprobs[:n0], before.response_logprobs)
+    )

@@ -232,8 +232,9 @@ def run_learner(cfg: LearnerScript) -> None:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     version = cfg.start_step
     step = cfg.start_step
+    last_batch = -1  # the last batch trained: sent with every request so a lost ack is never lost for good
     sock = learner_hello(ctx, cfg, version)
-    send(sock, protocol.BatchRequest(step))
+    send(sock, protocol.BatchRequest(step, last_batch))
     last_heard = last_sent = time.monotonic()
     while step < cfg.steps:
         try:
@@ -244,7 +245,9 @@ def run_learner(cfg: LearnerScript) -> None:
         now = time.monotonic()
         if msg is not None:
             last_heard = now
-        if isinstance(msg, protocol.Batch):
+        if isinstance(msg, protocol.Batch) and msg.batch_id == last_batch:
+            send(sock, protocol.BatchAck(msg.batch_id))  # trained already: only the ack was lost
+        elif isinstance(msg, protocol.Batch):
             check_batch(msg, cfg, ev)
             if step == cfg.crash_before_ack_at_step:
                 ev.write(kind="crash", batch=msg.batch_id)
@@ -253,9 +256,10 @@ def run_learner(cfg: LearnerScript) -> None:
             version += 1
             send(sock, protocol.WeightsReady(version, f"file:///weights/v{version}", FAKE_SHA))
             send(sock, protocol.BatchAck(msg.batch_id))
+            last_batch = msg.batch_id
             step += 1
             if step < cfg.steps:
-                send(sock, protocol.BatchRequest(step))
+                send(sock, protocol.BatchRequest(step, last_batch))
             last_sent = now
         elif isinstance(msg, protocol.Error):
             ev.write(kind="error", code=msg.code, detail=msg.detail)
@@ -266,7 +270,9 @@ def run_learner(cfg: LearnerScript) -> None:
             ev.write(kind="reconnect", step=step)
             sock.close(linger=0)
             sock = learner_hello(ctx, cfg, version)
-            send(sock, protocol.BatchRequest(step))
+            if version > cfg.start_step:  # the broker may have lost the announcement with its state
+                send(sock, protocol.WeightsReady(version, f"file:///weights/v{version}", FAKE_SHA))
+            send(sock, protocol.BatchRequest(step, last_batch))
             last_heard = now
     ev.write(kind="done", steps=step)
     send(sock, protocol.Disconnect("done"))

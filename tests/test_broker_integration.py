@@ -4,11 +4,19 @@ group is accounted for, and no sample is trained twice."""
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+import numpy as np
+import zmq
 from harness import Cluster, wait_for
+
+from april import protocol
 
 
 def assert_books(c: Cluster, steps: int, learner: str = "learner") -> list[dict[str, Any]]:
@@ -70,3 +78,141 @@ def test_april_round_aborts_and_resumes_partials_on_another_worker(cluster: Call
     # a resumed sample carries segments of two versions, and its staleness is counted
     multi = [segs for b in batches for segs in b["segments"] if len({v for v, _, _ in segs}) > 1]
     assert multi, "no trained sample spans two policy versions"
+
+
+def test_async_run_never_exceeds_the_staleness_bound(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(run={"mode": "async"}, algo={"max_staleness": 1, "max_new_tokens": 40})
+    c.start_broker()
+    c.start_peer("worker", "w0", slots=8, tail_every=3, step_s=0.005)
+    c.start_peer("worker", "w1", slots=8, tail_every=3, step_s=0.005)
+    c.start_learner(steps=6, train_s=0.1)
+    c.wait_exit("learner", 90)
+    batches = assert_books(c, 6)
+    staleness = [s for b in batches for s in b["staleness"]]
+    assert max(staleness) <= 1, f"staleness {max(staleness)} exceeds max_staleness 1"
+    assert max(staleness) == 1, "async run produced no off-policy sample: the bound was not exercised"
+    # admission control: never more accepted groups than (eta + v + 1) x B
+    final = c.status()
+    assert final["ledger"]["issued"] - sum(final["ledger"]["dropped"].values()) <= (1 + 6 + 1) * 4
+    assert final["totals"]["aborted"] > 0  # each new version interrupted generation, which then resumed
+
+
+def test_worker_killed_mid_round_leases_requeued_and_run_completes(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(run={"mode": "april"}, algo={"max_new_tokens": 40})
+    c.start_broker()
+    c.start_peer("worker", "victim", slots=8, tail_every=2, step_s=0.02)
+    wait_for(lambda: any(e["kind"] == "lease" for e in c.read("victim")), 10, "the victim to get leases")
+    c.kill("victim")  # SIGKILL: no Disconnect, no partials returned
+    c.start_peer("worker", "w1", slots=8, tail_every=2, step_s=0.005)
+    c.start_learner(steps=3)
+    c.wait_exit("learner", 60)
+    assert_books(c, 3)
+    victim_leases = {(e["g"], e["i"]) for e in c.read("victim") if e["kind"] == "lease"}
+    taken_over = {(e["g"], e["i"]) for e in c.read("w1") if e["kind"] == "lease"}
+    assert victim_leases <= taken_over, "a sample leased to the killed worker was never re-leased"
+    assert all(w["id"] != "victim" for w in c.status()["workers"])
+
+
+def test_learner_crash_before_ack_gets_the_same_batch_again(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(run={"mode": "april"})
+    c.start_broker()
+    c.start_peer("worker", "w0", slots=8, step_s=0.005)
+    c.start_learner("first", steps=3, crash_before_ack_at_step=1)
+    assert c.wait_exit("first", 60) == 3
+    crashed_on = [e for e in c.read("first") if e["kind"] == "batch"][-1]
+    c.start_learner("second", steps=3, start_step=1)
+    c.wait_exit("second", 60)
+    resent = c.batches("second")[0]
+    assert resent["batch"] == crashed_on["batch"] and resent["keys"] == crashed_on["keys"]
+    status = c.status()
+    assert status["ledger_balanced"] and status["ledger"]["trained"] == 3 * 4
+    trained = [tuple(k) for b in c.batches("first")[:-1] + c.batches("second") for k in b["keys"]]
+    assert len(trained) == len(set(trained)) == 3 * 8
+
+
+def test_broker_killed_and_resumed_loses_nothing(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(run={"mode": "april"}, algo={"max_new_tokens": 40})
+    c.start_broker()
+    c.start_peer("worker", "w0", slots=8, tail_every=2, step_s=0.01)
+    c.start_peer("worker", "w1", slots=8, tail_every=2, step_s=0.01)
+    c.start_learner(steps=5, train_s=0.2)
+    wait_for(lambda: len(c.batches()) >= 2, 60, "two trained batches")
+    before = c.status()["ledger"]
+    c.kill("broker")  # SIGKILL: state since the last snapshot (taken at every batch) is rebuilt
+    time.sleep(0.5)
+    c.start_broker(resume=True)
+    c.wait_exit("learner", 90)  # workers and learner reconnect by themselves
+    batches = assert_books(c, 5)
+    assert c.status()["epoch"] == 1
+    assert c.status()["ledger"]["trained"] >= before["trained"]
+    assert any(e["kind"] == "reconnect" for e in c.read("learner"))
+    assert len({b["batch"] for b in batches}) == 5
+
+
+def test_garbage_on_every_port_is_counted_and_the_run_goes_on(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(run={"mode": "april"}, broker={"max_message_bytes": 1 << 20})
+    c.start_broker()
+    c.start_peer("worker", "w0", slots=8, step_s=0.005)
+    c.start_learner(steps=4, train_s=0.1)
+    sent = throw_garbage(c)
+    c.wait_exit("learner", 60)
+    assert_books(c, 4)
+    status = c.status()
+    rejected = status["rejected"]["by_reason"]
+    for reason in (
+        "bad_header",
+        "wrong_version",
+        "unknown_kind",
+        "missing_field",
+        "not_registered",
+        "identity_mismatch",
+        "invalid_value",
+    ):
+        assert rejected.get(reason, 0) > 0, f"no rejection counted for {reason}: {rejected}"
+    assert status["rejected"]["total"] >= sent["counted"]
+    assert status["workers"] and all(w["alive"] for w in status["workers"] if w["id"] == "w0")
+
+
+def throw_garbage(c: Cluster) -> dict[str, int]:
+    """Malformed, unknown, oversized and out-of-range messages on every port, raw TCP junk too."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    counted = 0
+    good_hello = protocol.encode(
+        protocol.WorkerHello("someone-else", "x", 2, 0, 1, "h", np.zeros(0, np.int64))
+    )
+    frame_sets: list[list[bytes]] = [
+        [b"\xc1"],
+        [msgpack.packb("not a header"), b"\x80"],
+        [b"\xc1", b"\x80"],
+        [msgpack.packb([99, 1]), b"\x80"],  # wrong protocol version
+        [msgpack.packb([protocol.PROTOCOL_VERSION, 999]), b"\x80"],  # unknown kind
+        [msgpack.packb([protocol.PROTOCOL_VERSION, protocol.KIND_OF[protocol.LeaseRequest]]), b"\x80"],
+        [bytes(f) for f in protocol.encode(protocol.LeaseRequest(3))],  # valid but not registered
+        [bytes(f) for f in good_hello],  # identity mismatch
+        [
+            msgpack.packb([protocol.PROTOCOL_VERSION, protocol.KIND_OF[protocol.LeaseRequest]]),
+            msgpack.packb({"credit": -5}),
+        ],  # out of range
+        [bytes(f) for f in protocol.encode(protocol.BatchAck(12345))],  # unknown batch, not registered
+    ]
+    for address in (c.worker_address, c.learner_address):
+        for i, frames in enumerate(frame_sets):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 2000)  # deliver everything before closing
+            sock.setsockopt(zmq.IDENTITY, f"stranger-{i}".encode())
+            sock.connect(address)
+            for _ in range(3):  # replayed and duplicated
+                sock.send_multipart(frames)
+                counted += 1
+            sock.close()
+        big = ctx.socket(zmq.DEALER)  # over MAXMSGSIZE: zmq drops the connection, the broker serves on
+        big.setsockopt(zmq.LINGER, 0)
+        big.connect(address)
+        big.send_multipart([b"\x92\x01\x01", b"x" * (2 << 20)])
+        big.close()
+    for port in c.ports:  # not even ZMTP
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as raw:
+            raw.sendall(os.urandom(4096))
+    time.sleep(1.0)
+    ctx.term()
+    return {"counted": counted}

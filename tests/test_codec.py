@@ -125,7 +125,7 @@ EXAMPLES: dict[type, Any] = {
     P.WeightsLoaded: P.WeightsLoaded(version=4, ok=False, error="sha256 mismatch"),
     P.Disconnect: P.Disconnect(reason="shutdown"),
     P.LearnerHello: P.LearnerHello(learner_id="learner-0", version=3, pid=77),
-    P.BatchRequest: P.BatchRequest(step=3),
+    P.BatchRequest: P.BatchRequest(step=3, last_batch_id=2),
     P.Batch: P.Batch(
         batch_id=9,
         step=3,

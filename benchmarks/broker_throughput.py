@@ -1,0 +1,781 @@
+"""Broker throughput: scripted workers stream finished samples through a real `april broker` process.
+
+What runs (all on loopback, free ports picked at start):
+- one `april broker` process, mode `async`; in the `steady` and `weights` scenarios `max_staleness` is so
+  large that admission never blocks (see `scenario_settings` for the third, `bounded`);
+- `--workers` scripted worker processes (this script with `--role worker`): each says WorkerHello with
+  `--slots` slots, and answers every Lease at once with one SampleResult returning every leased sample
+  FINISHED with `--tokens` response tokens (pre-built arrays, no model), credit = samples returned;
+- a scripted learner in this process: BatchRequest(step) -> Batch -> BatchAck at once, and in the
+  `weights` scenario a WeightsReady every `--weights-every` batches (in async mode that aborts leased work).
+  With admission unbounded, a broker slower than its workers builds a backlog of complete groups; the
+  report shows it (`backlog`), and `bounded` measures the steady state a real async run would reach.
+
+Measured over a fixed window (`--seconds`) after a warm-up (`--warmup`) that starts at the first Batch:
+- samples/s trained: samples in the Batches the learner received in the window;
+- MB/s: bytes of SampleResult frames the workers sent (in) and of Batch frames the learner got (out);
+- message latency: per worker, from sending a SampleResult (which carries credit) to receiving the next
+  Lease, a request-reply through the broker; p50/p99 over all workers;
+- broker CPU per sample: utime + stime of the broker process (all its threads: Python + ZeroMQ I/O)
+  from /proc over the window, divided by samples trained; plus the workers' and learner's CPU share.
+
+The broker runs as it does in production, including its snapshots: it writes `RUN_DIR/broker/state.snap`
+(fsynced) when it forms a batch and when the batch is acked, whatever `snapshot_interval_s` says.
+The learner does not decode the sample arrays (it reads the body map only), so that the harness takes as
+little CPU from the broker as it can; workers decode Leases with the strict codec, as a real worker does.
+
+Not a test: nothing is asserted. Prints a table and writes JSON (`--out`).
+Usage: python benchmarks/broker_throughput.py [--workers 16 --tokens 2048 --seconds 10 --warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from april import protocol
+from april.codec import decode_header
+from april.records import FinishReason, Sample, SampleStatus
+from april.transport import dealer
+from april.wire_records import SampleBatch
+
+SCENARIOS = ("steady", "weights", "bounded")
+UNBOUNDED_STALENESS = 1_000_000_000  # admission never blocks, no group is ever due
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    weights_every: int  # batches between WeightsReady; 0 = never
+    max_staleness: int  # algo.max_staleness
+    hold_ms: float  # how long a worker keeps a lease before returning it
+
+
+def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
+    """steady: no new weights, admission never blocks (the headline figure the issue asks for).
+    weights: the same with a WeightsReady every `--weights-every` batches; workers hold each lease for
+    `--weights-hold-ms` so that a new version finds leased work to abort (answered at once, every lease is
+    back before the broker reads the learner's socket, and nothing is ever aborted).
+    bounded: a WeightsReady after every batch and `--max-staleness`, as a real async run: the admission
+    bound (max_staleness + version + 1) x B is then the only backpressure, so the backlog stays bounded.
+    """
+    if name == "steady":
+        return Scenario(name, 0, UNBOUNDED_STALENESS, args.hold_ms)
+    if name == "weights":
+        return Scenario(name, args.weights_every, UNBOUNDED_STALENESS, args.weights_hold_ms)
+    return Scenario(name, 1, args.max_staleness, args.hold_ms)
+
+
+LEARNER_ID = "bench-learner"
+BATCH_KIND = protocol.KIND_OF[protocol.Batch]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+START_TIMEOUT_S = 60.0  # broker bound + first batch received
+
+
+# ------------------------------------------------------------------------------------------------ worker
+
+
+class TokenPool:
+    """Pre-built response tokens and log-probs; a result's arrays are slices of these (no per-call work)."""
+
+    def __init__(self, tokens: int, slots: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        n = max(1, tokens * slots)
+        self.ids = rng.integers(3, 32000, n, dtype=np.int32)
+        self.logprobs = -rng.random(n, dtype=np.float32) * 4.0  # log-probs are <= 0
+
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if n > self.ids.shape[0]:  # a lease larger than slots (never with a correct broker): grow once
+            self.ids, self.logprobs = np.resize(self.ids, n), np.resize(self.logprobs, n)
+        return self.ids[:n], self.logprobs[:n]
+
+
+def finished_batch(lease: protocol.Lease, tokens: int, version: int, pool: TokenPool) -> SampleBatch:
+    """Every leased sample FINISHED with `tokens` response tokens in all (or its budget), reward 1 or 0."""
+    src = lease.samples
+    if src.response_tokens:  # resumed partials (only after an Abort): through the records API
+        return returned_batch(lease, pool, version, lambda s: tokens - s.response_len, FinishReason.STOP)
+    n = len(src)
+    lengths = np.minimum(lease.budgets.astype(np.int64), tokens)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    has = lengths > 0
+    segments = np.stack([np.full(n, version, np.int64), np.zeros(n, np.int64), lengths], axis=1)[has]
+    segment_offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(has, out=segment_offsets[1:])
+    ids, lps = pool.take(int(offsets[-1]))
+    return SampleBatch(
+        group_id=src.group_id,
+        index=src.index,
+        status=np.full(n, SampleStatus.FINISHED, np.uint8),
+        finish_reason=np.full(n, FinishReason.STOP, np.uint8),
+        resumes=src.resumes,
+        reward=(src.index % 2 == 0).astype(np.float64),
+        prompt_offsets=src.prompt_offsets,
+        prompt_ids=src.prompt_ids,
+        response_offsets=offsets,
+        response_ids=ids,
+        response_logprobs=lps,
+        segment_offsets=segment_offsets,
+        segments=segments.reshape(-1),
+        prompt_text=src.prompt_text,
+        metadata=src.metadata,
+        error=src.error,
+    )
+
+
+def returned_batch(
+    lease: protocol.Lease,
+    pool: TokenPool,
+    version: int,
+    new_tokens: Callable[[Sample], int],
+    reason: FinishReason,
+) -> SampleBatch:
+    """Leased samples extended by `new_tokens(sample)` tokens (within budget) via `Sample.extend`."""
+    out = []
+    for s, budget in zip(lease.samples.to_samples(), lease.budgets.tolist(), strict=True):
+        ids, lps = pool.take(max(0, min(new_tokens(s), budget)))
+        done = s.extend(ids, lps, version, reason)
+        out.append(done.scored(float(s.index % 2 == 0)) if reason != FinishReason.ABORT else done)
+    return SampleBatch.from_samples(out)
+
+
+def send_counted(sock: zmq.Socket[bytes], msg: protocol.Message) -> int:
+    """Send one message; return its size in bytes (all frames)."""
+    frames = protocol.encode(msg)
+    sock.send_multipart(frames, copy=len(frames) < 4)
+    return sum(len(f) for f in frames)
+
+
+class ScriptedWorker:
+    """Answers each Lease with one SampleResult, at once or after `hold_s` (a stand-in for generation
+    time, so that a new weight version finds leased work to abort). On Abort it returns what it holds
+    INTERRUPTED, with the share of `tokens` its hold time allowed, then confirms with AbortDone."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.hold_s = args.hold_ms / 1e3
+        self.pool = TokenPool(args.tokens, args.slots, seed=sum(args.worker_id.encode()))
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock = dealer(self.ctx, args.broker, args.worker_id)
+        self.version = 0
+        self.held: list[tuple[float, protocol.Lease]] = []  # (time it is due back, lease), in due order
+        self.last_sent = time.monotonic()
+        self.pending_since = -1.0  # when our last SampleResult (with credit) left
+        self.sends: list[tuple[float, int, int]] = []  # (time sent, samples, bytes) per SampleResult
+        self.latencies: list[tuple[float, float]] = []  # (Lease arrival, seconds since our SampleResult)
+        self.other: dict[str, int] = {}
+
+    def send(self, msg: protocol.Message) -> int:
+        nbytes = send_counted(self.sock, msg)
+        self.last_sent = time.monotonic()
+        return nbytes
+
+    def give_back(self, lease: protocol.Lease, samples: SampleBatch, credit: int) -> None:
+        nbytes = self.send(protocol.SampleResult(lease.lease_ids, samples, credit))
+        self.pending_since = self.last_sent
+        self.sends.append((self.last_sent, len(samples), nbytes))
+
+    def finish(self, lease: protocol.Lease) -> None:
+        self.give_back(
+            lease, finished_batch(lease, self.args.tokens, self.version, self.pool), len(lease.samples)
+        )
+
+    def abort(self, round_id: int, now: float) -> None:
+        for due, lease in self.held:
+            done = 1.0 - max(0.0, due - now) / self.hold_s  # share of the generation time that passed
+            share = int(self.args.tokens * done)
+            self.give_back(
+                lease,
+                returned_batch(
+                    lease, self.pool, self.version, lambda s, k=share: k - s.response_len, FinishReason.ABORT
+                ),
+                0,
+            )
+        self.held.clear()
+        self.send(protocol.AbortDone(round_id, self.args.slots))
+
+    def handle(self, msg: protocol.Message, now: float) -> None:
+        match msg:
+            case protocol.Lease():
+                if self.pending_since >= 0:
+                    self.latencies.append((now, now - self.pending_since))
+                    self.pending_since = -1.0
+                if self.hold_s > 0:
+                    self.held.append((now + self.hold_s, msg))
+                else:
+                    self.finish(msg)
+            case protocol.Welcome():
+                self.version = msg.version
+            case protocol.WeightsReady():
+                self.version = msg.version
+                self.send(protocol.WeightsLoaded(msg.version, True, ""))
+            case protocol.Abort():
+                self.abort(msg.round_id, now)
+            case _:
+                name = type(msg).__name__
+                self.other[name] = self.other.get(name, 0) + 1
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        hello = protocol.WorkerHello(
+            worker_id=self.args.worker_id,
+            engine="bench",
+            slots=self.args.slots,
+            version=0,
+            pid=os.getpid(),
+            host=platform.node(),
+            held_leases=protocol.empty_lease_ids(),
+        )
+        self.send(hello)
+        while not should_stop():
+            now = time.monotonic()
+            while self.held and self.held[0][0] <= now:
+                self.finish(self.held.pop(0)[1])
+            wait_ms = 100 if not self.held else max(0, int((self.held[0][0] - now) * 1e3))
+            if self.sock.poll(wait_ms, zmq.POLLIN):
+                frames = self.sock.recv_multipart(copy=False)
+                self.handle(protocol.decode([f.buffer for f in frames]), time.monotonic())
+            elif time.monotonic() - self.last_sent >= 1.0:  # any message counts as a heartbeat
+                self.send(protocol.Heartbeat())
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.send(protocol.Disconnect("benchmark over"))
+        self.sock.close(linger=0)
+        self.ctx.term()
+        stats = {"sends": self.sends, "latencies": self.latencies, "other": self.other}
+        Path(self.args.stats).write_text(json.dumps(stats))
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    stopping = False
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    worker = ScriptedWorker(args)
+    try:
+        worker.run(lambda: stopping)
+    finally:
+        worker.close()
+
+
+# ------------------------------------------------------------------------------------------------ learner
+
+
+@dataclass(slots=True)
+class LearnerLog:
+    # (time, samples, tokens, bytes, complete_waiting groups in the ledger) per Batch received
+    batches: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+    weights_published: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class ScriptedLearner:
+    """BatchRequest -> Batch -> BatchAck at once; optionally WeightsReady every `weights_every` batches."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], address: str, weights_every: int) -> None:
+        self.sock = dealer(ctx, address, LEARNER_ID)
+        self.weights_every = weights_every
+        self.step = 0
+        self.version = 0
+        self.last_batch_id = -1
+        self.log = LearnerLog()
+
+    def start(self) -> None:
+        send_counted(self.sock, protocol.LearnerHello(LEARNER_ID, 0, os.getpid()))
+        send_counted(self.sock, protocol.BatchRequest(self.step, self.last_batch_id))
+
+    def poll(self, timeout_ms: int) -> None:
+        """Handle at most one message."""
+        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return
+        frames = [f.buffer for f in self.sock.recv_multipart(copy=False)]
+        now = time.monotonic()
+        if decode_header(frames, protocol.PROTOCOL_VERSION) != BATCH_KIND:
+            msg = protocol.decode(frames)
+            if isinstance(msg, protocol.Error):
+                self.log.errors[msg.code] = self.log.errors.get(msg.code, 0) + 1
+            return
+        # The body map only: batch id and array lengths (the arrays are the broker's cost, not ours).
+        body = msgpack.unpackb(frames[1], raw=False)
+        samples, tokens = body["samples"]["group_id"][2], body["samples"]["response_ids"][2]
+        waiting = body["ledger"]["complete_waiting"]
+        self.log.batches.append((now, samples, tokens, sum(len(f) for f in frames), waiting))
+        self.last_batch_id = body["batch_id"]
+        send_counted(self.sock, protocol.BatchAck(self.last_batch_id))
+        self.step += 1
+        if self.weights_every and self.step % self.weights_every == 0:
+            self.version += 1
+            sha = hashlib.sha256(f"bench weights v{self.version}".encode()).hexdigest()
+            send_counted(self.sock, protocol.WeightsReady(self.version, f"bench://v{self.version}", sha))
+            self.log.weights_published += 1
+        send_counted(self.sock, protocol.BatchRequest(self.step, self.last_batch_id))
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            send_counted(self.sock, protocol.Disconnect("benchmark over"))
+        self.sock.close(linger=0)
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def write_config(path: Path, args: argparse.Namespace, ports: Sequence[int], max_staleness: int) -> None:
+    path.write_text(
+        f"""[run]
+mode = "async"
+
+[algo]
+rollout_batch_size = {args.rollout_batch_size}
+over_sampling_batch_size = {args.rollout_batch_size}
+n_samples_per_prompt = {args.n_samples_per_prompt}
+max_new_tokens = {max(args.tokens, 1)}
+max_staleness = {max_staleness}
+
+[data]
+source = "synthetic"
+synthetic_prompt_len_min = 16
+synthetic_prompt_len_max = 64
+
+[broker]
+bind_host = "127.0.0.1"
+worker_port = {ports[0]}
+learner_port = {ports[1]}
+pub_port = {ports[2]}
+snapshot_interval_s = 3600.0
+"""
+    )
+
+
+def april_exe() -> str:
+    exe = Path(sys.executable).with_name("april")
+    return str(exe) if exe.exists() else shutil.which("april") or "april"
+
+
+def broker_command(run_dir: Path, profile: Path | None) -> list[str]:
+    argv = ["broker", "--run-dir", str(run_dir), "--config", str(run_dir / "bench.toml")]
+    if profile is None:
+        return [april_exe(), *argv]
+    code = (
+        "import cProfile, sys, cli.main; "
+        f"sys.argv = ['april', *{argv!r}]; "
+        f"cProfile.run('cli.main.main()', {str(profile)!r})"
+    )
+    return [sys.executable, "-c", code]
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Every child started into the list is stopped on the way out: SIGTERM, then SIGKILL after 10 s."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 10.0
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a whole process (all threads), from /proc/PID/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (e.g. the Python main thread vs ZeroMQ's I/O threads)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+@dataclass(slots=True)
+class CpuSample:
+    broker: float
+    broker_threads: dict[str, float]
+    workers: float
+    learner: float
+
+    @classmethod
+    def take(cls, broker_pid: int, worker_pids: Sequence[int]) -> CpuSample:
+        t = os.times()
+        return cls(
+            broker=cpu_seconds(broker_pid),
+            broker_threads=thread_cpu_seconds(broker_pid),
+            workers=sum(cpu_seconds(pid) for pid in worker_pids),
+            learner=t.user + t.system,
+        )
+
+
+def py_spy_out(args: argparse.Namespace, scenario: str) -> Path:
+    return Path(args.py_spy).with_suffix(f".{scenario}.txt")
+
+
+def start_py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes]:
+    """Sample the broker (collapsed stacks, 200 Hz) for the window; needs py-spy on PATH or in the venv."""
+    exe = Path(sys.executable).with_name("py-spy")
+    cmd = [str(exe) if exe.exists() else "py-spy", "record", "--pid", str(pid), "--rate", "200"]
+    cmd += [
+        "--duration",
+        str(max(1, round(seconds))),
+        "--format",
+        "raw",
+        "--output",
+        str(out),
+        "--nonblocking",
+    ]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def print_py_spy(path: Path, top: int = 20) -> None:
+    """Top functions by self and by total samples from py-spy's collapsed stacks (CPU only: py-spy
+    leaves out idle time, so the shares are of the broker's busy time)."""
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    count = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]  # per function, not per line
+        count += int(n)
+        own[frames[-1]] = own.get(frames[-1], 0) + int(n)
+        for f in set(frames):
+            total[f] = total.get(f, 0) + int(n)
+    for title, table in (("self", own), ("total", total)):
+        print(f"\n--- py-spy {path.name}: top {top} by {title} ({count} samples) ---")
+        for name, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"{n / count:7.1%}  {name}")
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ------------------------------------------------------------------------------------------------ one run
+
+
+def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[str, Any]:
+    run_dir = root / scenario
+    run_dir.mkdir(parents=True)
+    ports = free_ports(3)
+    settings = scenario_settings(args, scenario)
+    write_config(run_dir / "bench.toml", args, ports, settings.max_staleness)
+    profile = Path(args.profile_broker).with_suffix(f".{scenario}.prof") if args.profile_broker else None
+    broker_log = run_dir / "broker.log"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    with processes() as procs, open(broker_log, "wb") as log_file:
+        broker = subprocess.Popen(broker_command(run_dir, profile), stdout=log_file, stderr=subprocess.STDOUT)
+        procs.append(broker)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (run_dir / "config.toml").exists():  # written once the broker has bound its ports
+            if broker.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"broker did not start:\n{tail(broker_log)}")
+            time.sleep(0.05)
+        workers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--role=worker",
+                    f"--worker-id=bench-w{i:02d}",
+                    f"--broker=tcp://127.0.0.1:{ports[0]}",
+                    f"--tokens={args.tokens}",
+                    f"--slots={args.slots}",
+                    f"--hold-ms={settings.hold_ms}",
+                    f"--stats={run_dir / f'worker{i:02d}.json'}",
+                ]
+            )
+            for i in range(args.workers)
+        ]
+        procs.extend(workers)
+        learner = ScriptedLearner(ctx, f"tcp://127.0.0.1:{ports[1]}", settings.weights_every)
+        try:
+            learner.start()
+            while not learner.log.batches:
+                if broker.poll() is not None:
+                    raise RuntimeError(f"broker exited with {broker.returncode}:\n{tail(broker_log)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no batch within {START_TIMEOUT_S:.0f}s:\n{tail(broker_log)}")
+                learner.poll(100)
+            window_start = learner.log.batches[0][0] + args.warmup
+            window_end = window_start + args.seconds
+            worker_pids = [w.pid for w in workers]
+            cpu0: CpuSample | None = None
+            spy: subprocess.Popen[bytes] | None = None
+            while (now := time.monotonic()) < window_end:
+                if cpu0 is None and now >= window_start:
+                    cpu0 = CpuSample.take(broker.pid, worker_pids)
+                    if args.py_spy:
+                        spy = start_py_spy(broker.pid, args.seconds, py_spy_out(args, scenario))
+                        procs.append(spy)
+                if broker.poll() is not None:
+                    raise RuntimeError(f"broker exited with {broker.returncode}:\n{tail(broker_log)}")
+                learner.poll(5)
+            cpu1 = CpuSample.take(broker.pid, worker_pids)
+            assert cpu0 is not None
+            snap = run_dir / "broker" / "state.snap"
+            snapshot_bytes = snap.stat().st_size if snap.exists() else 0
+        finally:
+            learner.close()
+            ctx.term()
+        for w in workers:  # stop the workers first so they write their logs
+            w.terminate()
+        for w in workers:
+            w.wait(timeout=10)
+        if spy is not None:
+            spy.wait(timeout=30)  # py-spy writes its file when its duration is over
+    worker_logs = []
+    for i in range(args.workers):
+        path = run_dir / f"worker{i:02d}.json"
+        if path.exists():
+            worker_logs.append(json.loads(path.read_text()))
+    result = summarize(args, scenario, learner.log, worker_logs, (window_start, window_end), cpu0, cpu1)
+    result["snapshot_mb_at_end"] = snapshot_bytes / 1e6
+    log_text = broker_log.read_text(errors="replace")
+    result["aborts"] = log_text.count("abort round") // 2  # each round logs its start and confirmation
+    return result
+
+
+def summarize(
+    args: argparse.Namespace,
+    scenario: str,
+    learner: LearnerLog,
+    worker_logs: list[dict[str, Any]],
+    window: tuple[float, float],
+    cpu0: CpuSample,
+    cpu1: CpuSample,
+) -> dict[str, Any]:
+    lo, hi = window
+    secs = hi - lo
+    batches = [b for b in learner.batches if lo <= b[0] < hi]
+    samples = sum(b[1] for b in batches)
+    tokens = sum(b[2] for b in batches)
+    out_bytes = sum(b[3] for b in batches)
+    sends = [s for log in worker_logs for s in log["sends"] if lo <= s[0] < hi]
+    in_bytes = sum(s[2] for s in sends)
+    lat = np.array([x[1] for log in worker_logs for x in log["latencies"] if lo <= x[0] < hi])
+    broker_cpu = cpu1.broker - cpu0.broker
+    threads = {k: round(v - cpu0.broker_threads.get(k, 0.0), 3) for k, v in cpu1.broker_threads.items()}
+    worker_other: dict[str, int] = {}
+    for log in worker_logs:
+        for k, v in log["other"].items():
+            worker_other[k] = worker_other.get(k, 0) + v
+    before = [b[4] for b in learner.batches if b[0] < lo]
+    return {
+        "scenario": scenario,
+        **{k: v for k, v in asdict(scenario_settings(args, scenario)).items() if k != "name"},
+        "window_s": round(secs, 3),
+        "batches": len(batches),
+        "samples": samples,
+        "samples_per_s": samples / secs,
+        "tokens_per_s": tokens / secs,
+        "mb_per_s_in": in_bytes / secs / 1e6,  # SampleResult frames sent by workers
+        "mb_per_s_out": out_bytes / secs / 1e6,  # Batch frames received by the learner
+        "generated_per_s": sum(s[1] for s in sends) / secs,  # samples returned by workers
+        # complete groups waiting in the broker (ledger of the last Batch before / in the window): the
+        # backlog grows when workers return samples faster than the broker turns them into batches
+        "backlog_groups_start": before[-1] if before else None,
+        "backlog_groups_end": batches[-1][4] if batches else None,
+        "sample_results": len(sends),
+        "samples_per_result": (sum(s[1] for s in sends) / len(sends)) if sends else 0.0,
+        "latency_ms_p50": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
+        "latency_ms_p99": float(np.percentile(lat, 99) * 1e3) if lat.size else None,
+        "latency_ms_max": float(lat.max() * 1e3) if lat.size else None,
+        "latency_count": int(lat.size),
+        "broker_cpu_s": broker_cpu,
+        "broker_cpu_us_per_sample": broker_cpu / samples * 1e6 if samples else None,
+        "broker_cpu_util": broker_cpu / secs,  # 1.0 = one core busy
+        "broker_threads_cpu_s": threads,
+        "workers_cpu_util": (cpu1.workers - cpu0.workers) / secs,
+        "learner_cpu_util": (cpu1.learner - cpu0.learner) / secs,
+        "weights_published": learner.weights_published,
+        "learner_errors": learner.errors,
+        "worker_other_messages": worker_other,
+        "worker_logs": len(worker_logs),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    def fmt(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    head = (
+        f"{'scenario':<10}{'samples/s':>11}{'gen/s':>8}{'MB/s in':>9}{'MB/s out':>10}"
+        f"{'p50 ms':>8}{'p99 ms':>8}"
+        f"{'broker us/sample':>18}{'broker cpu':>12}{'workers cpu':>13}{'smp/result':>12}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(
+            f"{r['scenario']:<10}{r['samples_per_s']:>11.0f}{r['generated_per_s']:>8.0f}{r['mb_per_s_in']:>9.1f}{r['mb_per_s_out']:>10.1f}"
+            f"{fmt(r['latency_ms_p50'], '.2f'):>8}{fmt(r['latency_ms_p99'], '.2f'):>8}"
+            f"{fmt(r['broker_cpu_us_per_sample'], '.1f'):>18}{r['broker_cpu_util']:>11.0%} "
+            f"{r['workers_cpu_util']:>12.0%} {r['samples_per_result']:>11.1f}"
+        )
+    for r in results:
+        extra = f", {r['weights_published']} weight versions" if r["weights_every"] else ""
+        print(
+            f"  {r['scenario']}: {r['batches']} batches, {r['samples']} samples in {r['window_s']:.1f}s"
+            f"{extra}, {r['aborts']} aborts; backlog {r['backlog_groups_start']} -> {r['backlog_groups_end']}"
+            f" complete groups; snapshot {r['snapshot_mb_at_end']:.0f} MB; broker threads cpu-s "
+            f"{r['broker_threads_cpu_s']}"
+        )
+    print(
+        "(samples/s = trained (in Batches), gen/s = returned by workers; cpu: 100% = one core busy; "
+        "MB/s in = SampleResult frames from workers, out = Batch frames)"
+    )
+
+
+def machine_info() -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "numpy": np.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "msgpack": ".".join(map(str, msgpack.version)),
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, default=16, help="scripted worker processes")
+    p.add_argument("--tokens", type=int, default=2048, help="response tokens per returned sample")
+    p.add_argument("--slots", type=int, default=64, help="slots (credit) per worker")
+    p.add_argument("--seconds", type=float, default=10.0, help="measurement window")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds after the first batch, not measured")
+    p.add_argument("--rollout-batch-size", type=int, default=64, help="groups per batch (algo.*)")
+    p.add_argument("--n-samples-per-prompt", type=int, default=8, help="samples per group (algo.*)")
+    p.add_argument("--weights-every", type=int, default=10, help="batches between WeightsReady (weights)")
+    p.add_argument("--hold-ms", type=float, default=0.0, help="lease hold time of steady and bounded")
+    p.add_argument("--weights-hold-ms", type=float, default=20.0, help="lease hold time of weights")
+    p.add_argument("--max-staleness", type=int, default=1, help="algo.max_staleness of `bounded`")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {SCENARIOS}")
+    p.add_argument("--out", default="bench-out/broker_throughput.json", help="JSON results file")
+    p.add_argument("--run-root", default="", help="parent of the run directories (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the run directories (broker logs, snapshots)")
+    p.add_argument("--profile-broker", default="", help="run the broker under cProfile, stats to PATH.*.prof")
+    p.add_argument("--py-spy", default="", help="sample the broker with py-spy in the window, to PATH.*.txt")
+    # worker role (started by this script)
+    p.add_argument("--role", choices=("bench", "worker"), default="bench", help=argparse.SUPPRESS)
+    p.add_argument("--worker-id", default="", help=argparse.SUPPRESS)
+    p.add_argument("--broker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--stats", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
+    if unknown:
+        p.error(f"--scenarios: unknown {sorted(unknown)}, expected some of {SCENARIOS}")
+    return args
+
+
+def print_profile(path: Path, top: int = 25) -> None:
+    import pstats
+
+    for key in ("cumulative", "tottime"):
+        print(f"\n--- broker profile {path.name}, top {top} by {key} ---")
+        pstats.Stats(str(path)).sort_stats(key).print_stats(top)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.role == "worker":
+        run_worker(args)
+        return
+    root = Path(tempfile.mkdtemp(prefix="april-bench-", dir=args.run_root or None))
+    results = []
+    try:
+        for scenario in args.scenarios.split(","):
+            print(
+                f"running {scenario}: {args.workers} workers x {args.slots} slots, {args.tokens} tokens, "
+                f"{args.warmup:.0f}s warm-up + {args.seconds:.0f}s",
+                flush=True,
+            )
+            results.append(run_scenario(args, scenario, root))
+    finally:
+        if args.keep:
+            print(f"run directories kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    print()
+    print_table(results)
+    report = {
+        "benchmark": "broker_throughput",
+        "machine": machine_info(),
+        "params": {k: v for k, v in vars(args).items() if k not in ("role", "worker_id", "broker", "stats")},
+        "notes": "broker snapshots (fsynced) at every batch formed and acked, as in production",
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    for scenario in args.scenarios.split(","):
+        if args.profile_broker:
+            print_profile(Path(args.profile_broker).with_suffix(f".{scenario}.prof"))
+        if args.py_spy and py_spy_out(args, scenario).exists():
+            print_py_spy(py_spy_out(args, scenario))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,892 @@
+"""Tests for broker.state (the broker's books) and broker.snapshot, driven directly without sockets.
+
+A `Driver` plays the workers and the learner: it leases work, "generates" tokens for leased samples
+(tagged with the broker's current version, as a worker on those weights would) and returns them finished,
+interrupted or failed. `check_ledger()` runs after every step, so a counter drifting anywhere fails at the
+step that broke it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from april import policy
+from april.config import AlgoConfig, Mode
+from april.data import SyntheticPromptSource
+from april.records import FinishReason, Sample, SampleStatus, Segment
+from broker import snapshot
+from broker.snapshot import SnapshotError
+from broker.state import LEASE_EPOCH_SHIFT, BrokerState, PendingBatch, ResultRejected
+
+MAX_NEW = 8
+
+
+def source() -> SyntheticPromptSource:
+    return SyntheticPromptSource(size=500, seed=0, prompt_len_min=3, prompt_len_max=6, vocab_size=50)
+
+
+def algo(
+    b: int = 2, over: int = 4, n: int = 2, eta: int = 1, dynamic: bool = False, max_new: int = MAX_NEW
+) -> AlgoConfig:
+    return AlgoConfig(
+        rollout_batch_size=b,
+        over_sampling_batch_size=over,
+        n_samples_per_prompt=n,
+        max_new_tokens=max_new,
+        max_staleness=eta,
+        dynamic_sampling=dynamic,
+    )
+
+
+def make_state(
+    mode: Mode,
+    b: int = 2,
+    over: int = 4,
+    n: int = 2,
+    eta: int = 1,
+    dynamic: bool = False,
+    max_new: int = MAX_NEW,
+) -> BrokerState:
+    return BrokerState(mode, algo(b, over, n, eta, dynamic, max_new), source())
+
+
+def assert_samples_equal(a: Sample, b: Sample) -> None:
+    """Field by field: arrays by value, NaN rewards equal."""
+    for f in dataclasses.fields(Sample):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert np.array_equal(x, y), f"{a.key} {f.name}: {x} vs {y}"
+        elif isinstance(x, float) and math.isnan(x):
+            assert isinstance(y, float) and math.isnan(y), f"{a.key} {f.name}: {x} vs {y}"
+        else:
+            assert x == y, f"{a.key} {f.name}: {x!r} vs {y!r}"
+
+
+class Driver:
+    """Workers and learner in one: remembers what it holds under each lease, checks the books each step."""
+
+    def __init__(self, state: BrokerState) -> None:
+        self.state = state
+        self.held: dict[int, tuple[str, Sample, int]] = {}  # lease id -> (worker, leased sample, budget)
+        self.trained_keys: set[tuple[int, int]] = set()
+        self.trained_groups: set[int] = set()
+        self.batches: list[PendingBatch] = []
+
+    def check(self) -> None:
+        """The ledger, plus the structure behind it: the queue holds exactly the waiting samples (once
+        each), the leases exactly the running ones, and the driver holds exactly the broker's leases."""
+        state = self.state
+        state.check_ledger()
+        queued = state.queue.ordered()
+        live = [s for g in state.groups.values() for s in g.samples]
+        waiting = {s.key for s in live if s.status in (SampleStatus.PENDING, SampleStatus.INTERRUPTED)}
+        assert len(set(queued)) == len(queued) and set(queued) == waiting
+        running = {s.key for s in live if s.status == SampleStatus.RUNNING}
+        assert running == {lease.at_lease.key for lease in state.leases.values()}
+        assert len(running) == len(state.leases)
+        assert set(self.held) == set(state.leases)
+
+    def take(self, credit: int = 1000, worker: str = "w0") -> list[tuple[int, int, Sample]]:
+        work = self.state.take_work(worker, credit)
+        assert len(work) <= credit
+        for lease_id, budget, sample in work:
+            assert lease_id not in self.held
+            assert sample.status == SampleStatus.RUNNING
+            assert budget == sample.budget(self.state.algo.max_new_tokens)
+            self.held[lease_id] = (worker, sample, budget)
+        self.check()
+        return work
+
+    def _tokens(self, sample: Sample, k: int) -> tuple[list[int], list[float]]:
+        start = sample.response_len
+        return [10 + (start + i) % 30 for i in range(k)], [-0.5] * k
+
+    def result(
+        self,
+        lease_id: int,
+        tokens: int = 2,
+        finish: FinishReason = FinishReason.STOP,
+        reward: float | None = None,
+    ) -> Sample:
+        worker, sample, budget = self.held.pop(lease_id)
+        ids, lps = self._tokens(sample, min(tokens, budget))
+        out = sample.extend(ids, lps, version=self.state.version, finish_reason=finish)
+        if finish in (FinishReason.STOP, FinishReason.LENGTH):
+            out = out.scored(float(sample.index % 2) if reward is None else reward)
+        self.state.accept_result(worker, lease_id, out)
+        self.check()
+        return out
+
+    def finish(self, lease_id: int, tokens: int = 2, reward: float | None = None) -> Sample:
+        return self.result(lease_id, tokens, FinishReason.STOP, reward)
+
+    def interrupt(self, lease_id: int, tokens: int = 2) -> Sample:
+        return self.result(lease_id, tokens, FinishReason.ABORT)
+
+    def fail(self, lease_id: int) -> Sample:
+        worker, sample, _ = self.held.pop(lease_id)
+        out = sample.failed("reward timeout")
+        self.state.accept_result(worker, lease_id, out)
+        self.check()
+        return out
+
+    def reclaim(self, lease_id: int) -> None:
+        self.held.pop(lease_id)
+        self.state.reclaim(lease_id)
+        self.check()
+
+    def lease_of(self, key: tuple[int, int]) -> int:
+        (lease_id,) = [lid for lid, (_, s, _) in self.held.items() if s.key == key]
+        return lease_id
+
+    def finish_all(self, tokens: int = 2) -> None:
+        for lease_id in sorted(self.held):
+            self.finish(lease_id, tokens)
+
+    def interrupt_all(self, tokens: int = 2) -> None:
+        for lease_id in sorted(self.held):
+            self.interrupt(lease_id, tokens)
+
+    def end_round(self) -> bool:
+        """What the server does at a round's end: close it, abort what is leased, park the queue."""
+        closed = self.state.close_round_if_complete()
+        self.check()
+        if closed:
+            self.interrupt_all()
+            self.state.park_queued_samples()
+            self.check()
+        return closed
+
+    def train(self, step: int = 0, publish: bool = True) -> PendingBatch | None:
+        """The learner: take a batch, check it, ack it, publish the next version."""
+        batch = self.state.form_batch(step)
+        self.check()
+        if batch is None:
+            return None
+        b, n = self.state.algo.rollout_batch_size, self.state.algo.n_samples_per_prompt
+        assert len(batch.group_ids) == b and len(set(batch.group_ids)) == b
+        assert len(batch.samples) == b * n
+        keys = [s.key for s in batch.samples]
+        assert sorted(keys) == sorted((g, i) for g in batch.group_ids for i in range(n))
+        assert all(s.status == SampleStatus.FINISHED for s in batch.samples)
+        assert not self.trained_keys & set(keys), "a sample trained twice"
+        self.trained_keys |= set(keys)
+        self.trained_groups |= set(batch.group_ids)
+        self.batches.append(batch)
+        assert self.state.ack_batch(batch.batch_id)
+        self.check()
+        if publish:
+            assert self.state.set_weights(self.state.version + 1, f"v{self.state.version + 1}", "sha")
+            if policy.abort_on_new_version(self.state.mode):
+                self.interrupt_all()
+        return batch
+
+
+def group_samples(state: BrokerState, gid: int) -> list[Sample]:
+    return state.groups[gid].samples
+
+
+# ---------------------------------------------------------------------------------------------------
+# sync
+
+
+def test_sync_round_leases_exactly_the_batch_and_trains_it() -> None:
+    state = make_state(Mode.SYNC, b=2, n=3)
+    d = Driver(state)
+    for step in range(3):
+        work = d.take(credit=100)
+        assert len(work) == 2 * 3
+        assert d.take(credit=100) == []  # the round holds exactly B groups
+        assert state.ledger().in_flight == 2
+        leases = sorted(d.held)
+        for lease_id in leases[:-1]:
+            d.finish(lease_id)
+            assert not state.close_round_if_complete()
+        d.finish(leases[-1])
+        assert state.close_round_if_complete()
+        assert not state.round_open and d.take(credit=100) == []
+        ledger = state.ledger()
+        assert (ledger.complete_waiting, ledger.in_flight, ledger.partial) == (2, 0, 0)
+        batch = d.train(step, publish=False)
+        assert batch is not None and batch.step == step
+        assert state.round_open
+        assert state.trained == 2 * (step + 1)
+    ledger = state.check_ledger()
+    assert ledger.issued == ledger.trained == 6
+    assert ledger.dropped == {}
+    assert len(d.trained_keys) == 6 * 3
+
+
+def test_sync_take_work_respects_credit() -> None:
+    state = make_state(Mode.SYNC, b=2, n=2)
+    d = Driver(state)
+    assert len(d.take(credit=3)) == 3
+    assert state.issued == 2  # the second group was issued to fill the credit
+    assert len(d.take(credit=3)) == 1
+    assert d.take(credit=3) == []
+    assert d.take(credit=0) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# april
+
+
+def test_april_round_oversamples_aborts_parks_and_resumes_partials_first() -> None:
+    state = make_state(Mode.APRIL, b=2, over=4, n=2)
+    d = Driver(state)
+    work = d.take(credit=7)  # 4 groups issued, (3, 1) stays queued and never starts
+    assert [s.key for _, _, s in work] == [(g, i) for g in range(4) for i in range(2)][:7]
+    assert state.issued == 4  # never more than over_sampling_batch_size groups
+
+    for key in [(0, 0), (0, 1), (1, 0)]:
+        d.finish(d.lease_of(key))
+    assert not state.close_round_if_complete()
+    d.finish(d.lease_of((1, 1)))
+    assert state.close_round_if_complete()
+    assert d.take() == []  # the round is closed: nothing is dispatched
+
+    d.interrupt(d.lease_of((2, 0)), tokens=3)
+    d.finish(d.lease_of((2, 1)))
+    d.interrupt(d.lease_of((3, 0)), tokens=0)  # aborted before its first token
+    assert state.partial == 1 and state.in_flight == 1  # group 3 still has (3, 1) PENDING in the queue
+    state.park_queued_samples()
+    d.check()
+    assert group_samples(state, 3)[1].status == SampleStatus.INTERRUPTED
+    assert state.partial == 2 and state.in_flight == 0
+    assert [s.key for s in state.partial_samples()] == [(2, 0), (3, 0), (3, 1)]
+
+    batch = d.train(step=0)
+    assert batch is not None and batch.group_ids == [0, 1]
+    assert state.version == 1 and state.round_open
+
+    work = d.take(credit=100)
+    keys = [s.key for _, _, s in work]
+    assert keys[:3] == [(2, 0), (3, 0), (3, 1)]  # partials first: tokens first, then never started
+    assert keys[3:] == [(4, 0), (4, 1), (5, 0), (5, 1)]  # topped up to over_sampling_batch_size
+    lid, budget, resumed = work[0]
+    assert resumed.resumes == 1 and resumed.response_len == 3 and budget == MAX_NEW - 3
+    assert [w[2].resumes for w in work[1:3]] == [0, 0]  # nothing generated yet: not a resume
+    assert state.round.resumed == 1
+
+    out = d.finish(lid, tokens=2)
+    assert out.segments == (Segment(0, 0, 3), Segment(1, 3, 5))
+    assert state.groups[2].samples[0].segments == out.segments
+    assert 2 in state.complete  # (2, 1) finished last round; the group is complete now
+
+
+def test_april_partials_resume_oldest_version_first() -> None:
+    """A partial with older tokens goes before a partial of a lower group id with newer tokens."""
+    state = make_state(Mode.APRIL, b=1, over=3, n=2)
+    d = Driver(state)
+    d.take()  # groups 0, 1, 2
+    for key in [(1, 0), (1, 1)]:
+        d.reclaim(d.lease_of(key))  # their worker died: group 1 goes back untouched
+    d.finish(d.lease_of((0, 0)))
+    d.finish(d.lease_of((0, 1)))
+    assert d.end_round()  # group 2 interrupted with v0 tokens, group 1 parked
+    d.train()
+    assert state.version == 1
+
+    keys = [s.key for _, _, s in d.take()]
+    assert keys == [(2, 0), (2, 1), (1, 0), (1, 1), (3, 0), (3, 1)]
+    for key in [(1, 0), (1, 1)]:
+        d.interrupt(d.lease_of(key), tokens=2)  # group 1's first tokens: version 1
+    d.finish(d.lease_of((3, 0)))
+    d.finish(d.lease_of((3, 1)))
+    assert d.end_round()  # group 2 interrupted again
+    d.train()
+
+    work = d.take()
+    assert [s.key for _, _, s in work][:4] == [(2, 0), (2, 1), (1, 0), (1, 1)]
+    assert [s.resumes for _, _, s in work[:4]] == [2, 2, 1, 1]
+    assert work[0][2].segments == (Segment(0, 0, 2), Segment(1, 2, 4))
+    assert [b for _, b, _ in work[:4]] == [MAX_NEW - 4, MAX_NEW - 4, MAX_NEW - 2, MAX_NEW - 2]
+
+
+def test_april_surplus_complete_groups_are_kept_for_the_next_batch() -> None:
+    state = make_state(Mode.APRIL, b=1, over=3, n=2)
+    d = Driver(state)
+    d.take()
+    d.finish_all()  # all three groups complete: two more than a batch
+    assert d.end_round()
+    first = d.train()
+    assert first is not None and first.group_ids == [0]
+    assert list(state.complete) == [1, 2] and state.ledger().complete_waiting == 2
+    assert state.round_open
+    # the surplus counts toward the round: only one fresh group would be allowed, but the round is
+    # already complete, so the server closes it before dispatching anything
+    assert policy.fresh_group_allowance(state.mode, state.algo, state.counts(), state.version, True) == 1
+    assert d.end_round()
+    assert d.take() == []
+    second = d.train()
+    assert second is not None and second.group_ids == [1]
+    assert d.end_round()
+    third = d.train()
+    assert third is not None and third.group_ids == [2]
+    assert not state.complete and state.round_open
+    assert [s.key[0] for _, _, s in d.take()] == [3, 3, 4, 4, 5, 5]
+    assert state.trained == 3 and state.dropped == {}
+    assert d.trained_groups == {0, 1, 2}
+
+
+# ---------------------------------------------------------------------------------------------------
+# async
+
+
+def test_async_admission_bound() -> None:
+    state = make_state(Mode.ASYNC, b=2, n=2, eta=1)
+    d = Driver(state)
+    assert len(d.take()) == 2 * 2 * 2  # (eta + 0 + 1) * B groups
+    assert d.take() == []
+    d.finish_all()
+    assert d.take() == []  # complete groups still count as accepted
+    batch = d.train(publish=False)
+    assert batch is not None
+    assert d.take() == []  # trained groups count as accepted too
+    assert state.set_weights(1, "v1", "sha")
+    assert len(d.take()) == 2 * 2  # one more batch worth of groups per version
+    assert d.take() == []
+    assert state.counts().accepted == policy.admission_limit(state.algo, 1) == 6
+
+
+def test_async_batch_waits_for_a_due_group() -> None:
+    state = make_state(Mode.ASYNC, b=1, n=2, eta=1)
+    d = Driver(state)
+    d.take()  # groups 0 and 1 at version 0
+    d.finish(d.lease_of((0, 0)))
+    d.finish(d.lease_of((0, 1)))
+    d.interrupt(d.lease_of((1, 0)), tokens=2)
+    first = d.train()  # group 1 is not due at version 0: the batch forms; publishing v1 aborts the rest
+    assert first is not None and first.group_ids == [0]
+    assert state.version == 1 and state.partial == 1
+
+    work = d.take()
+    assert [s.key for _, _, s in work] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    d.finish(d.lease_of((2, 0)))
+    d.finish(d.lease_of((2, 1)))
+    assert state.incomplete_due() == 1
+    assert state.form_batch(1) is None  # group 2 is complete but group 1 (v0 tokens) is due
+    d.finish(d.lease_of((1, 0)))
+    assert state.form_batch(1) is None
+    d.finish(d.lease_of((1, 1)))
+    batch = d.train(step=1)
+    assert batch is not None and batch.group_ids == [1]  # the oldest first
+    assert batch.stats["staleness_max"] == 1 and max(s.staleness(1) for s in batch.samples) == 1
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_async_staleness_never_exceeds_the_bound(eta: int) -> None:
+    """A scripted run: random lengths, a learner that trains whenever it can, an abort per version."""
+    rng = random.Random(eta)
+    state = make_state(Mode.ASYNC, b=2, n=2, eta=eta, max_new=6)
+    d = Driver(state)
+    step = 0
+    for _ in range(400):
+        d.take(credit=rng.randint(0, 4), worker=f"w{rng.randint(0, 2)}")
+        assert state.counts().accepted <= policy.admission_limit(state.algo, state.version)
+        for lease_id in list(d.held):
+            r = rng.random()
+            if r < 0.3:
+                d.finish(lease_id, tokens=rng.randint(1, 6))
+            elif r < 0.4:
+                d.interrupt(lease_id, tokens=rng.randint(0, 3))
+        if rng.random() < 0.5:
+            version = state.version
+            batch = d.train(step)
+            if batch is not None:
+                step += 1
+                assert batch.version == version
+                assert max(s.staleness(version) for s in batch.samples) <= eta
+                assert batch.stats["staleness_max"] <= eta
+    assert step >= 10  # the run made progress
+    ledger = state.check_ledger()
+    assert ledger.trained == 2 * step
+
+
+# ---------------------------------------------------------------------------------------------------
+# dropping: dynamic sampling and failures
+
+
+@pytest.mark.parametrize("mode", [Mode.SYNC, Mode.APRIL])
+def test_dynamic_sampling_drops_uniform_group_and_tops_up(mode: Mode) -> None:
+    state = make_state(mode, b=1, over=1, n=2, dynamic=True)
+    d = Driver(state)
+    d.take()
+    d.finish(d.lease_of((0, 0)), reward=1.0)
+    d.finish(d.lease_of((0, 1)), reward=1.0)
+    assert state.dropped == {"dynamic_filter": 1}
+    assert state.ledger().dropped == {"dynamic_filter": 1}
+    assert 0 not in state.groups and not state.complete
+    assert not state.close_round_if_complete()
+    work = d.take()  # the round tops up with a new group
+    assert [s.key for _, _, s in work] == [(1, 0), (1, 1)]
+    d.finish_all()  # rewards 0 and 1: mixed, kept
+    assert d.end_round()
+    assert d.train() is not None
+    ledger = state.check_ledger()
+    assert (ledger.issued, ledger.trained, ledger.dropped) == (2, 1, {"dynamic_filter": 1})
+
+
+def test_uniform_rewards_are_kept_without_dynamic_sampling() -> None:
+    state = make_state(Mode.SYNC, b=1, n=2, dynamic=False)
+    d = Driver(state)
+    d.take()
+    d.finish(d.lease_of((0, 0)), reward=1.0)
+    d.finish(d.lease_of((0, 1)), reward=1.0)
+    assert state.dropped == {} and list(state.complete) == [0]
+
+
+@pytest.mark.parametrize("mode", list(Mode), ids=str)
+def test_failed_sample_drops_its_group(mode: Mode) -> None:
+    state = make_state(mode, b=1, over=2, n=3)
+    d = Driver(state)
+    d.take()
+    d.fail(d.lease_of((0, 1)))
+    assert state.in_flight == (2 if mode != Mode.SYNC else 1) and not state.dropped  # siblings still run
+    d.finish(d.lease_of((0, 0)))
+    d.finish(d.lease_of((0, 2)))
+    assert state.dropped == {"failed": 1} and 0 not in state.groups
+    assert state.ledger().dropped == {"failed": 1}
+
+
+# ---------------------------------------------------------------------------------------------------
+# reclaim and duplicate results
+
+
+def april_with_partial() -> tuple[Driver, int, Sample]:
+    """An april state in its second round with (2, 0) resumed under lease `lease_id` (3 tokens, v0)."""
+    state = make_state(Mode.APRIL, b=2, over=3, n=2)
+    d = Driver(state)
+    d.take()
+    for g in (0, 1):
+        for i in (0, 1):
+            d.finish(d.lease_of((g, i)))
+    d.interrupt(d.lease_of((2, 0)), tokens=3)
+    d.interrupt(d.lease_of((2, 1)), tokens=1)
+    assert d.end_round()
+    d.train()
+    work = d.take()
+    lease_id, _, resumed = work[0]
+    assert resumed.key == (2, 0) and resumed.resumes == 1
+    return d, lease_id, resumed
+
+
+def test_reclaim_restores_the_sample_exactly_as_before_the_lease() -> None:
+    d, lease_id, _ = april_with_partial()
+    state = d.state
+    before = state.leases[lease_id].at_lease
+    assert before.status == SampleStatus.INTERRUPTED and before.resumes == 0
+    partial_before = state.partial
+    d.reclaim(lease_id)
+    restored = state.groups[2].samples[0]
+    assert_samples_equal(restored, before)
+    assert restored.segments == (Segment(0, 0, 3),) and restored.response_len == 3
+    assert (2, 0) in state.queue.ordered() and lease_id not in state.leases
+    assert state.partial == partial_before  # (2, 1) is still leased: the group stays in flight
+    # the reclaimed lease is gone: its result is refused and counts nothing
+    late = _extend(restored.resumed(), 2, version=1)
+    with pytest.raises(ResultRejected) as exc:
+        state.accept_result("w0", lease_id, late)
+    assert exc.value.reason == "not_leased"
+    d.check()
+    # leased again: the next lease resumes it once more, from the same three tokens
+    again = [w for w in d.take() if w[2].key == (2, 0)]
+    assert len(again) == 1 and again[0][2].resumes == 1 and again[0][1] == MAX_NEW - 3
+
+
+def test_second_result_for_a_lease_is_not_counted_twice() -> None:
+    state = make_state(Mode.SYNC, b=1, n=2)
+    d = Driver(state)
+    (l0, _, _), _ = d.take()
+    out = d.finish(l0)
+    tokens = state.totals.tokens_generated
+    with pytest.raises(ResultRejected) as exc:
+        state.accept_result("w0", l0, out)
+    assert exc.value.reason == "not_leased"
+    assert state.totals.samples_finished == 1 and state.totals.tokens_generated == tokens
+    d.check()
+
+
+def test_result_from_another_worker_is_not_leased() -> None:
+    state = make_state(Mode.SYNC, b=1, n=1)
+    d = Driver(state)
+    ((lease_id, _, s),) = d.take(worker="w0")
+    out = s.extend([1], [-0.1], 0, FinishReason.STOP).scored(1.0)
+    with pytest.raises(ResultRejected) as exc:
+        state.accept_result("w1", lease_id, out)
+    assert exc.value.reason == "not_leased"
+    assert lease_id in state.leases
+    d.finish(lease_id)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ResultRejected reasons
+
+
+def _extend(s: Sample, k: int, version: int = 1, finish: FinishReason = FinishReason.STOP) -> Sample:
+    out = s.extend([20 + i for i in range(k)], [-0.25] * k, version, finish)
+    return out.scored(1.0) if finish in (FinishReason.STOP, FinishReason.LENGTH) else out
+
+
+def _flip_first(s: Sample) -> Sample:
+    ids = s.response_ids.copy()
+    ids[0] += 1
+    return dataclasses.replace(s, response_ids=ids)
+
+
+def _shorter(s: Sample) -> Sample:
+    return dataclasses.replace(
+        s,
+        response_ids=s.response_ids[:2],
+        response_logprobs=s.response_logprobs[:2],
+        segments=(Segment(0, 0, 2),),
+    )
+
+
+# name -> (expected reason, the bad result built from (leased sample, a sibling sample))
+BAD_RESULTS: dict[str, tuple[str, Callable[[Sample, Sample], Sample]]] = {
+    "wrong_sample": ("wrong_sample", lambda s, other: _extend(other, 2)),
+    "bad_status-still-running": ("bad_status", lambda s, _: _extend(s, 2, finish=FinishReason.NONE)),
+    "bad_length-over-budget": ("bad_length", lambda s, _: _extend(s, MAX_NEW - 3 + 1)),
+    "bad_length-shorter-than-leased": ("bad_length", lambda s, _: _shorter(_extend(s, 2))),
+    "not_a_continuation-changed-token": ("not_a_continuation", lambda s, _: _flip_first(_extend(s, 2))),
+    "future_version": ("future_version", lambda s, _: _extend(s, 2, version=2)),
+    "bad_finish-finished-without-reward": (
+        "bad_finish",
+        lambda s, _: s.extend([5], [-0.1], 1, FinishReason.STOP),
+    ),
+    "bad_finish-finished-with-abort": (
+        "bad_finish",
+        lambda s, _: dataclasses.replace(_extend(s, 2), finish_reason=FinishReason.ABORT),
+    ),
+    "bad_finish-interrupted-without-abort": (
+        "bad_finish",
+        lambda s, _: dataclasses.replace(
+            _extend(s, 2, finish=FinishReason.ABORT), finish_reason=FinishReason.STOP
+        ),
+    ),
+    "prompt_changed": (
+        "prompt_changed",
+        lambda s, _: dataclasses.replace(_extend(s, 2), prompt_ids=s.prompt_ids + 1),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_RESULTS))
+def test_result_rejected(name: str) -> None:
+    d, lease_id, leased = april_with_partial()
+    state = d.state
+    assert state.version == 1
+    reason, build = BAD_RESULTS[name]
+    bad = build(leased, state.groups[2].samples[1])
+    ledger, queue = state.ledger(), state.queue.ordered()
+    with pytest.raises(ResultRejected) as exc:
+        state.accept_result("w0", lease_id, bad)
+    assert exc.value.reason == reason, str(exc.value)
+    # nothing changed: the lease is still held (the server reclaims it), the books are as they were
+    assert lease_id in state.leases and state.ledger() == ledger and state.queue.ordered() == queue
+    assert_samples_equal(state.groups[2].samples[0], leased)
+    d.check()
+    d.finish(lease_id, tokens=2)  # the genuine result is still accepted
+
+
+def test_result_with_empty_prompt_is_rejected_for_a_fresh_sample() -> None:
+    state = make_state(Mode.SYNC, b=1, n=1)
+    d = Driver(state)
+    ((lease_id, _, s),) = d.take()
+    bad = dataclasses.replace(_extend(s, 2, version=0), prompt_ids=np.zeros(0, dtype=np.int32))
+    with pytest.raises(ResultRejected) as exc:
+        state.accept_result("w0", lease_id, bad)
+    assert exc.value.reason == "prompt_changed"
+
+
+def test_resumed_lease_may_span_two_versions() -> None:
+    """Weights loaded between decode steps: a resumed sample returns its old segment plus two new ones."""
+    d, lease_id, leased = april_with_partial()
+    state = d.state
+    assert state.version == 1
+    out = leased.extend([1], [-0.1], 1, FinishReason.NONE)
+    assert state.set_weights(2, "v2", "sha")
+    out = out.extend([2], [-0.1], 2, FinishReason.STOP).scored(1.0)
+    state.accept_result("w0", lease_id, out)
+    d.held.pop(lease_id)
+    d.check()
+    assert state.groups[2].samples[0].segments == (Segment(0, 0, 3), Segment(1, 3, 4), Segment(2, 4, 5))
+
+
+def test_fresh_lease_may_span_two_versions() -> None:
+    state = make_state(Mode.APRIL, b=1, over=1, n=1)
+    d = Driver(state)
+    ((lease_id, _, s),) = d.take()
+    out = s.extend([1, 2], [-0.1, -0.1], 0, FinishReason.NONE)
+    assert state.set_weights(1, "v1", "sha")
+    out = out.extend([3], [-0.1], 1, FinishReason.STOP).scored(1.0)
+    state.accept_result("w0", lease_id, out)  # a fresh lease has no old segment to keep
+    d.held.pop(lease_id)
+    d.check()
+    assert state.groups[0].samples[0].segments == (Segment(0, 0, 2), Segment(1, 2, 3))
+
+
+def test_result_that_retags_earlier_tokens_is_rejected() -> None:
+    d, lease_id, leased = april_with_partial()
+    state = d.state
+    assert leased.segments == (Segment(0, 0, 3),) and state.version == 1
+    out = _extend(leased, 2, version=1)
+    forged = dataclasses.replace(out, segments=(Segment(1, 0, 5),))  # tokens 0..3 claimed by v1
+    assert forged.staleness(1) == 0 and out.staleness(1) == 1
+    with pytest.raises(ResultRejected) as exc:
+        state.accept_result("w0", lease_id, forged)
+    assert exc.value.reason == "not_a_continuation"
+
+
+def test_result_that_rewrites_earlier_logprobs_is_rejected() -> None:
+    d, lease_id, leased = april_with_partial()
+    state = d.state
+    out = _extend(leased, 2)
+    forged = dataclasses.replace(out, response_logprobs=np.full(5, -0.01, dtype=np.float32))
+    assert not np.array_equal(forged.response_logprobs[:3], leased.response_logprobs)
+    with pytest.raises(ResultRejected) as exc:
+        state.accept_result("w0", lease_id, forged)
+    assert exc.value.reason == "not_a_continuation"
+
+
+# ---------------------------------------------------------------------------------------------------
+# batches and weights
+
+
+def test_form_batch_is_stable_until_acked() -> None:
+    state = make_state(Mode.SYNC, b=1, n=2)
+    d = Driver(state)
+    assert state.form_batch(0) is None
+    d.take()
+    d.finish_all()
+    assert state.close_round_if_complete()
+    batch = state.form_batch(0)
+    assert batch is not None
+    assert state.form_batch(5) is batch  # a repeated request gets the same batch
+    d.check()
+    assert state.ledger().complete_waiting == 1  # handed out, not trained yet
+    assert not state.ack_batch(batch.batch_id + 1)
+    assert state.batch is batch and state.trained == 0
+    assert state.ack_batch(batch.batch_id)
+    assert not state.ack_batch(batch.batch_id)  # a replayed ack
+    assert state.trained == 1
+    d.check()
+
+
+def test_set_weights_ignores_older_or_equal_version() -> None:
+    state = make_state(Mode.ASYNC)
+    assert state.set_weights(2, "v2", "aa")
+    assert not state.set_weights(2, "again", "bb")
+    assert not state.set_weights(1, "old", "cc")
+    assert (state.version, state.weights_uri, state.weights_sha256) == (2, "v2", "aa")
+
+
+# ---------------------------------------------------------------------------------------------------
+# snapshots
+
+
+def mid_run_april() -> Driver:
+    """An april state mid-abort: leases out on two workers, a partial and a fresh sample queued, a
+    surplus complete group, an unacked batch and a dropped group."""
+    state = BrokerState(Mode.APRIL, algo(b=1, over=5, n=2, dynamic=True), source())
+    d = Driver(state)
+    d.take()  # groups 0..4
+    d.finish(d.lease_of((0, 0)), reward=1.0)
+    d.finish(d.lease_of((0, 1)), reward=1.0)  # dropped: uniform rewards
+    for g in (1, 4):
+        d.finish(d.lease_of((g, 0)))
+        d.finish(d.lease_of((g, 1)))
+    assert d.end_round()  # groups 2, 3 interrupted
+    assert d.train() is not None  # group 1; group 4 is surplus
+    d.take(credit=3, worker="w1")  # (2, 0), (2, 1), (3, 0) resumed
+    d.finish(d.lease_of((2, 0)))
+    d.finish(d.lease_of((2, 1)))
+    d.take(credit=2, worker="w2")  # (3, 1) resumed and fresh (5, 0); (5, 1) stays queued
+    assert state.close_round_if_complete()
+    d.interrupt(d.lease_of((3, 0)))  # the abort has started: one result is back
+    assert state.form_batch(1) is not None  # unacked
+    d.check()
+    assert state.batch is not None and state.batch.group_ids == [2]
+    assert list(state.complete) == [4] and state.dropped == {"dynamic_filter": 1}
+    assert sorted(s.key for _, s, _ in d.held.values()) == [(3, 1), (5, 0)]
+    assert state.queue.ordered() == [(3, 0), (5, 1)]
+    return d
+
+
+def assert_same_books(a: BrokerState, b: BrokerState) -> None:
+    assert a.ledger() == b.ledger()
+    assert (a.cursor, a.next_group_id, a.next_batch_id, a.version, a.round_open) == (
+        b.cursor,
+        b.next_group_id,
+        b.next_batch_id,
+        b.version,
+        b.round_open,
+    )
+    assert (a.weights_uri, a.weights_sha256) == (b.weights_uri, b.weights_sha256)
+    assert a.queue.ordered() == b.queue.ordered()
+    assert list(a.complete) == list(b.complete)
+    assert sorted(a.groups) == sorted(b.groups)
+    for gid, entry in a.groups.items():
+        for x, y in zip(entry.samples, b.groups[gid].samples, strict=True):
+            assert_samples_equal(x, y)
+    assert sorted(a.leases) == sorted(b.leases)
+    for lease_id, lease in a.leases.items():
+        assert lease.worker_id == b.leases[lease_id].worker_id
+        assert_samples_equal(lease.at_lease, b.leases[lease_id].at_lease)
+    assert (a.batch is None) == (b.batch is None)
+    if a.batch is not None and b.batch is not None:
+        assert (a.batch.batch_id, a.batch.step, a.batch.version, a.batch.group_ids, a.batch.stats) == (
+            b.batch.batch_id,
+            b.batch.step,
+            b.batch.version,
+            b.batch.group_ids,
+            b.batch.stats,
+        )
+        for x, y in zip(a.batch.samples, b.batch.samples, strict=True):
+            assert_samples_equal(x, y)
+
+
+def test_snapshot_round_trip_and_continue(tmp_path: Path) -> None:
+    d = mid_run_april()
+    old = d.state
+    snapshot.write(snapshot.capture(old), tmp_path)
+    new = snapshot.restore(snapshot.read(tmp_path), old.mode, old.algo, source())
+    new.check_ledger()
+    assert_same_books(old, new)
+    assert new.epoch == old.epoch + 1
+    assert [s.key for s in new.partial_samples()] == [s.key for s in old.partial_samples()] == [(3, 0)]
+
+    # carry on with the restored books: the batch is acked, leases granted before the snapshot finish
+    d.state = new
+    batch = d.train(step=1)
+    assert batch is not None and batch.group_ids == [2]
+    d.finish_all()
+    old_ids = set(old.leases)
+    for _ in range(4):
+        work = d.take()
+        assert all(lid >> LEASE_EPOCH_SHIFT == new.epoch for lid, _, _ in work)
+        assert not old_ids & {lid for lid, _, _ in work}
+        d.finish_all()
+        assert d.end_round()
+        d.train()
+    ledger = new.check_ledger()
+    assert ledger.in_flight == ledger.partial == 0
+    assert ledger.issued == ledger.trained + ledger.complete_waiting + sum(ledger.dropped.values())
+    assert ledger.trained >= old.trained + 5
+
+
+def test_snapshot_of_a_fresh_state(tmp_path: Path) -> None:
+    state = make_state(Mode.SYNC)
+    snapshot.write(snapshot.capture(state), tmp_path)
+    new = snapshot.restore(snapshot.read(tmp_path), Mode.SYNC, state.algo, source())
+    assert_same_books(state, new)
+
+
+@pytest.mark.parametrize("cut", [0, 5, 0.5, -1], ids=["empty", "5-bytes", "half", "last-byte"])
+def test_truncated_snapshot_is_an_error(tmp_path: Path, cut: float) -> None:
+    path = snapshot.write(snapshot.capture(mid_run_april().state), tmp_path)
+    data = path.read_bytes()
+    keep = int(len(data) * cut) if isinstance(cut, float) else (cut if cut >= 0 else len(data) + cut)
+    path.write_bytes(data[:keep])
+    with pytest.raises(SnapshotError):
+        snapshot.read(tmp_path)
+
+
+def test_missing_snapshot_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SnapshotError):
+        snapshot.read(tmp_path)
+
+
+def test_snapshot_for_another_mode_is_an_error(tmp_path: Path) -> None:
+    state = mid_run_april().state
+    snapshot.write(snapshot.capture(state), tmp_path)
+    snap = snapshot.read(tmp_path)
+    with pytest.raises(SnapshotError):
+        snapshot.restore(snap, Mode.SYNC, state.algo, source())
+    with pytest.raises(SnapshotError):
+        snapshot.restore(snap, Mode.APRIL, dataclasses.replace(state.algo, n_samples_per_prompt=3), source())
+
+
+# ---------------------------------------------------------------------------------------------------
+# randomized sequences of operations
+
+
+def random_run(mode: Mode, seed: int, dynamic: bool) -> None:
+    rng = random.Random(seed)
+    eta = rng.randint(0, 2)
+    b = rng.randint(1, 3)
+    state = BrokerState(
+        mode, algo(b=b, over=b + rng.randint(0, 3), n=rng.randint(1, 3), eta=eta, dynamic=dynamic), source()
+    )
+    d = Driver(state)
+    workers = ["w0", "w1", "w2"]
+    step = 0
+
+    def leased() -> int | None:
+        return rng.choice(sorted(d.held)) if d.held else None
+
+    for _ in range(200):
+        op = rng.randrange(9)
+        lease_id = leased()
+        if op == 0:
+            d.take(credit=rng.randint(0, 5), worker=rng.choice(workers))
+        elif op == 1 and lease_id is not None:
+            d.finish(lease_id, tokens=rng.randint(0, MAX_NEW), reward=float(rng.randint(0, 1)))
+        elif op == 2 and lease_id is not None:
+            d.interrupt(lease_id, tokens=rng.randint(0, 3))
+        elif op == 3 and lease_id is not None and rng.random() < 0.3:
+            d.fail(lease_id)
+        elif op == 4 and lease_id is not None:
+            d.reclaim(lease_id)
+        elif op == 5:
+            assert not state.set_weights(rng.randint(0, state.version), "replay", "")
+        elif op == 6 and policy.is_round_based(mode):
+            d.end_round()
+        elif op == 7:
+            version = state.version
+            batch = d.train(step)
+            if batch is not None:
+                step += 1
+                if mode == Mode.ASYNC:
+                    assert max(s.staleness(version) for s in batch.samples) <= eta
+        elif op == 8 and rng.random() < 0.3:  # the broker restarts from a snapshot of this moment
+            restored = snapshot.restore(snapshot.capture(state), mode, state.algo, source())
+            assert_same_books(state, restored)
+            assert restored.epoch == state.epoch + 1
+            d.state = state = restored
+            d.check()
+        if mode == Mode.ASYNC:
+            assert state.counts().accepted <= policy.admission_limit(state.algo, state.version)
+
+    # drain: finish whatever is out and train what can be trained
+    for _ in range(6):
+        d.take()
+        for lease_id in sorted(d.held):
+            d.finish(lease_id, tokens=1, reward=float(rng.randint(0, 1)))
+        d.end_round()
+        d.train(step)
+    d.check()
+
+    issued = set(range(state.next_group_id))
+    live = set(state.groups)
+    assert state.trained == len(d.trained_groups)
+    assert not live & d.trained_groups
+    dropped = issued - live - d.trained_groups
+    assert len(dropped) == sum(state.dropped.values())
+    assert state.issued == len(issued)
+    assert len(d.trained_keys) == state.trained * state.algo.n_samples_per_prompt
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic"])
+@pytest.mark.parametrize("mode", list(Mode), ids=str)
+def test_random_operations_keep_the_books(mode: Mode, dynamic: bool) -> None:
+    for seed in range(40):
+        random_run(mode, seed, dynamic)
