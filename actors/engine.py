@@ -1,0 +1,100 @@
+"""The inference-engine interface every rollout worker drives, whatever the engine.
+
+One small synchronous interface so the worker loop (actors/worker.py) reads the same for the built-in
+torch engine, a real SGLang server, vLLM and the simulation engine. Token ids only: tokenization and
+chat templates are the worker's business; sockets and leases are the worker's business too.
+
+Life of a request: `add` it (input = prompt + response so far, budget = tokens it may still generate);
+call `step` repeatedly to make progress and collect the requests that finished (stop or length);
+`abort` stops everything and returns every unfinished request with the tokens it generated so far,
+returning only once the engine is really idle. `load_weights` runs between steps; a failed load raises
+`WeightLoadError` and leaves the old weights serving. Each generated token carries the weights version
+that produced it, so a load between decode steps splits a response into two segments.
+
+Heavy imports (torch, transformers, HTTP clients) live in the engine modules under actors/engines/, never
+here, and `make_engine` imports only the one asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from april.records import FinishReason
+
+ENGINES = ("torch", "sglang", "vllm", "sim")
+
+
+class EngineError(Exception):
+    """The engine cannot serve (bad model directory, server unreachable, ...). One readable line."""
+
+
+class WeightLoadError(EngineError):
+    """A new weights version could not be loaded; the engine keeps serving the old one."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How tokens are drawn. Log-probs are always those of the temperature-scaled full distribution
+    (before top-p/top-k truncation), which is what the learner recomputes."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: int  # the worker uses the broker's lease id
+    input_ids: npt.NDArray[np.int32]  # prompt + response so far
+    max_new_tokens: int  # budget; 0 means finished at once with reason LENGTH
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    """What one request generated since it was added (new tokens only)."""
+
+    request_id: int
+    token_ids: npt.NDArray[np.int32]
+    logprobs: npt.NDArray[np.float32]
+    versions: npt.NDArray[np.int32]  # weights version that produced each token
+    finish_reason: FinishReason  # STOP, LENGTH, or ABORT (from `abort`)
+    stats: dict[str, float] = field(default_factory=dict)  # engine-specific timings, optional
+
+
+class Engine(Protocol):
+    name: str
+    slots: int  # most requests it runs at once
+    version: int  # weights version loaded now
+
+    @property
+    def active(self) -> int:
+        """Requests added and not yet returned."""
+        ...
+
+    def add(self, requests: Sequence[GenerationRequest]) -> None:
+        """Start generating; the caller never exceeds `slots` active requests."""
+        ...
+
+    def step(self) -> list[GenerationOutput]:
+        """Make progress (one decode step, or a short poll for remote engines); return the requests that
+        finished since the last call. Returns promptly when nothing is active."""
+        ...
+
+    def abort(self) -> list[GenerationOutput]:
+        """Stop everything; return every request not yet returned (finished ones with their reason,
+        unfinished ones with ABORT and their partial tokens). On return the engine is idle."""
+        ...
+
+    def load_weights(self, path: Path, version: int) -> None:
+        """Swap in weights `version` from `path` (a verified safetensors file or HF directory)."""
+        ...
+
+    def close(self) -> None: ...
