@@ -167,6 +167,10 @@ def _encode_value(value: Any, spec: _Spec, buffers: list[Frame]) -> Any:
             return value.value
         case _Optional(inner):
             return None if value is None else _encode_value(value, inner, buffers)
+        case _List(_Scalar(py)) if py is str:
+            return list(value)
+        case _List(_Dict(_Scalar(py))) if py is str:
+            return [dict(v) for v in value]
         case _List(inner):
             return [_encode_value(v, inner, buffers) for v in value]
         case _Dict(inner):
@@ -285,6 +289,8 @@ def _decode_value(raw: Any, spec: _Spec, frames: Sequence[Frame], used: set[int]
         case _List(inner):
             if not isinstance(raw, list):
                 raise ProtocolError("wrong_type", f"{where}: expected a list, got {type(raw).__name__}")
+            if _all_plain(raw, inner):  # hot path: lists of strings / of str->str maps (one per sample)
+                return raw
             return [_decode_value(v, inner, frames, used, f"{where}[{i}]") for i, v in enumerate(raw)]
         case _Dict(inner):
             _check_map(raw, where)
@@ -344,3 +350,18 @@ def _show(raw: Any) -> str:
         text = repr(raw[:40])
         return f"{type(raw).__name__} {text}{'...' if len(raw) > 40 else ''}"
     return f"{type(raw).__name__} {raw!r}"
+
+
+_STR = _Scalar(str)
+
+
+def _all_plain(raw: list[Any], inner: _Spec) -> bool:
+    """True when every item of a list of `str` or of `dict[str, str]` already has exactly that type
+    (then the decoded msgpack value is the result as is). Anything else takes the checked path."""
+    if inner == _STR:
+        return all(type(v) is str for v in raw)
+    if inner == _Dict(_STR):
+        return all(
+            type(d) is dict and all(type(k) is str and type(v) is str for k, v in d.items()) for d in raw
+        )
+    return False

@@ -142,7 +142,7 @@ class BrokerConfig:
     abort_timeout_s: float = 5.0
     abort_retries: int = 3
     max_message_bytes: int = 268435456  # 256 MiB
-    max_buffered_samples: int = 1000000
+    max_buffered_samples: int = 16384  # bound on samples held: issuing pauses at it (back-pressure)
     snapshot_interval_s: float = 30.0
     curve_keys_dir: str = ""  # empty: no CURVE encryption
     debug_ledger: bool = False

@@ -86,21 +86,32 @@ class SampleBatch:
         self._validate_segments()
 
     def _validate_segments(self) -> None:
+        """Per sample: segments tile [0, n) contiguously with non-decreasing versions (vectorised)."""
         seg = self.segments.reshape(-1, 3)
         if seg.shape[0] and (seg[:, 0].min() < 0 or np.any(seg[:, 2] <= seg[:, 1])):
             raise ValueError("segments need version >= 0 and end > start")
-        lengths = np.diff(self.response_offsets)
-        for i in range(len(self)):
-            lo, hi = int(self.segment_offsets[i]), int(self.segment_offsets[i + 1])
-            n = int(lengths[i])
-            if hi == lo:
-                if n:
-                    raise ValueError(f"sample {i}: {n} response tokens but no segment")
-                continue
-            s = seg[lo:hi]
-            # contiguous from 0 to n, versions non-decreasing
-            if s[0, 1] != 0 or s[-1, 2] != n or np.any(s[1:, 1] != s[:-1, 2]) or np.any(np.diff(s[:, 0]) < 0):
-                raise ValueError(f"sample {i}: segments do not tile [0, {n}) with non-decreasing versions")
+        lengths = self.response_offsets[1:] - self.response_offsets[:-1]
+        first, stop = self.segment_offsets[:-1], self.segment_offsets[1:]
+        has = stop > first
+        missing = (lengths != 0) & ~has
+        if np.any(missing):
+            i = int(np.argmax(missing))
+            raise ValueError(f"sample {i}: {int(lengths[i])} response tokens but no segment")
+        if not np.any(has):
+            return
+        bad_edges = (seg[first[has], 1] != 0) | (seg[stop[has] - 1, 2] != lengths[has])
+        starts = np.zeros(seg.shape[0], dtype=bool)
+        starts[first[has]] = True
+        inner = ~starts[1:]  # segment pairs (j, j+1) inside one sample
+        bad_pairs = inner & ((seg[1:, 1] != seg[:-1, 2]) | (seg[1:, 0] < seg[:-1, 0]))
+        if np.any(bad_edges) or np.any(bad_pairs):
+            culprits = [int(np.flatnonzero(has)[np.argmax(bad_edges)])] if np.any(bad_edges) else []
+            if np.any(bad_pairs):  # the sample owning the first bad pair
+                culprits.append(int(np.searchsorted(self.segment_offsets, np.argmax(bad_pairs), "right")) - 1)
+            i = min(culprits)
+            raise ValueError(
+                f"sample {i}: segments do not tile [0, {int(lengths[i])}) with non-decreasing versions"
+            )
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample]) -> SampleBatch:

@@ -28,7 +28,8 @@ from april.protocol import Message
 from april.transport import configure
 from april.wire_records import SampleBatch
 from broker import snapshot
-from broker.peers import Peer, Rejections, Workers
+from broker.peers import Peer, Rejections, WorkerPeer, Workers
+from broker.snapshot_writer import SnapshotWriter
 from broker.state import BrokerState, PendingBatch, ResultRejected
 from broker.status import build_status
 
@@ -64,6 +65,9 @@ class Broker:
             snapshot.write(snapshot.capture(self.state), run_dir / "broker")
         else:
             self.state = BrokerState(config.run.mode, config.algo, source)
+        self.state.max_live_samples = self.cfg.max_buffered_samples
+        self.snapshots = SnapshotWriter(run_dir / "broker")
+        self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: Peer | None = None
         self.learner_identity = b""
         self.learner_waiting: int | None = None  # step of an unanswered BatchRequest
@@ -106,7 +110,8 @@ class Broker:
         poller.register(self.learner_sock, zmq.POLLIN)
         timeout_ms = max(1, int(self.cfg.heartbeat_interval_s * 250))
         while not should_stop():
-            events = dict(poller.poll(timeout_ms))
+            waiting_for_disk = self.snapshots.durable_seq < self.batch_snapshot_seq
+            events = dict(poller.poll(1 if waiting_for_disk else timeout_ms))
             if self.worker_sock in events:
                 self._drain(self.worker_sock, self._on_worker)
             if self.learner_sock in events:
@@ -115,13 +120,17 @@ class Broker:
 
     def close(self) -> None:
         self.save_snapshot()
+        self.snapshots.close()
         for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
             sock.close(linger=0)
         self.ctx.term()
 
-    def save_snapshot(self) -> None:
-        snapshot.write(snapshot.capture(self.state), self.run_dir / "broker")
+    def save_snapshot(self) -> int:
+        """Queue a snapshot of the books now; returns its sequence number (see SnapshotWriter)."""
+        if self.snapshots.error is not None:
+            raise snapshot.SnapshotError(f"cannot write snapshots: {self.snapshots.error}")
         self.last_snapshot = time.monotonic()
+        return self.snapshots.submit(snapshot.capture_refs(self.state))
 
     # ------------------------------------------------------------------ receiving
 
@@ -175,6 +184,8 @@ class Broker:
                 self._grant(worker_id, credit)
             case protocol.SampleResult():
                 self._on_results(worker_id, msg)
+                if not self.state.round_complete():  # refill at once: the slot is idle until then
+                    self._dispatch_to(peer, now)
             case protocol.AbortDone():
                 self._on_abort_done(worker_id, msg, now)
             case protocol.WeightsLoaded(version=version, ok=ok, error=error):
@@ -267,19 +278,25 @@ class Broker:
             self.abort.deadline.pop(worker_id, None)
 
     def _dispatch(self, now: float) -> None:
-        if self.abort is not None or not self.state.dispatch_allowed():
-            return
         for peer in self.workers.with_credit():
-            work = self.state.take_work(peer.peer_id, peer.credit)
-            if not work:
+            if not self._dispatch_to(peer, now):
                 break
-            peer.credit -= len(work)
-            lease = protocol.Lease(
-                lease_ids=np.array([w[0] for w in work], dtype=np.int64),
-                budgets=np.array([w[1] for w in work], dtype=np.int32),
-                samples=SampleBatch.from_samples([w[2] for w in work]),
-            )
-            self._send_worker(peer.peer_id, lease, now)
+
+    def _dispatch_to(self, peer: WorkerPeer, now: float) -> bool:
+        """Lease work to one worker up to its credit; False when there is nothing to lease."""
+        if self.abort is not None or not self.state.dispatch_allowed() or peer.credit <= 0:
+            return False
+        work = self.state.take_work(peer.peer_id, peer.credit)
+        if not work:
+            return False
+        peer.credit -= len(work)
+        lease = protocol.Lease(
+            lease_ids=np.array([w[0] for w in work], dtype=np.int64),
+            budgets=np.array([w[1] for w in work], dtype=np.int32),
+            samples=SampleBatch.from_samples([w[2] for w in work]),
+        )
+        self._send_worker(peer.peer_id, lease, now)
+        return True
 
     # ------------------------------------------------------------------ aborts
 
@@ -372,8 +389,9 @@ class Broker:
     def _ack(self, batch_id: int, now: float) -> bool:
         if not self.state.ack_batch(batch_id):
             return False
+        # No snapshot here: if the broker dies before the next one, the restored broker still holds this
+        # batch, and the learner's next BatchRequest (last_batch_id) acks it again.
         self.state.check_ledger(f"after acking batch {batch_id}")
-        self.save_snapshot()
         self.round_started = now
         return True
 
@@ -397,14 +415,17 @@ class Broker:
         if fresh:
             batch.stats["rollout_s"] = now - self.round_started
             self.state.check_ledger(f"after forming batch {batch.batch_id}")
-            self.save_snapshot()
+            self.batch_snapshot_seq = self.save_snapshot()
+        if self.snapshots.durable_seq < self.batch_snapshot_seq:
+            return  # not on disk yet: a crash now must not forget a batch the learner may train
         self._send(self.learner_sock, self.learner_identity, self._batch_message(batch))
+        batch.sends += 1
         log.info(
             "batch %d for step %d sent (%d samples)%s",
             batch.batch_id,
             batch.step,
             len(batch.samples),
-            "" if fresh else " again: not acked yet",
+            "" if batch.sends == 1 else f", {batch.sends} times: not acked before",
         )
         self.learner.last_sent = now
         self.learner_waiting = None
@@ -422,6 +443,8 @@ class Broker:
     # ------------------------------------------------------------------ the tick
 
     def tick(self, now: float) -> None:
+        if self.snapshots.error is not None:
+            raise snapshot.SnapshotError(f"cannot write snapshots: {self.snapshots.error}")
         for worker_id in self.workers.dead(now):
             log.warning(
                 "worker %s silent for %.1fs: dead, %d leases re-queued",

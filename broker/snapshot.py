@@ -1,35 +1,45 @@
-"""Crash-consistent snapshots of the broker's books in `RUN_DIR/broker/state.snap`.
+"""Crash-consistent persistence of the broker's books in `RUN_DIR/broker/`.
 
-A snapshot holds everything that makes a restart lose nothing: every live group with every sample in its
-latest known state (partials with their tokens, log-probs and segments), the lease table, the complete
-queue, the unacked batch, the ledger counters, the data cursor and the weights version. It is written with
-the protocol codec (the same strict decoding on load as for a peer's message) as length-prefixed frames,
-to a temporary file that is fsynced and renamed over the old one, so a crash mid-write leaves the previous
-snapshot intact.
+Two files make a restart lose nothing. `state.snap` holds the live books: every in-flight and partial
+group with every sample in its latest known state (partials with their tokens, log-probs and segments),
+the lease table, the complete queue and the unacked batch (as group ids), the ledger counters, the data
+cursor and the weights version. `complete.log` holds the samples of complete groups, appended once when a
+group completes (complete groups can be most of the data, and never change), and rewritten without the
+trained groups when it grows to more than twice what is live.
+
+Both are written with the protocol codec (the same strict decoding on load as for a peer's message) as
+length-prefixed frames. The log is appended and fsynced before the state file that refers to it is
+written to a temporary file, fsynced and renamed over the old one, so a crash at any point leaves a
+previous consistent pair; a torn record at the log's tail is cut off on open.
 
 Restoring starts a new lease epoch (see `broker.state`). Does not decide when to snapshot: the server does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from april.codec import Int64Array, ProtocolError, decode_body, decode_header, encode_frames
 from april.config import AlgoConfig, Mode
 from april.data import PromptSource
-from april.records import SampleStatus
+from april.records import Sample, SampleStatus
 from april.wire_records import SampleBatch
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch
 
 SNAPSHOT_FORMAT = 1
 SNAPSHOT_KIND = 0
+LOG_KIND = 1
 FILE_NAME = "state.snap"
+LOG_NAME = "complete.log"
 _LEN = struct.Struct("<Q")
 
 
@@ -64,74 +74,225 @@ class BrokerSnapshot:
     batch_stats: dict[str, float]
 
 
-def capture(state: BrokerState) -> BrokerSnapshot:
-    leases = list(state.leases.values())
-    batch = state.batch
-    return BrokerSnapshot(
-        epoch=state.epoch,
-        mode=state.mode.value,
-        n_samples_per_prompt=state.algo.n_samples_per_prompt,
-        version=state.version,
-        weights_uri=state.weights_uri,
-        weights_sha256=state.weights_sha256,
-        cursor=state.cursor,
-        next_group_id=state.next_group_id,
-        next_batch_id=state.next_batch_id,
-        issued=state.issued,
-        trained=state.trained,
-        dropped=dict(state.dropped),
-        round_open=state.round_open,
-        samples=SampleBatch.from_samples([s for g in state.groups.values() for s in g.samples]),
-        lease_ids=np.array([lease.lease_id for lease in leases], dtype=np.int64),
-        lease_workers=[lease.worker_id for lease in leases],
-        leased_at=SampleBatch.from_samples([lease.at_lease for lease in leases]),
+@dataclass(frozen=True, slots=True)
+class SnapshotRefs:
+    """A consistent copy of the books made in the poll loop: scalars and references to immutable
+    samples only (O(live samples) pointer copies), so the costly encoding can run on another thread."""
+
+    scalars: dict[str, Any]
+    samples: list[Sample]
+    leases: list[LeaseEntry]
+    complete_order: list[int]
+    batch: PendingBatch | None
+
+    def build(self) -> BrokerSnapshot:
+        """The full snapshot, every sample included (for in-memory use and tests)."""
+        return self._snapshot(self.samples)
+
+    def split(self) -> tuple[BrokerSnapshot, dict[int, list[Sample]]]:
+        """For SnapshotStore.save: the snapshot of live groups, and the complete groups' samples."""
+        held = set(self.complete_order) | set(self.batch.group_ids if self.batch else ())
+        live: list[Sample] = []
+        complete: dict[int, list[Sample]] = {}
+        for s in self.samples:
+            if s.group_id in held:
+                complete.setdefault(s.group_id, []).append(s)
+            else:
+                live.append(s)
+        return self._snapshot(live), complete
+
+    def _snapshot(self, samples: list[Sample]) -> BrokerSnapshot:
+        batch = self.batch
+        return BrokerSnapshot(
+            **self.scalars,
+            samples=SampleBatch.from_samples(samples),
+            lease_ids=np.array([lease.lease_id for lease in self.leases], dtype=np.int64),
+            lease_workers=[lease.worker_id for lease in self.leases],
+            leased_at=SampleBatch.from_samples([lease.at_lease for lease in self.leases]),
+            complete_order=self.complete_order,
+            batch_id=batch.batch_id if batch else -1,
+            batch_step=batch.step if batch else 0,
+            batch_version=batch.version if batch else 0,
+            batch_groups=list(batch.group_ids) if batch else [],
+            batch_stats=dict(batch.stats) if batch else {},
+        )
+
+
+def capture_refs(state: BrokerState) -> SnapshotRefs:
+    scalars = {
+        "epoch": state.epoch,
+        "mode": state.mode.value,
+        "n_samples_per_prompt": state.algo.n_samples_per_prompt,
+        "version": state.version,
+        "weights_uri": state.weights_uri,
+        "weights_sha256": state.weights_sha256,
+        "cursor": state.cursor,
+        "next_group_id": state.next_group_id,
+        "next_batch_id": state.next_batch_id,
+        "issued": state.issued,
+        "trained": state.trained,
+        "dropped": dict(state.dropped),
+        "round_open": state.round_open,
+    }
+    return SnapshotRefs(
+        scalars=scalars,
+        samples=[s for g in state.groups.values() for s in g.samples],
+        leases=list(state.leases.values()),
         complete_order=list(state.complete),
-        batch_id=batch.batch_id if batch else -1,
-        batch_step=batch.step if batch else 0,
-        batch_version=batch.version if batch else 0,
-        batch_groups=list(batch.group_ids) if batch else [],
-        batch_stats=dict(batch.stats) if batch else {},
+        batch=state.batch,
     )
 
 
-def write(snapshot: BrokerSnapshot, directory: Path) -> Path:
-    """Atomically replace `directory/state.snap`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / FILE_NAME
-    tmp = directory / f".{FILE_NAME}.tmp"
-    frames = encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, snapshot)
-    with open(tmp, "wb") as f:
-        f.write(_LEN.pack(len(frames)))
-        for frame in frames:
-            f.write(_LEN.pack(len(frame)))
-            f.write(frame)
+def capture(state: BrokerState) -> BrokerSnapshot:
+    return capture_refs(state).build()
+
+
+def _frames_bytes(frames: list[Any]) -> bytes:
+    out = [_LEN.pack(len(frames))]
+    for frame in frames:
+        out += [_LEN.pack(len(frame)), bytes(frame)]
+    return b"".join(out)
+
+
+def _read_record(data: bytes, pos: int) -> tuple[list[bytes], int]:
+    """The frames of the record at `pos` and the position after it; struct.error if torn."""
+    (count,) = _LEN.unpack_from(data, pos)
+    pos += _LEN.size
+    frames: list[bytes] = []
+    for _ in range(count):
+        (n,) = _LEN.unpack_from(data, pos)
+        pos += _LEN.size
+        if pos + n > len(data):
+            raise struct.error("truncated frame")
+        frames.append(data[pos : pos + n])
+        pos += n
+    return frames, pos
+
+
+def _fsync_write(path: Path, payload: bytes, mode: str) -> None:
+    with open(path, mode) as f:
+        f.write(payload)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedGroup:
+    """One record of complete.log: the final samples of one complete group."""
+
+    group_id: int
+    samples: SampleBatch
+
+
+class SnapshotStore:
+    """The pair of files in one directory; remembers which complete groups the log already holds."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.state_path = directory / FILE_NAME
+        self.log_path = directory / LOG_NAME
+        self._logged: set[int] | None = None  # group ids in the log, read on first use
+        self._records = 0
+
+    def save(self, live: BrokerSnapshot, complete: Mapping[int, Sequence[Sample]]) -> Path:
+        """Persist `live` (samples of in-flight/partial groups) and make sure the log holds every group in
+        `complete` (complete or handed-out groups); returns the state file's path."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        logged = self._index()
+        if self._records > 2 * len(complete) + 64:  # mostly trained groups: rewrite with the live ones
+            tmp = self.directory / f".{LOG_NAME}.tmp"
+            _fsync_write(tmp, self._encode_groups(complete), "wb")
+            os.replace(tmp, self.log_path)
+            logged.clear()
+            logged.update(complete)
+            self._records = len(complete)
+        else:
+            new = {gid: samples for gid, samples in complete.items() if gid not in logged}
+            if new:
+                _fsync_write(self.log_path, self._encode_groups(new), "ab")
+                logged.update(new)
+                self._records += len(new)
+        tmp = self.directory / f".{FILE_NAME}.tmp"
+        _fsync_write(tmp, _frames_bytes(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb")
+        os.replace(tmp, self.state_path)
+        return self.state_path
+
+    def load(self) -> BrokerSnapshot:
+        """The full snapshot: live samples plus the logged samples of its complete and handed-out groups."""
+        try:
+            data = self.state_path.read_bytes()
+        except FileNotFoundError:
+            raise SnapshotError(f"no broker snapshot at {self.state_path} (nothing to resume)") from None
+        try:
+            frames, _ = _read_record(data, 0)
+            decode_header(frames, SNAPSHOT_FORMAT)
+            live: BrokerSnapshot = decode_body(BrokerSnapshot, frames, max_bytes=len(data) + 1)
+        except (struct.error, ProtocolError) as exc:
+            raise SnapshotError(f"broker snapshot {self.state_path} is unreadable: {exc}") from exc
+        wanted = set(live.complete_order) | set(live.batch_groups)
+        groups = {gid: batch for gid, batch in self._read_log().items() if gid in wanted}
+        missing = wanted - set(groups)
+        if missing:
+            raise SnapshotError(
+                f"{self.log_path} lacks complete groups {sorted(missing)[:5]} of the snapshot"
+            )
+        samples = live.samples.to_samples() + [s for gid in sorted(groups) for s in groups[gid].to_samples()]
+        return dataclasses.replace(live, samples=SampleBatch.from_samples(samples))
+
+    def _encode_groups(self, groups: Mapping[int, Sequence[Sample]]) -> bytes:
+        return b"".join(
+            _frames_bytes(
+                encode_frames(SNAPSHOT_FORMAT, LOG_KIND, LoggedGroup(gid, SampleBatch.from_samples(samples)))
+            )
+            for gid, samples in groups.items()
+        )
+
+    def _index(self) -> set[int]:
+        if self._logged is None:
+            groups = self._read_log()
+            self._logged = set(groups)
+            self._records = len(groups)
+        return self._logged
+
+    def _read_log(self) -> dict[int, SampleBatch]:
+        """Every record of the log (the last record of a group wins); a torn tail is cut off."""
+        try:
+            data = self.log_path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        groups: dict[int, SampleBatch] = {}
+        pos = 0
+        while pos < len(data):
+            try:
+                frames, end = _read_record(data, pos)
+                decode_header(frames, SNAPSHOT_FORMAT)
+                record: LoggedGroup = decode_body(LoggedGroup, frames, max_bytes=len(data) + 1)
+            except (struct.error, ProtocolError):
+                break  # a record torn by a crash: never referenced by a durable snapshot
+            groups[record.group_id] = record.samples
+            pos = end
+        if pos < len(data):
+            with open(self.log_path, "r+b") as f:
+                f.truncate(pos)
+        return groups
+
+
+def write(snapshot: BrokerSnapshot, directory: Path) -> Path:
+    """Persist a full snapshot (see SnapshotStore.save): complete groups go to the log."""
+    complete_ids = set(snapshot.complete_order) | set(snapshot.batch_groups)
+    live: list[Sample] = []
+    complete: dict[int, list[Sample]] = {}
+    for s in snapshot.samples.to_samples():
+        if s.group_id in complete_ids:
+            complete.setdefault(s.group_id, []).append(s)
+        else:
+            live.append(s)
+    live_snapshot = dataclasses.replace(snapshot, samples=SampleBatch.from_samples(live))
+    return SnapshotStore(directory).save(live_snapshot, complete)
 
 
 def read(directory: Path) -> BrokerSnapshot:
-    path = directory / FILE_NAME
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise SnapshotError(f"no broker snapshot at {path} (nothing to resume)") from None
-    frames: list[bytes] = []
-    try:
-        (count,), pos = _LEN.unpack_from(data, 0), _LEN.size
-        for _ in range(count):
-            (n,) = _LEN.unpack_from(data, pos)
-            pos += _LEN.size
-            if pos + n > len(data):
-                raise struct.error("truncated frame")
-            frames.append(data[pos : pos + n])
-            pos += n
-        decode_header(frames, SNAPSHOT_FORMAT)
-        snap: BrokerSnapshot = decode_body(BrokerSnapshot, frames, max_bytes=len(data) + 1)
-    except (struct.error, ProtocolError) as exc:
-        raise SnapshotError(f"broker snapshot {path} is unreadable: {exc}") from exc
-    return snap
+    return SnapshotStore(directory).load()
 
 
 def restore(snap: BrokerSnapshot, mode: Mode, algo: AlgoConfig, source: PromptSource) -> BrokerState:

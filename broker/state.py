@@ -77,6 +77,7 @@ class PendingBatch:
     group_ids: list[int]
     samples: list[Sample]
     stats: dict[str, float]
+    sends: int = 0  # times handed to a learner (more than once if it crashed before acking)
 
 
 class ResultRejected(Exception):
@@ -120,6 +121,7 @@ class BrokerState:
         self.dropped: Counter[str] = Counter()
         self.in_flight = 0  # groups (maintained by _moved)
         self.partial = 0
+        self.max_live_samples = 1 << 62  # bound on samples held (broker.max_buffered_samples)
         self.round_open = True  # sync/april: generation allowed in this round
         self.round = RoundCounters()
         self.totals = RoundCounters()
@@ -216,7 +218,8 @@ class BrokerState:
                 allowance = policy.fresh_group_allowance(
                     self.mode, self.algo, self.counts(), self.version, self.round_open
                 )
-                if allowance <= 0:
+                live = len(self.groups) * self.algo.n_samples_per_prompt
+                if allowance <= 0 or live + self.algo.n_samples_per_prompt > self.max_live_samples:
                     break
                 self.issue_group()
             gid, idx = self.queue.pop()

@@ -1,0 +1,445 @@
+"""Scores finished samples in a long-lived child process, so that no reward can block the worker.
+
+The worker-side API is non-blocking: `submit` queues a sample, `poll` returns the results ready so far,
+`cancel_all` (on abort) drops everything at once, `close` stops the child. Every submitted key gets
+exactly one `RewardResult` unless it is cancelled: a reward is either a finite float or `None` with a
+one-line error ("reward timed out after 5s", "reward raised ValueError: ...", "reward process died ...").
+Nothing is ever silently scored 0.
+
+Why a child process: a Python thread running a hung user function cannot be stopped; a process can be
+killed. The child is `python -m actors.reward_runner SPEC`; it scores one sample at a time, in submission
+order. The pipe carries JSON lines, never pickle:
+
+    worker -> child  {"v": 1, "t": "score", "key": K, "response": str, "answer": str, "metadata": {str: str}}
+    child -> worker  {"v": 1, "t": "ready"}                      reward loaded, ready to score
+                     {"v": 1, "t": "fatal", "error": str}        reward could not be loaded; child exits
+                     {"v": 1, "t": "start", "key": K, "at": T}    scoring K began at time.monotonic() T
+                     {"v": 1, "t": "done", "key": K, "reward": float | null, "error": str}
+
+The timeout clock of a sample starts at the child's "start" (CLOCK_MONOTONIC is system-wide), so time
+spent queued behind other samples or in the child's start-up (importing sympy for `math`) never counts.
+
+Failure policy (one rule: the sample that was running is blamed; the others did not run and are re-sent):
+- timeout: the running sample fails with "reward timed out after Xs"; the child is killed and a new one
+  started; the samples queued behind it are re-submitted to the new child, in order.
+- crash (the child exits or breaks the protocol): the running sample (or, if none had started, the oldest
+  one) fails with "reward process died (...)"; the rest are re-submitted to a restarted child. Each
+  restart fails one sample, so a reward that always crashes cannot loop forever.
+- start-up: a child that sends no "ready" within `startup_timeout_s`, or reports "fatal", fails every
+  sample in flight; after a "fatal" every later submission fails at once with the same error.
+- `cancel_all`: pending results are dropped; a busy child is killed (never waited on) and restarted.
+
+The child's stdout is moved to stderr before any user code runs (a `print` in a reward cannot corrupt
+the protocol) and its stdin is /dev/null. It runs in its own session (Ctrl-C in a terminal is the
+worker's to handle) and, on Linux, is killed when the thread that started it exits.
+
+Not thread-safe: one worker loop owns a runner. Knows nothing about samples, sockets or the broker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from actors.rewards import RewardError, check_reward_value, load_reward, one_line_error
+
+PROTOCOL_VERSION = 1
+_READ_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class RewardResult:
+    """The outcome of scoring one submitted sample: `reward` is a finite float, or None and `error` says
+    why (one line)."""
+
+    key: int
+    reward: float | None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reward is not None
+
+
+@dataclass(slots=True)
+class _Pending:
+    key: int
+    line: bytes  # the encoded "score" message, kept to re-send after a restart
+    started_at: float | None = None  # time.monotonic() when the child began scoring it
+
+
+class RewardRunner:
+    """Non-blocking reward scoring in a killable child process (see the module docstring)."""
+
+    def __init__(self, spec: str, timeout_s: float, startup_timeout_s: float = 60.0) -> None:
+        if not timeout_s > 0 or not startup_timeout_s > 0:
+            raise ValueError(
+                f"timeout_s and startup_timeout_s must be > 0, got {timeout_s}, {startup_timeout_s}"
+            )
+        load_reward(spec)  # validate at start-up, in this process: a bad spec is a RewardError here
+        self.spec = spec
+        self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._pending: dict[int, _Pending] = {}  # submission order = the child's scoring order
+        self._results: list[RewardResult] = []
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False
+        self._spawned_at = 0.0
+        self._out = bytearray()  # bytes not yet written to the child
+        self._in = bytearray()  # bytes read from the child, not yet a full line
+        self._dead: list[subprocess.Popen[bytes]] = []  # killed children to reap without waiting
+        self._broken = ""  # set by a "fatal" from the child: every later submission fails with it
+        self._closed = False
+        self._spawn()
+
+    # -- public API ---------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Submitted samples without a result yet."""
+        return len(self._pending)
+
+    def submit(self, key: int, response_text: str, answer: str, metadata: dict[str, str]) -> None:
+        """Queue one sample for scoring; never blocks. `key` must not be pending already."""
+        if self._closed:
+            raise RuntimeError("RewardRunner is closed")
+        if key in self._pending:
+            raise ValueError(f"reward key {key} is already pending")
+        if self._broken:
+            self._results.append(RewardResult(key, None, self._broken))
+            return
+        msg = {"v": PROTOCOL_VERSION, "t": "score", "key": key, "response": response_text,
+               "answer": answer, "metadata": dict(metadata)}  # fmt: skip
+        item = _Pending(key, json.dumps(msg).encode() + b"\n")
+        self._pending[key] = item
+        if self._proc is None:
+            self._spawn()
+        self._out += item.line
+        self._pump()
+
+    def poll(self, wait_s: float = 0.0) -> list[RewardResult]:
+        """Results ready so far (possibly none). With `wait_s` > 0, wait up to that long for at least one."""
+        deadline = time.monotonic() + wait_s
+        self._pump()
+        while not self._results and self._pending and (now := time.monotonic()) < deadline:
+            self._wait_readable(min(deadline - now, self._next_deadline() - now, 0.05))
+            self._pump()
+        out, self._results = self._results, []
+        return out
+
+    def cancel_all(self) -> None:
+        """Drop every pending sample and every undelivered result; returns at once. A busy child is killed
+        and restarted rather than waited on."""
+        self._results.clear()
+        if self._pending:
+            self._pending.clear()
+            self._kill()
+            if not self._closed and not self._broken:
+                self._spawn()
+        self._reap()
+
+    def close(self) -> None:
+        """Stop the child (killed if busy, else asked to exit) and drop pending work."""
+        if self._closed:
+            return
+        self._closed = True
+        idle = self._ready and not self._pending and not self._out
+        self._pending.clear()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if idle and proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()  # EOF: an idle child exits by itself
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1.0)
+            self._dead.append(proc)
+            _kill_quietly(proc)
+        for p in self._dead:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=1.0)  # after SIGKILL this returns almost at once
+        self._dead.clear()
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- child process management -------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        path = [os.getcwd() if p == "" else p for p in sys.path]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # the child sees what we import
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "actors.reward_runner", self.spec],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env, start_new_session=True,
+        )  # fmt: skip
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        os.set_blocking(self._proc.stdin.fileno(), False)
+        os.set_blocking(self._proc.stdout.fileno(), False)
+        self._ready = False
+        self._spawned_at = time.monotonic()
+        self._out.clear()
+        self._in.clear()
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            _kill_quietly(self._proc)
+            self._dead.append(self._proc)
+            self._proc = None
+        self._out.clear()
+        self._in.clear()
+
+    def _restart(self) -> None:
+        """Kill the child and re-send every pending sample to a fresh one."""
+        self._kill()
+        for item in self._pending.values():
+            item.started_at = None
+        if self._pending and not self._closed:
+            self._spawn()
+            for item in self._pending.values():
+                self._out += item.line
+
+    def _reap(self) -> None:
+        self._dead = [p for p in self._dead if p.poll() is None]
+
+    # -- I/O ------------------------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Write what the pipe takes, read what has arrived, then apply timeouts. Never blocks."""
+        self._reap()
+        if self._proc is None:
+            return
+        self._write()
+        proc = self._proc
+        eof = self._read()
+        if self._proc is not proc:
+            return  # a fatal message or a protocol error replaced the child already
+        if eof:  # not `poll()`: an exited child may still have unread messages in the pipe
+            self._on_crash()
+        else:
+            self._check_deadlines()
+
+    def _write(self) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        while self._out:
+            try:
+                n = os.write(self._proc.stdin.fileno(), self._out)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return  # broken pipe: the child died; _read sees the EOF
+            del self._out[:n]
+
+    def _read(self) -> bool:
+        """Read and handle every complete message; True at end of file (the child is gone)."""
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, _READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return False
+            if not chunk:
+                return True
+            self._in += chunk
+            while (end := self._in.find(b"\n")) != -1:
+                line = bytes(self._in[: end + 1])
+                del self._in[: end + 1]
+                if not self._handle(line):
+                    self._fail_running("reward process broke the protocol: " + repr(line[:80]))
+                if self._proc is not proc:
+                    return False  # killed or restarted while handling: its remaining output is moot
+
+    def _handle(self, line: bytes) -> bool:
+        """Apply one message from the child; False if it is malformed."""
+        try:
+            msg = json.loads(line)
+            kind = msg["t"]
+        except (ValueError, TypeError, KeyError):
+            return False
+        if kind == "ready":
+            self._ready = True
+        elif kind == "fatal":
+            self._broken = f"reward process could not load {self.spec!r}: {msg.get('error', '?')}"
+            self._fail_all(self._broken)
+        elif kind == "start" and isinstance(msg.get("at"), float) and msg.get("key") in self._pending:
+            self._pending[msg["key"]].started_at = min(msg["at"], time.monotonic())
+        elif kind == "done" and msg.get("key") in self._pending:
+            reward, error = msg.get("reward"), msg.get("error")
+            if not isinstance(error, str) or not (reward is None or _finite_float(reward)):
+                return False
+            del self._pending[msg["key"]]
+            self._results.append(RewardResult(msg["key"], None if reward is None else float(reward), error))
+        else:
+            return False
+        return True
+
+    def _wait_readable(self, wait_s: float) -> None:
+        if self._proc is None or self._proc.stdout is None or wait_s <= 0:
+            return
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._proc.stdout.fileno(), selectors.EVENT_READ)
+            sel.select(wait_s)
+
+    # -- failures -------------------------------------------------------------------------------------
+
+    def _next_deadline(self) -> float:
+        running = self._running()
+        if running is not None and running.started_at is not None:
+            return running.started_at + self.timeout_s
+        if not self._ready and self._pending:
+            return self._spawned_at + self.startup_timeout_s
+        return math.inf
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        running = self._running()
+        if (
+            running is not None
+            and running.started_at is not None
+            and now > running.started_at + self.timeout_s
+        ):
+            self._fail(running.key, f"reward timed out after {self.timeout_s:g}s")
+            self._restart()
+        elif not self._ready and self._pending and now > self._spawned_at + self.startup_timeout_s:
+            self._fail_all(f"reward process did not start within {self.startup_timeout_s:g}s")
+
+    def _on_crash(self) -> None:
+        assert self._proc is not None
+        try:
+            rc: int | None = self._proc.wait(timeout=0.05)  # EOF seen: it is exiting, or exited
+        except subprocess.TimeoutExpired:
+            rc = None
+        how = "closed its pipe" if rc is None else _describe_exit(rc)
+        if self._pending and not self._broken:
+            self._fail_running(f"reward process died ({how}) while scoring")
+        else:
+            self._kill()  # idle child died (or fatal): restart lazily on the next submit
+
+    def _running(self) -> _Pending | None:
+        """The sample the child is scoring: the oldest pending one, once it has started."""
+        first = next(iter(self._pending.values()), None)
+        return first if first is not None and first.started_at is not None else None
+
+    def _fail_running(self, error: str) -> None:
+        """Blame the running (else the oldest) pending sample, restart the child for the rest."""
+        first = next(iter(self._pending), None)
+        if first is not None:
+            self._fail(first, error)
+        self._restart()
+
+    def _fail(self, key: int, error: str) -> None:
+        del self._pending[key]
+        self._results.append(RewardResult(key, None, error))
+
+    def _fail_all(self, error: str) -> None:
+        for key in list(self._pending):
+            self._fail(key, error)
+        self._kill()
+
+
+def score_now(
+    spec: str, response_text: str, answer: str, metadata: dict[str, str], timeout_s: float
+) -> RewardResult:
+    """Score one sample synchronously in a fresh child process (tests, one-shot use); key 0.
+
+    Start-up of the child is not counted in `timeout_s`. Raises RewardError for a bad spec."""
+    with RewardRunner(spec, timeout_s) as runner:
+        runner.submit(0, response_text, answer, metadata)
+        while True:
+            results = runner.poll(wait_s=1.0)
+            if results:
+                return results[0]
+
+
+def _finite_float(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _describe_exit(rc: int) -> str:
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-rc).name}"
+    return f"exit code {rc}"
+
+
+def _kill_quietly(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):
+        proc.kill()
+    for stream in (proc.stdin, proc.stdout):
+        with contextlib.suppress(OSError):
+            if stream is not None:
+                stream.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the child process
+
+
+def _score_one(reward: Any, msg: dict[str, Any]) -> tuple[float | None, str]:
+    try:
+        value = reward.fn(msg["response"], msg["answer"], msg["metadata"])
+    except BaseException as exc:  # SystemExit/KeyboardInterrupt in a reward are its errors too
+        return None, f"reward raised {one_line_error(exc)}"
+    try:
+        return check_reward_value(value), ""
+    except (TypeError, ValueError) as exc:
+        return None, str(exc)
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: SIGKILL this process when the parent's thread exits, so a hung reward never outlives it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+
+
+def child_main(argv: list[str]) -> int:
+    """Entry point of the child: `python -m actors.reward_runner SPEC`."""
+    proto_in, proto_out = os.dup(0), os.dup(1)
+    os.dup2(2, 1)  # user prints go to stderr, never into the protocol
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    _set_parent_death_signal()
+
+    def send(**msg: Any) -> None:
+        data = memoryview(json.dumps({"v": PROTOCOL_VERSION, **msg}).encode() + b"\n")
+        while data:
+            data = data[os.write(proto_out, data) :]
+
+    if len(argv) != 1:
+        send(t="fatal", error=f"usage: python -m actors.reward_runner SPEC, got {argv!r}")
+        return 2
+    try:
+        reward = load_reward(argv[0])
+    except RewardError as exc:
+        send(t="fatal", error=str(exc))
+        return 1
+    send(t="ready")
+    with os.fdopen(proto_in, "rb") as inp:
+        for line in inp:
+            msg = json.loads(line)
+            send(t="start", key=msg["key"], at=time.monotonic())
+            value, error = _score_one(reward, msg)
+            send(t="done", key=msg["key"], reward=value, error=error)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))

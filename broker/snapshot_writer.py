@@ -1,0 +1,74 @@
+"""Writes broker snapshots on a background thread, newest first, and says which one is durable.
+
+The poll loop only copies references (`snapshot.capture_refs`) and hands them over with a sequence
+number; the thread appends newly complete groups to the log and writes the state file (fsync, rename).
+Requests that pile up while a write is running are coalesced: a later snapshot holds everything an
+earlier one did, so only the newest is written. `durable_seq` is the sequence number of the newest
+snapshot on disk; the server waits for it before handing a batch to the learner, so a crash can never
+forget a batch the learner may have trained.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from broker import snapshot
+
+log = logging.getLogger("april.broker")
+
+
+class SnapshotWriter:
+    def __init__(self, directory: Path) -> None:
+        self.store = snapshot.SnapshotStore(directory)
+        self.durable_seq = 0
+        self.error: Exception | None = None
+        self._seq = 0
+        self._pending: tuple[int, snapshot.SnapshotRefs] | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, refs: snapshot.SnapshotRefs) -> int:
+        """Queue a snapshot; returns its sequence number."""
+        with self._cond:
+            self._seq += 1
+            self._pending = (self._seq, refs)
+            self._cond.notify()
+            return self._seq
+
+    def wait(self, seq: int, timeout: float | None = None) -> bool:
+        """Block until snapshot `seq` (or a newer one) is durable."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self.durable_seq >= seq or self._closed or self.error is not None, timeout
+            )
+
+    def close(self) -> None:
+        """Write what is pending, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
+                seq, refs = self._pending
+                self._pending = None
+            try:
+                self.store.save(*refs.split())
+            except Exception as exc:
+                log.exception("snapshot %d could not be written", seq)
+                with self._cond:
+                    self.error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.durable_seq = max(self.durable_seq, seq)
+                self._cond.notify_all()
