@@ -167,9 +167,16 @@ class WorkerConfig:
     model: str = ""
     reward: str = "exact"  # built-in name or "module:function"
     reward_timeout_s: float = 10.0
+    worker_id: str = ""  # empty: <hostname>-<pid>
+    device: str = "cpu"  # torch engine: cpu, cuda, cuda:1, ...
+    torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
+    sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
+    sim_lengths: str = "lognormal:median=64,sigma=1.0,cap=512"  # sim engine: response-length spec
+    sim_time_scale: float = 1.0  # sim engine: wall seconds per simulated second
 
     def __post_init__(self) -> None:
-        _positive(self, "worker", "slots", "reward_timeout_s")
+        _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads")
+        _check(self.sim_time_scale >= 0, "worker.sim_time_scale", self.sim_time_scale, "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

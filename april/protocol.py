@@ -148,10 +148,13 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class AbortDone:
-    """W->B. The engine is idle and every leased sample was returned. Resets credit to `credit`."""
+    """W->B. The engine is idle and every leased sample was returned, except `scoring`: samples that
+    finished generating and whose reward is still being computed (their SampleResult follows; an abort
+    never waits on a reward). Resets credit to `credit`."""
 
     round_id: int
     credit: int
+    scoring: Int64Array  # lease ids still being scored
 
     def validate(self) -> None:
         _check_non_negative(self, "round_id", "credit")

@@ -214,7 +214,7 @@ class ScriptedWorker:
                 0,
             )
         self.held.clear()
-        self.send(protocol.AbortDone(round_id, self.args.slots))
+        self.send(protocol.AbortDone(round_id, self.args.slots, np.zeros(0, np.int64)))
 
     def handle(self, msg: protocol.Message, now: float) -> None:
         match msg:

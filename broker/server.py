@@ -324,7 +324,8 @@ class Broker:
         peer.credit = min(msg.credit, peer.slots) if peer.slots else msg.credit
         if self.abort is None or msg.round_id != self.abort.round_id:
             return  # a late confirmation of an earlier round: credit reset is all it means
-        unreturned = self.state.leases_of(worker_id)
+        scoring = set(msg.scoring.tolist())
+        unreturned = [lease_id for lease_id in self.state.leases_of(worker_id) if lease_id not in scoring]
         if unreturned:
             self.rejections.count(worker_id, "abort_unreturned")
             log.warning("worker %s confirmed abort but kept %d leases: reclaimed", worker_id, len(unreturned))

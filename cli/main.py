@@ -72,6 +72,34 @@ def broker(
 
 
 @app.command()
+def worker(
+    broker_address: Annotated[str | None, typer.Option("--broker", help="Broker worker port.")] = None,
+    engine: Annotated[str | None, typer.Option("--engine", help="torch | sglang | vllm | sim.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="HF model directory.")] = None,
+    slots: Annotated[int | None, typer.Option("--slots", help="Concurrent generations.")] = None,
+    config: ConfigOpt = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
+    ] = None,
+) -> None:
+    """Run a rollout worker: lease samples from the broker, generate, stream them back."""
+    from actors.engine import EngineError
+    from actors.rewards import RewardError
+    from cli.worker_cmd import run_worker
+
+    with user_errors(EngineError, RewardError):
+        cfg = resolve_config(
+            config,
+            set_,
+            worker__broker=broker_address,
+            worker__engine=engine,
+            worker__model=model,
+            worker__slots=slots,
+        )
+        run_worker(cfg)
+
+
+@app.command()
 def status(
     broker_address: Annotated[str, typer.Option("--broker", help="The broker's learner port.")] = (
         "tcp://127.0.0.1:5556"

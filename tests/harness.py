@@ -68,6 +68,13 @@ class Cluster:
                 "debug_ledger": True,
             },
         }
+        sections["worker"] = {
+            "broker": f"tcp://127.0.0.1:{self.ports[0]}",
+            "engine": "sim",
+            "slots": 8,
+            "sim_lengths": "lognormal:median=8,sigma=1.0,cap=40",
+            "sim_time_scale": 0.2,
+        }
         for name, values in config.items():
             sections[name].update(values)
         self.config = sections
@@ -105,6 +112,25 @@ class Cluster:
                 [*cmd, "--resume"] if resume else cmd, stdout=log, stderr=subprocess.STDOUT
             )
         wait_for(self.try_status, 20, "the broker to answer status")
+
+    def start_worker(self, name: str, *sets: str) -> Path:
+        """A real `april worker` process (engine and settings from the [worker] section)."""
+        log = self.tmp / f"{name}.log"
+        cmd = [
+            sys.executable,
+            "-c",
+            "from cli.main import main; main()",
+            "worker",
+            "--config",
+            str(self.config_path),
+            "--set",
+            f"worker.worker_id={name}",
+        ]
+        for item in sets:
+            cmd += ["--set", item]
+        with open(log, "ab") as out:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        return log
 
     def start_peer(self, role: str, name: str, **args: Any) -> Path:
         events = self.tmp / f"{name}.jsonl"

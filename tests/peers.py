@@ -112,7 +112,7 @@ def run_worker(cfg: WorkerScript) -> None:
                 if cfg.ignore_abort:
                     continue
                 return_partials(sock, cfg, version, ev)
-                send(sock, protocol.AbortDone(round_id, cfg.slots))
+                send(sock, protocol.AbortDone(round_id, cfg.slots, np.zeros(0, np.int64)))
                 aborts += 1
                 if cfg.retire_after_aborts and aborts >= cfg.retire_after_aborts:
                     send(sock, protocol.Disconnect("retiring"))
@@ -254,7 +254,7 @@ def run_learner(cfg: LearnerScript) -> None:
                 os._exit(3)
             time.sleep(cfg.train_s)
             version += 1
-            send(sock, protocol.WeightsReady(version, f"file:///weights/v{version}", FAKE_SHA))
+            send(sock, protocol.WeightsReady(version, f"sim://weights/v{version}", FAKE_SHA))
             send(sock, protocol.BatchAck(msg.batch_id))
             last_batch = msg.batch_id
             step += 1
@@ -271,7 +271,7 @@ def run_learner(cfg: LearnerScript) -> None:
             sock.close(linger=0)
             sock = learner_hello(ctx, cfg, version)
             if version > cfg.start_step:  # the broker may have lost the announcement with its state
-                send(sock, protocol.WeightsReady(version, f"file:///weights/v{version}", FAKE_SHA))
+                send(sock, protocol.WeightsReady(version, f"sim://weights/v{version}", FAKE_SHA))
             send(sock, protocol.BatchRequest(step, last_batch))
             last_heard = now
     ev.write(kind="done", steps=step)

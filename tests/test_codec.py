@@ -120,7 +120,7 @@ EXAMPLES: dict[type, Any] = {
         credit=2,
     ),
     P.Abort: P.Abort(round_id=7),
-    P.AbortDone: P.AbortDone(round_id=7, credit=8),
+    P.AbortDone: P.AbortDone(round_id=7, credit=8, scoring=np.array([3, 4], np.int64)),
     P.WeightsReady: P.WeightsReady(version=4, uri="file:///runs/r/weights/v4.safetensors", sha256=SHA),
     P.WeightsLoaded: P.WeightsLoaded(version=4, ok=False, error="sha256 mismatch"),
     P.Disconnect: P.Disconnect(reason="shutdown"),

@@ -1,0 +1,628 @@
+"""The SGLang adapter: drives one or more real SGLang servers over their HTTP API, token ids only.
+
+Owns the HTTP contract in shared/reference/SGLANG-API.md: how a request becomes a `/generate` call,
+how its answer becomes a `GenerationOutput`, how to abort so that no partial output is lost, and how
+weights are swapped. Does not import sglang (the server is another process, started here with
+`python -m sglang.launch_server` or given as URLs) and uses only the standard library for HTTP: one
+blocking `/generate` per in-flight request, each on its own thread (a pool sized to `slots`).
+
+Decisions that follow from the server's behaviour:
+  - rids are uuid4 hex (fixed length), because abort matches rids by prefix.
+  - A request is never aborted by closing its connection (that loses the partial output).
+    `abort` sends `abort_all` to every server, then polls `/v1/loads` and re-sends `abort_all` until
+    every server reports no running or waiting request *and* every in-flight `/generate` has returned:
+    an abort that reaches the server before the request reaches its scheduler is silently lost, and
+    from 0.5.21 a repeated abort of the same rid is ignored, so per-rid aborts are never used.
+  - Every token of one `/generate` call carries the version loaded when the call started: weights are
+    only swapped while nothing runs. `load_weights` called with requests in flight parks them
+    (abort), loads, and resubmits them as `input + partial` with the reduced budget, so a response
+    spans two versions exactly as with an engine that swaps between decode steps.
+  - Weights: `/update_weights_from_disk` with `flush_cache`, checked against `/model_info`'s
+    `weight_version`; the NCCL path (`init_weight_group` + `load_weights_distributed`) brackets the
+    update with begin/end_weight_update from 0.5.21, as `/server_info`'s version says.
+  - Several servers (one per GPU or TP group): requests are spread round-robin.
+  - An answer ending in ABORT that we did not ask for (someone else aborted the server) is returned
+    by `step` as ABORT: the sample is resumed like any interrupted one.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from actors.engine import (
+    EngineError,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    WeightLoadError,
+)
+from april.records import FinishReason
+
+MIN_VERSION = (0, 5, 6)
+_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFeatures:
+    """Behaviour chosen from the server's version (`/server_info`)."""
+
+    version: tuple[int, int, int]
+
+    @property
+    def weight_update_bracket(self) -> bool:
+        """Distributed weight updates must sit between begin/end_weight_update (0.5.21+)."""
+        return self.version >= (0, 5, 21)
+
+    @property
+    def repeated_rid_abort_ignored(self) -> bool:
+        return self.version >= (0, 5, 21)
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        raise EngineError(f"sglang: cannot read server version {text!r} (expected like 0.5.23)")
+    return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
+class HTTPStatusError(EngineError):
+    def __init__(self, url: str, status: int, body: str) -> None:
+        super().__init__(f"sglang {url}: HTTP {status}: {_error_text(body)}")
+        self.status = status
+
+
+def _error_text(body: str) -> str:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return body.strip()[:300] or "(empty body)"
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])
+    return body.strip()[:300]
+
+
+def http_call(base: str, method: str, path: str, body: Any = None, timeout_s: float = 10.0) -> Any:
+    """One HTTP exchange on a fresh connection; the decoded JSON body (None when empty).
+    Raises HTTPStatusError on a non-200 answer, EngineError when the server cannot be reached."""
+    parts = urlsplit(base)
+    conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_type(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
+    url = base.rstrip("/") + path
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, url, body=data, headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException) as e:
+        raise EngineError(f"sglang {url}: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise HTTPStatusError(url, resp.status, raw)
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request the worker added, possibly over several /generate calls (resubmitted after a
+    weights load); `done_*` hold what earlier calls generated."""
+
+    request_id: int
+    input_ids: list[int]
+    max_new_tokens: int
+    url: str = ""
+    rid: str = ""
+    version: int = 0  # weights version when the current call started
+    future: Future[Any] | None = None
+    done_ids: list[int] = field(default_factory=list)
+    done_logprobs: list[float] = field(default_factory=list)
+    done_versions: list[int] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def output(self, reason: FinishReason) -> GenerationOutput:
+        return GenerationOutput(
+            request_id=self.request_id,
+            token_ids=np.asarray(self.done_ids, dtype=np.int32),
+            logprobs=np.asarray(self.done_logprobs, dtype=np.float32),
+            versions=np.asarray(self.done_versions, dtype=np.int32),
+            finish_reason=reason,
+            stats=dict(self.stats),
+        )
+
+
+def parse_generate(url: str, answer: Any) -> tuple[list[int], list[float], FinishReason, dict[str, float]]:
+    """(token ids, log-probs, finish reason, stats) from a /generate answer; EngineError if malformed."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    if not isinstance(meta, dict):
+        raise EngineError(f"sglang {url}/generate: answer without meta_info: {str(answer)[:200]}")
+    fr = meta.get("finish_reason") or {}
+    kind = fr.get("type") if isinstance(fr, dict) else None
+    if kind not in _REASONS:
+        raise EngineError(f"sglang {url}/generate: finish_reason {fr!r}, expected stop, length or abort")
+    status = fr.get("status_code")
+    if isinstance(status, int) and status >= 400:  # the scheduler rejected it (e.g. too long)
+        raise EngineError(f"sglang {url}/generate: rejected ({status}): {fr.get('message', '')}")
+    entries = meta.get("output_token_logprobs") or []
+    try:
+        ids = [int(e[1]) for e in entries]
+        lps = [float(e[0]) for e in entries]
+    except (TypeError, ValueError, IndexError):
+        raise EngineError(f"sglang {url}/generate: malformed output_token_logprobs") from None
+    n_out = len(answer.get("output_ids", ids))
+    if n_out != len(ids):
+        raise EngineError(f"sglang {url}/generate: {n_out} output ids but {len(ids)} log-probs")
+    stats = {
+        "e2e_latency_s": float(meta.get("e2e_latency", 0.0)),
+        "cached_tokens": float(meta.get("cached_tokens", 0)),
+    }
+    return ids, lps, _REASONS[kind], stats
+
+
+class SGLangEngine:
+    """An Engine over SGLang servers at `urls` (see the module docstring)."""
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        slots: int = 8,
+        sampling: SamplingParams | None = None,
+        version: int = 0,
+        poll_s: float = 0.02,
+        request_timeout_s: float = 3600.0,
+        control_timeout_s: float = 10.0,
+        abort_timeout_s: float = 60.0,
+        weights_timeout_s: float = 900.0,
+        extra_sampling_params: Mapping[str, Any] | None = None,
+        processes: Sequence[subprocess.Popen[bytes]] = (),
+    ) -> None:
+        """`extra_sampling_params`: more SGLang sampling keys sent as given (e.g. min_p,
+        repetition_penalty); the server rejects unknown keys with 400, surfaced as EngineError."""
+        if not urls:
+            raise EngineError("sglang: no server URLs given")
+        if slots < 1:
+            raise EngineError(f"sglang: slots = {slots}, expected >= 1")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.slots = slots
+        self.sampling = sampling or SamplingParams()
+        self.extra_sampling_params = dict(extra_sampling_params or {})
+        self.version = version
+        self.poll_s = poll_s
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.abort_timeout_s = abort_timeout_s
+        self.weights_timeout_s = weights_timeout_s
+        self._processes = list(processes)
+        self._flights: dict[int, _Flight] = {}
+        self._ready: list[GenerationOutput] = []
+        self._next_server = 0
+        self._loads_supported = True
+        self.server_versions = [self._server_version(u) for u in self.urls]
+        self.features = ServerFeatures(min(self.server_versions))
+        self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="sglang-generate")
+
+    def _server_version(self, url: str) -> tuple[int, int, int]:
+        info = self._call(url, "GET", "/server_info")
+        text = info.get("version") if isinstance(info, dict) else None
+        if not isinstance(text, str):
+            raise EngineError(f"sglang {url}/server_info: no version field")
+        version = parse_version(text)
+        if version < MIN_VERSION:
+            need = ".".join(map(str, MIN_VERSION))
+            raise EngineError(f"sglang {url}: server version {text}, expected >= {need}")
+        return version
+
+    def _call(
+        self, url: str, method: str, path: str, body: Any = None, timeout_s: float | None = None
+    ) -> Any:
+        return http_call(url, method, path, body, timeout_s or self.control_timeout_s)
+
+    # -- the Engine interface ---------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return len(self._flights) + len(self._ready)
+
+    def add(self, requests: Sequence[GenerationRequest]) -> None:
+        if self.active + len(requests) > self.slots:
+            raise EngineError(f"sglang: {self.active} active + {len(requests)} added > {self.slots} slots")
+        for req in requests:
+            if req.request_id in self._flights or any(o.request_id == req.request_id for o in self._ready):
+                raise EngineError(f"sglang: request {req.request_id} is already active")
+            flight = _Flight(req.request_id, np.asarray(req.input_ids).tolist(), int(req.max_new_tokens))
+            if flight.max_new_tokens <= 0:
+                self._ready.append(flight.output(FinishReason.LENGTH))
+            else:
+                self._submit(flight)
+
+    def step(self) -> list[GenerationOutput]:
+        futures = [f.future for f in self._flights.values() if f.future is not None]
+        if futures and not self._ready:
+            wait(futures, timeout=self.poll_s, return_when=FIRST_COMPLETED)
+        self._collect(only_done=True)
+        out, self._ready = self._ready, []
+        return out
+
+    def abort(self) -> list[GenerationOutput]:
+        self._abort_until_idle()
+        self._collect(only_done=False)
+        out, self._ready = self._ready, []
+        return out
+
+    def load_weights(self, path: Path | str, version: int) -> None:
+        parked = self._park()
+        try:
+            for i, url in enumerate(self.urls):
+                body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
+                self._update(i, url, "/update_weights_from_disk", body)
+            self._check_version(version)
+            self.version = version
+        finally:
+            self._resubmit(parked)
+
+    def close(self) -> None:
+        try:
+            if self._flights:
+                self.abort()
+        except EngineError:
+            pass
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            for proc in self._processes:
+                stop_server(proc)
+            self._processes.clear()
+
+    # -- NCCL weights path (one server per replica; the trainer is rank 0) ----------------------
+
+    def init_weight_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str = "april",
+        tp_size: int = 1,
+    ) -> None:
+        """Join every server to the trainer's NCCL group. Blocks until the trainer joins too: call it
+        while the trainer runs its side (rank 0); server i takes ranks 1 + i * tp_size onwards."""
+
+        def join(i: int, url: str) -> None:
+            body = {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": 1 + i * tp_size,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": "nccl",
+            }
+            self._call(url, "POST", "/init_weights_update_group", body, self.weights_timeout_s)
+
+        errors = self._concurrently(join)
+        if errors:
+            raise EngineError(f"sglang: cannot join the NCCL weights group: {errors[0]}")
+
+    def load_weights_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        version: int,
+        group_name: str = "april",
+    ) -> None:
+        """Receive `version` by NCCL broadcast from the trainer, which broadcasts while this runs."""
+        parked = self._park()
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": False,
+            "weight_version": str(version),
+        }
+
+        def update(i: int, url: str) -> None:
+            if self.features.weight_update_bracket:
+                self._call(url, "POST", "/begin_weight_update", {"selector": "all"})
+            self._update(0, url, "/update_weights_from_distributed", body)
+            if self.features.weight_update_bracket:
+                self._call(url, "POST", "/end_weight_update", {})
+            self._call(url, "POST", "/flush_cache", {})
+
+        try:
+            errors = self._concurrently(update)
+            if errors and len(errors) < len(self.urls):  # some replicas switched, some did not
+                raise EngineError(
+                    f"{errors[0]} ({len(self.urls) - len(errors)} servers loaded the new weights)"
+                )
+            if errors:
+                raise WeightLoadError(str(errors[0]))
+            self._check_version(version)
+            self.version = version
+        finally:
+            self._resubmit(parked)
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _payload(self, flight: _Flight) -> dict[str, Any]:
+        s = self.sampling
+        params: dict[str, Any] = {
+            **self.extra_sampling_params,
+            "max_new_tokens": flight.max_new_tokens - len(flight.done_ids),
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else -1,  # SGLang: -1 = off
+        }
+        if s.stop_token_ids:
+            params["stop_token_ids"] = list(s.stop_token_ids)
+        if s.seed:  # per request, or every sample of a group would draw the same tokens
+            params["sampling_seed"] = (
+                s.seed * 1_000_003 + flight.request_id * 7919 + len(flight.done_ids)
+            ) % (1 << 31)
+        return {
+            "rid": flight.rid,
+            "input_ids": flight.input_ids + flight.done_ids,
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "stream": False,
+        }
+
+    def _submit(self, flight: _Flight) -> None:
+        flight.url = self.urls[self._next_server % len(self.urls)]
+        self._next_server += 1
+        flight.rid = uuid.uuid4().hex
+        flight.version = self.version
+        payload = self._payload(flight)
+        flight.future = self._pool.submit(
+            http_call, flight.url, "POST", "/generate", payload, self.request_timeout_s
+        )
+        self._flights[flight.request_id] = flight
+
+    def _absorb(self, flight: _Flight) -> FinishReason:
+        """Append the finished call's tokens to the flight; return its finish reason."""
+        assert flight.future is not None
+        ids, lps, reason, stats = parse_generate(flight.url, flight.future.result())
+        flight.done_ids += ids
+        flight.done_logprobs += lps
+        flight.done_versions += [flight.version] * len(ids)
+        for k, v in stats.items():
+            flight.stats[k] = flight.stats.get(k, 0.0) + v
+        flight.future = None
+        return reason
+
+    def _collect(self, only_done: bool) -> None:
+        """Move finished calls (all calls when not only_done) to the ready list. On a failed call the
+        other results are kept for the next step and the first error is raised."""
+        errors: list[EngineError] = []
+        for rid, flight in list(self._flights.items()):
+            if flight.future is None or (only_done and not flight.future.done()):
+                continue
+            del self._flights[rid]
+            try:
+                self._ready.append(flight.output(self._absorb(flight)))
+            except EngineError as e:
+                errors.append(EngineError(f"request {rid}: {e}"))
+        if errors:
+            raise errors[0]
+
+    def _load(self) -> int:
+        """Requests running or waiting on all servers (0 where /v1/loads is missing)."""
+        total = 0
+        for url in self.urls:
+            if not self._loads_supported:
+                break
+            try:
+                info = self._call(url, "GET", "/v1/loads?include=core")
+            except HTTPStatusError as e:
+                if e.status != 404:
+                    raise
+                self._loads_supported = False  # older server: rely on the /generate calls returning
+                break
+            for row in info.get("loads", []) if isinstance(info, dict) else []:
+                total += int(row.get("num_running_reqs", 0)) + int(row.get("num_waiting_reqs", 0))
+        return total
+
+    def _abort_until_idle(self) -> None:
+        if not self._flights:
+            return
+        deadline = time.monotonic() + self.abort_timeout_s
+        while True:
+            for url in self.urls:
+                self._call(url, "POST", "/abort_request", {"abort_all": True})
+            futures = [f.future for f in self._flights.values() if f.future is not None]
+            wait(futures, timeout=max(self.poll_s, 0.01))
+            pending = sum(1 for f in futures if not f.done())
+            load = self._load()
+            if pending == 0 and load == 0:
+                return
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"sglang: not idle {self.abort_timeout_s:g}s after abort_all "
+                    f"({pending} calls pending, {load} requests on the servers)"
+                )
+
+    def _park(self) -> list[_Flight]:
+        """Abort everything in flight and keep what it generated, for `_resubmit` after a load."""
+        if not self._flights:
+            return []
+        self._abort_until_idle()
+        parked, errors = [], []
+        for rid, flight in list(self._flights.items()):
+            del self._flights[rid]
+            try:
+                reason = self._absorb(flight)
+            except EngineError as e:
+                errors.append(e)
+                continue
+            if reason == FinishReason.ABORT and len(flight.done_ids) < flight.max_new_tokens:
+                parked.append(flight)
+            else:  # finished on its own meanwhile (or used its whole budget by the abort step)
+                self._ready.append(
+                    flight.output(reason if reason != FinishReason.ABORT else FinishReason.LENGTH)
+                )
+        if errors:
+            self._resubmit(parked)
+            raise errors[0]
+        return parked
+
+    def _resubmit(self, parked: list[_Flight]) -> None:
+        for flight in parked:
+            self._submit(flight)
+
+    def _update(self, index: int, url: str, path: str, body: dict[str, Any]) -> None:
+        try:
+            answer = self._call(url, "POST", path, body, self.weights_timeout_s)
+        except EngineError as e:
+            raise self._weights_error(index, f"{e}") from None
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise self._weights_error(index, f"sglang {url}{path}: {answer.get('message', 'failed')}")
+
+    def _weights_error(self, index: int, message: str) -> EngineError:
+        if index == 0:
+            return WeightLoadError(message)
+        # Earlier servers already switched: the replicas now disagree, so this is not a clean failure.
+        return EngineError(f"{message} (servers 0..{index - 1} already loaded the new weights)")
+
+    def _check_version(self, version: int) -> None:
+        for url in self.urls:
+            info = self._call(url, "GET", "/model_info")
+            live = info.get("weight_version") if isinstance(info, dict) else None
+            if live is not None and str(live) != str(version):
+                raise WeightLoadError(
+                    f"sglang {url}: weight_version is {live} after loading, expected {version}"
+                )
+
+    def _concurrently(self, call: Callable[[int, str], None]) -> list[EngineError]:
+        """Run call(i, url) for every server at once (NCCL calls block until all ranks join); the
+        errors, in server order."""
+        errors: list[EngineError | None] = [None] * len(self.urls)
+
+        def run(i: int, url: str) -> None:
+            try:
+                call(i, url)
+            except EngineError as e:  # re-raised by the caller, in its thread
+                errors[i] = e
+
+        threads = [threading.Thread(target=run, args=(i, u), daemon=True) for i, u in enumerate(self.urls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [e for e in errors if e is not None]
+
+
+# -- launching servers ----------------------------------------------------------------------------
+
+
+def server_command(
+    model_path: str,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    slots: int = 8,
+    version: int = 0,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The `python -m sglang.launch_server` command line for one server (token ids only)."""
+    return [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--host", host,
+        "--port", str(port),
+        "--skip-tokenizer-init",
+        "--max-running-requests", str(slots),
+        "--weight-version", str(version),
+        *extra,
+    ]  # fmt: skip
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """Poll /server_info until the server answers; EngineError if it exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise EngineError(
+                f"sglang server for {url} exited with code {proc.returncode} during start-up "
+                "(is the sglang extra installed? pip install .[sglang])"
+            )
+        try:
+            http_call(url, "GET", "/server_info", timeout_s=5.0)
+            return
+        except EngineError as e:
+            if time.monotonic() > deadline:
+                raise EngineError(f"sglang server {url} not ready after {timeout_s:g}s: {e}") from None
+        time.sleep(1.0)
+
+
+def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def launch(
+    model_path: str,
+    *,
+    port: int = 30000,
+    gpus: Sequence[str] = (),
+    slots: int = 8,
+    version: int = 0,
+    extra_args: Sequence[str] = (),
+    startup_timeout_s: float = 900.0,
+    log_dir: Path | None = None,
+    **engine_kw: Any,
+) -> SGLangEngine:
+    """Start one server per entry of `gpus` (its CUDA_VISIBLE_DEVICES, e.g. "0" or "2,3" with
+    `--tp-size 2` in extra_args; none: one server on the visible devices) on ports port, port+1, ...,
+    wait until they answer, and return an engine that stops them on `close`."""
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: list[str] = []
+    try:
+        for i, gpu in enumerate(list(gpus) or [None]):
+            env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+            cmd = server_command(model_path, port=port + i, slots=slots, version=version, extra=extra_args)
+            if log_dir is None:
+                procs.append(subprocess.Popen(cmd, env=env))
+            else:
+                with open(log_dir / f"sglang-{port + i}.log", "ab") as log:
+                    procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            urls.append(f"http://127.0.0.1:{port + i}")
+        for url, proc in zip(urls, procs, strict=True):
+            wait_ready(url, proc, startup_timeout_s)
+        return SGLangEngine(urls, slots=slots, version=version, processes=procs, **engine_kw)
+    except BaseException:
+        for proc in procs:
+            stop_server(proc)
+        raise

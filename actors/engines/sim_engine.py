@@ -1,0 +1,322 @@
+"""The simulation engine: no model, a cost model of a GPU inference engine for planning and benchmarks.
+
+Owns: when each simulated request finishes and how long each decode step takes. A decode step over
+`active` requests costs `a + b * active` ms plus `prefill_ms_per_token` for every input token newly
+admitted in that step (decode is memory-bound on a GPU, so `a` dominates). Response lengths are drawn
+per sample from a `LengthSpec` (actors/lengths.py), reproducibly from (seed, sample identity).
+
+It obeys the same abort / resume / weights semantics as the real engines: `abort` returns partials at
+once; a resumed sample (input = prompt + partial, budget reduced) keeps its drawn total length and
+continues the very same token sequence; tokens generated after `load_weights` carry the new version.
+
+Sample identity (what makes a resume keep its length). A `GenerationRequest` carries only the lease id
+(new on every resume) and the input ids (prompt + partial, inseparable without the prompt length), so:
+  - `identify` hook (the way a worker runs it): a callable the worker builds from its lease table,
+    returning `SampleIdentity(key, prompt_len)`, with `key` stable for a sample (e.g. from group id and
+    index). Resumes keep their length on any worker, in any process.
+  - no hook: a fresh request is identified by (lease id, input), and every aborted request is remembered
+    under the digest of `input + partial`, so resuming it *on this engine* is recognised. Resuming on
+    another process draws a new length: use the hook for resume hand-off across workers.
+
+Time: `elapsed_s` accumulates model time (seconds a real GPU would spend). With `sleep=True` each step
+also sleeps `model time x time_scale` of wall time, so a worker driving it behaves like a real engine
+(`time_scale=1e-3` runs a 16k-token tail in seconds); `sleep=False` is for virtual-time simulation.
+
+Tokens are deterministic pseudo-random ids in [3, vocab_size) (0..2 are reserved: pad, bos, eos); a
+response that reaches its drawn length ends with `stop_token_id`. Log-probs are in [-1, -0.5].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from actors.engine import EngineError, GenerationOutput, GenerationRequest, WeightLoadError
+from actors.lengths import LengthSpec
+from april.records import FinishReason
+
+_MASK64 = (1 << 64) - 1
+_MEMO_LIMIT = 65536  # aborted requests remembered for same-engine resume (no identify hook)
+
+
+@dataclass(frozen=True, slots=True)
+class SampleIdentity:
+    """What the sim engine needs to know about the sample behind a request."""
+
+    key: int  # stable across resumes of one sample (any int; hashed with the seed)
+    prompt_len: int  # input_ids[:prompt_len] is the prompt, the rest is the response so far
+
+    @staticmethod
+    def of_sample(group_id: int, index: int, prompt_len: int) -> SampleIdentity:
+        """The identity of sample (group_id, index): what a worker's `identify` hook returns."""
+        return SampleIdentity(_mix(group_id, index), prompt_len)
+
+
+Identify = Callable[[GenerationRequest], SampleIdentity]
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Step time in ms: decode_base_ms + decode_per_request_ms x active + prefill_ms_per_token x new
+    input tokens. Defaults are of the order of a 7B model on one H100."""
+
+    decode_base_ms: float = 15.0
+    decode_per_request_ms: float = 0.1
+    prefill_ms_per_token: float = 0.01
+    load_weights_ms: float = 0.0
+
+    def step_ms(self, active: int, prefill_tokens: int) -> float:
+        return (
+            self.decode_base_ms
+            + self.decode_per_request_ms * active
+            + self.prefill_ms_per_token * prefill_tokens
+        )
+
+
+def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """A good 64-bit mixer, vectorised (wrapping uint64 arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _mix(*values: int) -> int:
+    h = np.zeros(1, dtype=np.uint64)
+    for v in values:
+        h = _splitmix64(h ^ np.uint64(v & _MASK64))
+    return int(h[0])
+
+
+def _digest(ids: npt.NDArray[np.int32]) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int32).tobytes(), digest_size=16).digest()
+
+
+@dataclass(slots=True)
+class _Running:
+    request_id: int
+    identity: SampleIdentity
+    drawn_len: int  # total response length drawn for this sample
+    input_ids: npt.NDArray[np.int32]
+    token_ids: npt.NDArray[np.int32]  # everything this request will generate, precomputed
+    logprobs: npt.NDArray[np.float32]
+    finish: FinishReason  # reason once all of token_ids are out
+    started_s: float
+    prefill_tokens: int  # input tokens still to prefill (paid in the first step)
+    produced: int = 0
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (produced, version) at each change
+
+    def output(self, reason: FinishReason, now_s: float) -> GenerationOutput:
+        n = self.produced
+        versions = np.empty(n, dtype=np.int32)
+        bounds = [*self.marks[1:], (n, -1)]
+        for (start, version), (end, _) in zip(self.marks, bounds, strict=True):
+            versions[start:end] = version
+        return GenerationOutput(
+            request_id=self.request_id,
+            token_ids=self.token_ids[:n].copy(),
+            logprobs=self.logprobs[:n].copy(),
+            versions=versions,
+            finish_reason=reason,
+            stats={"drawn_len": float(self.drawn_len), "sim_time_s": now_s - self.started_s},
+        )
+
+
+class SimEngine:
+    """A cost-model engine (see the module docstring). Implements actors.engine.Engine."""
+
+    name = "sim"
+
+    def __init__(
+        self,
+        lengths: LengthSpec | str,
+        *,
+        slots: int = 8,
+        seed: int = 0,
+        cost: CostModel | None = None,
+        time_scale: float = 1.0,
+        sleep: bool = True,
+        vocab_size: int = 32000,
+        stop_token_id: int = 2,
+        version: int = 0,
+        identify: Identify | None = None,
+    ) -> None:
+        if slots < 1:
+            raise EngineError(f"sim engine: slots = {slots}, expected >= 1")
+        if vocab_size < 8 or not 0 <= stop_token_id < vocab_size:
+            raise EngineError(
+                f"sim engine: vocab_size {vocab_size} / stop_token_id {stop_token_id} out of range"
+            )
+        if time_scale < 0:
+            raise EngineError(f"sim engine: time_scale = {time_scale}, expected >= 0")
+        self.lengths = LengthSpec.parse(lengths) if isinstance(lengths, str) else lengths
+        self.slots = slots
+        self.version = version
+        self.seed = seed
+        self.cost = cost or CostModel()
+        self.time_scale = time_scale
+        self.sleep = sleep
+        self.vocab_size = vocab_size
+        self.stop_token_id = stop_token_id
+        self.identify = identify
+        self.elapsed_s = 0.0  # model time
+        self.steps = 0
+        self._running: dict[int, _Running] = {}
+        self._ready: list[GenerationOutput] = []
+        self._memo: OrderedDict[bytes, SampleIdentity] = OrderedDict()
+        self._wall_due = 0.0
+
+    @property
+    def active(self) -> int:
+        return len(self._running) + len(self._ready)
+
+    def drawn_length(self, key: int) -> int:
+        """The total response length of the sample with identity `key` under this engine's seed."""
+        rng = np.random.default_rng([self.seed & _MASK64, key & _MASK64])
+        return int(self.lengths.sample(rng, 1)[0])
+
+    def add(self, requests: Sequence[GenerationRequest]) -> None:
+        if self.active + len(requests) > self.slots:
+            raise EngineError(
+                f"sim engine: {self.active} active + {len(requests)} added > {self.slots} slots"
+            )
+        for req in requests:
+            if req.request_id in self._running or any(o.request_id == req.request_id for o in self._ready):
+                raise EngineError(f"sim engine: request {req.request_id} is already active")
+            if req.max_new_tokens < 0:
+                raise EngineError(
+                    f"sim engine: request {req.request_id} max_new_tokens {req.max_new_tokens} < 0"
+                )
+            self._start(req)
+
+    def _identity(self, req: GenerationRequest, ids: npt.NDArray[np.int32]) -> SampleIdentity:
+        if self.identify is not None:
+            ident = self.identify(req)
+            if not 0 < ident.prompt_len <= len(ids):
+                raise EngineError(
+                    f"sim engine: request {req.request_id} prompt_len {ident.prompt_len}, "
+                    f"expected 1..{len(ids)} (input length)"
+                )
+            return ident
+        digest = _digest(ids)
+        known = self._memo.pop(digest, None)
+        if known is not None:
+            return known
+        return SampleIdentity(_mix(req.request_id, int.from_bytes(digest[:8], "little")), len(ids))
+
+    def _start(self, req: GenerationRequest) -> None:
+        ids = np.asarray(req.input_ids, dtype=np.int32)
+        ident = self._identity(req, ids)
+        drawn = self.drawn_length(ident.key)
+        done = len(ids) - ident.prompt_len  # response tokens generated before this request
+        left = drawn - done
+        n = max(0, min(left, req.max_new_tokens))
+        finish = FinishReason.STOP if left <= req.max_new_tokens else FinishReason.LENGTH
+        tokens, logprobs = self._tokens(ident.key, done, n, stops=finish == FinishReason.STOP)
+        run = _Running(
+            request_id=req.request_id,
+            identity=ident,
+            drawn_len=drawn,
+            input_ids=ids,
+            token_ids=tokens,
+            logprobs=logprobs,
+            finish=finish,
+            started_s=self.elapsed_s,
+            prefill_tokens=len(ids),
+            marks=[(0, self.version)],
+        )
+        if req.max_new_tokens == 0:
+            self._ready.append(run.output(FinishReason.LENGTH, self.elapsed_s))
+        elif n == 0:  # already at (or past) its drawn length: nothing more to say
+            self._ready.append(run.output(FinishReason.STOP, self.elapsed_s))
+        else:
+            self._running[req.request_id] = run
+
+    def _tokens(
+        self, key: int, start: int, n: int, stops: bool
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]:
+        """Response tokens at positions start..start+n-1 of sample `key`: a function of position only,
+        so a resumed sample continues exactly where it stopped."""
+        pos = np.arange(start, start + n, dtype=np.uint64)
+        h = _splitmix64(pos ^ np.uint64(_mix(self.seed, key)))
+        tokens = (np.uint64(3) + h % np.uint64(self.vocab_size - 3)).astype(np.int32)
+        tokens[tokens == self.stop_token_id] = 3 if self.stop_token_id != 3 else 4
+        if stops and n:
+            tokens[-1] = self.stop_token_id
+        u = (h >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+        return tokens, (-0.5 - 0.5 * u).astype(np.float32)
+
+    def step(self) -> list[GenerationOutput]:
+        out, self._ready = self._ready, []
+        if not self._running:
+            return out
+        prefill = 0
+        for run in self._running.values():
+            prefill += run.prefill_tokens
+            run.prefill_tokens = 0
+        self._advance(self.cost.step_ms(len(self._running), prefill) / 1000.0)
+        self.steps += 1
+        finished = []
+        for run in self._running.values():
+            run.produced += 1
+            if run.produced == len(run.token_ids):
+                finished.append(run)
+        for run in finished:
+            del self._running[run.request_id]
+            out.append(run.output(run.finish, self.elapsed_s))
+        return out
+
+    def _advance(self, model_s: float) -> None:
+        """Account `model_s` of model time; with sleep, keep wall time at model time x time_scale."""
+        self.elapsed_s += model_s
+        if not self.sleep or self.time_scale == 0:
+            return
+        now = time.monotonic()
+        self._wall_due = max(self._wall_due, now) + model_s * self.time_scale
+        if self._wall_due - now > 2e-4:  # sub-0.2 ms sleeps are mostly overhead: let the debt accrue
+            time.sleep(self._wall_due - now)
+
+    def abort(self) -> list[GenerationOutput]:
+        out, self._ready = self._ready, []
+        for run in self._running.values():
+            out.append(run.output(FinishReason.ABORT, self.elapsed_s))
+            if self.identify is None:
+                resumed_input = np.concatenate([run.input_ids, run.token_ids[: run.produced]])
+                self._memo[_digest(resumed_input)] = run.identity
+                while len(self._memo) > _MEMO_LIMIT:
+                    self._memo.popitem(last=False)
+        self._running.clear()
+        return out
+
+    def load_weights(self, path: Path | str, version: int) -> None:
+        """Record `version`. `path` may be "", "sim://..." (no file) or an existing path; anything else
+        raises WeightLoadError, as does a version older than the one loaded."""
+        text = str(path)
+        if not (text in ("", ".") or text.startswith("sim:") or Path(text).exists()):
+            raise WeightLoadError(
+                f"sim engine: weights path {text} does not exist (use '' or sim:// for none)"
+            )
+        if version < self.version:
+            raise WeightLoadError(f"sim engine: weights version {version} older than loaded {self.version}")
+        self._advance(self.cost.load_weights_ms / 1000.0)
+        if version == self.version:
+            return
+        self.version = version
+        for run in self._running.values():
+            if run.marks[-1][0] == run.produced:
+                run.marks[-1] = (run.produced, version)
+            else:
+                run.marks.append((run.produced, version))
+
+    def close(self) -> None:
+        self._running.clear()
+        self._ready.clear()
+        self._memo.clear()

@@ -1,0 +1,63 @@
+"""Text <-> token ids for the worker: the model's own tokenizer, or a byte tokenizer when there is no model.
+
+The broker deals in token ids; the worker tokenizes prompts that arrive as text (once, on first lease;
+resumes reuse the ids) and decodes responses for the reward. `HFTokenizer` wraps a Hugging Face tokenizer
+saved with the model (applying its chat template when the record carries chat `messages`);
+`ByteTokenizer` serves the sim engine and tests. Heavy imports stay inside `HFTokenizer`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+BYTE_OFFSET = 3  # ids 0, 1, 2 are pad, bos, eos, as in the tiny model's tokenizer
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: tuple[int, ...]
+
+    def encode_prompt(self, text: str, metadata: dict[str, str]) -> npt.NDArray[np.int32]: ...
+
+    def decode(self, ids: npt.NDArray[np.int32]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past the three special ids; lossless for any text."""
+
+    eos_token_ids: tuple[int, ...] = (2,)
+
+    def encode_prompt(self, text: str, metadata: dict[str, str]) -> npt.NDArray[np.int32]:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
+
+    def decode(self, ids: npt.NDArray[np.int32]) -> str:
+        data = bytes(int(i) - BYTE_OFFSET for i in ids if BYTE_OFFSET <= int(i) < BYTE_OFFSET + 256)
+        return data.decode("utf-8", "replace")
+
+
+class HFTokenizer:
+    def __init__(self, model_dir: Path | str) -> None:
+        from actors.hf import load_tokenizer
+
+        self.tok: Any = load_tokenizer(model_dir)
+        eos = self.tok.eos_token_id
+        self.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+    def encode_prompt(self, text: str, metadata: dict[str, str]) -> npt.NDArray[np.int32]:
+        messages = metadata.get("messages")
+        if messages and getattr(self.tok, "chat_template", None):
+            ids = self.tok.apply_chat_template(
+                json.loads(messages), add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+                ids = ids["input_ids"]
+        else:
+            ids = self.tok(text, add_special_tokens=True)["input_ids"]
+        return np.asarray(ids, dtype=np.int32)
+
+    def decode(self, ids: npt.NDArray[np.int32]) -> str:
+        return str(self.tok.decode(ids.tolist(), skip_special_tokens=True))
