@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install up test lint bench clean
 
@@ -15,8 +16,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# torch first, pinned to the CPU build this machine carries (a bare `torch` requirement would pull
+# several GB of CUDA wheels); skipped where a torch is already installed (e.g. a GPU image).
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e '.[worker,dev]'
 	@touch $(STAMP)
 
 up: install
