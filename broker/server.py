@@ -234,8 +234,11 @@ class Broker:
             kept,
         )
         self._send_worker(msg.worker_id, self._welcome(msg.worker_id), now)
-        if self.abort is not None and kept:
-            self._send_abort(msg.worker_id, now)
+        if self.abort is not None:  # a new session: it owes an AbortDone only for leases it kept
+            if kept:
+                self._send_abort(msg.worker_id, now)
+            else:
+                self.abort.deadline.pop(msg.worker_id, None)
 
     def _welcome(self, peer_id: str) -> protocol.Welcome:
         algo = self.config.algo
@@ -254,9 +257,9 @@ class Broker:
 
     def _grant(self, worker_id: str, credit: int) -> None:
         peer = self.workers.peers[worker_id]
-        held = len(self.state.leases_of(worker_id)) if peer.restored else 0
-        cap = peer.slots - held if peer.slots else credit + peer.credit
-        peer.credit = max(0, min(peer.credit + credit, cap))
+        if peer.restored:  # slots unknown until it says hello: it finishes its leases, gets nothing new
+            return
+        peer.credit = max(0, min(peer.credit + credit, peer.slots))
 
     def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
         for lease_id, sample in zip(msg.lease_ids.tolist(), msg.samples.to_samples(), strict=True):
@@ -286,7 +289,7 @@ class Broker:
         """Lease work to one worker up to its credit; False when there is nothing to lease."""
         if self.abort is not None or not self.state.dispatch_allowed() or peer.credit <= 0:
             return False
-        work = self.state.take_work(peer.peer_id, peer.credit)
+        work = self.state.take_work(peer.peer_id, peer.credit, peer.version)
         if not work:
             return False
         peer.credit -= len(work)
@@ -359,6 +362,7 @@ class Broker:
             return
         if isinstance(msg, protocol.LearnerHello):
             self.learner = Peer(msg.learner_id, last_seen=now, last_sent=now)
+            self.learner_waiting = None  # a request of an earlier session is not this learner's
             self.learner_identity = identity
             log.info("learner %s registered (v%d)", msg.learner_id, msg.version)
             self._send(self.learner_sock, identity, self._welcome(msg.learner_id))
@@ -384,6 +388,7 @@ class Broker:
                 self._on_weights(msg, now)
             case protocol.Disconnect():
                 self.learner = None
+                self.learner_waiting = None
             case _:
                 self._reject(self.learner_sock, identity, "unexpected_message", type(msg).__name__)
 
@@ -459,7 +464,9 @@ class Broker:
         if self.state.close_round_if_complete():
             log.info("round complete: %d complete groups", len(self.state.complete))
             if self.state.leased_samples:
-                self._start_abort(now)
+                self._start_abort(now)  # queued samples are parked once it is confirmed
+            else:
+                self.state.park_queued_samples()
         self._dispatch(now)
         self._try_send_batch(now)
         for peer in self.workers.due_heartbeat(now):

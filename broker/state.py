@@ -207,12 +207,31 @@ class BrokerState:
     def dispatch_allowed(self) -> bool:
         return self.round_open or not policy.is_round_based(self.mode)
 
-    def take_work(self, worker_id: str, credit: int) -> list[tuple[int, int, Sample]]:
+    def take_work(
+        self, worker_id: str, credit: int, worker_version: int | None = None
+    ) -> list[tuple[int, int, Sample]]:
         """Lease up to `credit` samples to a worker: queued samples first, then fresh groups as the policy
-        allows. Returns (lease_id, budget, leased sample) triples."""
+        allows. A partial whose last segment is newer than `worker_version` is left for another worker
+        (versions along a response never decrease). Returns (lease_id, budget, leased sample) triples."""
         out: list[tuple[int, int, Sample]] = []
         if not self.dispatch_allowed():
             return out
+        skipped: list[Sample] = []
+        try:
+            self._take(worker_id, credit, worker_version, out, skipped)
+        finally:
+            for sample in skipped:
+                self.queue.push(sample.key, sample.min_version)
+        return out
+
+    def _take(
+        self,
+        worker_id: str,
+        credit: int,
+        worker_version: int | None,
+        out: list[tuple[int, int, Sample]],
+        skipped: list[Sample],
+    ) -> None:
         while len(out) < credit:
             if not self.queue:
                 allowance = policy.fresh_group_allowance(
@@ -225,6 +244,13 @@ class BrokerState:
             gid, idx = self.queue.pop()
             entry = self.groups[gid]
             before = entry.samples[idx]
+            if (
+                worker_version is not None
+                and before.segments
+                and before.segments[-1].version > worker_version
+            ):
+                skipped.append(before)
+                continue
             leased = before.resumed()
             lease_id = self.next_lease
             self.next_lease += 1
@@ -234,7 +260,6 @@ class BrokerState:
                 self.round.resumed += 1
                 self.totals.resumed += 1
             out.append((lease_id, leased.budget(self.algo.max_new_tokens), leased))
-        return out
 
     def leases_of(self, worker_id: str) -> list[int]:
         return [lid for lid, lease in self.leases.items() if lease.worker_id == worker_id]
@@ -287,6 +312,15 @@ class BrokerState:
         if after.segments and after.segments[-1].version > self.version:
             raise ResultRejected(
                 "future_version", f"sample {after.key} claims version {after.segments[-1].version}"
+            )
+        leased = before.resumed()  # what the worker was sent
+        if (after.prompt_text, after.metadata, after.resumes) != (
+            leased.prompt_text,
+            leased.metadata,
+            leased.resumes,
+        ):
+            raise ResultRejected(
+                "task_changed", f"sample {after.key} changed its prompt text, metadata or resumes"
             )
         if before.prompt_ids.shape[0] and not np.array_equal(before.prompt_ids, after.prompt_ids):
             raise ResultRejected("prompt_changed", f"sample {after.key} changed its prompt")
@@ -407,6 +441,8 @@ def _continues(before: Sample, after: Sample) -> bool:
         if len(new) < len(old) or new[:last] != old[:last]:
             return False
         if (new[last].version, new[last].start) != (old[last].version, old[last].start):
+            return False
+        if new[last].end < old[last].end:  # its tokens may not be re-tagged with a newer version
             return False
     n0 = before.response_len
     return n0 == 0 or (

@@ -5,16 +5,14 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
-import signal
-import sys
 from pathlib import Path
-from types import FrameType
 
 import zmq
 
 from april.config import Config, write_config
 from broker.server import Broker
 from broker.snapshot import SnapshotError
+from cli.process import setup_logging, stop_requested
 
 
 class BrokerStartError(Exception):
@@ -35,9 +33,7 @@ def _check_bind_host(host: str) -> None:
 
 def run_broker(config: Config, run_dir: Path, resume: bool) -> None:
     _check_bind_host(config.broker.bind_host)
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging()
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         broker = Broker(config, run_dir, resume=resume)
@@ -54,16 +50,9 @@ def run_broker(config: Config, run_dir: Path, resume: bool) -> None:
             ) from None
         raise BrokerStartError(f"cannot bind on {config.broker.bind_host}: {exc}") from None
     write_config(config, run_dir / "config.toml")
-    stopping = False
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    should_stop = stop_requested()
     try:
-        broker.serve(lambda: stopping)
+        broker.serve(should_stop)
     finally:
         broker.close()
         logging.getLogger("april.broker").info("broker stopped; state saved in %s", run_dir / "broker")

@@ -2,36 +2,23 @@
 
 from __future__ import annotations
 
-import logging
-import signal
-import sys
-from types import FrameType
-
+from actors.engine import Engine, SamplingParams
 from actors.factory import make_engine, make_tokenizer
 from actors.reward_runner import RewardRunner
 from actors.worker import Worker
 from april.config import Config
+from cli.process import setup_logging, stop_requested
 
 
 def run_worker(config: Config) -> None:
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging()
     cfg = config.worker
     tokenizer = make_tokenizer(cfg)
     rewards = RewardRunner(cfg.reward, cfg.reward_timeout_s)
     worker: Worker
 
-    def engine_factory(sampling, version):  # type: ignore[no-untyped-def]
+    def engine_factory(sampling: SamplingParams, version: int) -> Engine:
         return make_engine(cfg, sampling, worker.identify, version)
 
     worker = Worker(cfg, tokenizer, rewards, engine_factory, seed=config.run.seed)
-    stopping = False
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    worker.run(lambda: stopping)
+    worker.run(stop_requested())

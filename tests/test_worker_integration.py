@@ -35,7 +35,12 @@ def test_worker_sigterm_returns_leases_and_sigkill_is_survived(cluster: Callable
     c.start_broker()
     c.start_worker("leaver")
     c.start_worker("victim")
-    wait_for(lambda: sum(w["leases"] for w in c.status()["workers"]) > 0, 20, "leases to be granted")
+
+    def both_hold_leases() -> bool:  # a registered worker has installed its signal handlers
+        leases = {w["id"]: w["leases"] for w in c.status()["workers"]}
+        return leases.get("leaver", 0) > 0 and leases.get("victim", 0) > 0
+
+    wait_for(both_hold_leases, 30, "both workers to hold leases")
     c.kill("leaver", signal.SIGTERM)  # clean exit: partials returned, Disconnect
     c.kill("victim")  # SIGKILL: leases re-queued after the liveness window
     c.start_worker("w2")
