@@ -178,16 +178,22 @@ class Worker:
 
     def _on_lease(self, msg: protocol.Lease) -> None:
         assert self.engine is not None, "a Lease before Welcome"
-        requests = []
+        failed: list[tuple[int, Sample]] = []
         for lease_id, budget, sample in zip(
             msg.lease_ids.tolist(), msg.budgets.tolist(), msg.samples.to_samples(), strict=True
         ):
-            if sample.prompt_ids.shape[0] == 0:  # text-only prompt: tokenize once, resumes reuse the ids
-                ids = self.tokenizer.encode_prompt(sample.prompt_text, sample.metadata)
-                sample = dataclasses.replace(sample, prompt_ids=ids)
-            self.held[lease_id] = Held(lease_id, sample)
-            requests.append(GenerationRequest(lease_id, sample.resume_input(), budget))
-        self.engine.add(requests)
+            try:
+                if sample.prompt_ids.shape[0] == 0:  # text-only prompt: tokenize once, resumes reuse the ids
+                    ids = self.tokenizer.encode_prompt(sample.prompt_text, sample.metadata)
+                    sample = dataclasses.replace(sample, prompt_ids=ids)
+                self.held[lease_id] = Held(lease_id, sample)
+                self.engine.add([GenerationRequest(lease_id, sample.resume_input(), budget)])
+            except (EngineError, ValueError) as exc:  # one bad request fails one sample, not the worker
+                self.held.pop(lease_id, None)
+                log.warning("sample %s cannot be generated: %s", sample.key, exc)
+                failed.append((lease_id, sample.failed(f"engine rejected the request: {exc}"[:500])))
+        if failed:
+            self._send_results(failed, credit=len(failed))
 
     def _on_outputs(self, outputs: list[GenerationOutput]) -> None:
         """Finished samples leave the engine: free their slots now, score them, stream them when scored."""

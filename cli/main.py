@@ -100,6 +100,33 @@ def worker(
 
 
 @app.command()
+def generate(
+    prompts: Annotated[
+        Path,
+        typer.Option("--prompts", help="JSONL prompts (prompt/answer fields).", exists=True, dir_okay=False),
+    ],
+    engine: Annotated[str | None, typer.Option("--engine", help="torch | sglang | vllm | sim.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="HF model directory.")] = None,
+    n: Annotated[int, typer.Option("--n", help="Samples per prompt.", min=1)] = 1,
+    max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", help="Budget per sample.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per sample.")] = False,
+    config: ConfigOpt = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
+    ] = None,
+) -> None:
+    """Run an engine on a prompt file without a broker and print every sample and tokens/s."""
+    from actors.engine import EngineError
+    from cli.generate_cmd import generate as run_generate
+
+    with user_errors(EngineError):
+        cfg = resolve_config(
+            config, set_, worker__engine=engine, worker__model=model, algo__max_new_tokens=max_new_tokens
+        )
+        run_generate(cfg, prompts, n, as_json)
+
+
+@app.command()
 def status(
     broker_address: Annotated[str, typer.Option("--broker", help="The broker's learner port.")] = (
         "tcp://127.0.0.1:5556"

@@ -11,6 +11,7 @@ what they saw to `events` files that the tests read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -221,6 +222,8 @@ class LearnerScript:
     group_size: int
     train_s: float = 0.05
     crash_before_ack_at_step: int = -1
+    weights_file: str = ""  # publish this file (with its real sha256) instead of sim:// URIs
+    bad_sha_at_step: int = -1  # announce a wrong sha256 for this step's weights
     start_step: int = 0
     heartbeat_s: float = 0.2
     liveness: int = 3
@@ -254,7 +257,7 @@ def run_learner(cfg: LearnerScript) -> None:
                 os._exit(3)
             time.sleep(cfg.train_s)
             version += 1
-            send(sock, protocol.WeightsReady(version, f"sim://weights/v{version}", FAKE_SHA))
+            send(sock, weights_message(cfg, version, bad=step == cfg.bad_sha_at_step))
             send(sock, protocol.BatchAck(msg.batch_id))
             last_batch = msg.batch_id
             step += 1
@@ -271,12 +274,19 @@ def run_learner(cfg: LearnerScript) -> None:
             sock.close(linger=0)
             sock = learner_hello(ctx, cfg, version)
             if version > cfg.start_step:  # the broker may have lost the announcement with its state
-                send(sock, protocol.WeightsReady(version, f"sim://weights/v{version}", FAKE_SHA))
+                send(sock, weights_message(cfg, version))
             send(sock, protocol.BatchRequest(step, last_batch))
             last_heard = now
     ev.write(kind="done", steps=step)
     send(sock, protocol.Disconnect("done"))
     time.sleep(0.1)
+
+
+def weights_message(cfg: LearnerScript, version: int, bad: bool = False) -> protocol.WeightsReady:
+    if not cfg.weights_file:
+        return protocol.WeightsReady(version, f"sim://weights/v{version}", FAKE_SHA)
+    sha = hashlib.sha256(open(cfg.weights_file, "rb").read()).hexdigest()  # noqa: SIM115
+    return protocol.WeightsReady(version, f"file://{cfg.weights_file}", FAKE_SHA if bad else sha)
 
 
 def learner_hello(ctx: zmq.Context[zmq.Socket[bytes]], cfg: LearnerScript, version: int) -> zmq.Socket[bytes]:
