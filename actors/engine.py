@@ -68,6 +68,26 @@ class GenerationOutput:
     finish_reason: FinishReason  # STOP, LENGTH, or ABORT (from `abort`)
     stats: dict[str, float] = field(default_factory=dict)  # engine-specific timings, optional
 
+    @classmethod
+    def of(
+        cls,
+        request_id: int,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+        finish_reason: FinishReason,
+        stats: dict[str, float] | None = None,
+    ) -> GenerationOutput:
+        """From plain lists, as engines accumulate them."""
+        return cls(
+            request_id,
+            np.asarray(token_ids, dtype=np.int32),
+            np.asarray(logprobs, dtype=np.float32),
+            np.asarray(versions, dtype=np.int32),
+            finish_reason,
+            dict(stats or {}),
+        )
+
 
 class Engine(Protocol):
     name: str

@@ -13,7 +13,8 @@ import pytest
 from sglang_fixture import FakeSGLangServer, expected_tokens, token_logprob
 
 from actors.engine import EngineError, GenerationOutput, GenerationRequest, SamplingParams, WeightLoadError
-from actors.engines.sglang_engine import SGLangEngine, parse_version, server_command
+from actors.engines.sglang_engine import SGLangEngine, parse_version
+from actors.engines.sglang_launch import server_command
 from april.records import FinishReason, Sample
 
 PROMPT = [11, 12, 13]

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -147,13 +145,8 @@ class _Flight:
     stats: dict[str, float] = field(default_factory=dict)
 
     def output(self, reason: FinishReason) -> GenerationOutput:
-        return GenerationOutput(
-            request_id=self.request_id,
-            token_ids=np.asarray(self.done_ids, dtype=np.int32),
-            logprobs=np.asarray(self.done_logprobs, dtype=np.float32),
-            versions=np.asarray(self.done_versions, dtype=np.int32),
-            finish_reason=reason,
-            stats=dict(self.stats),
+        return GenerationOutput.of(
+            self.request_id, self.done_ids, self.done_logprobs, self.done_versions, reason, self.stats
         )
 
 
@@ -539,49 +532,6 @@ class SGLangEngine:
         return [e for e in errors if e is not None]
 
 
-# -- launching servers ----------------------------------------------------------------------------
-
-
-def server_command(
-    model_path: str,
-    *,
-    port: int,
-    host: str = "127.0.0.1",
-    slots: int = 8,
-    version: int = 0,
-    extra: Sequence[str] = (),
-) -> list[str]:
-    """The `python -m sglang.launch_server` command line for one server (token ids only)."""
-    return [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", model_path,
-        "--host", host,
-        "--port", str(port),
-        "--skip-tokenizer-init",
-        "--max-running-requests", str(slots),
-        "--weight-version", str(version),
-        *extra,
-    ]  # fmt: skip
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    """Poll /server_info until the server answers; EngineError if it exits or times out."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise EngineError(
-                f"sglang server for {url} exited with code {proc.returncode} during start-up "
-                "(is the sglang extra installed? pip install .[sglang])"
-            )
-        try:
-            http_call(url, "GET", "/server_info", timeout_s=5.0)
-            return
-        except EngineError as e:
-            if time.monotonic() > deadline:
-                raise EngineError(f"sglang server {url} not ready after {timeout_s:g}s: {e}") from None
-        time.sleep(1.0)
-
-
 def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -590,39 +540,3 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def launch(
-    model_path: str,
-    *,
-    port: int = 30000,
-    gpus: Sequence[str] = (),
-    slots: int = 8,
-    version: int = 0,
-    extra_args: Sequence[str] = (),
-    startup_timeout_s: float = 900.0,
-    log_dir: Path | None = None,
-    **engine_kw: Any,
-) -> SGLangEngine:
-    """Start one server per entry of `gpus` (its CUDA_VISIBLE_DEVICES, e.g. "0" or "2,3" with
-    `--tp-size 2` in extra_args; none: one server on the visible devices) on ports port, port+1, ...,
-    wait until they answer, and return an engine that stops them on `close`."""
-    procs: list[subprocess.Popen[bytes]] = []
-    urls: list[str] = []
-    try:
-        for i, gpu in enumerate(list(gpus) or [None]):
-            env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-            cmd = server_command(model_path, port=port + i, slots=slots, version=version, extra=extra_args)
-            if log_dir is None:
-                procs.append(subprocess.Popen(cmd, env=env))
-            else:
-                with open(log_dir / f"sglang-{port + i}.log", "ab") as log:
-                    procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-            urls.append(f"http://127.0.0.1:{port + i}")
-        for url, proc in zip(urls, procs, strict=True):
-            wait_ready(url, proc, startup_timeout_s)
-        return SGLangEngine(urls, slots=slots, version=version, processes=procs, **engine_kw)
-    except BaseException:
-        for proc in procs:
-            stop_server(proc)
-        raise

