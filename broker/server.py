@@ -148,6 +148,8 @@ class Broker:
                 self._reject(sock, identity, exc.reason, str(exc))
                 continue
             handle(identity, msg, now)
+            if self.cfg.debug_ledger:  # debug builds: the books balance after every state change
+                self.state.check_ledger(f"after {type(msg).__name__} from {identity!r}")
 
     def _reject(self, sock: zmq.Socket[bytes], identity: bytes, reason: str, detail: str) -> None:
         peer = identity.decode("utf-8", "replace")[:64]
