@@ -149,14 +149,15 @@ def up(
         list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
     ] = None,
 ) -> None:
-    """Launch a run. For now this starts the broker alone: the workers, learner and dashboard that
-    `april up` will also launch are not built yet."""
+    """Launch a run. For now this starts the broker alone: the learner and the dashboard that
+    `april up` will also launch are not built yet (start workers with `april worker`)."""
     with user_errors(BrokerStartError):
         cfg = resolve_config(config, set_, run__mode=mode)
         target = run_dir or cfg.run_path()
         typer.echo(
-            f"april up: workers, learner and dashboard are not available yet; starting the broker alone "
-            f"in {target} (Ctrl-C to stop; `april status` in another terminal shows its state).",
+            f"april up: the learner and the dashboard are not built yet; starting the broker alone in "
+            f"{target} (Ctrl-C to stop). In other terminals: `april worker --engine sim` to generate, "
+            "`april status` to watch.",
             err=True,
         )
         run_broker(cfg, target, resume)
