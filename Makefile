@@ -7,7 +7,10 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install up test lint bench clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: install up test test-vllm lint bench clean
 
 install: $(STAMP)
 
@@ -29,6 +32,19 @@ up: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# vLLM's CPU build pins its own transformers/numpy, so it gets a venv of its own. Its tests are marked
+# `vllm` and skip wherever vllm is not installed.
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
+	$(VLLM_VENV)/bin/python -m pip install --quiet -e '.[worker,dev,vllm]'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -38,4 +54,4 @@ bench: install
 	$(BIN)/python benchmarks/broker_throughput.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

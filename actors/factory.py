@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from actors.engine import ENGINES, Engine, EngineError, SamplingParams
 from actors.engines.sim_engine import Identify
 from actors.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -44,4 +46,13 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
         if not urls:
             raise EngineError("engine sglang needs worker.sglang_urls (comma-separated server URLs)")
         return SGLangEngine(urls, slots=cfg.slots, sampling=sampling, version=version)
+    if cfg.engine == "vllm":
+        from actors.engines.vllm_engine import VLLMEngine
+
+        args: dict[str, Any] = {"kv_cache_memory_bytes": int(cfg.vllm_kv_cache_gib * (1 << 30))}
+        if cfg.vllm_max_model_len:
+            args["max_model_len"] = cfg.vllm_max_model_len
+        if cfg.device == "cpu":  # fp32 and no torch.compile warm-up: start-up in seconds on a CPU
+            args.update(dtype="float32", enforce_eager=True)
+        return VLLMEngine(cfg.model, cfg.slots, sampling, version=version, **args)
     raise EngineError(f"unknown engine {cfg.engine!r} (expected one of {', '.join(ENGINES)})")

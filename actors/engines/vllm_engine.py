@@ -2,13 +2,14 @@
 
 Owns how a request becomes a vLLM request and its answer a `GenerationOutput`, how to abort without
 losing partial output, and how weights are swapped in place. Does not tokenize (vLLM runs with
-`skip_tokenizer_init`; stops come only from `SamplingParams.stop_token_ids`, as with the torch engine)
+`skip_tokenizer_init`; stops come only from `SamplingParams.stop_token_ids`, as with the torch engine:
+`ignore_eos` keeps vLLM from adding the model's generation_config eos ids)
 and imports vllm only here, when an engine is built.
 
 How it runs: vLLM's frontend is asyncio, so the engine owns an event loop on a background thread and
 every `Engine` method (synchronous, called from the worker's thread) hands coroutines to it. vLLM's
-EngineCore is a child process (with `distributed_executor_backend="uni"`, the default here, the model
-runs in that process; vLLM's own default adds a third process, which is much slower on small CPUs).
+EngineCore runs in a child process (on CPU with one more worker process: vLLM forces its "mp" executor
+there), so the model never runs on the worker's thread.
 Each request is one `add_request` call, awaited in `add`, so the request is known to vLLM when `add`
 returns, and one consumer coroutine that waits for its final output (`RequestOutputKind.FINAL_ONLY`:
 no per-token traffic). `step` waits up to `poll_s` for a consumer to finish, like a poll.
@@ -43,12 +44,13 @@ Does not implement n > 1, LoRA, prompt log-probs or vLLM's NCCL weight transfer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,13 +84,9 @@ class _Flight:
     added_s: float = 0.0
 
     def output(self, reason: FinishReason) -> GenerationOutput:
-        return GenerationOutput(
-            request_id=self.request_id,
-            token_ids=np.asarray(self.done_ids, dtype=np.int32),
-            logprobs=np.asarray(self.done_logprobs, dtype=np.float32),
-            versions=np.asarray(self.done_versions, dtype=np.int32),
-            finish_reason=reason,
-            stats={"engine_s": time.perf_counter() - self.added_s},
+        stats = {"engine_s": time.perf_counter() - self.added_s}
+        return GenerationOutput.of(
+            self.request_id, self.done_ids, self.done_logprobs, self.done_versions, reason, stats
         )
 
 
@@ -133,6 +131,7 @@ class VLLMEngine:
         self._weights_path = path  # last weights loaded successfully (restored after a failed load)
         self._flights: dict[int, _Flight] = {}
         self._ready: list[GenerationOutput] = []
+        self._broken = ""  # why the engine cannot serve any more (a failed reload that could not be undone)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
@@ -156,8 +155,6 @@ class VLLMEngine:
             "logprobs_mode": "processed_logprobs",
             "disable_log_stats": True,
         }
-        if int(extra.get("tensor_parallel_size", 1)) == 1:
-            kwargs["distributed_executor_backend"] = "uni"
         kwargs.update(extra)
         try:
             args = AsyncEngineArgs(**kwargs)
@@ -175,8 +172,11 @@ class VLLMEngine:
         return len(self._flights) + len(self._ready)
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
+        self._check_usable()
         if self.active + len(requests) > self.slots:
-            raise EngineError(f"vllm engine: {self.active} active + {len(requests)} added > {self.slots} slots")
+            raise EngineError(
+                f"vllm engine: {self.active} active + {len(requests)} added > {self.slots} slots"
+            )
         known = set(self._flights) | {o.request_id for o in self._ready}
         flights = []
         for req in requests:
@@ -216,6 +216,7 @@ class VLLMEngine:
         return out
 
     def load_weights(self, path: Path | str, version: int) -> None:
+        self._check_usable()
         new = Path(path)
         files = weight_files(new)
         check_header(read_header(new), self._header, new)
@@ -230,9 +231,12 @@ class VLLMEngine:
             self._weights_path = new
             self.version = version
         finally:
-            self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
-            for flight in parked:
-                self._submit(flight)
+            if self._broken:  # hand the partials back: the worker resumes them elsewhere
+                self._ready += [flight.output(FinishReason.ABORT) for flight in parked]
+            else:
+                self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
+                for flight in parked:
+                    self._submit(flight)
 
     def close(self) -> None:
         try:
@@ -241,11 +245,13 @@ class VLLMEngine:
         except EngineError:
             pass
         finally:
-            try:
+            with contextlib.suppress(EngineError):
                 self._run(self._shutdown(), self.abort_timeout_s, "shutdown")
-            except EngineError:
-                pass
             self._stop_loop()
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise EngineError(f"vllm engine: unusable, restart it: {self._broken}")
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -262,17 +268,16 @@ class VLLMEngine:
             top_k=s.top_k,  # 0 = off in vLLM too
             seed=None if self.greedy else seed,
             stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=True,  # else vLLM adds generation_config.json's eos ids to the stops
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
     def _submit(self, flight: _Flight) -> None:
-        from vllm.inputs import TokensPrompt
-
         flight.rid = f"{flight.request_id}-{uuid.uuid4().hex[:12]}"
         flight.version = self.version
-        prompt = TokensPrompt(prompt_token_ids=flight.input_ids + flight.done_ids)
+        prompt = _token_prompt(flight.input_ids + flight.done_ids)
         try:
             queue = self._run(self._llm.add_request(flight.rid, prompt, self._params(flight)), 60.0, "add")
         except EngineError as e:
@@ -326,13 +331,17 @@ class VLLMEngine:
             self._run(self._llm.abort(rids), self.abort_timeout_s, "abort")
             _, pending = wait(pending, timeout=self.abort_timeout_s)
         if pending:
-            raise EngineError(f"vllm engine: {len(pending)} requests not finished {self.abort_timeout_s:g}s after abort")
+            raise EngineError(
+                f"vllm engine: {len(pending)} requests not finished {self.abort_timeout_s:g}s after abort"
+            )
 
     def _park(self) -> list[_Flight]:
         """Pause vLLM (aborting in-flight requests) and keep their partials for resubmission. Leaves
         the scheduler paused, also when nothing was in flight."""
         if not self._flights:
-            self._run(self._llm.pause_generation(mode="abort", clear_cache=False), self.abort_timeout_s, "pause")
+            self._run(
+                self._llm.pause_generation(mode="abort", clear_cache=False), self.abort_timeout_s, "pause"
+            )
             return []
         self._halt()
         parked, errors = [], []
@@ -346,7 +355,9 @@ class VLLMEngine:
             if reason == FinishReason.ABORT and len(flight.done_ids) < flight.max_new_tokens:
                 parked.append(flight)
             else:  # finished on its own meanwhile
-                self._ready.append(flight.output(FinishReason.LENGTH if reason == FinishReason.ABORT else reason))
+                self._ready.append(
+                    flight.output(FinishReason.LENGTH if reason == FinishReason.ABORT else reason)
+                )
         if errors:
             self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
             for flight in parked:
@@ -363,15 +374,18 @@ class VLLMEngine:
         self._run(self._llm.reset_prefix_cache(), self.abort_timeout_s, "reset_prefix_cache")
 
     def _restore(self, cause: EngineError) -> None:
-        """Reload the last good weights after a failed reload (which may have changed some tensors)."""
+        """Reload the last good weights after a failed reload (which may have changed some tensors).
+
+        vLLM's layerwise reload is not transactional: a failure part-way (e.g. a tensor of the wrong
+        shape) leaves its per-layer reload state behind, so the restore fails too (seen with 0.32) and
+        the engine is marked unusable. `check_header` catches those causes before anything is touched."""
         last = self._weights_path
         try:
             with _as_directory(last, weight_files(last)) as folder:
                 self._reload(folder)
         except EngineError as e:  # WeightLoadError included: the old weights are gone
-            raise EngineError(
-                f"vllm engine: reload failed ({cause}) and restoring {str(last)!r} failed too: {e}"
-            ) from None
+            self._broken = f"reload failed ({cause}); restoring {str(last)!r} failed too ({e})"
+            raise EngineError(f"vllm engine: unusable, restart it: {self._broken}") from None
 
     # -- the event loop ---------------------------------------------------------------------------
 
@@ -390,6 +404,7 @@ class VLLMEngine:
 
     async def _shutdown(self) -> None:
         self._llm.shutdown()
+        self._llm = None  # let AsyncLLM.__del__ run now, not at interpreter exit (where it raises)
 
     def _stop_loop(self) -> None:
         if self._loop.is_running():
@@ -397,6 +412,17 @@ class VLLMEngine:
         self._thread.join(timeout=30.0)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def _token_prompt(ids: list[int]) -> Any:
+    """A token-id prompt in the form this vLLM takes without a deprecation warning."""
+    try:
+        from vllm.inputs import tokens_input  # vLLM >= 0.3x: an engine input, no renderer pass
+    except ImportError:
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=ids)
+    return tokens_input(ids)
 
 
 async def _final(queue: Any) -> tuple[list[int], list[float], str]:
@@ -452,7 +478,9 @@ def check_header(got: Header, want: Header, path: Path) -> None:
     """WeightLoadError unless `got` has exactly the tensors of `want`, same shapes, floating point."""
     missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing:
-        raise WeightLoadError(f"load_weights: {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+        raise WeightLoadError(
+            f"load_weights: {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[0]!r}"
+        )
     if unexpected:
         raise WeightLoadError(
             f"load_weights: {str(path)!r} has {len(unexpected)} unexpected tensors, e.g. {unexpected[0]!r}"
@@ -464,23 +492,15 @@ def check_header(got: Header, want: Header, path: Path) -> None:
             raise WeightLoadError(f"load_weights: {name!r} has dtype {dtype}, expected floating point")
 
 
-class _as_directory:  # noqa: N801  # used like a function: `with _as_directory(...) as folder`
+@contextlib.contextmanager
+def _as_directory(path: Path, files: list[Path]) -> Iterator[str]:
     """`path` itself if it is a directory, else a temporary directory holding a link to the file."""
-
-    def __init__(self, path: Path, files: list[Path]) -> None:
-        self.path, self.files = path, files
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-
-    def __enter__(self) -> str:
-        if self.path.is_dir():
-            return str(self.path)
-        self._tmp = tempfile.TemporaryDirectory(prefix="april-vllm-weights-")
-        os.symlink(self.files[0].resolve(), Path(self._tmp.name) / "model.safetensors")
-        return self._tmp.name
-
-    def __exit__(self, *exc: object) -> None:
-        if self._tmp is not None:
-            self._tmp.cleanup()
+    if path.is_dir():
+        yield str(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="april-vllm-weights-") as tmp:
+        os.symlink(files[0].resolve(), Path(tmp) / "model.safetensors")
+        yield tmp
 
 
 def _first_line(exc: BaseException) -> str:
