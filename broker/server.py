@@ -283,13 +283,12 @@ class Broker:
             self.abort.deadline.pop(worker_id, None)
 
     def _dispatch(self, now: float) -> None:
-        for peer in self.workers.with_credit():
-            if not self._dispatch_to(peer, now):
-                break
+        for peer in self.workers.with_credit():  # a worker may get nothing (newer partials) and the next some
+            self._dispatch_to(peer, now)
 
     def _dispatch_to(self, peer: WorkerPeer, now: float) -> bool:
         """Lease work to one worker up to its credit; False when there is nothing to lease."""
-        if self.abort is not None or not self.state.dispatch_allowed() or peer.credit <= 0:
+        if self.abort is not None or not self.state.dispatch_allowed() or peer.credit <= 0 or peer.restored:
             return False
         work = self.state.take_work(peer.peer_id, peer.credit, peer.version)
         if not work:
