@@ -313,11 +313,11 @@ class BrokerState:
             raise ResultRejected(
                 "future_version", f"sample {after.key} claims version {after.segments[-1].version}"
             )
-        leased = before.resumed()  # what the worker was sent
+        resumes = before.resumes + (1 if n0 else 0)  # as leased (see Sample.resumed)
         if (after.prompt_text, after.metadata, after.resumes) != (
-            leased.prompt_text,
-            leased.metadata,
-            leased.resumes,
+            before.prompt_text,
+            before.metadata,
+            resumes,
         ):
             raise ResultRejected(
                 "task_changed", f"sample {after.key} changed its prompt text, metadata or resumes"
