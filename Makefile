@@ -21,9 +21,13 @@ $(BIN)/python:
 
 # torch first, pinned to the CPU build this machine carries (a bare `torch` requirement would pull
 # several GB of CUDA wheels); skipped where a torch is already installed (e.g. a GPU image).
+# DeepSpeed builds from source: without --no-build-isolation pip would build it against a fresh (CUDA)
+# torch in an isolated environment instead of the one installed here.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -e '.[worker,dev]'
+	$(BIN)/python -c "import deepspeed" 2>/dev/null || \
+		$(BIN)/python -m pip install --quiet --no-build-isolation 'deepspeed>=0.15'
+	$(BIN)/python -m pip install --quiet -e '.[worker,learner,dev]'
 	@touch $(STAMP)
 
 up: install

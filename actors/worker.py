@@ -15,7 +15,6 @@ a silent broker is reconnected with backoff (1 s doubling to 32 s) and told whic
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import socket
@@ -35,6 +34,7 @@ from actors.tokenizer import Tokenizer
 from april import protocol
 from april.codec import ProtocolError
 from april.config import WorkerConfig
+from april.files import sha256_file
 from april.records import FinishReason, Sample
 from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
@@ -52,14 +52,6 @@ class Held:
 
     lease_id: int
     sample: Sample
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def weights_path(uri: str) -> Path | None:

@@ -191,9 +191,25 @@ class LearnerConfig:
     model: str = ""
     lr: float = 1e-6
     checkpoint_every: int = 10  # train steps between checkpoints
+    backend: str = "deepspeed"  # deepspeed | torch (plain torch AdamW, one process)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    micro_batches: int = 1  # micro-batches per optimizer step (gradient accumulation), per rank
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    eps_low: float = -1.0  # PPO clip below 1 - eps_low; < 0: the algorithm's default (0.2; gspo 3e-4)
+    eps_high: float = -1.0  # clip above 1 + eps_high; < 0: the algorithm's default (dapo 0.28)
+    kl_coef: float = 0.0  # k3 KL to the initial model (0: no reference model is kept)
+    entropy_coef: float = 0.0
+    torch_threads: int = 1
+    keep_weights: int = 3  # published versions kept on disk (>= 2)
 
     def __post_init__(self) -> None:
-        _positive(self, "learner", "lr")
+        _positive(self, "learner", "lr", "micro_batches", "torch_threads")
+        _check(self.backend in ("deepspeed", "torch"), "learner.backend", self.backend, "deepspeed or torch")
+        _check(self.zero_stage in (0, 1, 2, 3), "learner.zero_stage", self.zero_stage, "0, 1, 2 or 3")
+        _check(self.keep_weights >= 2, "learner.keep_weights", self.keep_weights, "must be >= 2")
         _check(self.checkpoint_every >= 0, "learner.checkpoint_every", self.checkpoint_every, "must be >= 0")
 
 

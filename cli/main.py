@@ -100,6 +100,31 @@ def worker(
 
 
 @app.command()
+def learner(
+    run_dir: Annotated[
+        Path, typer.Option("--run-dir", help="Run directory (metrics, weights, checkpoints).")
+    ],
+    broker_address: Annotated[str | None, typer.Option("--broker", help="The broker's learner port.")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="HF model directory to train.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
+    steps: Annotated[int | None, typer.Option("--steps", help="Learner steps to train (run.steps).")] = None,
+    config: ConfigOpt = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
+    ] = None,
+) -> None:
+    """Run the learner: exactly-N batches, the configured loss, weights published as v+1 each step."""
+    from actors.engine import EngineError
+    from cli.learner_cmd import run_learner_process
+
+    with user_errors(EngineError):
+        cfg = resolve_config(
+            config, set_, learner__broker=broker_address, learner__model=model, run__steps=steps
+        )
+        run_learner_process(cfg, run_dir, resume)
+
+
+@app.command()
 def generate(
     prompts: Annotated[
         Path,

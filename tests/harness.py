@@ -75,6 +75,7 @@ class Cluster:
             "sim_lengths": "lognormal:median=8,sigma=1.0,cap=40",
             "sim_time_scale": 0.2,
         }
+        sections["learner"] = {"broker": f"tcp://127.0.0.1:{self.ports[1]}"}
         for name, values in config.items():
             sections[name].update(values)
         self.config = sections
@@ -128,6 +129,29 @@ class Cluster:
         ]
         for item in sets:
             cmd += ["--set", item]
+        with open(log, "ab") as out:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        return log
+
+    def start_learner_process(self, name: str, *sets: str, resume: bool = False) -> Path:
+        """A real `april learner` process (settings from the [learner] section)."""
+        log = self.tmp / f"{name}.log"
+        cmd = [
+            sys.executable,
+            "-c",
+            "from cli.main import main; main()",
+            "learner",
+            "--config",
+            str(self.config_path),
+            "--run-dir",
+            str(self.run_dir),
+            "--broker",
+            self.learner_address,
+        ]
+        for item in sets:
+            cmd += ["--set", item]
+        if resume:
+            cmd.append("--resume")
         with open(log, "ab") as out:  # the child keeps its own descriptor
             self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         return log

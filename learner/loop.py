@@ -1,0 +1,169 @@
+"""The learner process: one loop, top to bottom, as in DESIGN.md section 2.
+
+For each step: wait for the batch (exactly N samples in complete groups), train on it, publish weights
+version v+1 (safetensors, atomic, sha256) and announce them, ack the batch, append the metrics line, and
+checkpoint every `checkpoint_every` steps. `--resume` restarts from the latest checkpoint; the broker
+re-sends any batch it still holds, and `last_batch_id` makes sure a trained batch is never trained again.
+Composes the pieces; owns none of their logic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from april.config import Config
+from learner import checkpoint, weights
+from learner.batching import build_train_batch
+from learner.client import BatchError, BrokerClient, check_batch
+from learner.engine import TrainEngine, TrainSettings
+from learner.losses import LossConfig
+from learner.metrics import MetricsLog, step_record
+from learner.step import train_step
+
+log = logging.getLogger("april.learner")
+
+
+def loss_config(config: Config) -> LossConfig:
+    lc = config.learner
+    return LossConfig.from_algo(
+        config.algo,
+        eps_low=None if lc.eps_low < 0 else lc.eps_low,
+        eps_high=None if lc.eps_high < 0 else lc.eps_high,
+        kl_coef=lc.kl_coef,
+        entropy_coef=lc.entropy_coef,
+    )
+
+
+def make_engine(config: Config) -> tuple[TrainEngine, Any]:
+    """The training engine around the model in learner.model, and a frozen reference copy if KL is on."""
+    from actors.hf import load_model, set_torch_threads
+
+    lc = config.learner
+    set_torch_threads(lc.torch_threads)
+    model = load_model(lc.model, device=lc.device, dtype="float32" if lc.device == "cpu" else "auto")
+    reference = None
+    if lc.kl_coef > 0:
+        reference = load_model(lc.model, device=lc.device)
+        reference.train(False)
+        reference.requires_grad_(False)
+    settings = TrainSettings(
+        backend=lc.backend,  # type: ignore[arg-type]
+        zero_stage=lc.zero_stage,
+        micro_batch_size=1,
+        grad_accum_steps=lc.micro_batches,
+        lr=lc.lr,
+        weight_decay=lc.weight_decay,
+        grad_clip=lc.grad_clip,
+        warmup_steps=lc.warmup_steps,
+        device=lc.device,
+    )
+    return TrainEngine(model, settings), reference
+
+
+def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callable[[], bool]) -> None:
+    engine, reference = make_engine(config)
+    cfg = loss_config(config)
+    meta = checkpoint.CheckpointMeta(step=0, version=0, last_batch_id=-1)
+    if resume:
+        latest = checkpoint.latest(run_dir / "checkpoints")
+        if latest is not None:
+            meta = checkpoint.load(engine, latest)
+            log.info("resumed from %s: step %d, version %d", latest, meta.step, meta.version)
+    step, version = meta.step, meta.version
+    client = BrokerClient(config.learner.broker, version, meta.last_batch_id)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    algo = config.algo
+    try:
+        while step < config.run.steps and not should_stop():
+            started = time.monotonic()
+            batch = client.next_batch(step, should_stop)
+            if batch is None:
+                break
+            waited = time.monotonic()
+            check_batch(batch, algo.samples_per_batch, algo.n_samples_per_prompt)
+            train_batch = build_train_batch(
+                batch.samples.to_samples(), n_samples_per_prompt=algo.n_samples_per_prompt
+            )
+            stats = train_step(
+                engine, train_batch, cfg, version=version, temperature=algo.temperature, reference=reference
+            )
+            computed = time.monotonic()
+            path, sha = weights.publish(
+                engine.state_dict_for_publish(),
+                run_dir / "weights",
+                version + 1,
+                keep=config.learner.keep_weights,
+            )
+            client.publish(version + 1, path.resolve().as_uri(), sha)
+            client.ack(batch.batch_id)
+            published = time.monotonic()
+            metrics.append(
+                step_record(
+                    step=step,
+                    version=version + 1,
+                    mode=config.run.mode.value,
+                    batch=batch,
+                    step_time_s=published - started,
+                    learner_time_s=computed - waited,
+                    weight_sync_s=published - computed,
+                    train={**stats, "wait_s": waited - started},
+                )
+            )
+            step, version = step + 1, version + 1
+            log.info(
+                "step %d: loss %.4f, reward %.3f, v%d published",
+                step,
+                stats["loss"],
+                float(batch.samples.reward.mean()),
+                version,
+            )
+            every = config.learner.checkpoint_every
+            if every and step % every == 0:
+                checkpoint.save(
+                    engine,
+                    run_dir / "checkpoints",
+                    checkpoint.CheckpointMeta(
+                        step=step,
+                        version=version,
+                        last_batch_id=batch.batch_id,
+                        world_size=engine.world_size,
+                        backend=config.learner.backend,
+                        zero_stage=config.learner.zero_stage,
+                    ),
+                )
+    except BatchError as exc:
+        log.error("the broker broke the batch contract; not training it: %s", exc)
+        raise
+    finally:
+        client.close()
+    write_summary(run_dir, metrics.path)
+
+
+def write_summary(run_dir: Path, metrics_path: Path) -> None:
+    """summary.json: the final ledger, totals and throughput over the run's metrics lines."""
+    lines = (
+        [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+        if metrics_path.exists()
+        else []
+    )
+    if not lines:
+        return
+    wall = sum(x["step_time_s"] for x in lines)
+    summary = {
+        "steps": len(lines),
+        "final_version": lines[-1]["version"],
+        "ledger": lines[-1]["ledger"],
+        "samples_trained": sum(x["samples"] for x in lines),
+        "tokens_trained": sum(x["tokens_trained"] for x in lines),
+        "tokens_generated": sum(x["tokens_generated"] for x in lines),
+        "wall_s": wall,
+        "samples_per_s": sum(x["samples"] for x in lines) / wall if wall else 0.0,
+        "reward_mean_first": lines[0]["reward_mean"],
+        "reward_mean_last": lines[-1]["reward_mean"],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

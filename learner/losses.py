@@ -1,0 +1,386 @@
+"""The policy loss: clipped surrogate per algorithm, off-policy correction, KL and entropy terms, stats.
+
+Owns `policy_loss` (one formula per `algo.algorithm` x `algo.offpolicy`, on per-token tensors), the loss
+settings not (yet) in `AlgoConfig` (`LossConfig`: clip range, KL and entropy coefficients) and the
+step statistics (`LossStats`, summable over micro-batches). Does not run models, build batches or step
+optimizers: inputs are log-probs already gathered at the response tokens (`learner.batching`).
+
+Notation, per sample i and response token t (m_it = 1 on real response tokens, B = samples and
+N_tok = response tokens of the *global* batch, so micro-batch losses add up to the batch loss):
+
+- pi_theta: the weights being differentiated (`logp_new`).
+- pi_beh: the engine that generated the token (`logp_behaviour`, stored with the sample; possibly an older
+  policy version, and a different numeric engine even when the version is current).
+- pi_old = pi_prox: the learner's weights *before this batch's update* (version `current_version`),
+  recomputed by the learner (`logp_proximal`, no grad). Needed by `tis` and `decoupled` only.
+
+Per token: ratio r_t = exp(log pi_theta - log pi_ref) with pi_ref = pi_beh (`none`, `mask`) or pi_prox
+(`tis`, `decoupled`); surrogate s_t = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A); detached weight
+w_t = 1 (`none`), 1[version_t >= current_version] (`mask`), min(pi_prox / pi_beh, tis_cap) (`tis`,
+truncated IS as in Yao et al. 2025), pi_prox / pi_beh uncapped (`decoupled`, Hilton et al. 2022; `tis` is
+its truncated form). Per-token loss l_t = -w_t s_t m_t, aggregated by the algorithm:
+
+- `grpo`:    (1/B) sum_i (1/L_i) sum_t l_it          (L_i = response tokens of sample i)
+- `dapo`:    (1/N_tok) sum_i sum_t l_it              (token-level over the whole global batch)
+- `dr_grpo`: (1/(B * max_new_tokens)) sum_i sum_t l_it  (a constant: no length normalisation)
+- `gspo`:    (1/B) sum_i -W_i min(s_i A_i, clip(s_i) A_i) with the sequence ratio
+             s_i = exp((1/K_i) sum_t k_it (log pi_theta - log pi_ref)) (k = kept tokens, K_i their count),
+             W_i = (K_i / L_i) w_i and w_i = the geometric mean of the token weights
+             (exp of the mean log pi_prox/pi_beh, capped at tis_cap for `tis`).
+
+`mask` zeroes the old tokens' loss but keeps them in the normalisers (L_i, N_tok, K_i / L_i), so a masked
+token is exactly a weight-0 token and the normalisers are fixed when the batch is built.
+Optional terms, aggregated the same way (sequence-mean for gspo) over kept tokens, not IS-weighted:
+`kl_coef` x k3(pi_theta || pi_ref_model) with k3 = exp(log ref - log new) - (log ref - log new) - 1, and
+`-entropy_coef` x entropy.
+
+Several optimizer steps per batch: pi_prox stays the weights before the *first* step and the version
+advances once per batch (weights are published once), so at step j (0-based) of k a token tagged
+version current - s is s batches (up to s*k optimizer steps) plus j steps behind pi_theta. `mask`/`tis`
+judge staleness by version and see only s; the clip against pi_prox (`tis`, `decoupled`) bounds the j
+part separately, while `none`/`mask` clip against pi_beh, so one clip range covers both parts and with
+large k or s stale tokens are mostly clipped (no gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from april.config import AlgoConfig, Algorithm, OffPolicy
+
+# (eps_low, eps_high) when not given: PPO's 0.2; DAPO's clip-higher 0.28; GSPO's sequence-level 3e-4 / 4e-4.
+DEFAULT_CLIP: dict[Algorithm, tuple[float, float]] = {
+    Algorithm.GRPO: (0.2, 0.2),
+    Algorithm.DR_GRPO: (0.2, 0.2),
+    Algorithm.DAPO: (0.2, 0.28),
+    Algorithm.GSPO: (3e-4, 4e-4),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LossConfig:
+    """What `policy_loss` needs. `from_algo` fills it from `[algo]` plus the fields AlgoConfig lacks."""
+
+    algorithm: Algorithm = Algorithm.GRPO
+    offpolicy: OffPolicy = OffPolicy.NONE
+    tis_cap: float = 2.0  # C in min(pi_prox / pi_beh, C), `tis` only
+    eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
+    eps_high: float = 0.2  # ratio clipped above at 1 + eps_high (DAPO clip-higher: > eps_low)
+    max_new_tokens: int = 256  # dr_grpo's constant per-sample normaliser
+    kl_coef: float = 0.0  # weight of k3 KL to the reference model (needs logp_ref when > 0)
+    entropy_coef: float = 0.0  # weight of the entropy bonus (needs entropy when > 0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
+        object.__setattr__(self, "offpolicy", OffPolicy(self.offpolicy))
+        checks = [
+            (self.tis_cap >= 1, "tis_cap", self.tis_cap, ">= 1"),
+            (0 <= self.eps_low < 1, "eps_low", self.eps_low, "in [0, 1)"),
+            (self.eps_high >= 0, "eps_high", self.eps_high, ">= 0"),
+            (self.max_new_tokens > 0, "max_new_tokens", self.max_new_tokens, "> 0"),
+            (self.kl_coef >= 0, "kl_coef", self.kl_coef, ">= 0"),
+            (self.entropy_coef >= 0, "entropy_coef", self.entropy_coef, ">= 0"),
+        ]
+        for ok, name, value, expected in checks:
+            if not ok:
+                raise ValueError(f"LossConfig.{name} = {value!r}: expected {expected}")
+
+    @classmethod
+    def from_algo(
+        cls,
+        algo: AlgoConfig,
+        *,
+        eps_low: float | None = None,
+        eps_high: float | None = None,
+        kl_coef: float = 0.0,
+        entropy_coef: float = 0.0,
+    ) -> LossConfig:
+        """From `[algo]`; eps_low / eps_high default per algorithm (`DEFAULT_CLIP`)."""
+        low, high = DEFAULT_CLIP[algo.algorithm]
+        return cls(
+            algorithm=algo.algorithm,
+            offpolicy=algo.offpolicy,
+            tis_cap=algo.tis_cap,
+            eps_low=low if eps_low is None else eps_low,
+            eps_high=high if eps_high is None else eps_high,
+            max_new_tokens=algo.max_new_tokens,
+            kl_coef=kl_coef,
+            entropy_coef=entropy_coef,
+        )
+
+
+def needs_proximal(offpolicy: OffPolicy | str) -> bool:
+    """True when the loss needs log-probs under the weights before the update (`tis`, `decoupled`)."""
+    return OffPolicy(offpolicy) in (OffPolicy.TIS, OffPolicy.DECOUPLED)
+
+
+@dataclass(frozen=True, slots=True)
+class LossStats:
+    """Sums and maxima of one `policy_loss` call; `merge_stats` adds micro-batches, `metrics` reports.
+
+    "Units" are the things clipped and IS-weighted: kept tokens, or sequences (with kept tokens) for gspo.
+    """
+
+    loss: float = 0.0  # this call's share of the batch loss (shares add up)
+    pg_loss: float = 0.0
+    kl_loss: float = 0.0  # kl_coef x aggregated KL to the reference model
+    entropy_loss: float = 0.0  # -entropy_coef x aggregated entropy
+    samples: int = 0
+    tokens: int = 0  # response tokens
+    kept_tokens: int = 0  # response tokens that got loss (all but `mask`-ed ones)
+    offpolicy_tokens: int = 0  # response tokens with version < current_version
+    units: int = 0
+    clipped_units: int = 0
+    is_weight_sum: float = 0.0  # over units
+    is_weight_max: float = 0.0
+    approx_kl_sum: float = 0.0  # over response tokens: k3 of KL(pi_beh || pi_theta)
+    entropy_sum: float = 0.0  # over entropy_tokens
+    entropy_tokens: int = 0  # 0 when no entropy was given
+    kl_ref_sum: float = 0.0  # over kl_ref_tokens
+    kl_ref_tokens: int = 0
+    staleness_sum: int = 0  # over samples with response tokens: current_version - oldest token version
+    staleness_max: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """Flat metric names (DESIGN.md section 8 where they exist there)."""
+
+        def ratio(num: float, den: float) -> float:
+            return num / den if den else 0.0
+
+        out = {
+            "loss": self.loss,
+            "pg_loss": self.pg_loss,
+            "kl_loss": self.kl_loss,
+            "entropy_loss": self.entropy_loss,
+            "clip_frac": ratio(self.clipped_units, self.units),
+            "approx_kl": ratio(self.approx_kl_sum, self.tokens),
+            "is_weight_mean": ratio(self.is_weight_sum, self.units),
+            "is_weight_max": self.is_weight_max,
+            "masked_frac": ratio(self.tokens - self.kept_tokens, self.tokens),
+            "offpolicy_token_frac": ratio(self.offpolicy_tokens, self.tokens),
+            "staleness_max": float(self.staleness_max),
+            "staleness_mean": ratio(self.staleness_sum, self.samples),
+            "tokens_trained": float(self.kept_tokens),
+        }
+        if self.entropy_tokens:
+            out["entropy"] = self.entropy_sum / self.entropy_tokens
+        if self.kl_ref_tokens:
+            out["kl_ref"] = self.kl_ref_sum / self.kl_ref_tokens
+        return out
+
+
+def merge_stats(parts: Sequence[LossStats]) -> LossStats:
+    """Stats of a whole batch from its micro-batches' stats (sums add, maxima take the max)."""
+    merged: dict[str, float | int] = {}
+    for f in dataclasses.fields(LossStats):
+        values = [getattr(p, f.name) for p in parts]
+        merged[f.name] = max(values, default=0) if f.name.endswith("_max") else sum(values)
+    return LossStats(**merged)  # type: ignore[arg-type]
+
+
+def policy_loss(
+    logp_new: Tensor,
+    logp_behaviour: Tensor,
+    logp_proximal: Tensor | None,
+    advantages: Tensor,
+    token_mask: Tensor,
+    versions: Tensor,
+    current_version: int,
+    cfg: LossConfig,
+    *,
+    num_samples: int | None = None,
+    num_tokens: int | None = None,
+    logp_ref: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, LossStats]:
+    """Scalar loss (to minimise) and its stats; see the module docstring for the formulas.
+
+    Shapes: `[B, Tr]` for the log-probs (nats), `token_mask` (bool), `versions` (int), `logp_ref` and
+    `entropy`; `advantages` is `[B]` or `[B, Tr]` (gspo takes the masked per-sample mean of the latter).
+    `num_samples` / `num_tokens` are the global batch's sample and response-token counts (default: this
+    call's), which makes micro-batch losses add up to the batch loss. Values on padding are ignored.
+    `logp_proximal` (no grad) is required by `tis` / `decoupled` and ignored by `none` / `mask`;
+    `current_version` is the version of the weights before this batch's update (pi_prox's version).
+    """
+    _check_inputs(logp_new, logp_behaviour, logp_proximal, advantages, token_mask, versions, cfg)
+    if logp_ref is not None and logp_ref.shape != logp_new.shape:
+        raise ValueError(f"policy_loss: logp_ref {tuple(logp_ref.shape)}, expected {tuple(logp_new.shape)}")
+    if entropy is not None and entropy.shape != logp_new.shape:
+        raise ValueError(f"policy_loss: entropy {tuple(entropy.shape)}, expected {tuple(logp_new.shape)}")
+    mask = token_mask.bool()
+    m = mask.to(logp_new.dtype)  # [B, Tr]
+    old = mask & (versions < current_version)
+    k = m * (~old).to(m.dtype) if cfg.offpolicy is OffPolicy.MASK else m  # kept tokens
+    ref = logp_proximal if needs_proximal(cfg.offpolicy) and logp_proximal is not None else logp_behaviour
+    log_ratio = torch.where(mask, logp_new - ref.detach(), 0.0)  # [B, Tr]
+    log_w = torch.zeros_like(m)  # log of the detached IS weight, before the cap
+    if logp_proximal is not None and needs_proximal(cfg.offpolicy):
+        log_w = torch.where(mask, logp_proximal - logp_behaviour, 0.0).detach()
+    adv = advantages.to(m.dtype)
+    n_samples = num_samples if num_samples is not None else int(mask.shape[0])
+    n_tokens = num_tokens if num_tokens is not None else int(mask.sum())
+    agg = _aggregator(cfg, m, n_samples, n_tokens)
+    if cfg.algorithm is Algorithm.GSPO:
+        pg, units, clipped, weights = _gspo(log_ratio, log_w, adv, m, k, cfg, n_samples)
+    else:
+        pg, units, clipped, weights = _token_level(log_ratio, log_w, adv, k, cfg, agg)
+    loss = pg
+    kl_term = ent_term = torch.zeros((), dtype=m.dtype, device=m.device)
+    if cfg.kl_coef > 0:
+        if logp_ref is None:
+            raise ValueError(f"policy_loss: kl_coef = {cfg.kl_coef} but no logp_ref (reference log-probs)")
+        d = torch.where(mask, logp_ref.detach() - logp_new, 0.0)
+        kl_term = cfg.kl_coef * agg(k * (torch.exp(d) - d - 1))
+        loss = loss + kl_term
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError(f"policy_loss: entropy_coef = {cfg.entropy_coef} but no entropy given")
+        ent_term = -cfg.entropy_coef * agg(k * torch.where(mask, entropy, 0.0))
+        loss = loss + ent_term
+    with torch.no_grad():
+        stats = _stats(
+            (loss, pg, kl_term, ent_term),
+            logp_new,
+            logp_behaviour,
+            logp_ref,
+            entropy,
+            (mask, k, versions, current_version),
+            (units, clipped, weights),
+        )
+    return loss, stats
+
+
+def _check_inputs(
+    logp_new: Tensor,
+    logp_behaviour: Tensor,
+    logp_proximal: Tensor | None,
+    advantages: Tensor,
+    token_mask: Tensor,
+    versions: Tensor,
+    cfg: LossConfig,
+) -> None:
+    shape = tuple(logp_new.shape)
+    if len(shape) != 2:
+        raise ValueError(f"policy_loss: logp_new of shape {shape}, expected [B, Tr]")
+    named = {"logp_behaviour": logp_behaviour, "token_mask": token_mask, "versions": versions}
+    if logp_proximal is not None:
+        named["logp_proximal"] = logp_proximal
+    for name, tensor in named.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"policy_loss: {name} of shape {tuple(tensor.shape)}, expected {shape}")
+    if tuple(advantages.shape) not in (shape, shape[:1]):
+        raise ValueError(f"policy_loss: advantages of shape {tuple(advantages.shape)}, expected {shape[:1]}")
+    if logp_proximal is None and needs_proximal(cfg.offpolicy):
+        raise ValueError(f"policy_loss: offpolicy {cfg.offpolicy.value!r} needs logp_proximal, got None")
+
+
+def _aggregator(cfg: LossConfig, m: Tensor, n_samples: int, n_tokens: int) -> _Agg:
+    """How per-token terms `[B, Tr]` (already zero off the mask) become this call's share of a scalar."""
+    if cfg.algorithm is Algorithm.DAPO:
+        return _Agg("tokens", m, float(max(n_tokens, 1)))
+    if cfg.algorithm is Algorithm.DR_GRPO:
+        return _Agg("tokens", m, float(max(n_samples, 1) * cfg.max_new_tokens))
+    return _Agg("sequence_mean", m, float(max(n_samples, 1)))  # grpo, gspo
+
+
+@dataclass(frozen=True, slots=True)
+class _Agg:
+    kind: str  # "tokens": sum / denominator; "sequence_mean": sum_i (mean over sample i) / denominator
+    m: Tensor  # [B, Tr] response-token mask
+    denominator: float
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.kind == "tokens":
+            return x.sum() / self.denominator
+        lengths = self.m.sum(dim=1).clamp(min=1)  # [B]
+        return (x.sum(dim=1) / lengths).sum() / self.denominator
+
+
+def _surrogate(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    """min(r A, clip(r) A) and where the clip is active (the min picks the clipped term)."""
+    clipped_ratio = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
+    surr = torch.minimum(ratio * adv, clipped_ratio * adv)
+    active = ((ratio > 1 + cfg.eps_high) & (adv > 0)) | ((ratio < 1 - cfg.eps_low) & (adv < 0))
+    return surr, active
+
+
+def _weight(log_w: Tensor, cfg: LossConfig) -> Tensor:
+    if cfg.offpolicy is OffPolicy.TIS:
+        return torch.exp(log_w).clamp(max=cfg.tis_cap)
+    return torch.exp(log_w)  # decoupled: uncapped; none / mask: log_w == 0, weight 1
+
+
+def _token_level(
+    log_ratio: Tensor, log_w: Tensor, adv: Tensor, k: Tensor, cfg: LossConfig, agg: _Agg
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    a = adv[:, None].expand_as(log_ratio) if adv.ndim == 1 else adv  # [B, Tr]
+    surr, active = _surrogate(torch.exp(log_ratio), a, cfg)
+    w = _weight(log_w, cfg)
+    pg = agg(-(w * k) * surr)
+    units = k > 0
+    return pg, units, active & units, w[units]
+
+
+def _gspo(
+    log_ratio: Tensor, log_w: Tensor, adv: Tensor, m: Tensor, k: Tensor, cfg: LossConfig, n_samples: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    lengths = m.sum(dim=1)  # L_i
+    kept = k.sum(dim=1)  # K_i
+    seq_log_ratio = (k * log_ratio).sum(dim=1) / kept.clamp(min=1)  # [B]
+    a = adv if adv.ndim == 1 else (m * adv).sum(dim=1) / lengths.clamp(min=1)
+    surr, active = _surrogate(torch.exp(seq_log_ratio), a, cfg)
+    w = _weight((m * log_w).sum(dim=1) / lengths.clamp(min=1), cfg)  # geometric mean of token weights
+    seq_weight = w * kept / lengths.clamp(min=1)  # K_i / L_i: 0 for empty or fully masked samples
+    pg = -(seq_weight * surr).sum() / max(n_samples, 1)
+    units = kept > 0
+    return pg, units, active & units, w[units]
+
+
+def _stats(
+    terms: tuple[Tensor, Tensor, Tensor, Tensor],
+    logp_new: Tensor,
+    logp_behaviour: Tensor,
+    logp_ref: Tensor | None,
+    entropy: Tensor | None,
+    masks: tuple[Tensor, Tensor, Tensor, int],
+    clipping: tuple[Tensor, Tensor, Tensor],
+) -> LossStats:
+    """terms: (loss, pg, kl, entropy); masks: (mask, kept, versions, current_version);
+    clipping: (units, clipped units, IS weights of the units)."""
+    loss, pg, kl_term, ent_term = terms
+    mask, k, versions, current_version = masks
+    units, clipped, weights = clipping
+    d = torch.where(mask, logp_new - logp_behaviour, 0.0)
+    has_tokens = mask.any(dim=1)
+    oldest = torch.where(mask, versions, torch.iinfo(torch.int64).max).min(dim=1).values
+    staleness = torch.where(has_tokens, current_version - oldest, 0)
+    kl_ref_sum, kl_ref_tokens = 0.0, 0
+    if logp_ref is not None:
+        r = torch.where(mask, logp_ref - logp_new, 0.0)
+        kl_ref_sum, kl_ref_tokens = float((torch.exp(r) - r - 1).sum()), int(mask.sum())
+    return LossStats(
+        loss=float(loss),
+        pg_loss=float(pg),
+        kl_loss=float(kl_term),
+        entropy_loss=float(ent_term),
+        samples=int(has_tokens.sum()),
+        tokens=int(mask.sum()),
+        kept_tokens=int((k > 0).sum()),
+        offpolicy_tokens=int((mask & (versions < current_version)).sum()),
+        units=int(units.sum()),
+        clipped_units=int(clipped.sum()),
+        is_weight_sum=float(weights.sum()),
+        is_weight_max=float(weights.max()) if weights.numel() else 0.0,
+        approx_kl_sum=float((torch.exp(d) - 1 - d).sum()),  # k3 of KL(pi_beh || pi_theta), sampled by pi_beh
+        entropy_sum=float(torch.where(mask, entropy, 0.0).sum()) if entropy is not None else 0.0,
+        entropy_tokens=int(mask.sum()) if entropy is not None else 0,
+        kl_ref_sum=kl_ref_sum,
+        kl_ref_tokens=kl_ref_tokens,
+        staleness_sum=int(staleness.sum()),
+        staleness_max=int(staleness.max()) if staleness.numel() else 0,
+    )

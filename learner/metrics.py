@@ -1,0 +1,111 @@
+"""One line of `metrics.jsonl` per learner step: the public contract of DESIGN.md section 8.
+
+`step_record` joins the three sources of a step's figures: the batch itself (rewards, lengths,
+staleness, tokens), the broker's figures that came with it (`Batch.stats`, `Batch.ledger`) and the
+learner's own (loss and its statistics, timings). `MetricsLog` appends the lines and is the only writer
+of the file. No torch here: the learner hands in plain numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from april import protocol
+
+REQUIRED = (
+    "step", "version", "mode", "time", "step_time_s", "samples", "groups", "tokens_generated",
+    "tokens_trained", "samples_per_s", "tokens_per_s", "aborted", "resumed", "partial_buffer", "in_flight",
+    "offpolicy_token_frac", "staleness_max", "staleness_mean", "reward_mean", "accuracy",
+    "response_len_mean", "response_len_p99", "response_len_max", "slot_utilization", "learner_time_s",
+    "weight_sync_s", "loss", "ledger",
+)  # fmt: skip
+
+
+def step_record(
+    *,
+    step: int,
+    version: int,
+    mode: str,
+    batch: protocol.Batch,
+    step_time_s: float,
+    learner_time_s: float,
+    weight_sync_s: float,
+    train: dict[str, float],
+) -> dict[str, Any]:
+    """The metrics line of one step. `train` holds the learner's figures (loss, clip_frac, ...)."""
+    samples = batch.samples
+    lengths = np.diff(samples.response_offsets)
+    rewards = samples.reward
+    stats = batch.stats
+    tokens_trained = int(lengths.sum())
+    tokens_generated = int(stats.get("tokens_generated", tokens_trained))
+    record: dict[str, Any] = {
+        "step": step,
+        "version": version,
+        "mode": mode,
+        "time": time.time(),
+        "step_time_s": step_time_s,
+        "samples": len(samples),
+        "groups": len(set(samples.group_id.tolist())),
+        "tokens_generated": tokens_generated,
+        "tokens_trained": tokens_trained,
+        "samples_per_s": len(samples) / step_time_s if step_time_s > 0 else 0.0,
+        "tokens_per_s": tokens_generated / step_time_s if step_time_s > 0 else 0.0,
+        "aborted": int(stats.get("aborted", 0)),
+        "resumed": int(stats.get("resumed", 0)),
+        "partial_buffer": int(stats.get("partial_buffer", 0)),
+        "in_flight": int(stats.get("in_flight", 0)),
+        "offpolicy_token_frac": float(stats.get("offpolicy_token_frac", 0.0)),
+        "staleness_max": float(stats.get("staleness_max", 0.0)),
+        "staleness_mean": float(stats.get("staleness_mean", 0.0)),
+        "reward_mean": float(rewards.mean()) if len(samples) else 0.0,
+        "accuracy": float((rewards > 0).mean()) if len(samples) else 0.0,  # binary-reward tasks: reward > 0
+        "response_len_mean": float(lengths.mean()) if len(samples) else 0.0,
+        "response_len_p99": float(np.percentile(lengths, 99)) if len(samples) else 0.0,
+        "response_len_max": int(lengths.max()) if len(samples) else 0,
+        "slot_utilization": float(stats.get("slot_utilization", float("nan"))),
+        "rollout_s": float(stats.get("rollout_s", 0.0)),
+        "learner_time_s": learner_time_s,
+        "weight_sync_s": weight_sync_s,
+        "loss": float(train.get("loss", float("nan"))),
+        "ledger": batch.ledger.to_json(),
+    }
+    record.update({f"learner/{k}": v for k, v in train.items() if k != "loss"})
+    return record
+
+
+class MetricsLog:
+    """Appends one JSON object per line to RUN_DIR/metrics.jsonl (flushed and fsynced per line, so a
+    crash never leaves a torn line that a resumed run would append after)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, record: dict[str, Any]) -> None:
+        missing = [k for k in REQUIRED if k not in record]
+        if missing:
+            raise ValueError(f"metrics record lacks {missing}")
+        line = json.dumps(record, allow_nan=True) + "\n"
+        with open(self.path, "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def last_step(self) -> int | None:
+        """The step of the last complete line (resume appends after it)."""
+        if not self.path.exists():
+            return None
+        last = None
+        for line in self.path.read_text().splitlines():
+            try:
+                last = int(json.loads(line)["step"])
+            except (ValueError, KeyError):
+                break
+        return last
