@@ -31,6 +31,7 @@ import numpy as np
 from april.codec import Int64Array, ProtocolError, decode_body, decode_header, encode_frames
 from april.config import AlgoConfig, Mode
 from april.data import PromptSource
+from april.files import fsync_dir
 from april.records import Sample, SampleStatus
 from april.wire_records import SampleBatch
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch
@@ -176,14 +177,6 @@ def _fsync_write(path: Path, payload: bytes, mode: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass(frozen=True, slots=True)
 class LoggedGroup:
     """One record of complete.log: the final samples of one complete group."""
@@ -211,7 +204,7 @@ class SnapshotStore:
             tmp = self.directory / f".{LOG_NAME}.tmp"
             _fsync_write(tmp, self._encode_groups(complete), "wb")
             os.replace(tmp, self.log_path)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             logged.clear()
             logged.update(complete)
             self._records = len(complete)
@@ -224,7 +217,7 @@ class SnapshotStore:
         tmp = self.directory / f".{FILE_NAME}.tmp"
         _fsync_write(tmp, _frames_bytes(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb")
         os.replace(tmp, self.state_path)
-        _fsync_dir(self.directory)  # the rename itself survives a power loss
+        fsync_dir(self.directory)  # the rename itself survives a power loss
         return self.state_path
 
     def load(self) -> BrokerSnapshot:

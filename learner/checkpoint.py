@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from april.files import fsync_dir
 from learner.engine import TrainEngine
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -71,7 +72,7 @@ def save(engine: TrainEngine, checkpoints_dir: Path, meta: CheckpointMeta, *, ke
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync_dir(checkpoints_dir)
+        fsync_dir(checkpoints_dir)
         shutil.rmtree(old, ignore_errors=True)
         _prune(checkpoints_dir, keep)
     engine.barrier()
@@ -160,11 +161,3 @@ def _write_json(path: Path, value: object) -> None:
         json.dump(value, f)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from april.files import sha256_file
+from april.files import fsync_dir, sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -75,7 +75,7 @@ def publish(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(weights_dir)
+    fsync_dir(weights_dir)
     _prune(weights_dir, version, keep, own_temp=tmp.name)
     return final, digest
 
@@ -110,12 +110,3 @@ def _prune(weights_dir: Path, version: int, keep: int, own_temp: str) -> None:
     for p in weights_dir.glob(f".v*{TEMP_SUFFIX}"):
         if p.name != own_temp:  # one publisher per run (rank 0): any other temp is a crash's leftover
             p.unlink(missing_ok=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename durable (POSIX: fsync the directory)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
