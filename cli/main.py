@@ -174,8 +174,7 @@ def up(
         list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
     ] = None,
 ) -> None:
-    """Launch a run. For now this starts the broker alone: the learner and the dashboard that
-    `april up` will also launch are not built yet (start workers with `april worker`)."""
+    """Launch a run: for now the broker alone (start `april worker` and `april learner` beside it)."""
     with user_errors(BrokerStartError):
         cfg = resolve_config(config, set_, run__mode=mode)
         target = run_dir or cfg.run_path()
