@@ -9,6 +9,7 @@ from typing import Any
 import zmq
 from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from april import protocol
 from april.codec import ProtocolError
@@ -55,15 +56,12 @@ def render_status(state: dict[str, Any]) -> Group:
         "complete",
         f"{state['complete_groups']} groups",
     )
-    head.add_row(
-        "ledger",
-        f"issued {ledger['issued']} = trained {ledger['trained']} + waiting "
-        f"{ledger['complete_waiting']} + in flight {ledger['in_flight']} + partial {ledger['partial']} "
-        f"+ dropped {dropped}",
-        "balanced",
-        "yes" if state["ledger_balanced"] else "NO",
-        "rejected",
-        str(state["rejected"]["total"]),
+    ledger_line = Text(
+        f"ledger: issued {ledger['issued']} = trained {ledger['trained']}"
+        f" + waiting {ledger['complete_waiting']} + in flight {ledger['in_flight']}"
+        f" + partial {ledger['partial']} + dropped {dropped}"
+        f"  ({'balanced' if state['ledger_balanced'] else 'NOT BALANCED'});"
+        f"  rejected messages: {state['rejected']['total']}"
     )
     workers = Table(
         "worker", "engine", "slots", "credit", "leases", "version", "last seen", "alive", title="workers"
@@ -82,7 +80,7 @@ def render_status(state: dict[str, Any]) -> Group:
     staleness = Table("staleness", "partial samples", title="partial buffer staleness")
     for k, v in state["partial_staleness"].items():
         staleness.add_row(k, str(v))
-    return Group(head, workers, staleness)
+    return Group(head, ledger_line, workers, staleness)
 
 
 def print_status(state: dict[str, Any], as_json: bool) -> None:
