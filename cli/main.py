@@ -52,9 +52,7 @@ def broker(
     rollout_batch_size: RbsOpt = None,
     over_sampling_batch_size: OsbsOpt = None,
     n_samples_per_prompt: NspOpt = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
-    ] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Run the broker: workers connect on 5555, the learner and `april status` on 5556, PUB on 5557."""
     with user_errors(BrokerStartError):
@@ -78,9 +76,7 @@ def worker(
     model: Annotated[str | None, typer.Option("--model", help="HF model directory.")] = None,
     slots: Annotated[int | None, typer.Option("--slots", help="Concurrent generations.")] = None,
     config: ConfigOpt = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
-    ] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Run a rollout worker: lease samples from the broker, generate, stream them back."""
     from actors.engine import EngineError
@@ -109,9 +105,7 @@ def learner(
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
     steps: Annotated[int | None, typer.Option("--steps", help="Learner steps to train (run.steps).")] = None,
     config: ConfigOpt = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
-    ] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Run the learner: exactly-N batches, the configured loss, weights published as v+1 each step."""
     from actors.engine import EngineError
@@ -136,9 +130,7 @@ def generate(
     max_new_tokens: Annotated[int | None, typer.Option("--max-new-tokens", help="Budget per sample.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per sample.")] = False,
     config: ConfigOpt = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
-    ] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Run an engine on a prompt file without a broker and print every sample and tokens/s."""
     from actors.engine import EngineError
@@ -170,9 +162,7 @@ def up(
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --run-dir.")] = False,
     mode: ModeOpt = None,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
-    ] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Launch a run: for now the broker alone (start `april worker` and `april learner` beside it)."""
     with user_errors(BrokerStartError):
