@@ -118,3 +118,34 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def admit(
+    engine: str,
+    active: int,
+    slots: int,
+    requests: Sequence[GenerationRequest],
+    known: set[int],
+    vocab_size: int | None = None,
+) -> list[list[int]]:
+    """Check requests before an engine takes any of them; returns each request's input ids as a list.
+
+    Refuses (EngineError naming the engine) more requests than free slots, a request id already active
+    (`known`) or repeated in `requests`, and, given `vocab_size`, empty input or ids outside the vocabulary.
+    """
+    if active + len(requests) > slots:
+        raise EngineError(f"{engine}: {active} active + {len(requests)} added > {slots} slots")
+    seen = set(known)
+    inputs: list[list[int]] = []
+    for req in requests:
+        if req.request_id in seen:
+            raise EngineError(f"{engine}: request {req.request_id} is already active")
+        ids = [int(t) for t in np.asarray(req.input_ids).reshape(-1)]
+        if vocab_size is not None and (not ids or min(ids) < 0 or max(ids) >= vocab_size):
+            raise EngineError(
+                f"{engine}: request {req.request_id}: input_ids must be non-empty ids in [0, {vocab_size}), "
+                f"got {len(ids)} ids"
+            )
+        seen.add(req.request_id)
+        inputs.append(ids)
+    return inputs

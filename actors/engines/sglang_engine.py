@@ -41,14 +41,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import numpy as np
-
 from actors.engine import (
     EngineError,
     GenerationOutput,
     GenerationRequest,
     SamplingParams,
     WeightLoadError,
+    admit,
 )
 from april.records import FinishReason
 
@@ -246,12 +245,10 @@ class SGLangEngine:
         return len(self._flights) + len(self._ready)
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
-        if self.active + len(requests) > self.slots:
-            raise EngineError(f"sglang: {self.active} active + {len(requests)} added > {self.slots} slots")
-        for req in requests:
-            if req.request_id in self._flights or any(o.request_id == req.request_id for o in self._ready):
-                raise EngineError(f"sglang: request {req.request_id} is already active")
-            flight = _Flight(req.request_id, np.asarray(req.input_ids).tolist(), int(req.max_new_tokens))
+        known = set(self._flights) | {o.request_id for o in self._ready}
+        inputs = admit("sglang", self.active, self.slots, requests, known)
+        for req, ids in zip(requests, inputs, strict=True):
+            flight = _Flight(req.request_id, ids, int(req.max_new_tokens))
             if flight.max_new_tokens <= 0:
                 self._ready.append(flight.output(FinishReason.LENGTH))
             else:

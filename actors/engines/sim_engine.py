@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from actors.engine import EngineError, GenerationOutput, GenerationRequest, WeightLoadError
+from actors.engine import EngineError, GenerationOutput, GenerationRequest, WeightLoadError, admit
 from actors.lengths import LengthSpec
 from april.records import FinishReason
 
@@ -184,13 +184,14 @@ class SimEngine:
         return int(self.lengths.sample(rng, 1)[0])
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
-        if self.active + len(requests) > self.slots:
-            raise EngineError(
-                f"sim engine: {self.active} active + {len(requests)} added > {self.slots} slots"
-            )
+        admit(
+            "sim engine",
+            self.active,
+            self.slots,
+            requests,
+            set(self._running) | {o.request_id for o in self._ready},
+        )
         for req in requests:
-            if req.request_id in self._running or any(o.request_id == req.request_id for o in self._ready):
-                raise EngineError(f"sim engine: request {req.request_id} is already active")
             if req.max_new_tokens < 0:
                 raise EngineError(
                     f"sim engine: request {req.request_id} max_new_tokens {req.max_new_tokens} < 0"

@@ -38,11 +38,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from actors.engine import EngineError, GenerationOutput, GenerationRequest, SamplingParams, WeightLoadError
+from actors.engine import (
+    EngineError,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    WeightLoadError,
+    admit,
+)
 from actors.hf import load_model, model_context_length
 from april.records import FinishReason
 
@@ -200,22 +206,10 @@ class TorchEngine:
         return len(self._pending) + len(self._rows) + len(self._done)
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
-        if self.active + len(requests) > self.slots:
-            raise EngineError(
-                f"torch engine: {self.active} active + {len(requests)} new requests > {self.slots} slots"
-            )
         known = {r.request_id for r in (*self._pending, *self._rows)} | {o.request_id for o in self._done}
+        inputs = admit("torch engine", self.active, self.slots, requests, known, self.vocab_size)
         now = time.perf_counter()
-        for req in requests:
-            ids = [int(t) for t in np.asarray(req.input_ids).reshape(-1)]
-            if req.request_id in known:
-                raise EngineError(f"torch engine: request_id {req.request_id} is already active")
-            if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise EngineError(
-                    f"torch engine: request {req.request_id}: input_ids must be non-empty ids in "
-                    f"[0, {self.vocab_size}), got {len(ids)} ids"
-                )
-            known.add(req.request_id)
+        for req, ids in zip(requests, inputs, strict=True):
             row = _Row(req.request_id, ids, min(req.max_new_tokens, self.context - len(ids)), added_s=now)
             if row.budget <= 0:
                 self._done.append(row.output(FinishReason.LENGTH))

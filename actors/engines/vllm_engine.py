@@ -56,9 +56,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
-
-from actors.engine import EngineError, GenerationOutput, GenerationRequest, SamplingParams, WeightLoadError
+from actors.engine import (
+    EngineError,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    WeightLoadError,
+    admit,
+)
 from actors.hf import check_model_dir
 from april.records import FinishReason
 
@@ -173,22 +178,10 @@ class VLLMEngine:
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
         self._check_usable()
-        if self.active + len(requests) > self.slots:
-            raise EngineError(
-                f"vllm engine: {self.active} active + {len(requests)} added > {self.slots} slots"
-            )
         known = set(self._flights) | {o.request_id for o in self._ready}
+        inputs = admit("vllm engine", self.active, self.slots, requests, known, self.vocab_size)
         flights = []
-        for req in requests:
-            ids = [int(t) for t in np.asarray(req.input_ids).reshape(-1)]
-            if req.request_id in known:
-                raise EngineError(f"vllm engine: request {req.request_id} is already active")
-            if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise EngineError(
-                    f"vllm engine: request {req.request_id}: input_ids must be non-empty ids in "
-                    f"[0, {self.vocab_size}), got {len(ids)} ids"
-                )
-            known.add(req.request_id)
+        for req, ids in zip(requests, inputs, strict=True):
             budget = min(int(req.max_new_tokens), self.context - len(ids))
             flights.append(_Flight(req.request_id, ids, budget, added_s=time.perf_counter()))
         for flight in flights:
