@@ -66,10 +66,12 @@ class RunConfig:
     seed: int = 0
     steps: int = 20
     mode: Mode = Mode.APRIL
+    eval_every: int = 0  # steps between evaluations on the held-out prompts (and at the end); 0 = off
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "run.name", self.name, "must be a non-empty string")
         _positive(self, "run", "steps")
+        _check(self.eval_every >= 0, "run.eval_every", self.eval_every, "must be >= 0 (0 = off)")
 
     @property
     def partial_rollout(self) -> bool:
@@ -120,9 +122,11 @@ class DataConfig:
     synthetic_prompt_len_min: int = 8
     synthetic_prompt_len_max: int = 64
     synthetic_vocab_size: int = 1000
+    eval_size: int = 32  # held-out prompts per evaluation (never issued for training)
 
     def __post_init__(self) -> None:
         _positive(self, "data", "synthetic_prompt_len_min", "synthetic_vocab_size")
+        _check(self.eval_size >= 0, "data.eval_size", self.eval_size, "must be >= 0")
         _check(
             self.synthetic_prompt_len_max >= self.synthetic_prompt_len_min,
             "data.synthetic_prompt_len_max",
@@ -146,6 +150,7 @@ class BrokerConfig:
     snapshot_interval_s: float = 30.0
     curve_keys_dir: str = ""  # empty: no CURVE encryption
     debug_ledger: bool = False
+    metrics_port: int = 0  # Prometheus endpoint on bind_host:metrics_port; 0 = off
 
     def __post_init__(self) -> None:
         _positive(self, "broker", "heartbeat_interval_s", "liveness", "abort_timeout_s")
@@ -204,9 +209,19 @@ class LearnerConfig:
     entropy_coef: float = 0.0
     torch_threads: int = 1
     keep_weights: int = 3  # published versions kept on disk (>= 2)
+    keep_checkpoints: int = 2  # checkpoints kept on disk (>= 1)
+    updates_per_batch: int = 1  # optimizer steps per batch (each on 1/updates_per_batch of the groups)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.999  # AdamW second-moment decay
+    adam_eps: float = 1e-8  # AdamW epsilon
+    tensorboard: bool = True  # also write TensorBoard events to <run>/tensorboard when it is installed
 
     def __post_init__(self) -> None:
-        _positive(self, "learner", "lr", "micro_batches", "torch_threads")
+        _positive(self, "learner", "lr", "micro_batches", "torch_threads", "updates_per_batch", "adam_eps")
+        _check(self.keep_checkpoints >= 1, "learner.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            _check(0 <= v < 1, f"learner.{name}", v, "must be in [0, 1)")
         _check(self.backend in ("deepspeed", "torch"), "learner.backend", self.backend, "deepspeed or torch")
         _check(self.zero_stage in (0, 1, 2, 3), "learner.zero_stage", self.zero_stage, "0, 1, 2 or 3")
         _check(self.keep_weights >= 2, "learner.keep_weights", self.keep_weights, "must be >= 2")

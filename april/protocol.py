@@ -31,6 +31,9 @@ from april.wire_records import SampleBatch
 PROTOCOL_VERSION = 1
 
 
+MAX_ACK_METRICS = 128  # bound on a BatchAck's metrics: a peer cannot grow the status feed without limit
+
+
 def _check_non_negative(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -239,12 +242,19 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class BatchAck:
-    """L->B. The batch was trained; the broker forgets it and counts its groups as trained."""
+    """L->B. The batch was trained; the broker forgets it and counts its groups as trained.
+    `metrics` are the learner's figures of that step (loss, reward_mean, ...), relayed in the status feed."""
 
     batch_id: int
+    metrics: dict[str, float]
 
     def validate(self) -> None:
         _check_non_negative(self, "batch_id")
+        if len(self.metrics) > MAX_ACK_METRICS:
+            raise ValueError(f"metrics has {len(self.metrics)} entries, at most {MAX_ACK_METRICS} allowed")
+        for key in self.metrics:
+            if len(key) > 64:
+                raise ValueError(f"metrics key {key[:64]!r}... is longer than 64 characters")
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ class WorkerPeer(Peer):
     version: int = 0  # weights version the worker reports loaded
     pid: int = 0
     host: str = ""
+    tokens_generated: int = 0  # new response tokens accepted from this worker (for its tokens/s)
     restored: bool = False  # known only from a snapshot's leases; has not said hello to this broker
 
 

@@ -71,6 +71,7 @@ class Broker:
         self.learner: Peer | None = None
         self.learner_identity = b""
         self.learner_waiting: int | None = None  # step of an unanswered BatchRequest
+        self.learner_metrics: dict[str, float] = {}  # the learner's figures of its last acked step
         self.rejections = Rejections()
         self.abort: AbortRound | None = None
         self.round_id = 0
@@ -264,9 +265,10 @@ class Broker:
         peer.credit = max(0, min(peer.credit + credit, peer.slots))
 
     def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
+        peer = self.workers.peers[worker_id]
         for lease_id, sample in zip(msg.lease_ids.tolist(), msg.samples.to_samples(), strict=True):
             try:
-                self.state.accept_result(worker_id, lease_id, sample)
+                peer.tokens_generated += self.state.accept_result(worker_id, lease_id, sample)
             except ResultRejected as exc:
                 self.rejections.count(worker_id, exc.reason)
                 log.warning("rejected sample from %s: %s", worker_id, exc)
@@ -380,8 +382,10 @@ class Broker:
                     self._ack(last, now)  # the learner trained it; its BatchAck was lost
                 self.learner_waiting = step
                 log.info("learner asks for step %d (last trained batch %d)", step, last)
-            case protocol.BatchAck(batch_id=batch_id):
-                if not self._ack(batch_id, now):
+            case protocol.BatchAck(batch_id=batch_id, metrics=metrics):
+                if self._ack(batch_id, now):
+                    self.learner_metrics = dict(metrics)
+                else:
                     self._reject(
                         self.learner_sock, identity, "stale_batch_ack", f"no unacked batch {batch_id}"
                     )

@@ -274,9 +274,10 @@ class BrokerState:
 
     # ------------------------------------------------------------------ results
 
-    def accept_result(self, worker_id: str, lease_id: int, sample: Sample) -> None:
-        """Take one returned sample. Raises ResultRejected (the lease is then reclaimed by the caller,
-        or unknown) when it does not continue what was leased."""
+    def accept_result(self, worker_id: str, lease_id: int, sample: Sample) -> int:
+        """Take one returned sample; returns the count of new response tokens it brings. Raises
+        ResultRejected (the lease is then reclaimed by the caller, or unknown) when it does not continue
+        what was leased."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.worker_id != worker_id:
             raise ResultRejected("not_leased", f"lease {lease_id} is not held by {worker_id}")
@@ -296,6 +297,7 @@ class BrokerState:
             self.totals.samples_finished += 1
             if entry.state == "done":
                 self._complete_group(entry)
+        return new_tokens
 
     def _check_continues(self, before: Sample, after: Sample) -> None:
         if after.key != before.key:

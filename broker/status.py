@@ -18,7 +18,10 @@ def build_status(broker: Broker, now: float) -> dict[str, Any]:
     staleness = Counter(str(s.staleness(state.version)) for s in partials if s.response_len)
     leases = Counter(lease.worker_id for lease in state.leases.values())
     learner = broker.learner
+    run = broker.config.run
     return {
+        "run": run.name,
+        "steps": run.steps,
         "mode": state.mode.value,
         "version": state.version,
         "epoch": state.epoch,
@@ -36,6 +39,7 @@ def build_status(broker: Broker, now: float) -> dict[str, Any]:
                 "slots": p.slots,
                 "credit": p.credit,
                 "leases": leases.get(p.peer_id, 0),
+                "tokens_generated": p.tokens_generated,
                 "version": p.version,
                 "pid": p.pid,
                 "host": p.host,
@@ -52,6 +56,7 @@ def build_status(broker: Broker, now: float) -> dict[str, Any]:
             "last_seen_s": round(now - learner.last_seen, 3),
             "waiting_for_batch": broker.learner_waiting is not None,
         },
+        "learner_metrics": broker.learner_metrics,
         "in_flight_groups": state.in_flight,
         "leased_samples": state.leased_samples,
         "queued_samples": len(state.queue),

@@ -64,7 +64,7 @@ class BrokerClient:
                 last_heard, backoff = now, 1.0
             match msg:
                 case protocol.Batch() if msg.batch_id == self.last_batch_id:
-                    send(self.sock, protocol.BatchAck(msg.batch_id))  # trained already; only the ack was lost
+                    send(self.sock, protocol.BatchAck(msg.batch_id, {}))  # trained already; only the ack was lost
                 case protocol.Batch():
                     return msg
                 case protocol.Welcome():
@@ -87,9 +87,10 @@ class BrokerClient:
         self.version = version
         send(self.sock, self.latest_weights)
 
-    def ack(self, batch_id: int) -> None:
+    def ack(self, batch_id: int, metrics: dict[str, float]) -> None:
+        """Ack a trained batch; `metrics` (the step's figures) go to the broker's status feed."""
         self.last_batch_id = batch_id
-        send(self.sock, protocol.BatchAck(batch_id))
+        send(self.sock, protocol.BatchAck(batch_id, metrics))
 
     def close(self) -> None:
         send(self.sock, protocol.Disconnect("done"))

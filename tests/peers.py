@@ -249,7 +249,7 @@ def run_learner(cfg: LearnerScript) -> None:
         if msg is not None:
             last_heard = now
         if isinstance(msg, protocol.Batch) and msg.batch_id == last_batch:
-            send(sock, protocol.BatchAck(msg.batch_id))  # trained already: only the ack was lost
+            send(sock, protocol.BatchAck(msg.batch_id, {}))  # trained already: only the ack was lost
         elif isinstance(msg, protocol.Batch):
             check_batch(msg, cfg, ev)
             if step == cfg.crash_before_ack_at_step:
@@ -258,7 +258,7 @@ def run_learner(cfg: LearnerScript) -> None:
             time.sleep(cfg.train_s)
             version += 1
             send(sock, weights_message(cfg, version, bad=step == cfg.bad_sha_at_step))
-            send(sock, protocol.BatchAck(msg.batch_id))
+            send(sock, protocol.BatchAck(msg.batch_id, {}))
             last_batch = msg.batch_id
             step += 1
             if step < cfg.steps:

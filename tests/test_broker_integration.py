@@ -193,7 +193,7 @@ def throw_garbage(c: Cluster) -> dict[str, int]:
             msgpack.packb([protocol.PROTOCOL_VERSION, protocol.KIND_OF[protocol.LeaseRequest]]),
             msgpack.packb({"credit": -5}),
         ],  # out of range
-        [bytes(f) for f in protocol.encode(protocol.BatchAck(12345))],  # unknown batch, not registered
+        [bytes(f) for f in protocol.encode(protocol.BatchAck(12345, {}))],  # unknown batch, not registered
     ]
     for address in (c.worker_address, c.learner_address):
         for i, frames in enumerate(frame_sets):

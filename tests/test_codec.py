@@ -136,7 +136,7 @@ EXAMPLES: dict[type, Any] = {
             issued=12, trained=6, complete_waiting=2, in_flight=2, partial=1, dropped={"dynamic_filter": 1}
         ),
     ),
-    P.BatchAck: P.BatchAck(batch_id=9),
+    P.BatchAck: P.BatchAck(batch_id=9, metrics={"loss": 0.5, "reward_mean": 0.25}),
     P.StatusRequest: P.StatusRequest(),
     P.StatusReply: P.StatusReply(state_json='{"mode": "april", "version": 3}'),
 }
