@@ -64,7 +64,8 @@ class BrokerClient:
                 last_heard, backoff = now, 1.0
             match msg:
                 case protocol.Batch() if msg.batch_id == self.last_batch_id:
-                    send(self.sock, protocol.BatchAck(msg.batch_id, {}))  # trained already; only the ack was lost
+                    # trained already; only the ack was lost
+                    send(self.sock, protocol.BatchAck(msg.batch_id, {}))
                 case protocol.Batch():
                     return msg
                 case protocol.Welcome():

@@ -2,8 +2,10 @@
 
 For each step: wait for the batch (exactly N samples in complete groups), train on it, publish weights
 version v+1 (safetensors, atomic, sha256) and announce them, ack the batch, append the metrics line, and
-checkpoint every `checkpoint_every` steps. `--resume` restarts from the latest checkpoint; the broker
-re-sends any batch it still holds, and `last_batch_id` makes sure a trained batch is never trained again.
+checkpoint every `checkpoint_every` steps. Under a launcher (torchrun, deepspeed) every rank runs the
+loop; rank 0 alone talks to the broker and writes weights and metrics, and shares each batch.
+`--resume` restarts from the latest checkpoint; the broker re-sends any batch it still holds, and
+`last_batch_id` makes sure a trained batch is never trained again.
 Composes the pieces; owns none of their logic.
 """
 
@@ -11,18 +13,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from april.config import Config
+from april import protocol
+from april.config import AlgoConfig, Config
 from learner import checkpoint, weights
 from learner.batching import build_train_batch
 from learner.client import BatchError, BrokerClient, check_batch
 from learner.engine import TrainEngine, TrainSettings
 from learner.losses import LossConfig
 from learner.metrics import MetricsLog, step_record
+from learner.ranks import share_batch
 from learner.step import train_step
 
 log = logging.getLogger("april.learner")
@@ -44,6 +49,8 @@ def make_engine(config: Config) -> tuple[TrainEngine, Any]:
     from actors.hf import load_model, set_torch_threads
 
     lc = config.learner
+    if lc.backend == "torch" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("learner.backend = 'torch' runs one process; use 'deepspeed' for several ranks")
     set_torch_threads(lc.torch_threads)
     model = load_model(lc.model, device=lc.device, dtype="float32" if lc.device == "cpu" else "auto")
     reference = None
@@ -58,6 +65,8 @@ def make_engine(config: Config) -> tuple[TrainEngine, Any]:
         grad_accum_steps=lc.micro_batches,
         lr=lc.lr,
         weight_decay=lc.weight_decay,
+        betas=(lc.beta1, lc.beta2),
+        eps=lc.adam_eps,
         grad_clip=lc.grad_clip,
         warmup_steps=lc.warmup_steps,
         device=lc.device,
@@ -66,44 +75,46 @@ def make_engine(config: Config) -> tuple[TrainEngine, Any]:
 
 
 def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callable[[], bool]) -> None:
+    """Train run.steps steps (or until stopped). Every rank runs this; only rank 0 talks to the broker,
+    writes weights and metrics; the others get each batch from it (`learner.ranks.share_batch`)."""
     engine, reference = make_engine(config)
-    cfg = loss_config(config)
+    cfg, algo, lc = loss_config(config), config.algo, config.learner
+    leader = engine.rank == 0
     meta = checkpoint.CheckpointMeta(step=0, version=0, last_batch_id=-1)
-    if resume:
-        latest = checkpoint.latest(run_dir / "checkpoints")
-        if latest is not None:
-            meta = checkpoint.load(engine, latest)
-            log.info("resumed from %s: step %d, version %d", latest, meta.step, meta.version)
+    if resume and (latest := checkpoint.latest(run_dir / "checkpoints")) is not None:
+        meta = checkpoint.load(engine, latest)
+        log.info("resumed from %s: step %d, version %d", latest, meta.step, meta.version)
     step, version = meta.step, meta.version
-    client = BrokerClient(config.learner.broker, version, meta.last_batch_id)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
-    algo = config.algo
+    client = BrokerClient(lc.broker, version, meta.last_batch_id) if leader else None
+    metrics = MetricsLog(run_dir / "metrics.jsonl") if leader else None
     try:
-        while step < config.run.steps and not should_stop():
+        while step < config.run.steps:
             started = time.monotonic()
-            batch = client.next_batch(step, should_stop)
+            batch = receive_batch(client, step, should_stop, algo) if client is not None else None
+            batch = share_batch(batch, config.broker.max_message_bytes)
             if batch is None:
                 break
             waited = time.monotonic()
-            check_batch(batch, algo.samples_per_batch, algo.n_samples_per_prompt)
             train_batch = build_train_batch(
                 batch.samples.to_samples(), n_samples_per_prompt=algo.n_samples_per_prompt
             )
             stats = train_step(
-                engine, train_batch, cfg, version=version, temperature=algo.temperature, reference=reference
+                engine,
+                train_batch,
+                cfg,
+                version=version,
+                temperature=algo.temperature,
+                group_size=algo.n_samples_per_prompt,
+                updates=lc.updates_per_batch,
+                reference=reference,
             )
             computed = time.monotonic()
-            path, sha = weights.publish(
-                engine.state_dict_for_publish(),
-                run_dir / "weights",
-                version + 1,
-                keep=config.learner.keep_weights,
-            )
-            client.publish(version + 1, path.resolve().as_uri(), sha)
-            client.ack(batch.batch_id)
-            published = time.monotonic()
-            metrics.append(
-                step_record(
+            state = engine.state_dict_for_publish()  # a collective under ZeRO-3: every rank calls it
+            if client is not None and metrics is not None:
+                path, sha = weights.publish(state, run_dir / "weights", version + 1, keep=lc.keep_weights)
+                client.publish(version + 1, path.resolve().as_uri(), sha)
+                published = time.monotonic()
+                record = step_record(
                     step=step,
                     version=version + 1,
                     mode=config.run.mode.value,
@@ -113,35 +124,74 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
                     weight_sync_s=published - computed,
                     train={**stats, "wait_s": waited - started},
                 )
-            )
-            step, version = step + 1, version + 1
-            log.info(
-                "step %d: loss %.4f, reward %.3f, v%d published",
-                step,
-                stats["loss"],
-                float(batch.samples.reward.mean()),
-                version,
-            )
-            every = config.learner.checkpoint_every
-            if every and step % every == 0:
-                checkpoint.save(
-                    engine,
-                    run_dir / "checkpoints",
-                    checkpoint.CheckpointMeta(
-                        step=step,
-                        version=version,
-                        last_batch_id=batch.batch_id,
-                        world_size=engine.world_size,
-                        backend=config.learner.backend,
-                        zero_stage=config.learner.zero_stage,
-                    ),
+                client.ack(batch.batch_id, ack_metrics(record))
+                metrics.append(record)
+                log.info(
+                    "step %d: loss %.4f, reward %.3f, accuracy %.3f, v%d published",
+                    step + 1,
+                    record["loss"],
+                    record["reward_mean"],
+                    record["accuracy"],
+                    version + 1,
                 )
+            step, version = step + 1, version + 1
+            if lc.checkpoint_every and step % lc.checkpoint_every == 0:
+                save_checkpoint(engine, config, run_dir, step, version, batch.batch_id)
+    finally:
+        if client is not None:
+            client.close()
+    if leader:
+        write_summary(run_dir, run_dir / "metrics.jsonl")
+
+
+def receive_batch(
+    client: BrokerClient, step: int, should_stop: Callable[[], bool], algo: AlgoConfig
+) -> protocol.Batch | None:
+    """Rank 0: the next batch, checked against the exactly-N contract; None when stopping.
+
+    A broken batch is reported and not trained: the other ranks are told to stop before the error
+    propagates, so no rank waits forever for a batch that will not come.
+    """
+    if should_stop():
+        return None
+    batch = client.next_batch(step, should_stop)
+    if batch is None:
+        return None
+    try:
+        check_batch(batch, algo.samples_per_batch, algo.n_samples_per_prompt)
     except BatchError as exc:
         log.error("the broker broke the batch contract; not training it: %s", exc)
+        share_batch(None, 0)
         raise
-    finally:
-        client.close()
-    write_summary(run_dir, metrics.path)
+    return batch
+
+
+def ack_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric figures of a metrics line, for the broker's status feed (bounded in count)."""
+    numeric = {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and len(k) <= 64
+    }
+    return dict(list(numeric.items())[: protocol.MAX_ACK_METRICS])
+
+
+def save_checkpoint(
+    engine: TrainEngine, config: Config, run_dir: Path, step: int, version: int, batch_id: int
+) -> None:
+    checkpoint.save(
+        engine,
+        run_dir / "checkpoints",
+        checkpoint.CheckpointMeta(
+            step=step,
+            version=version,
+            last_batch_id=batch_id,
+            world_size=engine.world_size,
+            backend=config.learner.backend,
+            zero_stage=config.learner.zero_stage,
+        ),
+        keep=config.learner.keep_checkpoints,
+    )
 
 
 def write_summary(run_dir: Path, metrics_path: Path) -> None:
