@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install up test test-vllm lint bench clean
+.PHONY: install up test test-vllm lint bench docs clean
 
 install: $(STAMP)
 
@@ -56,6 +56,10 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/broker_throughput.py
+
+# The configuration reference is generated from april/config.py; tests/test_config_doc.py fails when stale.
+docs: install
+	$(BIN)/python -m april.config_doc > docs/configuration.md.tmp && mv docs/configuration.md.tmp docs/configuration.md
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

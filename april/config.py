@@ -61,11 +61,11 @@ def _positive(section: object, prefix: str, *names: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class RunConfig:
-    name: str = "april"
+    name: str = "april"  # run name; the default run directory is runs/<name>
     run_dir: str = ""  # empty: runs/<name>
-    seed: int = 0
-    steps: int = 20
-    mode: Mode = Mode.APRIL
+    seed: int = 0  # seeds the prompt order, synthetic prompts and sampling
+    steps: int = 20  # learner steps (batches trained) in the run
+    mode: Mode = Mode.APRIL  # scheduling: sync baseline, april partial rollouts, async (DESIGN.md 4)
     eval_every: int = 0  # steps between evaluations on the held-out prompts (and at the end); 0 = off
 
     def __post_init__(self) -> None:
@@ -81,18 +81,18 @@ class RunConfig:
 
 @dataclass(frozen=True, slots=True)
 class AlgoConfig:
-    algorithm: Algorithm = Algorithm.GRPO
+    algorithm: Algorithm = Algorithm.GRPO  # advantage estimator and loss (DESIGN.md section 5)
     rollout_batch_size: int = 8  # prompts per train step
     over_sampling_batch_size: int = 16  # prompts in flight per step (>= rollout_batch_size)
-    n_samples_per_prompt: int = 4
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
+    n_samples_per_prompt: int = 4  # samples per group (GRPO's baseline is taken over a group)
+    max_new_tokens: int = 256  # response budget per sample, across all its resumed segments
+    temperature: float = 1.0  # sampling temperature (> 0)
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = off
     top_k: int = 0  # 0 = off
     max_staleness: int = 1  # policy versions a sample may lag the learner
-    dynamic_sampling: bool = False
-    offpolicy: OffPolicy = OffPolicy.NONE
-    tis_cap: float = 2.0
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (not counted in N)
+    offpolicy: OffPolicy = OffPolicy.NONE  # handling of tokens from older policy versions (DESIGN.md 5)
+    tis_cap: float = 2.0  # offpolicy tis: cap C of the importance weight min(ratio, C) (>= 1)
 
     def __post_init__(self) -> None:
         _positive(self, "algo", "rollout_batch_size", "over_sampling_batch_size")
@@ -116,12 +116,12 @@ class AlgoConfig:
 @dataclass(frozen=True, slots=True)
 class DataConfig:
     source: str = "synthetic"  # "synthetic" or a path to a JSONL file
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    shuffle: bool = True
-    synthetic_prompt_len_min: int = 8
-    synthetic_prompt_len_max: int = 64
-    synthetic_vocab_size: int = 1000
+    prompt_key: str = "prompt"  # JSONL field holding the prompt (a dotted path reaches nested fields)
+    answer_key: str = "answer"  # JSONL field holding the reference answer given to the reward
+    shuffle: bool = True  # a new seeded permutation of the prompts each epoch; false: file order
+    synthetic_prompt_len_min: int = 8  # synthetic source: shortest prompt, in tokens
+    synthetic_prompt_len_max: int = 64  # synthetic source: longest prompt, in tokens
+    synthetic_vocab_size: int = 1000  # synthetic source: prompt token ids are drawn below this
     eval_size: int = 32  # held-out prompts per evaluation (never issued for training)
 
     def __post_init__(self) -> None:
@@ -137,19 +137,19 @@ class DataConfig:
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
-    bind_host: str = "127.0.0.1"
-    worker_port: int = 5555
-    learner_port: int = 5556
-    pub_port: int = 5557
-    heartbeat_interval_s: float = 1.0
+    bind_host: str = "127.0.0.1"  # address the broker binds; non-loopback needs CurveZMQ keys
+    worker_port: int = 5555  # ROUTER port the workers connect to
+    learner_port: int = 5556  # ROUTER port the learner and `april status` connect to
+    pub_port: int = 5557  # PUB port of the read-only status feed (dashboard)
+    heartbeat_interval_s: float = 1.0  # seconds between heartbeats, both ways
     liveness: int = 3  # missed heartbeats before a peer is declared dead
-    abort_timeout_s: float = 5.0
-    abort_retries: int = 3
+    abort_timeout_s: float = 5.0  # seconds to wait for a worker to confirm an abort before re-sending
+    abort_retries: int = 3  # abort re-sends before the worker is declared dead and its leases re-queued
     max_message_bytes: int = 268435456  # 256 MiB
     max_buffered_samples: int = 16384  # bound on samples held: issuing pauses at it (back-pressure)
-    snapshot_interval_s: float = 30.0
+    snapshot_interval_s: float = 30.0  # seconds between snapshots of the broker state to <run>/broker
     curve_keys_dir: str = ""  # empty: no CURVE encryption
-    debug_ledger: bool = False
+    debug_ledger: bool = False  # check the ledger balances after every state change (slow; for tests)
     metrics_port: int = 0  # Prometheus endpoint on bind_host:metrics_port; 0 = off
 
     def __post_init__(self) -> None:
@@ -166,12 +166,12 @@ class BrokerConfig:
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    broker: str = "tcp://127.0.0.1:5555"
-    engine: str = "torch"
+    broker: str = "tcp://127.0.0.1:5555"  # the broker's worker port
+    engine: str = "torch"  # inference engine: torch | sglang | vllm | sim
     slots: int = 8  # concurrent generations per worker
-    model: str = ""
+    model: str = ""  # Hugging Face model directory (torch, vllm need one); empty: byte-level tokenizer
     reward: str = "exact"  # built-in name or "module:function"
-    reward_timeout_s: float = 10.0
+    reward_timeout_s: float = 10.0  # seconds one reward call may take before it scores as failed
     worker_id: str = ""  # empty: <hostname>-<pid>
     device: str = "cpu"  # torch engine: cpu, cuda, cuda:1, ...
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
@@ -192,22 +192,22 @@ class WorkerConfig:
 
 @dataclass(frozen=True, slots=True)
 class LearnerConfig:
-    broker: str = "tcp://127.0.0.1:5556"
-    model: str = ""
-    lr: float = 1e-6
+    broker: str = "tcp://127.0.0.1:5556"  # the broker's learner port
+    model: str = ""  # Hugging Face model directory to train; its weights are version 0
+    lr: float = 1e-6  # AdamW learning rate
     checkpoint_every: int = 10  # train steps between checkpoints
     backend: str = "deepspeed"  # deepspeed | torch (plain torch AdamW, one process)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     micro_batches: int = 1  # micro-batches per optimizer step (gradient accumulation), per rank
     device: str = "cpu"  # cpu | cuda | cuda:N
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
     eps_low: float = -1.0  # PPO clip below 1 - eps_low; < 0: the algorithm's default (0.2; gspo 3e-4)
     eps_high: float = -1.0  # clip above 1 + eps_high; < 0: the algorithm's default (dapo 0.28)
     kl_coef: float = 0.0  # k3 KL to the initial model (0: no reference model is kept)
-    entropy_coef: float = 0.0
-    torch_threads: int = 1
+    entropy_coef: float = 0.0  # weight of the entropy bonus in the loss (0: off)
+    torch_threads: int = 1  # intra-op threads of the learner process
     keep_weights: int = 3  # published versions kept on disk (>= 2)
     keep_checkpoints: int = 2  # checkpoints kept on disk (>= 1)
     updates_per_batch: int = 1  # optimizer steps per batch (each on 1/updates_per_batch of the groups)

@@ -1,0 +1,294 @@
+"""compose/, checked without a Docker engine: the file parses and validates against the compose
+specification; every service runs a valid `april` command, whose resolved config agrees with the broker's
+on ports and addresses; volumes are declared and mounted where the weights hand-off needs them; the image
+builds from files that exist; and the entrypoint gives each worker replica its own id."""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from april.config import Config, config_to_dict
+from cli.main import app
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE_DIR = REPO / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+ROLE_SERVICES = {"broker", "worker", "learner", "worker-gpu", "learner-gpu"}
+_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate(node: Any) -> Any:
+    """Compose's ${VAR:-default} interpolation with every variable unset (so: the defaults)."""
+    if isinstance(node, str):
+        return _VAR.sub(lambda m: m.group(2) or "", node)
+    if isinstance(node, dict):
+        return {k: interpolate(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [interpolate(v) for v in node]
+    return node
+
+
+def load() -> dict[str, Any]:
+    doc: dict[str, Any] = interpolate(yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8")))
+    return doc
+
+
+SERVICES: dict[str, dict[str, Any]] = load()["services"]
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def commands() -> list[tuple[str, list[str]]]:
+    """(where, argv) for every service command and healthcheck command."""
+    out = []
+    for name, service in SERVICES.items():
+        out.append((name, service["command"]))
+        test = service.get("healthcheck", {}).get("test")
+        if test:
+            assert test[0] == "CMD", f"{name}: healthcheck test {test!r}: expected the exec form [CMD, ...]"
+            out.append((f"{name} healthcheck", test[1:]))
+    return out
+
+
+def mounts(service: dict[str, Any]) -> list[dict[str, Any]]:
+    """Volumes in long form (short 'source:target[:mode]' strings are expanded)."""
+    out = []
+    for v in service.get("volumes", []):
+        if isinstance(v, str):
+            source, target, *mode = v.split(":")
+            kind = "bind" if source.startswith((".", "/", "~", "$")) else "volume"
+            v = {"type": kind, "source": source, "target": target, "read_only": mode == ["ro"]}
+        out.append(v)
+    return out
+
+
+def test_services_and_profiles() -> None:
+    assert set(SERVICES) >= ROLE_SERVICES | {"status"}
+    for name in ("broker", "worker", "learner"):  # the default (CPU) stack: no profile needed
+        assert "profiles" not in SERVICES[name], name
+    assert SERVICES["worker-gpu"]["profiles"] == ["gpu"]
+    assert SERVICES["learner-gpu"]["profiles"] == ["gpu"]
+    for name in ("worker", "worker-gpu"):  # --scale worker=N: nothing that names a single container
+        assert "container_name" not in SERVICES[name] and "ports" not in SERVICES[name], name
+
+
+def test_validates_against_the_compose_specification() -> None:
+    exe = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
+    if not Path(exe).exists():
+        pytest.skip("check-jsonschema is not installed (pip install -e '.[dev]')")
+    done = subprocess.run(
+        [exe, "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(("where", "argv"), commands(), ids=[w for w, _ in commands()])
+def test_every_command_is_a_valid_april_invocation(where: str, argv: list[str]) -> None:
+    assert argv[0] == "april", f"{where}: {argv!r} is not an april command"
+    result = CliRunner().invoke(app, [*argv[1:], "--help"])
+    assert result.exit_code == 0, f"{where}: `{' '.join(argv)} --help` -> {result.exit_code}\n{result.output}"
+
+
+@dataclass
+class Resolved:
+    """What a service's april command resolved, captured instead of running the role."""
+
+    config: Config | None = None
+    run_dir: Path | None = None
+    status_address: str | None = None
+
+
+def resolve(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Resolved:
+    """Run the command as the container would (its environment, its flags), with the role stubbed out."""
+    import cli.learner_cmd
+    import cli.main
+    import cli.worker_cmd
+
+    got = Resolved()
+
+    def role(config: Config, run_dir: Path | None = None, resume: bool = False) -> None:
+        got.config, got.run_dir = config, run_dir
+
+    def status(address: str, timeout_s: float) -> dict[str, Any]:
+        got.status_address = address
+        return {}
+
+    monkeypatch.setattr(cli.main, "run_broker", role)
+    monkeypatch.setattr(cli.worker_cmd, "run_worker", role)
+    monkeypatch.setattr(cli.learner_cmd, "run_learner_process", role)
+    monkeypatch.setattr(cli.main, "fetch_status", status)
+    monkeypatch.setattr(cli.main, "print_status", lambda state, as_json: None)
+    result = CliRunner().invoke(app, argv[1:], env=env)
+    assert result.exit_code == 0, f"`{' '.join(argv)}` -> {result.exit_code}\n{result.output}"
+    return got
+
+
+def assert_connects(address: str, port: int, where: str) -> None:
+    parts = urlsplit(address)
+    assert parts.scheme == "tcp" and parts.port == port, f"{where}: {address!r}, expected port {port}"
+    host = parts.hostname or ""
+    assert host == "localhost" or ipaddress.ip_address(host).is_loopback, (
+        f"{where}: {address!r}: the broker binds loopback only, so peers must connect to 127.0.0.1"
+    )
+
+
+def test_peers_connect_to_the_ports_the_broker_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in [k for k in os.environ if k.startswith("APRIL_")]:  # the host's, not the container's
+        monkeypatch.delenv(var)
+    broker = resolve(SERVICES["broker"]["command"], environment(SERVICES["broker"]), monkeypatch)
+    assert broker.config is not None
+    bc = broker.config.broker
+    host = bc.bind_host
+    assert host == "localhost" or ipaddress.ip_address(host).is_loopback, "see cli/broker_cmd.py"
+    shared = {s: config_to_dict(broker.config)[s] for s in ("run", "algo", "data", "broker")}
+    for name, service in SERVICES.items():
+        if name == "broker":
+            continue
+        assert service.get("network_mode") == "service:broker", (
+            f"{name}: must share the broker's network namespace to reach its loopback ports"
+        )
+        assert "ports" not in service, f"{name}: publishes ports, but it has no network of its own"
+        got = resolve(service["command"], environment(service), monkeypatch)
+        if got.status_address is not None:
+            assert_connects(got.status_address, bc.learner_port, name)
+            continue
+        assert got.config is not None, name
+        if service["command"][1] == "worker":
+            assert_connects(got.config.worker.broker, bc.worker_port, name)
+        else:
+            assert_connects(got.config.learner.broker, bc.learner_port, name)
+            assert got.run_dir == broker.run_dir, f"{name}: run dir {got.run_dir}, broker's {broker.run_dir}"
+        sections = {s: config_to_dict(got.config)[s] for s in shared}
+        assert sections == shared, f"{name}: its [run]/[algo]/[data]/[broker] differ from the broker's"
+    health = SERVICES["broker"]["healthcheck"]["test"][1:]
+    assert_connects(resolve(health, {}, monkeypatch).status_address or "", bc.learner_port, "healthcheck")
+
+
+def test_named_volumes_are_declared_and_the_run_directory_is_shared() -> None:
+    declared = set(load().get("volumes") or {})
+    runs_target: str | None = None
+    for name, service in SERVICES.items():
+        for m in mounts(service):
+            if m["type"] == "volume":
+                assert m["source"] in declared, f"{name}: volume {m['source']!r} is not declared"
+        if name not in ROLE_SERVICES:
+            continue
+        runs = [m for m in mounts(service) if m["type"] == "volume" and m["source"] == "runs"]
+        assert len(runs) == 1, f"{name}: mounts the runs volume {len(runs)} times"
+        runs_target = runs_target or runs[0]["target"]
+        # weights are announced by absolute path: every role must see the volume at the same place
+        assert runs[0]["target"] == runs_target, f"{name}: runs at {runs[0]['target']}, others {runs_target}"
+        command = service["command"]
+        if "--run-dir" in command:
+            run_dir = Path(command[command.index("--run-dir") + 1])
+            assert run_dir.is_relative_to(runs_target), f"{name}: run dir {run_dir} outside {runs_target}"
+            assert not runs[0].get("read_only"), f"{name}: writes its run directory, mounted read-only"
+    for name in ROLE_SERVICES - {"broker"}:
+        env = environment(SERVICES[name])
+        model = env["APRIL_WORKER_MODEL" if "worker" in name else "APRIL_LEARNER_MODEL"]
+        targets = [m["target"] for m in mounts(SERVICES[name]) if m["type"] == "bind"]
+        assert model in targets, f"{name}: model {model} is not mounted (bind mounts: {targets})"
+
+
+def test_every_service_builds_from_the_one_dockerfile() -> None:
+    for name, service in SERVICES.items():
+        build = service["build"]
+        context = (COMPOSE_DIR / build["context"]).resolve()
+        assert context == REPO, f"{name}: build context {context}, expected the repository root"
+        assert (context / build["dockerfile"]) == COMPOSE_DIR / "Dockerfile", name
+        assert build["args"]["VARIANT"] in ("cpu", "gpu"), name
+    dockerfile = (COMPOSE_DIR / "Dockerfile").read_text(encoding="utf-8")
+    copies = re.findall(r"^COPY\s+(.+?)\s+\S+$", dockerfile, flags=re.MULTILINE)
+    assert copies
+    for sources in copies:
+        for source in sources.split():
+            assert (REPO / source).exists(), f"Dockerfile: COPY {source}: no such path in the repository"
+
+
+def entrypoint() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("compose_entrypoint", COMPOSE_DIR / "entrypoint.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_entrypoint_gives_each_worker_replica_its_own_id() -> None:
+    ep = entrypoint()
+    ids = set()
+    for _ in range(4):
+        env: dict[str, str] = {}
+        ep.prepare(["april", "worker", "--engine", "torch"], env)
+        ids.add(env["APRIL_WORKER_WORKER_ID"])
+    assert len(ids) == 4
+    env = {"APRIL_WORKER_WORKER_ID": "w7"}
+    ep.prepare(["april", "worker"], env)
+    assert env == {"APRIL_WORKER_WORKER_ID": "w7"}
+    for argv in (["april", "broker", "--run-dir", "/runs/x"], ["april", "learner"], ["sh"]):
+        env = {}
+        ep.prepare(argv, env)
+        assert env == {}, argv
+
+
+def test_entrypoint_starts_the_workers_sglang_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    import actors.engines.sglang_launch as launch
+
+    ep = entrypoint()
+    started: list[list[str]] = []
+    waited: list[str] = []
+
+    class FakeServer:
+        def __init__(self, command: list[str], env: dict[str, str]) -> None:
+            started.append(command)
+
+    monkeypatch.setattr(ep.subprocess, "Popen", FakeServer)
+    monkeypatch.setattr(launch, "wait_ready", lambda url, proc, timeout_s: waited.append(url))
+    env = {
+        "LOCAL_SGLANG": "1",
+        "LOCAL_SGLANG_ARGS": "--tp-size 2",
+        "APRIL_WORKER_MODEL": "/model",
+        "APRIL_WORKER_SLOTS": "12",
+    }
+    ep.prepare(["april", "worker", "--engine", "sglang"], env)
+    (command,) = started
+    port = command[command.index("--port") + 1]
+    assert env["APRIL_WORKER_SGLANG_URLS"] == f"http://127.0.0.1:{port}" == waited[0]
+    assert command[command.index("--model-path") + 1] == "/model"
+    assert command[command.index("--max-running-requests") + 1] == "12"
+    assert command[-2:] == ["--tp-size", "2"]
+    with pytest.raises(SystemExit, match="APRIL_WORKER_MODEL"):
+        ep.prepare(["april", "worker"], {"LOCAL_SGLANG": "1"})
+
+
+def test_entrypoint_execs_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    ep = entrypoint()
+    execs: list[tuple[str, list[str], dict[str, str]]] = []
+    monkeypatch.setattr(ep.os, "execvpe", lambda file, args, env: execs.append((file, args, env)))
+    ep.main(["april", "worker"])
+    ((file, args, env),) = execs
+    assert (file, args) == ("april", ["april", "worker"]) and env["APRIL_WORKER_WORKER_ID"]
+    with pytest.raises(SystemExit, match="no command"):
+        ep.main([])
