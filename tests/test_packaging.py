@@ -29,10 +29,18 @@ def test_package_imports_from_this_repository(name: str) -> None:
     assert Path(module.__file__).resolve().parent.parent == REPO, module.__file__
 
 
-def test_setuptools_packages_are_exactly_the_five() -> None:
-    packages = pyproject()["tool"]["setuptools"]["packages"]
-    assert sorted(packages) == sorted(PACKAGES)
-    assert len(packages) == len(set(packages))
+def test_setuptools_finds_the_five_and_every_subpackage() -> None:
+    from setuptools import find_packages
+
+    include = pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
+    found = set(find_packages(str(REPO), include=include))
+    on_disk = {
+        ".".join(init.parent.relative_to(REPO).parts)
+        for root in PACKAGES
+        for init in (REPO / root).rglob("__init__.py")
+    }
+    assert {p.split(".")[0] for p in found} == set(PACKAGES)
+    assert found == on_disk  # subpackages (actors.engines) included, nothing else picked up
 
 
 def test_console_script_april() -> None:
