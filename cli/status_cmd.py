@@ -1,11 +1,18 @@
-"""`april status`: ask a running broker for its state and print it (a table, or one JSON object)."""
+"""`april status`: ask a running broker for its state and print it (a table, or one JSON object);
+with `--watch`, show the live dashboard from the broker's PUB feed instead (read-only, until Ctrl-C).
+
+`status_command` is the typer command (`cli/main.py` registers it); the work is in plain functions.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 import zmq
 from rich.console import Console, Group
 from rich.table import Table
@@ -13,7 +20,11 @@ from rich.text import Text
 
 from april import protocol
 from april.codec import ProtocolError
+from april.config import BrokerConfig
 from april.transport import dealer, recv, send
+from cli.dashboard import DashboardState, apply_status
+from cli.dashboard_feed import StatusFeed, watch
+from cli.options import user_errors
 
 
 class StatusError(Exception):
@@ -88,3 +99,61 @@ def print_status(state: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(state))
     else:
         Console().print(render_status(state))
+
+
+def pub_address(broker_address: str, pub: str | None) -> str:
+    """`pub` if given, else the PUB address beside `broker_address`: same host, default `broker.pub_port`."""
+    if pub:
+        return pub
+    match = re.fullmatch(r"(\w+://[^/]+):\d+", broker_address)
+    if match is None:
+        raise StatusError(f"--broker must look like tcp://HOST:PORT, got {broker_address!r}")
+    return f"{match.group(1)}:{BrokerConfig().pub_port}"
+
+
+def watch_status(address: str, timeout_s: float, wait: bool, console: Console | None = None) -> None:
+    """The live dashboard of the broker publishing at `address`, until Ctrl-C. Without `wait`, gives up
+    (StatusError) when no status arrives within `timeout_s`; the broker publishes one every second."""
+    try:
+        feed = StatusFeed(address)
+    except zmq.ZMQError as exc:
+        raise StatusError(f"cannot subscribe to {address!r}: {exc}") from None
+    with feed:
+        state = DashboardState(source=address)
+        if not wait:
+            first = feed.wait(timeout_s)
+            if first is None:
+                raise StatusError(f"no status from {address} within {timeout_s:g}s: is the broker running?")
+            apply_status(state, first, time.time())
+        watch(feed, state, console=console)
+
+
+def status_command(
+    broker_address: Annotated[str, typer.Option("--broker", help="The broker's learner port.")] = (
+        "tcp://127.0.0.1:5556"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", help="Seconds to wait for an answer (--watch: for the first status)."),
+    ] = 3.0,
+    watch_: Annotated[
+        bool,
+        typer.Option("--watch", "-w", help="Live full-screen dashboard from the PUB feed (Ctrl-C quits)."),
+    ] = False,
+    pub: Annotated[
+        str | None,
+        typer.Option("--pub", help="--watch: the PUB address (default: --broker's host, port 5557)."),
+    ] = None,
+    wait: Annotated[
+        bool, typer.Option("--wait", help="--watch: wait for a broker to appear instead of giving up.")
+    ] = False,
+) -> None:
+    """Print a running broker's state (workers, in flight, buffers, ledger); --watch: the live dashboard."""
+    with user_errors(StatusError):
+        if not watch_:
+            print_status(fetch_status(broker_address, timeout), as_json)
+        elif as_json:
+            raise StatusError("--json prints one status; it does not go with --watch")
+        else:
+            watch_status(pub_address(broker_address, pub), timeout, wait)

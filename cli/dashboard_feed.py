@@ -1,0 +1,184 @@
+"""How the broker's status feed reaches a user: the PUB subscription, the full-screen Live loop, the
+headless progress lines.
+
+`StatusFeed` subscribes to the broker's PUB socket (topic b"status", a `protocol.StatusReply` per second)
+and hands out the newest status; a message it cannot decode is counted and skipped, never raised.
+`watch` runs a rich `Live` screen that only polls the feed, folds statuses into a `DashboardState` and
+refreshes; `run_headless` prints one line per learner step and the events instead. Both are read-only:
+they never send to the broker, so stopping them never affects training. The rendering is in
+`cli/dashboard.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TextIO
+
+import zmq
+from rich.console import Console
+from rich.live import Live
+
+from april import protocol
+from april.codec import ProtocolError
+from april.transport import configure
+from cli.dashboard import DashboardState, apply_status, metric, render, si
+
+TOPIC = b"status"
+MAX_DRAIN = 1000  # messages read per poll at most: a flooding publisher cannot stall the screen
+
+Tick = Callable[[DashboardState], bool]  # called every refresh; False ends the loop
+
+
+class StatusFeed:
+    """A SUB socket on the broker's status feed. Never blocks longer than the timeout it is given."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.received = 0  # statuses decoded
+        self.undecodable = 0  # messages skipped (malformed, wrong kind, not a JSON object)
+        self.last_error = ""
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = configure(self._ctx.socket(zmq.SUB))
+        self._sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError:
+            self.close()
+            raise
+
+    def poll(self, timeout_ms: int) -> dict[str, Any] | None:
+        """The newest status that arrived within `timeout_ms` (older queued ones are skipped), or None."""
+        if not self._sock.poll(timeout_ms, zmq.POLLIN):
+            return None
+        newest: dict[str, Any] | None = None
+        for _ in range(MAX_DRAIN):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            status = self._parse(frames)
+            if status is not None:
+                newest = status
+        return newest
+
+    def wait(self, timeout_s: float) -> dict[str, Any] | None:
+        """The first status within `timeout_s` seconds, or None."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            status = self.poll(max(1, int(left * 1000)))
+            if status is not None:
+                return status
+        return None
+
+    def _parse(self, frames: list[bytes]) -> dict[str, Any] | None:
+        try:
+            if len(frames) < 2 or frames[0] != TOPIC:
+                raise ProtocolError("bad_topic", f"expected topic frame {TOPIC!r}, got {frames[:1]!r}")
+            msg = protocol.decode(frames[1:])
+            if not isinstance(msg, protocol.StatusReply):
+                raise ProtocolError("bad_kind", f"got {type(msg).__name__}, expected StatusReply")
+            status = json.loads(msg.state_json)
+            if not isinstance(status, dict):
+                raise ProtocolError(
+                    "bad_status", f"status is a JSON {type(status).__name__}, expected an object"
+                )
+        except (ProtocolError, ValueError) as exc:
+            self.undecodable += 1
+            self.last_error = str(exc)
+            return None
+        self.received += 1
+        return status
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> StatusFeed:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def watch(
+    feed: StatusFeed,
+    state: DashboardState,
+    tick: Tick | None = None,
+    refresh_per_second: float = 4.0,
+    console: Console | None = None,
+) -> None:
+    """Show the dashboard full screen until `tick` returns False or Ctrl-C. The loop only polls the feed
+    (at most one refresh period), folds in what came, calls `tick`, and redraws."""
+    period_ms = max(1, int(1000 / refresh_per_second))
+    with Live(console=console, screen=True, auto_refresh=False) as live:
+        try:
+            while True:
+                status = feed.poll(period_ms)
+                now = time.time()
+                if status is not None:
+                    apply_status(state, status, now)
+                if tick is not None and not tick(state):
+                    break
+                live.update(render(state, now, live.console.size.height), refresh=True)
+        except KeyboardInterrupt:
+            pass
+
+
+def progress_line(status: dict[str, Any]) -> str | None:
+    """One line for the learner's last step (for `april up --headless`), or None before the first step."""
+    m = status.get("learner_metrics")
+    if not isinstance(m, dict) or "step" not in m:
+        return None
+
+    def f(key: str, spec: str = ".3f") -> str:
+        value = metric(m, key)
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        return format(value, spec) if ok else "-"
+
+    step = f"{m['step'] + 1:.0f}" if isinstance(m["step"], int | float) and math.isfinite(m["step"]) else "?"
+    return (
+        f"step {step}/{status.get('steps', '?')} v{f('version', '.0f')}  reward {f('reward_mean')}  "
+        f"acc {f('accuracy')}  loss {f('loss', '.4g')}  {f('samples_per_s', '.2f')} samples/s  "
+        f"{si(metric(m, 'tokens_per_s'))} tok/s  aborted {f('aborted', '.0f')}  resumed {f('resumed', '.0f')}"
+    )
+
+
+def run_headless(
+    feed: StatusFeed,
+    state: DashboardState,
+    tick: Tick | None = None,
+    out: TextIO = sys.stdout,
+    period_s: float = 0.5,
+) -> None:
+    """Print the events and one progress line per learner step, until `tick` returns False or Ctrl-C."""
+    printed_events, printed_step = state.events_total, state.last_step
+    try:
+        while True:
+            status = feed.poll(max(1, int(period_s * 1000)))
+            now = time.time()
+            if status is not None:
+                apply_status(state, status, now)
+            going = tick is None or tick(state)
+            new = min(state.events_total - printed_events, len(state.events))
+            for event in list(state.events)[len(state.events) - new :]:
+                out.write(f"{time.strftime('%H:%M:%S', time.localtime(event.t))} {event.text}\n")
+            printed_events = state.events_total
+            if state.status is not None and state.last_step != printed_step:
+                printed_step = state.last_step
+                line = progress_line(state.status)
+                if line:
+                    out.write(line + "\n")
+            out.flush()
+            if not going:
+                break
+    except KeyboardInterrupt:
+        pass

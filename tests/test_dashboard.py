@@ -1,0 +1,456 @@
+"""The live dashboard: state folding and derived events, the pure render (fixed-width capture consoles),
+the PUB feed on a real loopback socket, the headless lines and `april status --watch` without a broker."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+import zmq
+from harness import free_ports
+from rich.console import Console
+from rich.screen import Screen
+from typer.testing import CliRunner
+
+from april import protocol
+from cli.dashboard import (
+    DASH,
+    SPARK_CHARS,
+    DashboardState,
+    Series,
+    add_alert,
+    add_event,
+    apply_status,
+    clear_alert,
+    export_svg,
+    render,
+    sparkline,
+)
+from cli.dashboard_feed import StatusFeed, progress_line, run_headless, watch
+from cli.status_cmd import StatusError, pub_address, status_command
+
+T0 = 1_700_000_000.0  # wall clock of the first status
+
+
+def worker(wid: str, **over: Any) -> dict[str, Any]:
+    w: dict[str, Any] = {
+        "id": wid, "engine": "sim", "slots": 8, "credit": 2, "leases": 6, "tokens_generated": 0, "version": 3,
+        "pid": 100, "host": "node1", "last_seen_s": 0.2, "restored": False, "alive": True,
+    }  # fmt: skip
+    w.update(over)
+    return w
+
+
+def status(uptime: float = 10.0, version: int = 3, tokens: int = 0, **over: Any) -> dict[str, Any]:
+    """A status as broker/status.py builds it."""
+    s: dict[str, Any] = {
+        "run": "gsm8k-tiny", "steps": 100, "mode": "april", "version": version, "epoch": 0,
+        "uptime_s": uptime,
+        "round": {"id": 1, "open": True, "aborting": False, "aborts_done": 1},
+        "workers": [
+            worker("w-a", tokens_generated=tokens, version=version),
+            worker("w-b", engine="sglang", slots=16, leases=16, tokens_generated=2 * tokens, pid=200),
+        ],
+        "learner": {"id": "learner-0", "last_seen_s": 0.1, "waiting_for_batch": False},
+        "learner_metrics": {
+            "step": version - 1, "version": version, "loss": 0.01234, "reward_mean": 0.25 + version / 100,
+            "accuracy": 0.5, "learner/clip_frac": 0.125, "learner/approx_kl": 0.0012, "learner/wait_s": 0.5,
+            "learner_time_s": 2.0, "weight_sync_s": 0.25, "samples_per_s": 12.5, "tokens_per_s": 3000.0,
+            "staleness_mean": 0.4, "staleness_max": 2, "offpolicy_token_frac": 0.234, "aborted": 5,
+            "resumed": 4,
+        },
+        "in_flight_groups": 12, "leased_samples": 22, "queued_samples": 3, "partial_groups": 4,
+        "partial_buffer": 9, "partial_staleness": {"0": 6, "1": 2, "2": 1}, "complete_groups": 3,
+        "unacked_batch": None, "cursor": 40,
+        "ledger": {"issued": 40, "trained": 24, "complete_waiting": 3, "in_flight": 9, "partial": 4,
+                   "dropped": {"filtered": 2}},
+        "ledger_balanced": True,
+        "totals": {"aborted": 30, "resumed": 25, "tokens_generated": 3 * tokens, "samples_finished": 100},
+        "rejected": {"total": 0, "by_reason": {}, "by_peer": {}},
+    }  # fmt: skip
+    s.update(over)
+    return s
+
+
+def text(state: DashboardState, width: int = 120, now: float | None = None) -> str:
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(render(state, T0 if now is None else now))
+    out = console.export_text()
+    assert max(len(line) for line in out.splitlines()) <= width
+    return out
+
+
+def fed(*statuses: dict[str, Any], source: str = "tcp://127.0.0.1:5557") -> DashboardState:
+    """A state that received `statuses` one second apart."""
+    state = DashboardState(source=source)
+    for i, s in enumerate(statuses):
+        apply_status(state, s, T0 - len(statuses) + 1 + i)
+    return state
+
+
+def line_with(out: str, needle: str) -> str:
+    return next(line for line in out.splitlines() if needle in line)
+
+
+def spark_row(out: str, label: str) -> str:
+    """The sparkline characters of the `label` row of the "over the run" panel."""
+    line = next(line for line in out.splitlines() if re.search(f"{re.escape(label)} +[{SPARK_CHARS}]", line))
+    return "".join(c for c in line if c in SPARK_CHARS)
+
+
+# ---------------------------------------------------------------------------------------------------
+# render
+
+
+@pytest.mark.parametrize("width", [120, 80])
+def test_header_shows_run_mode_step_version_elapsed_and_throughput(width: int) -> None:
+    out = text(fed(status(60.0, tokens=1000), status(61.0, tokens=1500)), width)
+    for needle in ("run gsm8k-tiny", "mode april", "step 3/100", "policy v3", "elapsed 01:01"):
+        assert needle in out, needle
+    assert "1.5k tok/s generated" in out  # 3 x 500 tokens in one second of broker time
+    assert "12.50 samples/s trained" in out
+    assert "workers 2/2 alive" in out and "learner training" in out
+    assert "tcp://127.0.0.1:5557" in out
+
+
+@pytest.mark.parametrize("width", [120, 80])
+def test_worker_rows_show_busy_slots_tokens_per_second_version_and_liveness(width: int) -> None:
+    before = status(10.0, version=4, tokens=0)
+    after = status(12.0, version=4, tokens=1000)
+    after["workers"][1].update(alive=False, last_seen_s=4.0, version=3)
+    out = text(fed(before, after), width)
+    a, b = line_with(out, "w-a"), line_with(out, "w-b")
+    assert "6/8" in a and "500" in a and "v4" in a and " up " in a  # 1000 tokens over 2 s
+    assert "16/16" in b and "1.0k" in b and "v3" in b and "dead" in b and "4.0s" in b
+    assert ("node1" in a) == (width >= 110)  # hosts only where there is room
+    assert "workers 1/2 alive" in out
+
+
+def test_rollout_panel_shows_buffers_aborts_histogram_and_offpolicy_share() -> None:
+    start = status(10.0, version=3)
+    later = status(11.0, version=3, totals={"aborted": 34, "resumed": 26, "tokens_generated": 0})
+    out = text(fed(start, later))
+    assert "12 groups · 22 leased" in out
+    assert "9 samples · 4 groups" in out and "3 groups waiting" in out
+    aborted, resumed = line_with(out, "aborted").split(), line_with(out, "resumed").split()
+    assert aborted[aborted.index("aborted") + 1 : aborted.index("aborted") + 4] == ["4", "5", "34"]
+    assert resumed[resumed.index("resumed") + 1 : resumed.index("resumed") + 4] == ["1", "4", "26"]
+    assert "23.4% of tokens" in out and "mean 0.40 · max 2" in out
+    assert "0 ████████████ 6" in out  # the fullest staleness level gets the whole bar
+    assert "1 ████░░░░░░░░ 2" in out
+    assert "2 ██░░░░░░░░░░ 1" in out
+    assert "balanced · issued 40 · trained 24 · dropped 2" in out
+
+
+def test_staleness_histogram_merges_the_tail_and_says_when_empty() -> None:
+    many = {str(k): 1 for k in range(9)}
+    out = text(fed(status(partial_staleness=many)))
+    assert ">=5" in out and " 8 " not in line_with(out, ">=5")
+    assert "(partial buffer empty)" in text(fed(status(partial_staleness={})))
+
+
+@pytest.mark.parametrize("width", [120, 80])
+def test_learner_panel_shows_loss_reward_accuracy_clip_kl_and_step_time_split(width: int) -> None:
+    out = text(fed(status(version=7)), width)
+    assert "last step 6 -> v7" in out
+    assert "0.01234" in line_with(out, "loss")
+    assert "0.320" in line_with(out, "reward ")
+    assert "0.500" in line_with(out, "accuracy")
+    assert "0.125" in line_with(out, "clip frac")  # namespaced as in metrics.jsonl: learner/clip_frac
+    assert "1.20e-03" in line_with(out, "approx KL")
+    assert DASH in line_with(out, "entropy")  # not sent: a dash
+    assert "2.75s" in line_with(out, "step time")
+    for part in ("wait 0.50", "train 2.00", "sync 0.25"):
+        assert part in out, part
+
+
+def test_sparklines_follow_reward_accuracy_and_throughput_over_the_run() -> None:
+    statuses = [status(10.0 + i, version=3 + i, tokens=100 * i * i) for i in range(8)]
+    for i, s in enumerate(statuses):
+        s["learner_metrics"]["accuracy"] = i / 10
+    out = text(fed(*statuses))
+    assert spark_row(out, "reward") == "▁▂▃▄▅▆▇█"  # rising one level a step
+    assert spark_row(out, "accuracy") == "▁▂▃▄▅▆▇█"
+    assert "0.700" in line_with(out, "accuracy ▁")
+    tokens = spark_row(out, "tok/s")
+    assert len(tokens) == 7 and tokens[-1] == "█"  # one point per status after the first, rising
+
+
+def test_sparkline_scales_and_fits_its_width() -> None:
+    assert sparkline([], 10) == ""
+    assert sparkline([0.0, 1.0], 10) == "▁█"
+    assert sparkline([2.0, 2.0, 2.0], 10) == "▄▄▄"
+    assert len(sparkline([float(i) for i in range(1000)], 40)) == 40
+    assert sparkline([float(i) for i in range(1000)], 8) == SPARK_CHARS
+
+
+def test_series_keeps_the_whole_run_in_bounded_memory() -> None:
+    series = Series(capacity=16)
+    for i in range(1000):
+        series.add(float(i))
+    series.add(math.nan)  # skipped
+    assert len(series.values) <= 16 and series.stride > 1
+    assert series.values[0] < 100 and series.values[-1] > 800
+
+
+def test_missing_and_nan_metrics_render_as_dashes() -> None:
+    nan = float("nan")
+    odd = status(learner_metrics={"step": nan, "loss": nan, "reward_mean": None, "accuracy": "x"})
+    odd["workers"][0].pop("tokens_generated")
+    odd["workers"][1].update(id="[bold]w-b[/", engine="[red]", host=None)  # names are never markup
+    for state in (fed(odd), fed({}), fed({"workers": "junk", "learner_metrics": [], "totals": None})):
+        for width in (120, 80):
+            out = text(state, width)
+            assert DASH in out
+    out = text(fed(odd))
+    assert "[bold]w-b[/" in out and "[red]" in out
+    assert DASH in line_with(out, "loss") and DASH in line_with(out, "reward ")
+
+
+def test_before_the_first_status_and_when_the_feed_goes_silent() -> None:
+    assert "waiting for the first status from tcp://h:1" in text(DashboardState(source="tcp://h:1"))
+    state = fed(status())
+    assert "is the broker running" not in text(state, now=T0 + 1)
+    assert "no status for 12s: is the broker running?" in text(state, now=T0 + 12)
+
+
+def test_alerts_show_the_tail_of_a_crashed_childs_log() -> None:
+    state = fed(status())
+    add_alert(state, "learner", [f"line {i}\n" for i in range(30)] + ["RuntimeError: CUDA out of memory"])
+    out = text(state, 80)
+    assert "learner crashed: last lines of its log" in out
+    assert "RuntimeError: CUDA out of memory" in out and "line 29" in out and "line 10" not in out
+    clear_alert(state, "learner")
+    assert "crashed" not in text(state)
+
+
+def test_a_known_console_height_gives_the_event_log_the_lines_left() -> None:
+    state = fed(status())
+    for i in range(60):
+        add_event(state, T0, f"event number {i}")
+    console = Console(width=100, height=50, record=True, file=io.StringIO())
+    lines = console.render_lines(Screen(render(state, T0, height=50)), console.options, pad=False)
+    rendered = ["".join(seg.text for seg in line) for line in lines]
+    assert len(rendered) == 50
+    assert "event number 59" in rendered[-2] and rendered[-1].startswith("╰")
+    assert "event number 8 " not in "\n".join(rendered)  # older ones scrolled out
+
+
+def test_export_svg_writes_a_screenshot(tmp_path: Path) -> None:
+    path = tmp_path / "dashboard.svg"
+    export_svg(fed(status(), status(11.0)), path, width=100, now=T0)
+    svg = path.read_text()
+    assert svg.startswith("<svg") and "gsm8k" in svg
+
+
+# ---------------------------------------------------------------------------------------------------
+# events derived from consecutive statuses
+
+
+def events_between(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    state = fed(before)
+    seen = state.events_total
+    apply_status(state, after, T0 + 1)
+    return (
+        [e.text for e in list(state.events)[seen - state.events_total :]] if state.events_total > seen else []
+    )
+
+
+def test_the_first_status_says_where_it_attached() -> None:
+    state = fed(status())
+    assert [e.text for e in state.events] == [
+        "attached to tcp://127.0.0.1:5557: run gsm8k-tiny, mode april, v3, 2 workers"
+    ]
+
+
+def test_events_for_workers_joining_dying_coming_back_restarting_and_leaving() -> None:
+    before = status()
+    joined = copy.deepcopy(before)
+    joined["workers"].append(worker("w-c", host="node9", pid=9))
+    assert events_between(before, joined) == ["worker w-c joined (sim, 8 slots, node9 pid 9)"]
+    died = copy.deepcopy(before)
+    died["workers"][0].update(alive=False, last_seen_s=3.5)
+    assert events_between(before, died) == ["worker w-a died: silent for 3.5s"]
+    assert events_between(died, before) == ["worker w-a is back"]
+    restarted = copy.deepcopy(before)
+    restarted["workers"][1]["pid"] = 201
+    assert events_between(before, restarted) == ["worker w-b restarted (pid 200 → 201)"]
+    left = copy.deepcopy(before)
+    del left["workers"][0]
+    assert events_between(before, left) == ["worker w-a left"]
+
+
+def test_events_for_weights_abort_rounds_learner_ledger_and_rejections() -> None:
+    before = status(10.0, version=3)
+    after = status(11.0, version=4, leased_samples=7, partial_buffer=5, ledger_balanced=False)
+    after["round"] = {"id": 2, "open": True, "aborting": False, "aborts_done": 2}
+    after["totals"]["aborted"] += 6
+    after["rejected"] = {"total": 3, "by_reason": {"stale_lease": 3}, "by_peer": {}}
+    assert events_between(before, after) == [
+        "abort round 2 done: 6 samples interrupted, 5 now partial",
+        "weights v4 published (step 3: reward 0.290, loss 0.01234)",
+        "ledger NOT balanced",
+        "3 messages rejected so far (see `april status`)",
+    ]
+    aborting = status(
+        11.0, leased_samples=7, round={"id": 4, "open": True, "aborting": True, "aborts_done": 1}
+    )
+    assert events_between(before, aborting) == ["abort rounds 2-4 started: interrupting 7 leased samples"]
+    gone = status(11.0, learner=None)
+    assert events_between(before, gone) == ["learner learner-0 disconnected"]
+    assert events_between(gone, status(12.0)) == ["learner learner-0 connected"]
+    assert events_between(status(50.0), status(2.0)) == ["broker restarted"]
+
+
+def test_events_render_newest_last() -> None:
+    state = fed(status())
+    add_event(state, T0, "checkpoint step 10 saved", "green")
+    out = text(state, 80)
+    assert out.index("attached to") < out.index("checkpoint step 10 saved")
+
+
+# ---------------------------------------------------------------------------------------------------
+# headless
+
+
+def test_progress_line_has_the_step_figures() -> None:
+    line = progress_line(status(version=7))
+    assert line == (
+        "step 7/100 v7  reward 0.320  acc 0.500  loss 0.01234  12.50 samples/s  3.0k tok/s  "
+        "aborted 5  resumed 4"
+    )
+    assert progress_line(status(learner_metrics={})) is None
+    assert "reward -" in (
+        progress_line(status(learner_metrics={"step": 0, "reward_mean": float("nan")})) or ""
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# the PUB feed, on a real socket
+
+
+@pytest.fixture
+def publisher() -> Any:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.PUB)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, f"tcp://127.0.0.1:{port}"
+    sock.close(linger=0)
+    ctx.term()
+
+
+def publish(sock: zmq.Socket[bytes], state: dict[str, Any]) -> None:
+    """Exactly as broker/server.py publishes."""
+    reply = protocol.StatusReply(json.dumps(state))
+    sock.send_multipart([b"status", *protocol.encode(reply)])
+
+
+def first_status(sock: zmq.Socket[bytes], feed: StatusFeed, state: dict[str, Any]) -> dict[str, Any]:
+    """Publish until the subscription is up (a SUB misses what is sent before it joins)."""
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        publish(sock, state)
+        got = feed.poll(50)
+        if got is not None:
+            return got
+    raise AssertionError("the feed received nothing in 3 s")
+
+
+def test_status_feed_receives_the_newest_status_and_skips_junk(publisher: Any) -> None:
+    sock, address = publisher
+    with StatusFeed(address) as feed:
+        assert first_status(sock, feed, status(1.0)) == status(1.0)
+        sock.send_multipart([b"status", b"not a message"])
+        sock.send_multipart([b"status", *protocol.encode(protocol.StatusReply("[1, 2]"))])
+        sock.send_multipart([b"status", *protocol.encode(protocol.Heartbeat())])
+        publish(sock, status(2.0))
+        publish(sock, status(3.0))
+        deadline, got = time.monotonic() + 2.0, None
+        while got is None or (got["uptime_s"] < 3.0 and time.monotonic() < deadline):
+            got = feed.poll(200) or got
+        assert got["uptime_s"] == 3.0  # the newest; the older one queued with it is skipped
+        assert feed.undecodable == 3 and feed.last_error
+        assert feed.poll(0) is None
+
+
+def test_headless_prints_events_and_one_line_per_learner_step(publisher: Any) -> None:
+    sock, address = publisher
+    out, calls = io.StringIO(), 0
+
+    def tick(state: DashboardState) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            publish(sock, status(2.0, version=4))
+        return state.last_step != 3 and calls < 200
+
+    with StatusFeed(address) as feed:
+        first_status(sock, feed, status(1.0, version=3))  # warms the subscription up
+        publish(sock, status(1.0, version=3))
+        run_headless(feed, DashboardState(source=address), tick, out=out, period_s=0.05)
+    lines = out.getvalue().splitlines()
+    assert "attached to" in lines[0] and any("weights v4 published" in line for line in lines)
+    steps = [line for line in lines if line.startswith("step ")]
+    assert steps == [progress_line(status(version=3)), progress_line(status(version=4))]
+
+
+def test_watch_refreshes_calls_tick_and_stops_when_tick_says_so(publisher: Any) -> None:
+    sock, address = publisher
+    console = Console(width=100, height=40, file=io.StringIO(), force_terminal=True)
+    seen: list[int] = []
+
+    def tick(state: DashboardState) -> bool:
+        if state.statuses == 0:
+            publish(sock, status(1.0))
+        seen.append(state.statuses)
+        return len(seen) < 200 and (state.statuses == 0 or len(seen) < 10)
+
+    with StatusFeed(address) as feed:
+        watch(feed, DashboardState(source=address), tick, refresh_per_second=50, console=console)
+    assert seen[-1] >= 1
+    assert "gsm8k-tiny" in console.file.getvalue()  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------------
+# april status --watch
+
+
+def status_app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("status")(status_command)
+    app.command("other")(lambda: None)  # two commands: `status` stays a subcommand, as in cli/main.py
+    return app
+
+
+def test_status_watch_without_a_broker_exits_with_one_line() -> None:
+    (port,) = free_ports(1)
+    started = time.monotonic()
+    result = CliRunner().invoke(
+        status_app(), ["status", "--watch", "--pub", f"tcp://127.0.0.1:{port}", "--timeout", "0.3"]
+    )
+    assert time.monotonic() - started < 3.0
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"april: error: no status from tcp://127.0.0.1:{port} within 0.3s: is the broker running?"
+    ]
+
+
+def test_status_watch_rejects_json_and_a_malformed_broker_address() -> None:
+    for args in (["--json"], ["--broker", "localhost"], ["--pub", "tcp://nowhere"]):
+        result = CliRunner().invoke(status_app(), ["status", "--watch", *args])
+        assert result.exit_code == 2 and result.stderr.startswith("april: error:"), result.output
+
+
+def test_pub_address_defaults_to_the_brokers_host() -> None:
+    assert pub_address("tcp://10.0.0.5:5556", None) == "tcp://10.0.0.5:5557"
+    assert pub_address("tcp://10.0.0.5:5556", "tcp://h:9") == "tcp://h:9"
+    with pytest.raises(StatusError, match="--broker must look like"):
+        pub_address("10.0.0.5", None)
