@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from actors.engine import ENGINES, Engine, EngineError, SamplingParams
@@ -18,6 +20,22 @@ def make_tokenizer(cfg: WorkerConfig) -> Tokenizer:
     return ByteTokenizer()
 
 
+SIM_VOCAB_SIZE = 32000  # sim token ids without a model: a common LLM vocabulary size
+
+
+def model_vocab_size(model_dir: str) -> int:
+    """`vocab_size` from an HF model's config.json (no torch): sim tokens a real learner can train on."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        config = config.get("text_config", config)
+        return int(config["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(
+            f"worker.model = {model_dir!r}: cannot read vocab_size from {path}: {exc}"
+        ) from None
+
+
 def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify, version: int) -> Engine:
     """The configured engine, its heavy imports done here and nowhere else."""
     if cfg.engine == "sim":
@@ -27,6 +45,7 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
         return SimEngine(
             cfg.sim_lengths,
             slots=cfg.slots,
+            vocab_size=model_vocab_size(cfg.model) if cfg.model else SIM_VOCAB_SIZE,
             seed=sampling.seed,
             time_scale=cfg.sim_time_scale,
             stop_token_id=stop,

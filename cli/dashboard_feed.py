@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
@@ -152,15 +153,48 @@ def progress_line(status: dict[str, Any]) -> str | None:
     )
 
 
+class MetricsTail:
+    """New lines of a run's metrics.jsonl (the learner appends one per step), read without blocking."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.partial = b""
+
+    def new_records(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        out = []
+        for line in complete:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+
 def run_headless(
     feed: StatusFeed,
     state: DashboardState,
     tick: Tick | None = None,
     out: TextIO = sys.stdout,
     period_s: float = 0.5,
+    metrics: Path | None = None,
 ) -> None:
-    """Print the events and one progress line per learner step, until `tick` returns False or Ctrl-C."""
+    """Print the events and one progress line per learner step, until `tick` returns False or Ctrl-C.
+
+    With `metrics` (the run's metrics.jsonl) the progress lines come from it, so no step is skipped
+    however fast steps go; otherwise from the status feed (at most one line per published status)."""
     printed_events, printed_step = state.events_total, state.last_step
+    tail = MetricsTail(metrics) if metrics is not None else None
     try:
         while True:
             status = feed.poll(max(1, int(period_s * 1000)))
@@ -172,7 +206,12 @@ def run_headless(
             for event in list(state.events)[len(state.events) - new :]:
                 out.write(f"{time.strftime('%H:%M:%S', time.localtime(event.t))} {event.text}\n")
             printed_events = state.events_total
-            if state.status is not None and state.last_step != printed_step:
+            steps = (state.status or {}).get("steps", "?")
+            if tail is not None:
+                for record in tail.new_records():
+                    line = progress_line({"learner_metrics": record, "steps": steps})
+                    out.write(f"{line}\n" if line else "")
+            elif state.status is not None and state.last_step != printed_step:
                 printed_step = state.last_step
                 line = progress_line(state.status)
                 if line:

@@ -5,6 +5,7 @@ Thin by design: each command resolves the config, then calls a plain function of
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +14,7 @@ import typer
 from april.config import Mode
 from cli.broker_cmd import BrokerStartError, run_broker
 from cli.options import resolve_config, user_errors
-from cli.status_cmd import StatusError, fetch_status, print_status
+from cli.status_cmd import status_command
 
 app = typer.Typer(
     name="april",
@@ -143,38 +144,42 @@ def generate(
         run_generate(cfg, prompts, n, as_json)
 
 
-@app.command()
-def status(
-    broker_address: Annotated[str, typer.Option("--broker", help="The broker's learner port.")] = (
-        "tcp://127.0.0.1:5556"
-    ),
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for an answer.")] = 3.0,
-) -> None:
-    """Print a running broker's state: workers, in-flight work, partial buffer, ledger, rejections."""
-    with user_errors(StatusError):
-        print_status(fetch_status(broker_address, timeout), as_json)
+app.command("status")(status_command)
 
 
 @app.command()
 def up(
     config: ConfigOpt = None,
-    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --run-dir.")] = False,
     mode: ModeOpt = None,
+    engine: Annotated[str | None, typer.Option("--engine", help="torch | sim | sglang | vllm.")] = None,
+    workers: Annotated[int, typer.Option("--workers", "-k", help="Rollout worker processes.", min=1)] = 2,
+    steps: Annotated[int | None, typer.Option("--steps", help="Learner steps (run.steps).", min=1)] = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (runs/<name>).")] = None,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="Continue the run in this directory.", file_okay=False)
+    ] = None,
+    headless: Annotated[
+        bool, typer.Option("--headless", help="One progress line per step instead of the dashboard.")
+    ] = False,
     set_: SetOpt = None,
 ) -> None:
-    """Launch a run: for now the broker alone (start `april worker` and `april learner` beside it)."""
-    with user_errors(BrokerStartError):
-        cfg = resolve_config(config, set_, run__mode=mode)
-        target = run_dir or cfg.run_path()
-        typer.echo(
-            f"april up: the learner and the dashboard are not built yet; starting the broker alone in "
-            f"{target} (Ctrl-C to stop). In other terminals: `april worker --engine sim` to generate, "
-            "`april status` to watch.",
-            err=True,
-        )
-        run_broker(cfg, target, resume)
+    """Run broker, workers and learner with a live dashboard (default: built-in task, tiny model)."""
+    from cli.up_cmd import UpError, UpOptions, run_up
+
+    opts = UpOptions(
+        config=config,
+        mode=mode,
+        engine=engine,
+        workers=workers,
+        steps=steps,
+        run_dir=run_dir,
+        resume=resume,
+        headless=headless,
+        sets=tuple(set_ or ()),
+    )
+    with user_errors(UpError):
+        code = run_up(opts, dict(os.environ))
+    raise typer.Exit(code)
 
 
 def main() -> None:

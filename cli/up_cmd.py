@@ -1,0 +1,316 @@
+"""`april up`: one command that runs a whole april run on this machine, with a live dashboard.
+
+Owns the launch plan: which config a run gets (the built-in task on the shipped tiny model unless a
+config file says otherwise; `--resume D` reuses D/config.toml), the checks that turn a doomed start into
+one error line (bad config, missing model, unknown engine, busy port), the children (`april broker`,
+K x `april worker`, `april learner`, each logging to D/logs/<role>-<id>.log), and the end of the run:
+the learner finishing its steps, a child failing for good, or Ctrl-C / SIGTERM, after which every child
+is stopped (learner and workers first, the broker last, so its snapshot has everything) and D is left
+resumable. Crashed children are restarted within a bound (broker and learner with --resume).
+The process plumbing is `cli.supervisor`; the view is `cli.dashboard` / `cli.dashboard_feed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from april.config import Config, ConfigError, Mode, load_config, write_config
+from cli.dashboard import DashboardState, add_alert, add_event
+from cli.dashboard_feed import StatusFeed, run_headless, watch
+from cli.supervisor import ChildExit, ChildSpec, Supervisor
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "models" / "tiny"
+MAX_RESTARTS = 3
+BROKER_START_S = 60.0  # the broker answers its first status within this (imports + bind)
+LEARNER = "learner"
+BROKER = "broker"
+
+
+class UpError(Exception):
+    """`april up` cannot start as asked; the message is one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    config: Path | None = None
+    mode: Mode | None = None
+    engine: str | None = None
+    workers: int = 2
+    steps: int | None = None
+    run_dir: Path | None = None
+    resume: Path | None = None  # a run directory to continue
+    headless: bool = False
+    sets: tuple[str, ...] = ()
+
+
+def builtin_config() -> Config:
+    """The run `april up` makes with no config file: the built-in task on the shipped tiny model."""
+    from april.config import AlgoConfig, DataConfig, LearnerConfig, RunConfig, WorkerConfig
+
+    model = str(TINY_MODEL)
+    return Config(
+        run=RunConfig(name="tiny", steps=40, mode=Mode.APRIL, eval_every=10),
+        algo=AlgoConfig(
+            rollout_batch_size=8,
+            over_sampling_batch_size=16,
+            n_samples_per_prompt=8,
+            max_new_tokens=256,
+            temperature=1.0,
+            max_staleness=1,
+        ),
+        data=DataConfig(source="task", eval_size=64),
+        worker=WorkerConfig(engine="torch", slots=32, model=model, reward="exact", torch_threads=1),
+        learner=LearnerConfig(
+            model=model, backend="deepspeed", lr=2e-4, torch_threads=2, checkpoint_every=10
+        ),
+    )
+
+
+def resolve(opts: UpOptions, env: dict[str, str]) -> tuple[Config, Path, bool]:
+    """The run's config, its directory, and whether it resumes. Precedence: base (the resumed run's
+    config.toml, the --config file, or the built-in run) < APRIL_* environment < options."""
+    flags: dict[str, object] = {
+        "run.mode": opts.mode,
+        "worker.engine": opts.engine,
+        "run.steps": opts.steps,
+    }
+    from april.config import parse_override
+
+    overrides: dict[str, object] = dict(parse_override(s) for s in opts.sets)
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    if opts.resume is not None:
+        base = opts.resume / "config.toml"
+        if not base.is_file():
+            raise UpError(f"--resume {opts.resume}: no config.toml there (not an april run directory)")
+        return load_config(base, env=env, overrides=overrides), opts.resume, True
+    base_file = opts.config
+    if base_file is None:
+        if not TINY_MODEL.is_dir():
+            raise UpError(
+                f"the built-in tiny model is not at {TINY_MODEL}: run `april sft --out {TINY_MODEL}` "
+                "or pass --config with your own model"
+            )
+        base_file = Path(_write_builtin())
+    config = load_config(base_file, env=env, overrides=overrides)
+    run_dir = opts.run_dir or config.run_path()
+    if (run_dir / "metrics.jsonl").exists():
+        raise UpError(f"{run_dir} already holds a run: continue it with `april up --resume {run_dir}`")
+    return config, run_dir, False
+
+
+def _write_builtin() -> str:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="april-up-", delete=False) as f:
+        path = f.name
+    write_config(builtin_config(), Path(path))
+    return path
+
+
+def wire_addresses(config: Config) -> Config:
+    """Point workers and learner at this broker's ports (loopback when it binds every interface)."""
+    b = config.broker
+    host = "127.0.0.1" if b.bind_host in ("0.0.0.0", "::", "*") else b.bind_host
+    return dataclasses.replace(
+        config,
+        worker=dataclasses.replace(config.worker, broker=f"tcp://{host}:{b.worker_port}"),
+        learner=dataclasses.replace(config.learner, broker=f"tcp://{host}:{b.learner_port}"),
+    )
+
+
+def preflight(config: Config) -> None:
+    """Every check that can fail before a process starts, each as one UpError line."""
+    from actors.engine import ENGINES
+
+    if config.worker.engine not in ENGINES:
+        raise UpError(f"unknown engine {config.worker.engine!r} (expected one of {', '.join(ENGINES)})")
+    from actors.engine import EngineError
+    from actors.hf import check_model_dir
+
+    try:
+        if config.worker.engine in ("torch", "vllm"):
+            check_model_dir(config.worker.model)
+        check_model_dir(config.learner.model)
+    except EngineError as exc:
+        raise UpError(str(exc)) from None
+    b = config.broker
+    for name in ("worker_port", "learner_port", "pub_port"):
+        port = getattr(b, name)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((b.bind_host, port))
+            except OSError as exc:
+                busy = exc.errno == errno.EADDRINUSE
+                raise UpError(
+                    f"broker.{name} = {port} on {b.bind_host} is "
+                    + (
+                        "busy: is another april run going? (change it with --set broker." + name + "=...)"
+                        if busy
+                        else f"unusable: {exc.strerror}"
+                    )
+                ) from None
+
+
+def plan(config: Config, config_path: Path, run_dir: Path, workers: int, resume: bool) -> list[ChildSpec]:
+    """The children of a run: broker, workers, learner (in start order)."""
+    logs = run_dir / "logs"
+    common = ("--config", str(config_path))
+    again = ("--resume",) if resume else ()
+    specs = [
+        ChildSpec(
+            BROKER,
+            ("broker", *common, "--run-dir", str(run_dir), *again),
+            ("broker", *common, "--run-dir", str(run_dir), "--resume"),
+            logs / "broker-0.log",
+            MAX_RESTARTS,
+        )
+    ]
+    for i in range(workers):
+        args = ("worker", *common, "--set", f"worker.worker_id={config.run.name}-w{i}")
+        specs.append(ChildSpec(f"worker-{i}", args, args, logs / f"worker-{i}.log", MAX_RESTARTS))
+    learner = ("learner", *common, "--run-dir", str(run_dir))
+    specs.append(
+        ChildSpec(LEARNER, (*learner, *again), (*learner, "--resume"), logs / "learner-0.log", MAX_RESTARTS)
+    )
+    return specs
+
+
+class Run:
+    """One `april up` run: its supervisor, its dashboard state and how it ended."""
+
+    def __init__(self, config: Config, run_dir: Path, specs: list[ChildSpec]) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.specs = specs
+        self.supervisor = Supervisor()
+        b = config.broker
+        host = "127.0.0.1" if b.bind_host in ("0.0.0.0", "::", "*") else b.bind_host
+        self.pub = f"tcp://{host}:{b.pub_port}"
+        self.state = DashboardState(source=self.pub)
+        self.outcome = ""  # "finished", "failed: ...", "interrupted"
+        self.finished_at: float | None = None
+        self._signalled = False
+
+    def start(self, feed: StatusFeed) -> None:
+        """The broker first, and the others once it publishes (so none of them starts in a backoff)."""
+        broker, *others = self.specs
+        self.supervisor.start(broker)
+        deadline = time.monotonic() + BROKER_START_S
+        while feed.poll(200) is None:
+            self._check_exits()
+            if self.outcome:
+                return
+            if time.monotonic() > deadline:
+                self.outcome = f"failed: the broker published nothing within {BROKER_START_S:.0f}s"
+                return
+        for spec in others:
+            self.supervisor.start(spec)
+            add_event(self.state, time.time(), f"started {spec.name} (log {spec.log})")
+
+    def tick(self, state: DashboardState) -> bool:
+        """Called by the view each refresh: supervise children; False once the run is over."""
+        if self._signalled and not self.outcome:
+            self.outcome = "interrupted"
+        if not self.outcome:
+            self._check_exits()
+        if self.outcome != "finished":
+            return not self.outcome
+        # the learner is done: let its last step reach the view (the broker publishes every second)
+        last = state.last_step
+        assert self.finished_at is not None
+        return (
+            not (last is not None and last + 1 >= self.config.run.steps)
+            and time.time() - self.finished_at < 3
+        )
+
+    def _check_exits(self) -> None:
+        for ex in self.supervisor.poll(lambda name, code: name == LEARNER and code == 0):
+            self._report(ex)
+
+    def _report(self, ex: ChildExit) -> None:
+        now = time.time()
+        if ex.name == LEARNER and ex.code == 0 and not ex.restarted:
+            self.outcome, self.finished_at = "finished", now
+            add_event(self.state, now, f"learner finished {self.config.run.steps} steps", "green")
+            return
+        if ex.restarted:
+            add_event(
+                self.state,
+                now,
+                f"{ex.name} exited {ex.code}: restarted ({ex.restarts}/{MAX_RESTARTS})",
+                "yellow",
+            )
+            add_alert(self.state, f"{ex.name} (exit {ex.code}, restarted)", ex.tail)
+            return
+        add_event(self.state, now, f"{ex.name} exited {ex.code}: out of restarts", "red")
+        add_alert(self.state, f"{ex.name} (exit {ex.code})", ex.tail)
+        if ex.name in (LEARNER, BROKER) or not any(
+            self.supervisor.running(s.name) for s in self.specs if s.name.startswith("worker-")
+        ):
+            self.outcome = f"failed: {ex.name} exited {ex.code} after {ex.restarts} restarts"
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signalled = True
+
+    def stop(self) -> None:
+        workers = [s.name for s in self.specs if s.name.startswith("worker-")]
+        self.supervisor.stop([[LEARNER, *workers], [BROKER]])
+
+
+def run_up(opts: UpOptions, env: dict[str, str]) -> int:
+    """Run to the end; returns the exit code (0: every step trained; 1: a child failed; 130: stopped)."""
+    try:
+        config, run_dir, resume = resolve(opts, env)
+    except ConfigError as exc:
+        raise UpError(str(exc)) from None
+    config = wire_addresses(config)
+    preflight(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.toml"
+    write_config(config, config_path)
+    run = Run(config, run_dir, plan(config, config_path, run_dir, opts.workers, resume))
+    previous = signal.signal(signal.SIGTERM, run.on_signal)
+    try:
+        with StatusFeed(run.pub) as feed:
+            run.start(feed)
+            if not run.outcome and opts.headless:
+                run_headless(feed, run.state, run.tick, metrics=run_dir / "metrics.jsonl")
+            elif not run.outcome:
+                watch(feed, run.state, run.tick)
+                if not run.outcome:
+                    run.outcome = "interrupted"  # the view returned on Ctrl-C
+    except KeyboardInterrupt:
+        run.outcome = run.outcome or "interrupted"
+    finally:
+        print(f"april up: stopping ({run.outcome or 'interrupted'}) ...", file=sys.stderr, flush=True)
+        run.stop()
+        signal.signal(signal.SIGTERM, previous)
+    for role, tail in run.state.alerts.items():
+        print(f"--- {role}: last lines of its log", file=sys.stderr)
+        print("\n".join(tail), file=sys.stderr)
+    print(summary_line(run), file=sys.stderr)
+    if run.outcome == "finished":
+        return 0
+    return 130 if run.outcome == "interrupted" else 1
+
+
+def summary_line(run: Run) -> str:
+    import json
+
+    path = run.run_dir / "summary.json"
+    if run.outcome == "finished" and path.exists():
+        s = json.loads(path.read_text())
+        return (
+            f"april up: {s['steps']} steps in {run.run_dir}: reward {s['reward_mean_first']:.3f} -> "
+            f"{s['reward_mean_last']:.3f}, {s['samples_per_s']:.2f} samples/s; ledger {s['ledger']}"
+        )
+    return f"april up: {run.outcome}; {run.run_dir} is resumable: april up --resume {run.run_dir}"
