@@ -56,7 +56,7 @@ def april_command(args: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", "from cli.main import main; main()", *args]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def own_session_dying_with_parent() -> None:  # runs in the child between fork and exec
     os.setsid()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
@@ -89,7 +89,7 @@ class Supervisor:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=self.env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=own_session_dying_with_parent,
             )
 
     def start(self, spec: ChildSpec) -> Child:

@@ -1,0 +1,238 @@
+"""`april up`: the supervisor of child processes, the one-line start-up errors, and whole runs.
+
+The supervisor is tested with real child processes (`april` commands that crash or hang); the runs are
+real `april up --headless` processes: broker, workers and learner, checked through the run directory
+(metrics.jsonl, the ledger) and the process table (no child outlives `april up`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from cli.supervisor import ChildSpec, Supervisor, log_tail, own_session_dying_with_parent
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) is not alive
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------- the supervisor
+
+
+def test_a_crashing_child_is_restarted_with_its_restart_arguments_then_given_up(tmp_path: Path) -> None:
+    sup = Supervisor()
+    # `april broker` without --run-dir exits 2 at once: a crash on every start
+    spec = ChildSpec("broker", ("broker",), ("broker", "--resume"), tmp_path / "logs" / "broker-0.log", 2)
+    sup.start(spec)
+    exits = []
+    deadline = time.monotonic() + 60
+    while len(exits) < 3 and time.monotonic() < deadline:
+        exits += sup.poll(lambda name, code: False)
+        time.sleep(0.1)
+    assert [(e.code, e.restarted, e.restarts) for e in exits] == [(2, True, 1), (2, True, 2), (2, False, 2)]
+    assert any("--run-dir" in line for line in exits[-1].tail), exits[-1].tail
+    assert not sup.running("broker")
+
+
+def test_a_finished_child_is_not_restarted(tmp_path: Path) -> None:
+    sup = Supervisor()
+    sup.start(ChildSpec("learner", ("--help",), ("--help",), tmp_path / "learner.log"))
+    sup.children["learner"].proc.wait(60)
+    exits = sup.poll(lambda name, code: code == 0)
+    assert [(e.name, e.code, e.restarted) for e in exits] == [("learner", 0, False)]
+    assert sup.poll(lambda name, code: code == 0) == []
+
+
+def test_stop_kills_the_child_and_its_own_children(tmp_path: Path) -> None:
+    """A child that ignores SIGTERM and has a child of its own: both are gone after stop()."""
+    script = tmp_path / "stubborn.py"
+    pid_file = tmp_path / "grandchild.pid"
+    script.write_text(
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(600)\n"
+    )
+    sup = Supervisor()
+    child = sup.start(ChildSpec("worker-0", ("--help",), ("--help",), tmp_path / "w.log"))
+    child.proc.wait(60)
+    # swap in the stubborn process through the same spawn path (own session, parent-death signal)
+    child.proc = subprocess.Popen([sys.executable, str(script)], preexec_fn=own_session_dying_with_parent)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    started = time.monotonic()
+    sup.stop([["worker-0"]], grace_s=0.5)
+    assert time.monotonic() - started < 5
+    time.sleep(0.2)
+    assert not alive(child.proc.pid) and not alive(grandchild)
+
+
+def test_log_tail_reads_the_last_lines(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    log.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert log_tail(log, 3) == ("line 97", "line 98", "line 99")
+    assert log_tail(tmp_path / "missing.log") == ()
+
+
+# ---------------------------------------------------------------------- one-line start-up errors
+
+
+def one_line_error(args: list[str]) -> str:
+    result = CliRunner().invoke(app, ["up", "--headless", *args])
+    assert result.exit_code == 2, result.output
+    lines = [x for x in result.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("april: error: "), result.output
+    return lines[0]
+
+
+@pytest.fixture
+def sim_config(tmp_path: Path) -> Path:
+    from actors.hf import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    cfg = tmp_path / "up.toml"
+    cfg.write_text(
+        f'[run]\nsteps = 3\n[worker]\nengine = "sim"\nmodel = "{model}"\n[learner]\nmodel = "{model}"\n'
+    )
+    return cfg
+
+
+def test_unknown_engine(sim_config: Path, tmp_path: Path) -> None:
+    line = one_line_error(
+        ["--config", str(sim_config), "--engine", "tensorrt", "--run-dir", str(tmp_path / "r")]
+    )
+    assert "unknown engine 'tensorrt'" in line
+
+
+def test_missing_model_directory(sim_config: Path, tmp_path: Path) -> None:
+    args = [
+        "--config",
+        str(sim_config),
+        "--set",
+        "learner.model=/nowhere/model",
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
+    assert "'/nowhere/model' does not exist" in one_line_error(args)
+
+
+def test_bad_config_value(sim_config: Path, tmp_path: Path) -> None:
+    args = [
+        "--config",
+        str(sim_config),
+        "--set",
+        "algo.rollout_batch_size=0",
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
+    assert "algo.rollout_batch_size" in one_line_error(args)
+
+
+def test_busy_port(sim_config: Path, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        args = [
+            "--config",
+            str(sim_config),
+            "--set",
+            f"broker.pub_port={port}",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+        line = one_line_error(args)
+    assert f"broker.pub_port = {port}" in line and "busy" in line
+
+
+def test_resume_of_a_directory_that_is_not_a_run(tmp_path: Path) -> None:
+    assert "no config.toml" in one_line_error(["--resume", str(tmp_path)])
+
+
+# ---------------------------------------------------------------------- whole runs
+
+
+def free_port_set() -> list[str]:
+    socks = [socket.socket() for _ in range(3)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    names = ("worker_port", "learner_port", "pub_port")
+    return [f"--set=broker.{n}={p}" for n, p in zip(names, ports, strict=True)]
+
+
+def run_up(args: list[str], timeout: float) -> tuple[int, str, list[int]]:
+    """`april up ARGS` as a real process; returns its exit code, output and the pids of its children."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from cli.main import main; main()",
+            "up",
+            "--headless",
+            *args,
+            *free_port_set(),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    children: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        children |= set(child_pids(proc.pid))
+        time.sleep(0.2)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    return proc.returncode, out.decode(errors="replace"), sorted(children)
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        return []
+    return [int(x) for x in out.split()]
+
+
+def check_run(run_dir: Path, steps: int, samples: int) -> list[dict[str, object]]:
+    from learner.metrics import REQUIRED
+
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(steps))
+    assert [x["version"] for x in lines] == list(range(1, steps + 1))
+    for line in lines:
+        assert set(REQUIRED) <= set(line), set(REQUIRED) - set(line)
+        assert line["samples"] == samples
+        ledger = line["ledger"]
+        assert isinstance(ledger, dict)
+        accounted = sum(ledger[k] for k in ("trained", "complete_waiting", "in_flight", "partial"))
+        assert ledger["issued"] == accounted + sum(ledger["dropped"].values())
+    return lines
