@@ -26,6 +26,7 @@ from april.config import Config, ConfigError, Mode, load_config, write_config
 from cli.dashboard import DashboardState, add_alert, add_event
 from cli.dashboard_feed import StatusFeed, run_headless, watch
 from cli.supervisor import ChildExit, ChildSpec, Supervisor
+from learner.checkpoint import latest as latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "models" / "tiny"
@@ -198,6 +199,7 @@ class Run:
         self.state = DashboardState(source=self.pub)
         self.outcome = ""  # "finished", "failed: ...", "interrupted"
         self.finished_at: float | None = None
+        self.checkpoint = latest_checkpoint(run_dir / "checkpoints")  # the newest one seen
         self._signalled = False
 
     def start(self, feed: StatusFeed) -> None:
@@ -222,6 +224,7 @@ class Run:
             self.outcome = "interrupted"
         if not self.outcome:
             self._check_exits()
+        self._check_checkpoints()
         if self.outcome != "finished":
             return not self.outcome
         # the learner is done: let its last step reach the view (the broker publishes every second)
@@ -231,6 +234,13 @@ class Run:
             not (last is not None and last + 1 >= self.config.run.steps)
             and time.time() - self.finished_at < 3
         )
+
+    def _check_checkpoints(self) -> None:
+        """An event per checkpoint the learner completes (the status feed does not carry them)."""
+        found = latest_checkpoint(self.run_dir / "checkpoints")
+        if found is not None and found != self.checkpoint:
+            add_event(self.state, time.time(), f"checkpoint {found.name} saved", "green")
+            self.checkpoint = found
 
     def _check_exits(self) -> None:
         for ex in self.supervisor.poll(lambda name, code: name == LEARNER and code == 0):
