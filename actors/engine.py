@@ -5,7 +5,9 @@ torch engine, a real SGLang server, vLLM and the simulation engine. Token ids on
 chat templates are the worker's business; sockets and leases are the worker's business too.
 
 Life of a request: `add` it (input = prompt + response so far, budget = tokens it may still generate);
-call `step` repeatedly to make progress and collect the requests that finished (stop or length);
+call `step` repeatedly to make progress and collect the requests that finished (stop or length).
+Tokens are drawn with the engine's `SamplingParams`, except for a request marked `greedy`: its tokens
+are the argmax (the broker's evaluation samples; their log-probs are not used for training).
 `abort` stops everything and returns every unfinished request with the tokens it generated so far,
 returning only once the engine is really idle. `load_weights` runs between steps; a failed load raises
 `WeightLoadError` and leaves the old weights serving. Each generated token carries the weights version
@@ -55,6 +57,7 @@ class GenerationRequest:
     request_id: int  # the worker uses the broker's lease id
     input_ids: npt.NDArray[np.int32]  # prompt + response so far
     max_new_tokens: int  # budget; 0 means finished at once with reason LENGTH
+    greedy: bool = False  # argmax decoding for this request (an evaluation sample), whatever the sampling
 
 
 @dataclass(frozen=True, slots=True)

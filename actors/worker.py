@@ -5,7 +5,8 @@ engine one step, score what finished (rewards run in a killable child process an
 what is ready, keep the connection alive. Speaks only `april.protocol` to the broker and only
 `actors.engine.Engine` to the engine; knows nothing of scheduling policy.
 
-Contracts it keeps (docs/protocol.md): a sample that finished generating frees its engine slot at once
+Contracts it keeps (docs/protocol.md): a sample leased with its `greedy` flag set (an evaluation sample)
+is decoded greedily; a sample that finished generating frees its engine slot at once
 (LeaseRequest credit) and is streamed when scored; on Abort every unfinished sample goes back INTERRUPTED
 with its tokens and log-probs, and AbortDone is sent only once the engine is idle, naming the samples
 still being scored; weights are verified by sha256 before loading and a failed load keeps the old ones;
@@ -171,15 +172,19 @@ class Worker:
     def _on_lease(self, msg: protocol.Lease) -> None:
         assert self.engine is not None, "a Lease before Welcome"
         failed: list[tuple[int, Sample]] = []
-        for lease_id, budget, sample in zip(
-            msg.lease_ids.tolist(), msg.budgets.tolist(), msg.samples.to_samples(), strict=True
+        for lease_id, budget, greedy, sample in zip(
+            msg.lease_ids.tolist(),
+            msg.budgets.tolist(),
+            msg.greedy.tolist(),
+            msg.samples.to_samples(),
+            strict=True,
         ):
             try:
                 if sample.prompt_ids.shape[0] == 0:  # text-only prompt: tokenize once, resumes reuse the ids
                     ids = self.tokenizer.encode_prompt(sample.prompt_text, sample.metadata)
                     sample = dataclasses.replace(sample, prompt_ids=ids)
                 self.held[lease_id] = Held(lease_id, sample)
-                self.engine.add([GenerationRequest(lease_id, sample.resume_input(), budget)])
+                self.engine.add([GenerationRequest(lease_id, sample.resume_input(), budget, bool(greedy))])
             except (EngineError, ValueError) as exc:  # one bad request fails one sample, not the worker
                 self.held.pop(lease_id, None)
                 log.warning("sample %s cannot be generated: %s", sample.key, exc)

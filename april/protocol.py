@@ -21,6 +21,7 @@ from april.codec import (
     Int32Array,
     Int64Array,
     ProtocolError,
+    UInt8Array,
     decode_body,
     encode_frames,
 )
@@ -111,15 +112,20 @@ class LeaseRequest:
 class Lease:
     """B->W. Generate these samples. Each sample resumes from its response so far (empty for a fresh one)
     with `budgets[i]` new tokens at most; new tokens belong to a segment of the worker's loaded version.
-    `lease_ids[i]` must be echoed when the sample comes back."""
+    `greedy[i]` = 1 asks for greedy decoding (argmax: an evaluation sample), 0 for the run's sampling
+    settings. `lease_ids[i]` must be echoed when the sample comes back."""
 
     lease_ids: Int64Array  # [S]
     budgets: Int32Array  # [S]
+    greedy: UInt8Array  # [S], 0 or 1
     samples: SampleBatch
 
     def validate(self) -> None:
-        if self.lease_ids.shape[0] != len(self.samples) or self.budgets.shape[0] != len(self.samples):
-            raise ValueError("lease_ids, budgets and samples differ in length")
+        n = len(self.samples)
+        if self.lease_ids.shape[0] != n or self.budgets.shape[0] != n or self.greedy.shape[0] != n:
+            raise ValueError("lease_ids, budgets, greedy and samples differ in length")
+        if n and int(self.greedy.max()) > 1:
+            raise ValueError(f"greedy must be 0 or 1, got {int(self.greedy.max())}")
 
 
 @dataclass(frozen=True, slots=True)

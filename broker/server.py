@@ -5,7 +5,9 @@ snapshots (5557). Every poll has a timeout; every received message is decoded st
 dropped, counted (per peer, per reason) and answered with an Error: the broker never exits on a peer's
 message. Orchestrates what needs clocks: liveness, the confirmed abort (re-abort on timeout, then declare
 the worker dead), heartbeats, periodic snapshots and status publishing. Scheduling decisions are the
-policy's (`april.policy`) and the books are `broker.state`'s; this module only wires them to the network.
+policy's (`april.policy`), the books are `broker.state`'s, evaluations on the held-out prompts are
+`broker.evaluation`'s and the Prometheus endpoint is `broker.prometheus`'s; this module only wires them to
+the network.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ import zmq
 
 from april import policy, protocol
 from april.codec import ProtocolError
-from april.config import Config
-from april.data import open_source
+from april.config import Config, ConfigError
+from april.data import PromptRecord, open_source
+from april.heldout import split_held_out
 from april.protocol import Message
 from april.transport import configure
 from april.wire_records import SampleBatch
 from broker import snapshot
+from broker.evaluation import Evaluations
 from broker.peers import Peer, Rejections, WorkerPeer, Workers
+from broker.prometheus import PrometheusExporter
 from broker.snapshot_writer import SnapshotWriter
 from broker.state import BrokerState, PendingBatch, ResultRejected
 from broker.status import build_status
@@ -54,6 +59,13 @@ class Broker:
         self.cfg = config.broker
         self.run_dir = run_dir
         source = open_source(config.data, config.run.seed)
+        held_out: tuple[PromptRecord, ...] = ()
+        if config.run.eval_every > 0 and config.data.eval_size > 0:
+            source, held_out = split_held_out(source, config.data.eval_size)  # training never sees them
+        self.evals = Evaluations(
+            held_out, config.run.eval_every, config.run.steps, config.algo.max_new_tokens
+        )
+        self.exporter = PrometheusExporter(self.cfg.metrics_port) if self.cfg.metrics_port > 0 else None
         self.workers = Workers(self.cfg.heartbeat_interval_s, self.cfg.liveness)
         now = time.monotonic()
         if resume:
@@ -73,6 +85,7 @@ class Broker:
         self.learner_waiting: int | None = None  # step of an unanswered BatchRequest
         self.learner_metrics: dict[str, float] = {}  # the learner's figures of its last acked step
         self.rejections = Rejections()
+        self.batches_acked = 0
         self.abort: AbortRound | None = None
         self.round_id = 0
         self.aborts_done = 0
@@ -104,6 +117,16 @@ class Broker:
             self.cfg.learner_port,
             self.cfg.pub_port,
         )
+        if self.exporter is not None:
+            try:
+                self.exporter.start(host)
+            except OSError as exc:
+                self.close()
+                raise ConfigError(
+                    f"broker.metrics_port = {self.cfg.metrics_port}: cannot serve Prometheus metrics on "
+                    f"{host} ({exc.strerror or exc})"
+                ) from None
+            log.info("Prometheus metrics on http://%s:%d/metrics", host, self.cfg.metrics_port)
 
     def serve(self, should_stop: Callable[[], bool]) -> None:
         poller = zmq.Poller()
@@ -120,6 +143,8 @@ class Broker:
             self.tick(time.monotonic())
 
     def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
         self.save_snapshot()
         self.snapshots.close()
         for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
@@ -187,8 +212,8 @@ class Broker:
                 self._grant(worker_id, credit)
             case protocol.SampleResult():
                 self._on_results(worker_id, msg)
-                if not self.state.round_complete():  # refill at once: the slot is idle until then
-                    self._dispatch_to(peer, now)
+                # refill at once (the slot is idle until then); no training work once the round is complete
+                self._dispatch_to(peer, now, train=not self.state.round_complete())
             case protocol.AbortDone():
                 self._on_abort_done(worker_id, msg, now)
             case protocol.WeightsLoaded(version=version, ok=ok, error=error):
@@ -210,11 +235,11 @@ class Broker:
             return
         held = set(msg.held_leases.tolist())
         kept = 0
-        for lease_id in self.state.leases_of(msg.worker_id):
+        for lease_id in self._leases_of(msg.worker_id):
             if lease_id in held:
                 kept += 1
             else:
-                self.state.reclaim(lease_id)
+                self._reclaim(lease_id)
         peer = self.workers.register(
             msg.worker_id,
             now,
@@ -268,18 +293,32 @@ class Broker:
         peer = self.workers.peers[worker_id]
         for lease_id, sample in zip(msg.lease_ids.tolist(), msg.samples.to_samples(), strict=True):
             try:
-                peer.tokens_generated += self.state.accept_result(worker_id, lease_id, sample)
+                if self.evals.owns(lease_id):
+                    accepted = self.evals.accept_result(worker_id, lease_id, sample, self.state.version)
+                else:
+                    accepted = self.state.accept_result(worker_id, lease_id, sample)
+                peer.tokens_generated += accepted
             except ResultRejected as exc:
                 self.rejections.count(worker_id, exc.reason)
                 log.warning("rejected sample from %s: %s", worker_id, exc)
                 self._send(self.worker_sock, worker_id.encode(), protocol.Error(exc.reason, str(exc)[:500]))
                 if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
-                    self.state.reclaim(lease_id)
+                    self._reclaim(lease_id)
         self._grant(worker_id, msg.credit)
 
-    def _drop_worker(self, worker_id: str) -> None:
-        for lease_id in self.state.leases_of(worker_id):
+    def _leases_of(self, worker_id: str) -> list[int]:
+        """Every lease the worker holds: training and evaluation."""
+        return self.state.leases_of(worker_id) + self.evals.leases_of(worker_id)
+
+    def _reclaim(self, lease_id: int) -> None:
+        if self.evals.owns(lease_id):
+            self.evals.reclaim(lease_id)
+        else:
             self.state.reclaim(lease_id)
+
+    def _drop_worker(self, worker_id: str) -> None:
+        for lease_id in self._leases_of(worker_id):
+            self._reclaim(lease_id)
         self.workers.remove(worker_id)
         if self.abort is not None:
             self.abort.deadline.pop(worker_id, None)
@@ -288,17 +327,22 @@ class Broker:
         for peer in self.workers.with_credit():  # a worker may get nothing (newer partials) and the next some
             self._dispatch_to(peer, now)
 
-    def _dispatch_to(self, peer: WorkerPeer, now: float) -> bool:
-        """Lease work to one worker up to its credit; False when there is nothing to lease."""
-        if self.abort is not None or not self.state.dispatch_allowed() or peer.credit <= 0 or peer.restored:
+    def _dispatch_to(self, peer: WorkerPeer, now: float, train: bool = True) -> bool:
+        """Lease work to one worker up to its credit, evaluation samples first (they are few and the
+        evaluation waits for its slowest); False when there is nothing to lease."""
+        if self.abort is not None or peer.credit <= 0 or peer.restored:
             return False
-        work = self.state.take_work(peer.peer_id, peer.credit, peer.version)
+        work = self.evals.take_work(peer.peer_id, peer.credit, self.state.new_lease_id)
+        greedy = len(work)
+        if train and self.state.dispatch_allowed() and len(work) < peer.credit:
+            work += self.state.take_work(peer.peer_id, peer.credit - len(work), peer.version)
         if not work:
             return False
         peer.credit -= len(work)
         lease = protocol.Lease(
             lease_ids=np.array([w[0] for w in work], dtype=np.int64),
             budgets=np.array([w[1] for w in work], dtype=np.int32),
+            greedy=(np.arange(len(work)) < greedy).astype(np.uint8),
             samples=SampleBatch.from_samples([w[2] for w in work]),
         )
         self._send_worker(peer.peer_id, lease, now)
@@ -331,12 +375,12 @@ class Broker:
         if self.abort is None or msg.round_id != self.abort.round_id:
             return  # a late confirmation of an earlier round: credit reset is all it means
         scoring = set(msg.scoring.tolist())
-        unreturned = [lease_id for lease_id in self.state.leases_of(worker_id) if lease_id not in scoring]
+        unreturned = [lease_id for lease_id in self._leases_of(worker_id) if lease_id not in scoring]
         if unreturned:
             self.rejections.count(worker_id, "abort_unreturned")
             log.warning("worker %s confirmed abort but kept %d leases: reclaimed", worker_id, len(unreturned))
             for lease_id in unreturned:
-                self.state.reclaim(lease_id)
+                self._reclaim(lease_id)
         self.abort.deadline.pop(worker_id, None)
 
     def _check_abort(self, now: float) -> None:
@@ -403,6 +447,7 @@ class Broker:
         # No snapshot here: if the broker dies before the next one, the restored broker still holds this
         # batch, and the learner's next BatchRequest (last_batch_id) acks it again.
         self.state.check_ledger(f"after acking batch {batch_id}")
+        self.batches_acked += 1
         self.round_started = now
         return True
 
@@ -413,6 +458,7 @@ class Broker:
         log.info("weights v%d published: relaying to %d workers", msg.version, len(self.workers))
         for worker_id in list(self.workers.peers):
             self._send_worker(worker_id, msg, now)
+        self.evals.on_version(msg.version)
         if policy.abort_on_new_version(self.state.mode) and self.state.leased_samples and self.abort is None:
             self._start_abort(now)
 
@@ -425,6 +471,7 @@ class Broker:
             return
         if fresh:
             batch.stats["rollout_s"] = now - self.round_started
+            batch.stats.update(self.evals.batch_stats())  # the latest evaluation, if any
             self.state.check_ledger(f"after forming batch {batch.batch_id}")
             self.batch_snapshot_seq = self.save_snapshot()
         if self.snapshots.durable_seq < self.batch_snapshot_seq:
@@ -461,7 +508,7 @@ class Broker:
                 "worker %s silent for %.1fs: dead, %d leases re-queued",
                 worker_id,
                 now - self.workers.peers[worker_id].last_seen,
-                len(self.state.leases_of(worker_id)),
+                len(self._leases_of(worker_id)),
             )
             self._drop_worker(worker_id)
         if self.abort is not None:
@@ -481,8 +528,12 @@ class Broker:
             self.learner.last_sent = now
         if now - self.last_status >= STATUS_PERIOD_S:
             self.last_status = now
-            reply = protocol.StatusReply(json.dumps(self.status(now)))
-            self.pub_sock.send_multipart([b"status", *protocol.encode(reply)])
+            status = self.status(now)
+            self.pub_sock.send_multipart(
+                [b"status", *protocol.encode(protocol.StatusReply(json.dumps(status)))]
+            )
+            if self.exporter is not None:
+                self.exporter.update(status)
         if now - self.last_snapshot >= self.cfg.snapshot_interval_s:
             self.save_snapshot()
         if self.cfg.debug_ledger:

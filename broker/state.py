@@ -252,14 +252,19 @@ class BrokerState:
                 skipped.append(before)
                 continue
             leased = before.resumed()
-            lease_id = self.next_lease
-            self.next_lease += 1
+            lease_id = self.new_lease_id()
             self.leases[lease_id] = LeaseEntry(lease_id, worker_id, before)
             self._update(entry, leased)
             if before.response_len:
                 self.round.resumed += 1
                 self.totals.resumed += 1
             out.append((lease_id, leased.budget(self.algo.max_new_tokens), leased))
+
+    def new_lease_id(self) -> int:
+        """The next lease id of this epoch (also for evaluation leases, so ids never collide)."""
+        lease_id = self.next_lease
+        self.next_lease += 1
+        return lease_id
 
     def leases_of(self, worker_id: str) -> list[int]:
         return [lid for lid, lease in self.leases.items() if lease.worker_id == worker_id]
@@ -281,7 +286,7 @@ class BrokerState:
         lease = self.leases.get(lease_id)
         if lease is None or lease.worker_id != worker_id:
             raise ResultRejected("not_leased", f"lease {lease_id} is not held by {worker_id}")
-        self._check_continues(lease.at_lease, sample)
+        check_continues(lease.at_lease, sample, self.algo.max_new_tokens, self.version)
         del self.leases[lease_id]
         entry = self.groups[sample.group_id]
         new_tokens = sample.response_len - lease.at_lease.response_len
@@ -298,43 +303,6 @@ class BrokerState:
             if entry.state == "done":
                 self._complete_group(entry)
         return new_tokens
-
-    def _check_continues(self, before: Sample, after: Sample) -> None:
-        if after.key != before.key:
-            raise ResultRejected("wrong_sample", f"lease was for {before.key}, result is {after.key}")
-        if after.status not in (SampleStatus.FINISHED, SampleStatus.FAILED, SampleStatus.INTERRUPTED):
-            raise ResultRejected("bad_status", f"sample {after.key} returned {after.status.name}")
-        n0, n1, budget = before.response_len, after.response_len, before.budget(self.algo.max_new_tokens)
-        if n1 < n0 or n1 - n0 > budget:
-            raise ResultRejected(
-                "bad_length", f"sample {after.key}: {n1} response tokens after {n0}, budget {budget}"
-            )
-        if not _continues(before, after):
-            raise ResultRejected("not_a_continuation", f"sample {after.key} rewrote its earlier response")
-        if after.segments and after.segments[-1].version > self.version:
-            raise ResultRejected(
-                "future_version", f"sample {after.key} claims version {after.segments[-1].version}"
-            )
-        resumes = before.resumes + (1 if n0 else 0)  # as leased (see Sample.resumed)
-        if (after.prompt_text, after.metadata, after.resumes) != (
-            before.prompt_text,
-            before.metadata,
-            resumes,
-        ):
-            raise ResultRejected(
-                "task_changed", f"sample {after.key} changed its prompt text, metadata or resumes"
-            )
-        if before.prompt_ids.shape[0] and not np.array_equal(before.prompt_ids, after.prompt_ids):
-            raise ResultRejected("prompt_changed", f"sample {after.key} changed its prompt")
-        if n1 and after.prompt_ids.shape[0] == 0:
-            raise ResultRejected("no_prompt_ids", f"sample {after.key} has a response but no prompt_ids")
-        if after.status == SampleStatus.FINISHED and (
-            after.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH)
-            or not np.isfinite(after.reward)
-        ):
-            raise ResultRejected("bad_finish", f"finished sample {after.key} needs stop/length and a reward")
-        if after.status == SampleStatus.INTERRUPTED and after.finish_reason != FinishReason.ABORT:
-            raise ResultRejected("bad_finish", f"interrupted sample {after.key} needs finish_reason abort")
 
     def _complete_group(self, entry: GroupEntry) -> None:
         reason = policy.drop_reason(entry.as_group(), self.algo)
@@ -429,6 +397,46 @@ class BrokerState:
             return False
         self.version, self.weights_uri, self.weights_sha256 = version, uri, sha256
         return True
+
+
+def check_continues(before: Sample, after: Sample, max_new_tokens: int, version: int) -> None:
+    """Raise ResultRejected unless `after` is a valid return of the sample leased as `before`: same
+    sample, a returnable status, within budget, continuing the old response unchanged, no version newer
+    than the broker's `version`, the same task, and a reward on a finished sample."""
+    if after.key != before.key:
+        raise ResultRejected("wrong_sample", f"lease was for {before.key}, result is {after.key}")
+    if after.status not in (SampleStatus.FINISHED, SampleStatus.FAILED, SampleStatus.INTERRUPTED):
+        raise ResultRejected("bad_status", f"sample {after.key} returned {after.status.name}")
+    n0, n1, budget = before.response_len, after.response_len, before.budget(max_new_tokens)
+    if n1 < n0 or n1 - n0 > budget:
+        raise ResultRejected(
+            "bad_length", f"sample {after.key}: {n1} response tokens after {n0}, budget {budget}"
+        )
+    if not _continues(before, after):
+        raise ResultRejected("not_a_continuation", f"sample {after.key} rewrote its earlier response")
+    if after.segments and after.segments[-1].version > version:
+        raise ResultRejected(
+            "future_version", f"sample {after.key} claims version {after.segments[-1].version}"
+        )
+    resumes = before.resumes + (1 if n0 else 0)  # as leased (see Sample.resumed)
+    if (after.prompt_text, after.metadata, after.resumes) != (
+        before.prompt_text,
+        before.metadata,
+        resumes,
+    ):
+        raise ResultRejected(
+            "task_changed", f"sample {after.key} changed its prompt text, metadata or resumes"
+        )
+    if before.prompt_ids.shape[0] and not np.array_equal(before.prompt_ids, after.prompt_ids):
+        raise ResultRejected("prompt_changed", f"sample {after.key} changed its prompt")
+    if n1 and after.prompt_ids.shape[0] == 0:
+        raise ResultRejected("no_prompt_ids", f"sample {after.key} has a response but no prompt_ids")
+    if after.status == SampleStatus.FINISHED and (
+        after.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not np.isfinite(after.reward)
+    ):
+        raise ResultRejected("bad_finish", f"finished sample {after.key} needs stop/length and a reward")
+    if after.status == SampleStatus.INTERRUPTED and after.finish_reason != FinishReason.ABORT:
+        raise ResultRejected("bad_finish", f"interrupted sample {after.key} needs finish_reason abort")
 
 
 def _continues(before: Sample, after: Sample) -> bool:

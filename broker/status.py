@@ -17,6 +17,8 @@ def build_status(broker: Broker, now: float) -> dict[str, Any]:
     partials = state.partial_samples()
     staleness = Counter(str(s.staleness(state.version)) for s in partials if s.response_len)
     leases = Counter(lease.worker_id for lease in state.leases.values())
+    if broker.evals.run is not None:
+        leases.update(worker_id for worker_id, _ in broker.evals.run.leases.values())
     learner = broker.learner
     run = broker.config.run
     return {
@@ -79,7 +81,9 @@ def build_status(broker: Broker, now: float) -> dict[str, Any]:
             "resumed": state.totals.resumed,
             "tokens_generated": state.totals.tokens_generated,
             "samples_finished": state.totals.samples_finished,
+            "batches_acked": broker.batches_acked,
         },
+        "eval": broker.evals.status(),
         "rejected": {
             "total": broker.rejections.total,
             "by_reason": dict(broker.rejections.by_reason),

@@ -1,16 +1,21 @@
 """One line of `metrics.jsonl` per learner step: the public contract of DESIGN.md section 8.
 
 `step_record` joins the three sources of a step's figures: the batch itself (rewards, lengths,
-staleness, tokens), the broker's figures that came with it (`Batch.stats`, `Batch.ledger`) and the
-learner's own (loss and its statistics, timings). `MetricsLog` appends the lines and is the only writer
-of the file. No torch here: the learner hands in plain numbers.
+staleness, tokens), the broker's figures that came with it (`Batch.stats`, `Batch.ledger`, including the
+latest evaluation on the held-out prompts) and the learner's own (loss and its statistics, timings).
+`MetricsLog` appends the lines and is the only writer of the file; given a directory it also writes every
+numeric field as a TensorBoard scalar, when `tensorboard` is installed. The learner hands in plain
+numbers; torch is imported only for TensorBoard's writer, inside `MetricsLog`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +23,14 @@ import numpy as np
 
 from april import protocol
 
+log = logging.getLogger("april.learner")
+
 REQUIRED = (
     "step", "version", "mode", "time", "step_time_s", "samples", "groups", "tokens_generated",
     "tokens_trained", "samples_per_s", "tokens_per_s", "aborted", "resumed", "partial_buffer", "in_flight",
     "offpolicy_token_frac", "staleness_max", "staleness_mean", "reward_mean", "accuracy",
     "response_len_mean", "response_len_p99", "response_len_max", "slot_utilization", "learner_time_s",
-    "weight_sync_s", "loss", "ledger",
+    "weight_sync_s", "loss", "ledger", "eval_accuracy", "eval_version",
 )  # fmt: skip
 
 
@@ -75,6 +82,10 @@ def step_record(
         "weight_sync_s": weight_sync_s,
         "loss": float(train.get("loss", float("nan"))),
         "ledger": batch.ledger.to_json(),
+        # the broker's latest evaluation on the held-out prompts (greedy, at eval_version); none yet: NaN, -1
+        "eval_accuracy": float(stats.get("eval_accuracy", float("nan"))),
+        "eval_reward_mean": float(stats.get("eval_reward_mean", float("nan"))),
+        "eval_version": int(stats.get("eval_version", -1)),
     }
     record.update({f"learner/{k}": v for k, v in train.items() if k != "loss"})
     return record
@@ -82,11 +93,22 @@ def step_record(
 
 class MetricsLog:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl (flushed and fsynced per line, so a
-    crash never leaves a torn line that a resumed run would append after)."""
+    crash never leaves a torn line that a resumed run would append after). With `tensorboard_dir` (the
+    learner passes RUN_DIR/tensorboard), every numeric field of a line is also a TensorBoard scalar
+    `learner/<name>` at global step `step` (nested fields as `learner/ledger/issued`, NaN skipped); without
+    the `tensorboard` package that part is skipped, said once in the log."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._tensorboard: Any = None  # torch.utils.tensorboard.SummaryWriter
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                log.info("no TensorBoard events: %s (pip install tensorboard)", exc)
+            else:
+                self._tensorboard = SummaryWriter(log_dir=str(tensorboard_dir))
 
     def append(self, record: dict[str, Any]) -> None:
         missing = [k for k in REQUIRED if k not in record]
@@ -97,6 +119,16 @@ class MetricsLog:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+        if self._tensorboard is not None:
+            step = int(record["step"])
+            for name, value in scalars(record):
+                self._tensorboard.add_scalar(name, value, step)
+            self._tensorboard.flush()  # a step's events are on disk with its line
+
+    def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
     def last_step(self) -> int | None:
         """The step of the last complete line (resume appends after it)."""
@@ -109,3 +141,16 @@ class MetricsLog:
             except (ValueError, KeyError):
                 break
         return last
+
+
+def scalars(record: dict[str, Any], prefix: str = "learner/") -> Iterator[tuple[str, float]]:
+    """(TensorBoard tag, value) for every finite number in a metrics record but `step` and `time`, nested
+    dicts flattened. Keys already namespaced by the learner (`learner/clip_frac`) keep their name."""
+    for key, value in record.items():
+        if prefix == "learner/" and key in ("step", "time"):
+            continue
+        name = key if prefix == "learner/" and key.startswith(prefix) else prefix + key
+        if isinstance(value, dict):
+            yield from scalars(value, name + "/")
+        elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            yield name, float(value)

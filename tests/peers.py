@@ -92,8 +92,12 @@ def run_worker(cfg: WorkerScript) -> None:
                 version, max_new = msg.version, msg.max_new_tokens
                 ev.write(kind="welcome", version=version)
             case protocol.Lease():
-                for lid, budget, s in zip(
-                    msg.lease_ids.tolist(), msg.budgets.tolist(), msg.samples.to_samples(), strict=True
+                for lid, budget, greedy, s in zip(
+                    msg.lease_ids.tolist(),
+                    msg.budgets.tolist(),
+                    msg.greedy.tolist(),
+                    msg.samples.to_samples(),
+                    strict=True,
                 ):
                     ev.write(
                         kind="lease",
@@ -102,6 +106,9 @@ def run_worker(cfg: WorkerScript) -> None:
                         i=s.index,
                         len=s.response_len,
                         resumes=s.resumes,
+                        greedy=bool(greedy),
+                        prompt=s.metadata.get("prompt_index", ""),
+                        version=version,
                     )
                     if s.prompt_ids.shape[0] == 0:  # text-only prompt: "tokenize" it
                         s = Sample(**{**_fields(s), "prompt_ids": np.array([1, 2, 3], dtype=np.int32)})

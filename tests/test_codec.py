@@ -112,6 +112,7 @@ EXAMPLES: dict[type, Any] = {
     P.Lease: P.Lease(
         lease_ids=np.array([100, 101, 102, 103], np.int64),
         budgets=np.array([256, 256, 251, 256], np.int32),
+        greedy=np.array([0, 0, 0, 1], np.uint8),
         samples=SampleBatch.from_samples(_samples()),
     ),
     P.SampleResult: P.SampleResult(
@@ -306,15 +307,19 @@ def test_array_frames_layout() -> None:
     body = body_of(frames)
     assert body["lease_ids"] == [2, "<i8", 4]
     assert body["budgets"] == [3, "<i4", 4]
-    assert body["samples"]["group_id"] == [4, "<i8", 4]
+    assert body["greedy"] == [4, "|u1", 4]
+    assert body["samples"]["group_id"] == [5, "<i8", 4]
     assert body["samples"]["segments"][1:] == ["<i8", 6]
     assert frames[2] == np.array([100, 101, 102, 103], "<i8").tobytes()
-    assert len(frames) == 2 + 2 + 13  # header, body, lease_ids, budgets, 13 SampleBatch arrays
+    assert len(frames) == 2 + 3 + 13  # header, body, lease_ids, budgets, greedy, 13 SampleBatch arrays
 
 
 def test_decode_accepts_memoryviews_and_empty_arrays() -> None:
     msg = P.Lease(
-        lease_ids=np.zeros(0, np.int64), budgets=np.zeros(0, np.int32), samples=SampleBatch.from_samples([])
+        lease_ids=np.zeros(0, np.int64),
+        budgets=np.zeros(0, np.int32),
+        greedy=np.zeros(0, np.uint8),
+        samples=SampleBatch.from_samples([]),
     )
     decoded: Any = P.decode(P.encode(msg))  # memoryview frames straight from the encoder
     assert_same(msg, decoded)
@@ -667,6 +672,13 @@ def test_rejects_lease_with_budgets_length_mismatch() -> None:
     reject(frames_of(msg), "invalid_value", "Lease", "differ in length")
 
 
+def test_rejects_lease_with_bad_greedy_flags() -> None:
+    short = dataclasses.replace(EXAMPLES[P.Lease], greedy=np.array([1], np.uint8))
+    reject(frames_of(short), "invalid_value", "Lease", "differ in length")
+    two = dataclasses.replace(EXAMPLES[P.Lease], greedy=np.array([0, 2, 0, 1], np.uint8))
+    reject(frames_of(two), "invalid_value", "Lease", "greedy must be 0 or 1")
+
+
 def test_rejects_nan_and_positive_log_probs() -> None:
     result = EXAMPLES[P.SampleResult]
     for bad in (np.nan, 0.5, np.inf):
@@ -696,7 +708,7 @@ def test_rejects_truncated_and_padded_buffers() -> None:
 
 def test_rejects_unreferenced_buffer_frame() -> None:
     frames = frames_of(EXAMPLES[P.Lease])
-    reject([*frames, frames[2]], "bad_buffer", "Lease: 16 buffer frames, 15 referenced")
+    reject([*frames, frames[2]], "bad_buffer", "Lease: 17 buffer frames, 16 referenced")
     reject(
         [*frames_of(P.Abort(round_id=1)), b"\x00" * 8], "bad_buffer", "Abort: 1 buffer frames, 0 referenced"
     )

@@ -75,6 +75,19 @@ def test_generate_round_trip(server: FakeSGLangServer, engine: SGLangEngine) -> 
     assert "seed" not in sp and sp["sampling_seed"] != bodies[1]["sampling_params"]["sampling_seed"]
 
 
+def test_greedy_request_asks_for_top_k_1_without_a_seed(
+    server: FakeSGLangServer, engine: SGLangEngine
+) -> None:
+    engine.sampling = SamplingParams(temperature=0.7, top_k=50, seed=5)
+    sampled = req(1, PROMPT, 4)
+    engine.add([sampled, GenerationRequest(2, sampled.input_ids, 4, greedy=True)])
+    drain(engine)
+    params = {b["sampling_params"]["top_k"]: b["sampling_params"] for b in server.posts("/generate")}
+    assert set(params) == {50, 1}  # the sampled request keeps the run's top_k, the greedy one gets 1
+    assert "sampling_seed" in params[50] and "sampling_seed" not in params[1]
+    assert params[1]["temperature"] == 0.7  # log-probs stay on the run's temperature scale
+
+
 def test_abort_returns_running_partials_and_queued_empties() -> None:
     with FakeSGLangServer(max_running=2, token_delay_s=0.003) as server:
         engine = SGLangEngine([server.url], slots=4)

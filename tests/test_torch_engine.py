@@ -112,6 +112,25 @@ def test_join_leave_shift_and_trim_keep_greedy_exact(model_dir: Path, model: tor
         assert outs[i].token_ids.tolist() == ref[0, len(p) :].tolist(), f"request {i}"
 
 
+def test_greedy_requests_in_a_sampling_engine_decode_argmax(model_dir: Path) -> None:
+    """Evaluation requests (`greedy=True`) batched with sampled ones: the greedy rows give exactly what a
+    greedy engine gives, the sampled rows still sample."""
+    inputs = prompts(seed=6, lens=(4, 9, 3, 7))
+    budgets = [12] * 4
+    sampling = SamplingParams(temperature=1.5, seed=4)
+    reference = run(TorchEngine(model_dir, slots=4, sampling=sampling, greedy=True), inputs, budgets)
+    engine = TorchEngine(model_dir, slots=4, sampling=sampling)
+    engine.add([GenerationRequest(i, inputs[i], budgets[i], greedy=i % 2 == 0) for i in range(4)])
+    outs: dict[int, GenerationOutput] = {}
+    while engine.active:
+        outs.update((o.request_id, o) for o in engine.step())
+    for i in (0, 2):
+        assert outs[i].token_ids.tolist() == reference[i].token_ids.tolist(), f"greedy request {i}"
+        np.testing.assert_allclose(outs[i].logprobs, reference[i].logprobs, atol=1e-5, rtol=0)
+    sampled = [outs[i].token_ids.tolist() != reference[i].token_ids.tolist() for i in (1, 3)]
+    assert any(sampled), "the non-greedy requests decoded greedily too"
+
+
 @pytest.mark.parametrize(
     ("sampling", "greedy"),
     [

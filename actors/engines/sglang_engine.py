@@ -21,6 +21,8 @@ Decisions that follow from the server's behaviour:
     `weight_version`; the NCCL path (`init_weight_group` + `load_weights_distributed`) brackets the
     update with begin/end_weight_update from 0.5.21, as `/server_info`'s version says.
   - Several servers (one per GPU or TP group): requests are spread round-robin.
+  - A `greedy` request is sent with `top_k` 1 (SGLang's greedy path) and no sampling seed; the
+    temperature stays, so its log-probs are on the same scale as the others.
   - An answer ending in ABORT that we did not ask for (someone else aborted the server) is returned
     by `step` as ABORT: the sample is resumed like any interrupted one.
 """
@@ -142,6 +144,7 @@ class _Flight:
     done_logprobs: list[float] = field(default_factory=list)
     done_versions: list[int] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    greedy: bool = False  # argmax decoding (an evaluation request)
 
     def output(self, reason: FinishReason) -> GenerationOutput:
         return GenerationOutput.of(
@@ -248,7 +251,7 @@ class SGLangEngine:
         known = set(self._flights) | {o.request_id for o in self._ready}
         inputs = admit("sglang", self.active, self.slots, requests, known)
         for req, ids in zip(requests, inputs, strict=True):
-            flight = _Flight(req.request_id, ids, int(req.max_new_tokens))
+            flight = _Flight(req.request_id, ids, int(req.max_new_tokens), greedy=req.greedy)
             if flight.max_new_tokens <= 0:
                 self._ready.append(flight.output(FinishReason.LENGTH))
             else:
@@ -363,16 +366,17 @@ class SGLangEngine:
 
     def _payload(self, flight: _Flight) -> dict[str, Any]:
         s = self.sampling
+        top_k = s.top_k if s.top_k > 0 else -1  # SGLang: -1 = off
         params: dict[str, Any] = {
             **self.extra_sampling_params,
             "max_new_tokens": flight.max_new_tokens - len(flight.done_ids),
             "temperature": s.temperature,
             "top_p": s.top_p,
-            "top_k": s.top_k if s.top_k > 0 else -1,  # SGLang: -1 = off
+            "top_k": 1 if flight.greedy else top_k,  # top_k 1: SGLang's greedy path
         }
         if s.stop_token_ids:
             params["stop_token_ids"] = list(s.stop_token_ids)
-        if s.seed:  # per request, or every sample of a group would draw the same tokens
+        if s.seed and not flight.greedy:  # per request, or every sample of a group would draw the same tokens
             params["sampling_seed"] = (
                 s.seed * 1_000_003 + flight.request_id * 7919 + len(flight.done_ids)
             ) % (1 << 31)

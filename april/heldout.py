@@ -1,0 +1,74 @@
+"""The held-out evaluation prompts: a fixed set split off any prompt source, never issued for training.
+
+One rule for every `PromptSource` (synthetic, JSONL, the built-in task), through the protocol alone: the
+held-out set is the first `size` distinct records the source yields (cursors 0, 1, ... of its first
+epoch, so a seeded random subset when the source shuffles, the first `size` entries when it does not),
+identified by `PromptRecord.prompt_index`. `TrainingView` is the same source with those entries taken out
+of every epoch: training cursor t is the t-th record, in the source's own order, that is not held out.
+The split is a pure function of the source (its seed and data), so a resumed run finds the same set.
+
+It relies on the source's contract that each epoch (cursors `e * len .. (e + 1) * len - 1`) yields
+every `prompt_index` exactly once. Owns no cursor and no I/O.
+"""
+
+from __future__ import annotations
+
+from april.config import ConfigError
+from april.data import PromptRecord, PromptSource
+
+
+class TrainingView:
+    """A `PromptSource`: `source` without the held-out entries, `len(source) - len(held_out)` per epoch.
+
+    Random access by scanning the source's epoch in order and remembering where the kept records sit, so
+    drawing cursors in order (the broker's way) costs O(1) `source.get` calls each, amortised; a jump
+    into an epoch (a restored cursor) scans that epoch once up to the cursor."""
+
+    def __init__(self, source: PromptSource, held_out: frozenset[int]) -> None:
+        self.source = source
+        self.held_out = held_out
+        self._size = len(source) - len(held_out)
+        self._epoch = -1
+        self._kept: list[int] = []  # positions (within the epoch) of the kept records scanned so far
+        self._scanned = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def get(self, cursor: int) -> PromptRecord:
+        if cursor < 0:
+            raise ValueError(f"prompt cursor must be >= 0, got {cursor}")
+        epoch, position = divmod(cursor, self._size)
+        if epoch != self._epoch:
+            self._epoch, self._kept, self._scanned = epoch, [], 0
+        base = epoch * len(self.source)
+        while len(self._kept) <= position:
+            if self._scanned >= len(self.source):
+                raise RuntimeError(
+                    f"epoch {epoch} of {self.source.describe()} holds fewer than {self._size} prompts "
+                    "outside the held-out set: a source must yield every prompt_index once per epoch"
+                )
+            if self.source.get(base + self._scanned).prompt_index not in self.held_out:
+                self._kept.append(self._scanned)
+            self._scanned += 1
+        return self.source.get(base + self._kept[position])
+
+    def describe(self) -> str:
+        return f"{self.source.describe()} without {len(self.held_out)} held-out prompts"
+
+
+def split_held_out(source: PromptSource, size: int) -> tuple[TrainingView, tuple[PromptRecord, ...]]:
+    """(the training view, the `size` held-out records in a fixed order). ConfigError (naming
+    `data.eval_size`) when the source cannot spare `size` prompts and keep at least one for training."""
+    if not 0 < size < len(source):
+        raise ConfigError(
+            f"data.eval_size = {size}: must be in 1..{len(source) - 1} to hold prompts out of "
+            f"{source.describe()} and keep some for training"
+        )
+    held: dict[int, PromptRecord] = {}
+    for cursor in range(len(source)):
+        if len(held) == size:
+            break
+        record = source.get(cursor)
+        held.setdefault(record.prompt_index, record)
+    return TrainingView(source, frozenset(held)), tuple(held.values())
