@@ -125,6 +125,7 @@ def resolve(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatc
     """Run the command as the container would (its environment, its flags), with the role stubbed out."""
     import cli.learner_cmd
     import cli.main
+    import cli.status_cmd
     import cli.worker_cmd
 
     got = Resolved()
@@ -139,8 +140,8 @@ def resolve(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cli.main, "run_broker", role)
     monkeypatch.setattr(cli.worker_cmd, "run_worker", role)
     monkeypatch.setattr(cli.learner_cmd, "run_learner_process", role)
-    monkeypatch.setattr(cli.main, "fetch_status", status)
-    monkeypatch.setattr(cli.main, "print_status", lambda state, as_json: None)
+    monkeypatch.setattr(cli.status_cmd, "fetch_status", status)
+    monkeypatch.setattr(cli.status_cmd, "print_status", lambda state, as_json: None)
     result = CliRunner().invoke(app, argv[1:], env=env)
     assert result.exit_code == 0, f"`{' '.join(argv)}` -> {result.exit_code}\n{result.output}"
     return got
