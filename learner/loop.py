@@ -86,7 +86,12 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
         log.info("resumed from %s: step %d, version %d", latest, meta.step, meta.version)
     step, version = meta.step, meta.version
     client = BrokerClient(lc.broker, version, meta.last_batch_id) if leader else None
-    metrics = MetricsLog(run_dir / "metrics.jsonl") if leader else None
+    metrics = None
+    if leader:
+        if resume:
+            forget_steps_from(run_dir / "metrics.jsonl", step)
+        metrics = MetricsLog(run_dir / "metrics.jsonl", run_dir / "tensorboard" if lc.tensorboard else None)
+    saved, last_batch_id = step, meta.last_batch_id
     try:
         while step < config.run.steps:
             started = time.monotonic()
@@ -94,6 +99,16 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
             batch = share_batch(batch, config.broker.max_message_bytes)
             if batch is None:
                 break
+            if batch.version > version:  # resumed from a checkpoint older than the last published weights
+                log.warning(
+                    "the broker is at v%d, this learner at v%d (resumed from step %d): the steps since that "
+                    "checkpoint are lost; publishing from v%d on",
+                    batch.version,
+                    version,
+                    step,
+                    batch.version + 1,
+                )
+                version = batch.version
             waited = time.monotonic()
             train_batch = build_train_batch(
                 batch.samples.to_samples(), n_samples_per_prompt=algo.n_samples_per_prompt
@@ -134,14 +149,31 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
                     record["accuracy"],
                     version + 1,
                 )
-            step, version = step + 1, version + 1
+            step, version, last_batch_id = step + 1, version + 1, batch.batch_id
             if lc.checkpoint_every and step % lc.checkpoint_every == 0:
                 save_checkpoint(engine, config, run_dir, step, version, batch.batch_id)
+                saved = step
+        if lc.checkpoint_every and saved < step:  # stopped between checkpoints: save one, so --resume loses nothing
+            save_checkpoint(engine, config, run_dir, step, version, last_batch_id)
     finally:
         if client is not None:
             client.close()
     if leader:
         write_summary(run_dir, run_dir / "metrics.jsonl")
+
+
+def forget_steps_from(path: Path, step: int) -> None:
+    """Drop the metrics lines of steps >= `step`: a resumed learner trains them again (atomic rewrite)."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [x for x in lines if x.strip() and json.loads(x)["step"] < step]
+    if len(kept) == len(lines):
+        return
+    log.info("metrics.jsonl: %d lines of steps >= %d dropped (trained again)", len(lines) - len(kept), step)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def receive_batch(

@@ -7,6 +7,7 @@ their JSON-line event files, asks the broker for its status, and kills everythin
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -133,8 +134,11 @@ class Cluster:
             self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         return log
 
-    def start_learner_process(self, name: str, *sets: str, resume: bool = False) -> Path:
-        """A real `april learner` process (settings from the [learner] section)."""
+    def start_learner_process(
+        self, name: str, *sets: str, resume: bool = False, env: dict[str, str] | None = None
+    ) -> Path:
+        """A real `april learner` process (settings from the [learner] section); `env` is added to the
+        environment (e.g. RANK/WORLD_SIZE for one rank of a launched learner)."""
         log = self.tmp / f"{name}.log"
         cmd = [
             sys.executable,
@@ -153,7 +157,9 @@ class Cluster:
         if resume:
             cmd.append("--resume")
         with open(log, "ab") as out:  # the child keeps its own descriptor
-            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.procs[name] = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         return log
 
     def start_peer(self, role: str, name: str, **args: Any) -> Path:

@@ -63,3 +63,40 @@ def test_learner_trains_exactly_n_and_publishes_versions(
     assert "weights v3 loaded" in (c.tmp / "tw0.log").read_text()
     assert (c.run_dir / "checkpoints").exists() and (c.run_dir / "summary.json").exists()
     assert c.status()["ledger"]["trained"] == 6
+
+
+@pytest.mark.slow
+def test_two_rank_learner_trains_exactly_n_through_rank_zero(
+    cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`april learner` launched as 2 ranks (gloo): rank 0 alone talks to the broker, both train."""
+    pytest.importorskip("deepspeed")
+    from actors.hf import make_tiny_model
+    from learner.engine import free_port
+
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
+    (tmp_path / "parity_reward.py").write_text(
+        "def reward(response, answer, metadata):\n    return float(len(response.encode()) % 2)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    c = cluster(
+        run={"mode": "april", "steps": 2},
+        algo={"rollout_batch_size": 2, "over_sampling_batch_size": 4, "n_samples_per_prompt": 2,
+              "max_new_tokens": 12},
+        data={"synthetic_vocab_size": 320},
+        worker={"engine": "torch", "model": str(model_dir), "slots": 4, "reward": "parity_reward:reward"},
+        learner={"model": str(model_dir), "backend": "deepspeed", "lr": 1e-3, "checkpoint_every": 2},
+    )  # fmt: skip
+    c.start_broker()
+    c.start_worker("tw0")
+    port = str(free_port())
+    for rank in (0, 1):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port}  # fmt: skip
+        c.start_learner_process(f"learner{rank}", env=env)
+    for rank in (0, 1):
+        assert c.wait_exit(f"learner{rank}", 300) == 0, (c.tmp / f"learner{rank}.log").read_text()[-2000:]
+    lines = [json.loads(x) for x in (c.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["version"] for x in lines] == [1, 2] and all(x["samples"] == 4 for x in lines)
+    assert c.status()["ledger"]["trained"] == 4
+    assert len(list((c.run_dir / "checkpoints").glob("step_*/rng_rank*.json"))) == 2
