@@ -99,8 +99,11 @@ class BrokerClient:
         self.ctx.term()
 
 
-def check_batch(batch: protocol.Batch, samples_per_batch: int, group_size: int) -> None:
-    """Exactly N finished samples in complete groups, or BatchError naming what is wrong."""
+def check_batch(
+    batch: protocol.Batch, samples_per_batch: int, group_size: int, vocab_size: int | None = None
+) -> None:
+    """Exactly N finished samples in complete groups, with token ids the model knows (when `vocab_size`
+    is given), or BatchError naming what is wrong."""
     n = len(batch.samples)
     if n != samples_per_batch:
         raise BatchError(f"batch {batch.batch_id}: {n} samples, expected exactly {samples_per_batch}")
@@ -114,3 +117,12 @@ def check_batch(batch: protocol.Batch, samples_per_batch: int, group_size: int) 
             )
     if int((batch.samples.status != SampleStatus.FINISHED).sum()):
         raise BatchError(f"batch {batch.batch_id}: holds samples that are not finished")
+    if vocab_size is not None:
+        for name in ("prompt_ids", "response_ids"):
+            ids = getattr(batch.samples, name)
+            if len(ids) and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+                raise BatchError(
+                    f"batch {batch.batch_id}: {name} range {int(ids.min())}..{int(ids.max())} is outside the "
+                    f"model's vocabulary 0..{vocab_size - 1}: the data or the engine does not match "
+                    "learner.model (data.synthetic_vocab_size?)"
+                )

@@ -80,6 +80,8 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
     engine, reference = make_engine(config)
     cfg, algo, lc = loss_config(config), config.algo, config.learner
     leader = engine.rank == 0
+    hf_model: Any = engine.module
+    vocab = int(hf_model.get_input_embeddings().num_embeddings)
     meta = checkpoint.CheckpointMeta(step=0, version=0, last_batch_id=-1)
     if resume and (latest := checkpoint.latest(run_dir / "checkpoints")) is not None:
         meta = checkpoint.load(engine, latest)
@@ -95,7 +97,7 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
     try:
         while step < config.run.steps:
             started = time.monotonic()
-            batch = receive_batch(client, step, should_stop, algo) if client is not None else None
+            batch = receive_batch(client, step, should_stop, algo, vocab) if client is not None else None
             batch = share_batch(batch, config.broker.max_message_bytes)
             if batch is None:
                 break
@@ -153,7 +155,9 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
             if lc.checkpoint_every and step % lc.checkpoint_every == 0:
                 save_checkpoint(engine, config, run_dir, step, version, batch.batch_id)
                 saved = step
-        if lc.checkpoint_every and saved < step:  # stopped between checkpoints: save one, so --resume loses nothing
+        if (
+            lc.checkpoint_every and saved < step
+        ):  # stopped between checkpoints: save one, so --resume loses nothing
             save_checkpoint(engine, config, run_dir, step, version, last_batch_id)
     finally:
         if client is not None:
@@ -177,7 +181,7 @@ def forget_steps_from(path: Path, step: int) -> None:
 
 
 def receive_batch(
-    client: BrokerClient, step: int, should_stop: Callable[[], bool], algo: AlgoConfig
+    client: BrokerClient, step: int, should_stop: Callable[[], bool], algo: AlgoConfig, vocab_size: int
 ) -> protocol.Batch | None:
     """Rank 0: the next batch, checked against the exactly-N contract; None when stopping.
 
@@ -190,7 +194,7 @@ def receive_batch(
     if batch is None:
         return None
     try:
-        check_batch(batch, algo.samples_per_batch, algo.n_samples_per_prompt)
+        check_batch(batch, algo.samples_per_batch, algo.n_samples_per_prompt, vocab_size)
     except BatchError as exc:
         log.error("the broker broke the batch contract; not training it: %s", exc)
         share_batch(None, 0)

@@ -235,3 +235,14 @@ def test_share_batch_without_a_process_group_passes_the_batch_through() -> None:
 
 if __name__ == "__main__":
     child(json.loads(Path(sys.argv[1]).read_text()))
+
+
+def test_a_batch_with_ids_outside_the_vocabulary_is_refused_with_a_clear_error() -> None:
+    from learner.client import BatchError, check_batch
+
+    msg = batch_message(rl_samples(0, groups=2))
+    check_batch(msg, 2 * GROUP, GROUP, vocab_size=259)
+    with pytest.raises(
+        BatchError, match=r"ids range \d+\.\.\d+ is outside the model.s vocabulary 0\.\.199"
+    ):
+        check_batch(msg, 2 * GROUP, GROUP, vocab_size=200)

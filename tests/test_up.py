@@ -236,3 +236,61 @@ def check_run(run_dir: Path, steps: int, samples: int) -> list[dict[str, object]
         accounted = sum(ledger[k] for k in ("trained", "complete_waiting", "in_flight", "partial"))
         assert ledger["issued"] == accounted + sum(ledger["dropped"].values())
     return lines
+
+
+def sim_run_config(tmp_path: Path, mode: str) -> Path:
+    from actors.hf import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    cfg = tmp_path / f"{mode}.toml"
+    cfg.write_text(
+        f'[run]\nmode = "{mode}"\n'
+        "[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 4\nn_samples_per_prompt = 2\n"
+        "max_new_tokens = 32\n[data]\nsynthetic_vocab_size = 320\n"
+        f'[worker]\nengine = "sim"\nslots = 4\nmodel = "{model}"\n'
+        'sim_lengths = "lognormal:median=6,sigma=1.2,cap=32"\nsim_time_scale = 0.02\n'
+        f'[learner]\nmodel = "{model}"\nbackend = "torch"\nlr = 1e-3\ncheckpoint_every = 4\n'
+    )
+    return cfg
+
+
+def test_sigterm_stops_every_child_and_the_run_resumes_where_it_stopped(tmp_path: Path) -> None:
+    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from cli.main import main; main()", "up", "--headless", "--config", str(cfg),
+         "--run-dir", str(run_dir), "--steps", "1000", *free_port_set()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+    )  # fmt: skip
+    children: set[int] = set()
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 6):
+        children |= set(child_pids(proc.pid))
+        time.sleep(0.2)
+    assert len(children) == 4, children  # broker, 2 workers, learner
+    stopped = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert time.monotonic() - stopped < 15, out
+    assert proc.returncode == 130, out
+    time.sleep(0.3)
+    assert not [pid for pid in children if alive(pid)], out
+    done = len(metrics.read_text().splitlines())
+    code, out, _ = run_up(["--resume", str(run_dir), "--steps", str(done + 3)], timeout=120)
+    assert code == 0, out
+    check_run(run_dir, done + 3, samples=4)  # steps 0.. and versions 1.. with no gap and no repeat
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_headless_run_in_each_mode(tmp_path: Path, mode: str) -> None:
+    cfg, run_dir = sim_run_config(tmp_path, mode), tmp_path / "run"
+    code, out, children = run_up(
+        ["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], timeout=120
+    )
+    assert code == 0, out
+    assert [x for x in out.splitlines() if x.startswith("step ")][-1].startswith("step 3/3 v3")
+    lines = check_run(run_dir, 3, samples=4)
+    assert all(x["mode"] == mode for x in lines)
+    if mode == "sync":
+        assert all(x["aborted"] == 0 and x["resumed"] == 0 for x in lines)
+    assert len(children) == 4 and not [pid for pid in children if alive(pid)]
