@@ -27,7 +27,8 @@ from rich.live import Live
 from april import protocol
 from april.codec import ProtocolError
 from april.transport import configure
-from cli.dashboard import DashboardState, apply_status, metric, render, si
+from cli.dashboard import metric, render, si
+from cli.dashboard_state import DashboardState, apply_status
 
 TOPIC = b"status"
 MAX_DRAIN = 1000  # messages read per poll at most: a flooding publisher cannot stall the screen

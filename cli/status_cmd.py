@@ -22,8 +22,8 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import BrokerConfig
 from april.transport import dealer, recv, send
-from cli.dashboard import DashboardState, apply_status
 from cli.dashboard_feed import StatusFeed, watch
+from cli.dashboard_state import DashboardState, apply_status
 from cli.options import user_errors
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from types import FrameType
 
 from april.config import Config, ConfigError, Mode, load_config, write_config
-from cli.dashboard import DashboardState, add_alert, add_event
 from cli.dashboard_feed import StatusFeed, run_headless, watch
+from cli.dashboard_state import DashboardState, add_alert, add_event
 from cli.supervisor import ChildExit, ChildSpec, Supervisor
 from learner.checkpoint import latest as latest_checkpoint
 

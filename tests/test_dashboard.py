@@ -21,20 +21,17 @@ from rich.screen import Screen
 from typer.testing import CliRunner
 
 from april import protocol
-from cli.dashboard import (
+from cli.dashboard import SPARK_CHARS, export_svg, render, sparkline
+from cli.dashboard_feed import StatusFeed, progress_line, run_headless, watch
+from cli.dashboard_state import (
     DASH,
-    SPARK_CHARS,
     DashboardState,
     Series,
     add_alert,
     add_event,
     apply_status,
     clear_alert,
-    export_svg,
-    render,
-    sparkline,
 )
-from cli.dashboard_feed import StatusFeed, progress_line, run_headless, watch
 from cli.status_cmd import StatusError, pub_address, status_command
 
 T0 = 1_700_000_000.0  # wall clock of the first status
