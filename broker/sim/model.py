@@ -1,0 +1,368 @@
+"""`april simulate`'s discrete-event model: the real broker books and policy, simulated engines and learner.
+
+Owns the event loop in virtual time and the broker's side of it. The books are a real
+`broker.state.BrokerState` (so every scheduling decision is `april.policy`'s, through the same calls the
+broker makes); engines are `broker.sim.engines.EngineModel`; the learner takes `learner_step_s` per batch.
+Events: an engine reaching a step boundary where a sequence finishes or a message waits (leases, aborts
+and weights are read there, so an abort round-trip lasts until each holder's current step ends), and
+the learner finishing a step (weights v+1 published, batch acked, next batch requested).
+
+`broker/server.py` holds the glue between messages and `BrokerState` next to its sockets and clocks, so
+this module mirrors it, handler by handler (names in brackets):
+  - SampleResult: accept each sample, grant the finished samples' slots back, then lease to that worker
+    unless the round is complete [_on_worker, _on_results, _dispatch_to(train=...)]. Scoring is instant,
+    so the worker's LeaseRequest and SampleResult arrive together.
+  - AbortDone: the worker's credit is reset to its slots; the abort round ends in the next tick once
+    every holder confirmed, and sync/april then park queued samples [_on_abort_done, _check_abort].
+  - tick, after every event: end a confirmed abort; close a complete round (abort the holders, or park
+    at once); lease to every worker with credit, in registration order; form and hand out the batch if
+    the learner waits [tick, _dispatch, _try_send_batch].
+  - WeightsReady: set_weights, relay to every worker, in async abort when samples are leased and no abort
+    is running [_on_weights]. BatchAck: ack_batch, then the ledger check [_ack].
+  - the learner (learner/loop.py): request, train, publish v+1, ack, request the next step.
+Not modelled: network latency, reward scoring time, weight loading time, evaluations, failures,
+heartbeats and snapshots. Two shortcuts skip calls that provably return nothing (no lease when
+`take_work` could lease nothing to anyone; no `form_batch` with fewer than a batch of complete groups).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from april import policy
+from april.config import AlgoConfig, ConfigError, Mode
+from april.data import PromptRecord
+from april.ledger import Ledger
+from april.records import Sample
+from broker.sim.engines import Abort, EngineCost, EngineModel, Lease, Output, ToEngine, Weights
+from broker.sim.figures import Figures, Meter, Tally, compute_figures
+from broker.state import BrokerState
+
+LENGTH_CHUNK_GROUPS = 512  # groups whose lengths are drawn at once
+
+
+class SimulationError(RuntimeError):
+    """The simulated run cannot go on (nothing left to happen before the last step): a bug or a
+    configuration that can never fill a batch. One readable line."""
+
+
+class LengthSampler(Protocol):
+    """What `actors.lengths.LengthSpec` offers: n response lengths (>= 1) from `rng`."""
+
+    def sample(self, rng: np.random.Generator, n: int) -> npt.NDArray[np.int64]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    mode: Mode
+    algo: AlgoConfig
+    engines: int = 8
+    slots: int = 64  # concurrent sequences per engine
+    cost: EngineCost = field(default_factory=EngineCost)
+    learner_step_s: float = 20.0  # one optimizer step + weights publish, per batch
+    steps: int = 20  # learner steps simulated
+    prompt_len: int = 256  # tokens of every prompt (prefilled with each fresh or resumed sample)
+    seed: int = 0  # response lengths are drawn per sample from this seed: the same in every mode
+    check_ledger_every_event: bool = False  # debug: the books balance after every event (slow)
+
+    def __post_init__(self) -> None:
+        for name in ("engines", "slots", "steps", "prompt_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"simulate: {name} = {getattr(self, name)}, expected >= 1")
+        if not self.learner_step_s >= 0:
+            raise ConfigError(f"simulate: learner_step_s = {self.learner_step_s}, expected >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One learner step as simulated."""
+
+    batch_id: int
+    version: int  # the weights version the batch was formed at
+    handed_out_s: float  # when the batch reached the learner
+    trained_s: float  # when its step ended (weights v+1 published)
+    staleness_max: int
+    groups: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    figures: Figures
+    ledger: Ledger
+    steps: tuple[StepRecord, ...]
+    abort_rounds: int
+    events: int
+
+
+class LengthTable:
+    """The drawn total response length of sample (group_id, index): group ids are issued 0, 1, 2, ... in
+    every mode, so one seed gives every mode the same samples."""
+
+    def __init__(self, sampler: LengthSampler, seed: int, group_size: int) -> None:
+        self.sampler = sampler
+        self.rng = np.random.default_rng(seed)
+        self.group_size = group_size
+        self.table = np.zeros(0, dtype=np.int64)
+
+    def __call__(self, sample: Sample) -> int:
+        pos = sample.group_id * self.group_size + sample.index
+        while pos >= self.table.shape[0]:
+            chunk = np.asarray(self.sampler.sample(self.rng, LENGTH_CHUNK_GROUPS * self.group_size))
+            self.table = np.concatenate([self.table, np.maximum(chunk.astype(np.int64), 1)])
+        return int(self.table[pos])
+
+
+class _Prompts:
+    """An endless prompt source of `prompt_len` tokens each (the simulation needs lengths, not text)."""
+
+    def __init__(self, prompt_len: int) -> None:
+        self.ids = np.full(prompt_len, 3, dtype=np.int32)
+        self.ids.flags.writeable = False
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+    def get(self, cursor: int) -> PromptRecord:
+        return PromptRecord(cursor, self.ids, "", {})
+
+    def describe(self) -> str:
+        return f"simulated prompts of {self.ids.shape[0]} tokens"
+
+
+class Simulation:
+    """One mode, run once (see the module docstring)."""
+
+    def __init__(self, config: SimConfig, lengths: LengthSampler) -> None:
+        self.cfg = config
+        self.state = BrokerState(config.mode, config.algo, _Prompts(config.prompt_len))
+        self.round_based = policy.is_round_based(config.mode)
+        self.meter = Meter(config.engines)
+        table = LengthTable(lengths, config.seed, config.algo.n_samples_per_prompt)
+        self.engines = [
+            EngineModel(i, config.slots, config.cost, self.meter, table) for i in range(config.engines)
+        ]
+        self.by_worker = {e.worker_id: e for e in self.engines}
+        self.credit = [config.slots] * config.engines
+        self.peer_version = [0] * config.engines  # what each worker reported loaded (WeightsLoaded)
+        self.abort: set[int] | None = None  # engines that still owe an AbortDone
+        self.abort_rounds = 0
+        self.learner_waiting: int | None = 0  # step of the pending BatchRequest
+        self.waiting_since = 0.0
+        self.rollout_s = 0.0
+        self.trained = 0
+        self.records: list[StepRecord] = []
+        self.tally = Tally()
+        self.now = 0.0
+        self.events = 0
+        self.queue: list[
+            tuple[float, int, int, int, int]
+        ] = []  # (time, seq, engine or -1, generation, steps)
+        self.seq = 0
+        self.done = False
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> SimResult:
+        self._tick()
+        while not self.done:
+            if not self.queue:
+                raise SimulationError(
+                    f"simulate {self.cfg.mode.value}: nothing left to happen after {self.trained} of "
+                    f"{self.cfg.steps} steps at t={self.now:.3f}s ({self.state.ledger().describe()})"
+                )
+            t, _, index, generation, steps = heapq.heappop(self.queue)
+            if index >= 0 and generation != self.engines[index].generation:
+                continue  # replaced by an earlier wake
+            self.now = t
+            self.meter.advance(t)
+            self.events += 1
+            if index < 0:
+                self._learner_done()
+            else:
+                self._wake(self.engines[index], steps)
+            if self.cfg.check_ledger_every_event:
+                self.state.check_ledger(f"at t={t:.6f}")
+        return self._result()
+
+    def _push(self, t: float, index: int, generation: int = 0, steps: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.queue, (t, self.seq, index, generation, steps))
+
+    def _schedule(self, engine: EngineModel, at: tuple[float, int] | None) -> None:
+        """Wake `engine` at `at` unless it is already due no later."""
+        if at is None or (engine.wake is not None and engine.wake[0] <= at[0]):
+            return
+        engine.wake = at
+        engine.generation += 1
+        self._push(max(at[0], self.now), engine.index, engine.generation, at[1])  # float slack: never back
+
+    def _wake(self, engine: EngineModel, steps: int) -> None:
+        """A step boundary: finished samples go back, then the worker reads its messages."""
+        engine.wake = None
+        engine.busy = True
+        engine.advance(self.now, steps)
+        finished = engine.take_finished()
+        if finished:
+            self._on_results(engine, finished, credit=len(finished))
+        self._tick()
+        while engine.inbox:
+            self._read(engine, engine.inbox.pop(0))
+        engine.busy = False
+        self._schedule(engine, engine.next_finish())
+
+    def _read(self, engine: EngineModel, msg: ToEngine) -> None:
+        """The worker's handling of one broker message (actors/worker.py `_handle`)."""
+        if isinstance(msg, Lease):
+            ready = engine.admit(msg.work)
+            if ready:
+                self._on_results(engine, ready, credit=len(ready))
+                self._tick()
+        elif isinstance(msg, Weights):
+            engine.load(msg.version)
+            self.peer_version[engine.index] = max(self.peer_version[engine.index], msg.version)
+        else:
+            partials = engine.abort()
+            if partials:
+                self._on_results(engine, partials, credit=0)
+            self._on_abort_done(engine)
+            self._tick()
+
+    def _send(self, engine: EngineModel, msg: ToEngine) -> None:
+        engine.inbox.append(msg)
+        if not engine.busy:
+            self._schedule(engine, engine.next_boundary(self.now))
+
+    # ------------------------------------------------------------------ the broker (server.py's glue)
+
+    def _on_results(self, engine: EngineModel, items: list[Output], credit: int) -> None:
+        for lease_id, sample in items:
+            self.state.accept_result(engine.worker_id, lease_id, sample)
+        self.credit[engine.index] = min(self.credit[engine.index] + credit, engine.slots)
+        self._dispatch_to(engine, train=not self.state.round_complete())
+
+    def _on_abort_done(self, engine: EngineModel) -> None:
+        self.credit[engine.index] = engine.slots
+        if self.abort is not None:
+            self.abort.discard(engine.index)
+
+    def _tick(self) -> None:
+        if self.abort is not None and not self.abort:
+            self.abort = None
+            if self.round_based:
+                self.state.park_queued_samples()
+        if self.state.close_round_if_complete():
+            if self.state.leased_samples:
+                self._start_abort()
+            else:
+                self.state.park_queued_samples()
+        self._dispatch()
+        self._try_send_batch()
+
+    def _dispatch(self) -> None:
+        state = self.state
+        if self.abort is not None or not state.dispatch_allowed():
+            return
+        allowance = policy.fresh_group_allowance(
+            state.mode, state.algo, state.counts(), state.version, state.round_open
+        )
+        if not state.queue and allowance <= 0:
+            return  # take_work would lease nothing to any worker
+        for engine in [e for e in self.engines if self.credit[e.index] > 0]:
+            self._dispatch_to(engine)
+
+    def _dispatch_to(self, engine: EngineModel, train: bool = True) -> None:
+        i = engine.index
+        if self.abort is not None or self.credit[i] <= 0 or not (train and self.state.dispatch_allowed()):
+            return
+        work = self.state.take_work(engine.worker_id, self.credit[i], self.peer_version[i])
+        if work:
+            self.credit[i] -= len(work)
+            self._send(engine, Lease(work))
+
+    def _start_abort(self) -> None:
+        holders = sorted({self.by_worker[lease.worker_id].index for lease in self.state.leases.values()})
+        self.abort = set(holders)
+        self.abort_rounds += 1
+        for i in holders:
+            self._send(self.engines[i], Abort())
+
+    def _on_weights(self, version: int) -> None:
+        if not self.state.set_weights(version, f"sim://v{version}", ""):
+            return
+        for engine in self.engines:
+            self._send(engine, Weights(version))
+        if policy.abort_on_new_version(self.state.mode) and self.state.leased_samples and self.abort is None:
+            self._start_abort()
+
+    def _try_send_batch(self) -> None:
+        state = self.state
+        if self.learner_waiting is None:
+            return
+        if state.batch is None and len(state.complete) < state.algo.rollout_batch_size:
+            return  # select_batch needs a batch worth of complete groups
+        batch = state.form_batch(self.learner_waiting)
+        if batch is None:
+            return
+        state.check_ledger(f"after forming batch {batch.batch_id}")
+        self.learner_waiting = None
+        self.rollout_s += self.now - self.waiting_since
+        if self.round_based:
+            self.meter.in_phase = False
+        self._push(self.now + self.cfg.learner_step_s, -1)
+
+    # ------------------------------------------------------------------ the learner
+
+    def _learner_done(self) -> None:
+        batch = self.state.batch
+        assert batch is not None, "the learner finished a step without a batch"
+        self.tally.add_batch(batch.samples, batch.version)
+        self.records.append(
+            StepRecord(
+                batch.batch_id,
+                batch.version,
+                self.now - self.cfg.learner_step_s,
+                self.now,
+                max(s.staleness(batch.version) for s in batch.samples),
+                tuple(batch.group_ids),
+            )
+        )
+        self._on_weights(self.state.version + 1)
+        self.state.ack_batch(batch.batch_id)
+        self.state.check_ledger(f"after acking batch {batch.batch_id}")
+        self.trained += 1
+        if self.trained >= self.cfg.steps:
+            self.done = True
+            return
+        if self.round_based:
+            self.meter.in_phase = True
+        self.learner_waiting = self.trained
+        self.waiting_since = self.now
+        self._tick()
+
+    def _result(self) -> SimResult:
+        buffered = sum(s.response_len for g in self.state.groups.values() for s in g.samples)
+        buffered += sum(e.in_engine_tokens for e in self.engines)
+        figs = compute_figures(
+            wall_s=self.now,
+            rollout_s=self.rollout_s,
+            tally=self.tally,
+            generated=sum(e.tokens for e in self.engines),
+            buffered=buffered,
+            meter=self.meter,
+            slots_total=self.cfg.engines * self.cfg.slots,
+            engines=self.cfg.engines,
+            aborted=self.state.totals.aborted,
+            resumed=self.state.totals.resumed,
+        )
+        ledger = self.state.check_ledger("at the end of the simulation")
+        return SimResult(figs, ledger, tuple(self.records), self.abort_rounds, self.events)
+
+
+def simulate(config: SimConfig, lengths: LengthSampler) -> SimResult:
+    """Run one mode for `config.steps` learner steps in virtual time."""
+    return Simulation(config, lengths).run()
