@@ -1,7 +1,8 @@
 """The scheduling policy of the three modes, as pure functions (DESIGN.md section 4).
 
 Decides, from counts alone: how many fresh groups may be issued now, when a round is complete and an
-abort is due, which samples are dispatched first, and which complete groups form the next batch. The
+abort is due, which samples are dispatched first and how many go to each worker, and which complete
+groups form the next batch (async: only one that keeps every group within the staleness bound). The
 broker calls these on every state change; `april simulate` drives the same functions in virtual time.
 Holds no sockets, no clocks and no sample data: only group counts, versions and ordering keys.
 
@@ -102,29 +103,125 @@ def is_due(min_version: int | None, learner_version: int, max_staleness: int) ->
     return min_version is not None and learner_version + 1 - min_version > max_staleness
 
 
+def slack(min_version: int | None, learner_version: int, max_staleness: int) -> int:
+    """async: how many later batches this group may still wait, 0..eta (0: it is due, see `is_due`).
+
+    A group whose oldest token is of version m must be trained at a version <= m + eta (its deadline); its
+    slack is deadline - learner_version. A group with no token yet gets its first under the learner's
+    version or later: slack eta. An overdue group (left by an earlier setting or a restart) counts as due.
+    """
+    oldest = learner_version if min_version is None else min_version
+    return min(max_staleness, max(0, oldest + max_staleness - learner_version))
+
+
+def keeps_staleness_bound(
+    algo: AlgoConfig,
+    complete: Iterable[int | None],
+    incomplete: Iterable[int | None],
+    learner_version: int,
+) -> bool:
+    """async: whether a batch taken now (the B complete groups of least slack) leaves every untrained group
+    a batch in time. Groups are given by their oldest token version (None: no token yet).
+
+    One batch of B groups is trained per version. Let N(k) be the untrained groups (complete or not, none
+    in the unacked batch) with slack <= k, C(k) the complete ones. The rule: for every k in 0..eta,
+
+        C(k) >= min(B, N(k) - k x B)
+
+    (the groups due within k versions that the k later batches cannot hold must be in this one, so they
+    must be complete). Proof that no trained group ever exceeds max_staleness, by the invariant
+    I: N(k) <= (k + 1) x B for k = 0..eta, whenever the learner waits for a batch at version v:
+      - k = eta, always: every untrained group has slack <= eta, and admission keeps them at most
+        accepted - trained <= (eta + v + 1) x B - v x B = (eta + 1) x B.
+      - k < eta: N(k) counts only groups holding a token older than v. While v stands no event adds one
+        (new tokens are of version v; completing and dropping only remove), so I is kept between batches.
+      - Taking the B complete groups of least slack puts min(B, C(k)) groups of slack <= k in the batch for
+        every k at once (no choice puts more), so after it N'(k) = N(k) - min(B, C(k)) <= max(N(k) - B,
+        k x B) <= k x B by the rule and I. At v + 1 every slack drops by one: N(k - 1) <= k x B, which is I.
+      - At k = 0, N'(0) <= 0: every due group is in the batch, so none is trained after its deadline.
+    The learner never waits for fresh work: under I the rule holds as soon as B groups are complete and
+    every group with slack < eta (one holding a token older than v) is complete. With eta <= 1 the rule is
+    just "every due group is complete" (admission alone makes due groups fit in one batch); with eta >= 2
+    it also keeps a batch from being filled with young groups while older ones run, after which more than
+    a batch of them could fall due at one version. The proof assumes tokens are generated under the
+    learner's version (async relays new weights and aborts before leasing again); if I is broken anyway,
+    min(B, .) asks for at most a batch of the most urgent groups, so batches still form.
+    """
+    b, eta = algo.rollout_batch_size, algo.max_staleness
+    total = [0] * (eta + 1)  # untrained groups by slack
+    ready = [0] * (eta + 1)  # complete ones by slack
+    for m in complete:
+        k = slack(m, learner_version, eta)
+        total[k] += 1
+        ready[k] += 1
+    for m in incomplete:
+        total[slack(m, learner_version, eta)] += 1
+    n = c = 0
+    for k in range(eta + 1):
+        n, c = n + total[k], c + ready[k]
+        if c < min(b, n - k * b):
+            return False
+    return True
+
+
 def select_batch(
     mode: Mode,
     algo: AlgoConfig,
     complete: Sequence[GroupAge],
     learner_version: int,
-    incomplete_due: int = 0,
+    incomplete: Sequence[int | None] = (),
 ) -> list[int] | None:
     """The group ids of the next batch: exactly rollout_batch_size complete groups, oldest first, or
     None when there are not enough. Surplus groups stay for the next batch.
 
-    async: a batch is only formed once every due group (see `is_due`) is complete, so no sample is ever
-    trained with staleness above max_staleness; the admission bound guarantees due groups fit in one batch.
+    async: `incomplete` holds the oldest token version (None: no token yet) of every untrained group that
+    is not complete. A batch is only formed when it keeps the staleness bound for every group, this batch's
+    and the later ones' (`keeps_staleness_bound`), so no sample is ever trained with staleness above
+    max_staleness. Oldest first is least slack first, the choice that rule needs.
     """
     b = algo.rollout_batch_size
     if len(complete) < b:
         return None
-    if mode == Mode.ASYNC and incomplete_due > 0:
+    if mode == Mode.ASYNC and not keeps_staleness_bound(
+        algo, (g.min_version for g in complete), incomplete, learner_version
+    ):
         return None
     ordered = sorted(
         complete,
         key=lambda g: (learner_version if g.min_version is None else g.min_version, g.group_id),
     )
     return [g.group_id for g in ordered[:b]]
+
+
+def spread_leases(available: int, free: Sequence[int], slots: Sequence[int]) -> list[int]:
+    """How many of `available` samples to lease to each worker: one at a time to the worker with the most
+    free slots relative to its size ((free - given) / slots; ties: more free slots, then the earlier
+    worker), never more than its free slots.
+
+    Spreading evens the engines' active sequences: a decode step costs more with more sequences, so a
+    round ends earlier when no engine holds more than its share. With work for every free slot each
+    worker gets all its free slots, as when filling them one by one. O(W + n log W) for W workers and
+    n = min(available, sum(free)) samples; the caller sends each worker one Lease for its share.
+    """
+    if len(free) != len(slots):
+        raise ValueError(f"spread_leases: {len(free)} free counts for {len(slots)} workers")
+    shares = [0] * len(free)
+    capacity = sum(max(0, f) for f in free)
+    if available >= capacity:
+        return [max(0, f) for f in free]
+    left = max(0, available)
+    heap = [(-f / max(1, s), -f, i) for i, (f, s) in enumerate(zip(free, slots, strict=True)) if f > 0]
+    heapq.heapify(heap)
+    while left > 0:
+        _, _, i = heap[0]
+        shares[i] += 1
+        left -= 1
+        rest = free[i] - shares[i]
+        if rest > 0:
+            heapq.heapreplace(heap, (-rest / max(1, slots[i]), -rest, i))
+        else:
+            heapq.heappop(heap)
+    return shares
 
 
 class DispatchQueue:

@@ -28,6 +28,7 @@ from april.config import Config, ConfigError
 from april.data import PromptRecord, open_source
 from april.heldout import split_held_out
 from april.protocol import Message
+from april.records import Sample
 from april.transport import configure
 from april.wire_records import SampleBatch
 from broker import snapshot
@@ -212,8 +213,9 @@ class Broker:
                 self._grant(worker_id, credit)
             case protocol.SampleResult():
                 self._on_results(worker_id, msg)
-                # refill at once (the slot is idle until then); no training work once the round is complete
-                self._dispatch_to(peer, now, train=not self.state.round_complete())
+                # refill at once (the slot is idle until then), spreading as every dispatch does; no
+                # training work once the round is complete
+                self._dispatch(now, train=not self.state.round_complete())
             case protocol.AbortDone():
                 self._on_abort_done(worker_id, msg, now)
             case protocol.WeightsLoaded(version=version, ok=ok, error=error):
@@ -323,21 +325,49 @@ class Broker:
         if self.abort is not None:
             self.abort.deadline.pop(worker_id, None)
 
-    def _dispatch(self, now: float) -> None:
-        for peer in self.workers.with_credit():  # a worker may get nothing (newer partials) and the next some
-            self._dispatch_to(peer, now)
+    def _dispatch(self, now: float, train: bool = True) -> None:
+        """Lease work to every worker with credit, one Lease each: evaluation samples first, up to each
+        worker's credit in registration order (they are few and the evaluation waits for its slowest),
+        then training samples spread over the workers by free slots relative to size
+        (`policy.spread_leases`), so no engine runs more sequences than its share while another idles.
+        Samples leave the dispatch queue in its order whoever gets them."""
+        if self.abort is not None:
+            return
+        peers = [p for p in self.workers.with_credit() if not p.restored]
+        if not peers:
+            return
+        work = [self.evals.take_work(p.peer_id, p.credit, self.state.new_lease_id) for p in peers]
+        greedy = [len(w) for w in work]
+        if train and self.state.dispatch_allowed():
+            self._lease_training(peers, work)
+        for peer, items, n_greedy in zip(peers, work, greedy, strict=True):
+            if items:
+                self._send_lease(peer, items, n_greedy, now)
 
-    def _dispatch_to(self, peer: WorkerPeer, now: float, train: bool = True) -> bool:
-        """Lease work to one worker up to its credit, evaluation samples first (they are few and the
-        evaluation waits for its slowest); False when there is nothing to lease."""
-        if self.abort is not None or peer.credit <= 0 or peer.restored:
-            return False
-        work = self.evals.take_work(peer.peer_id, peer.credit, self.state.new_lease_id)
-        greedy = len(work)
-        if train and self.state.dispatch_allowed() and len(work) < peer.credit:
-            work += self.state.take_work(peer.peer_id, peer.credit - len(work), peer.version)
-        if not work:
-            return False
+    def _lease_training(self, peers: list[WorkerPeer], work: list[list[tuple[int, int, Sample]]]) -> None:
+        """Add each worker's spread share of training samples to `work`. A worker on older weights than a
+        partial's last segment gets fewer (take_work leaves that partial queued): what it left goes to
+        the workers with credit left, most free first."""
+        free = [p.credit - len(w) for p, w in zip(peers, work, strict=True)]
+        shares = policy.spread_leases(self.state.leasable_samples(), free, [p.slots for p in peers])
+        short = False
+        for peer, items, share in zip(peers, work, shares, strict=True):
+            if share:
+                got = self.state.take_work(peer.peer_id, share, peer.version)
+                items += got
+                short = short or len(got) < share
+        if not short:
+            return
+        order = sorted(range(len(peers)), key=lambda i: -(peers[i].credit - len(work[i])) / peers[i].slots)
+        for i in order:
+            left = peers[i].credit - len(work[i])
+            if left > 0 and self.state.leasable_samples():
+                work[i] += self.state.take_work(peers[i].peer_id, left, peers[i].version)
+
+    def _send_lease(
+        self, peer: WorkerPeer, work: list[tuple[int, int, Sample]], greedy: int, now: float
+    ) -> None:
+        """One Lease message: the first `greedy` items are evaluation samples (decoded greedily)."""
         peer.credit -= len(work)
         lease = protocol.Lease(
             lease_ids=np.array([w[0] for w in work], dtype=np.int64),
@@ -346,7 +376,6 @@ class Broker:
             samples=SampleBatch.from_samples([w[2] for w in work]),
         )
         self._send_worker(peer.peer_id, lease, now)
-        return True
 
     # ------------------------------------------------------------------ aborts
 

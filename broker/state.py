@@ -207,6 +207,18 @@ class BrokerState:
     def dispatch_allowed(self) -> bool:
         return self.round_open or not policy.is_round_based(self.mode)
 
+    def leasable_samples(self) -> int:
+        """Samples `take_work` could lease now, to workers of any version: the queued ones, and those of
+        the fresh groups the policy allows and `max_live_samples` leaves room for. O(1)."""
+        if not self.dispatch_allowed():
+            return 0
+        n = self.algo.n_samples_per_prompt
+        allowance = policy.fresh_group_allowance(
+            self.mode, self.algo, self.counts(), self.version, self.round_open
+        )
+        room = (self.max_live_samples - len(self.groups) * n) // n
+        return len(self.queue) + n * max(0, min(allowance, room))
+
     def take_work(
         self, worker_id: str, credit: int, worker_version: int | None = None
     ) -> list[tuple[int, int, Sample]]:
@@ -333,23 +345,27 @@ class BrokerState:
 
     # ------------------------------------------------------------------ batches
 
-    def incomplete_due(self) -> int:
+    def incomplete_versions(self) -> list[int | None]:
+        """async: the oldest token version (None: no token yet) of every untrained group that is not
+        complete, for `policy.select_batch`."""
         if self.mode != Mode.ASYNC:
-            return 0
-        return sum(
-            1
+            return []
+        handed = set(self.batch.group_ids) if self.batch else set()
+        return [
+            g.min_version()
             for g in self.groups.values()
-            if g.group_id not in self.complete
-            and (self.batch is None or g.group_id not in self.batch.group_ids)
-            and policy.is_due(g.min_version(), self.version, self.algo.max_staleness)
-        )
+            if g.group_id not in self.complete and g.group_id not in handed
+        ]
 
     def form_batch(self, step: int) -> PendingBatch | None:
         """Hand out the next batch if one can be formed (and none is unacked)."""
         if self.batch is not None:
             return self.batch
+        if len(self.complete) < self.algo.rollout_batch_size:
+            return None  # select_batch needs a batch worth of complete groups: skip the O(groups) scan
         ages = [policy.GroupAge(gid, self.groups[gid].min_version()) for gid in self.complete]
-        chosen = policy.select_batch(self.mode, self.algo, ages, self.version, self.incomplete_due())
+        incomplete = self.incomplete_versions()
+        chosen = policy.select_batch(self.mode, self.algo, ages, self.version, incomplete)
         if chosen is None:
             return None
         samples = [s for gid in chosen for s in self.groups[gid].samples]

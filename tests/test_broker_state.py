@@ -224,6 +224,23 @@ def test_sync_round_leases_exactly_the_batch_and_trains_it() -> None:
     assert len(d.trained_keys) == 6 * 3
 
 
+def test_leasable_samples_counts_what_take_work_can_lease() -> None:
+    state = make_state(Mode.SYNC, b=2, n=2)
+    d = Driver(state)
+    assert state.leasable_samples() == 4  # two fresh groups of two
+    d.take(credit=3)
+    assert state.leasable_samples() == 1  # the rest of the second group, queued
+    d.take()
+    d.finish_all()
+    assert state.leasable_samples() == 0
+    assert d.end_round() and state.leasable_samples() == 0  # the round is closed
+
+    capped = make_state(Mode.ASYNC, b=2, n=2, eta=1)  # admission: 4 groups
+    capped.max_live_samples = 5  # room for 2 groups of 2
+    assert capped.leasable_samples() == 4
+    assert len(Driver(capped).take()) == 4 and capped.leasable_samples() == 0
+
+
 def test_sync_take_work_respects_credit() -> None:
     state = make_state(Mode.SYNC, b=2, n=2)
     d = Driver(state)
@@ -371,7 +388,7 @@ def test_async_batch_waits_for_a_due_group() -> None:
     assert [s.key for _, _, s in work] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     d.finish(d.lease_of((2, 0)))
     d.finish(d.lease_of((2, 1)))
-    assert state.incomplete_due() == 1
+    assert state.incomplete_versions() == [0]  # group 1: tokens of v0, due at v1
     assert state.form_batch(1) is None  # group 2 is complete but group 1 (v0 tokens) is due
     d.finish(d.lease_of((1, 0)))
     assert state.form_batch(1) is None
@@ -381,7 +398,32 @@ def test_async_batch_waits_for_a_due_group() -> None:
     assert batch.stats["staleness_max"] == 1 and max(s.staleness(1) for s in batch.samples) == 1
 
 
-@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_async_eta_2_keeps_young_groups_waiting_for_old_ones() -> None:
+    """B=1, eta 2: at v1 groups 1 and 2 hold v0 tokens and run, group 3 (v1) is complete. Training group 3
+    first would leave both old groups due at v2 with one batch for two; so the batch waits for one."""
+    state = make_state(Mode.ASYNC, b=1, n=1, eta=2)
+    d = Driver(state)
+    assert len(d.take()) == 3  # (eta + 0 + 1) x B groups
+    d.finish(d.lease_of((0, 0)))
+    d.interrupt(d.lease_of((1, 0)))
+    d.interrupt(d.lease_of((2, 0)))
+    first = d.train()
+    assert first is not None and first.group_ids == [0]
+    assert [s.key for _, _, s in d.take()] == [(1, 0), (2, 0), (3, 0)]
+    d.finish(d.lease_of((3, 0)))
+    assert sorted(state.incomplete_versions(), key=str) == [0, 0]
+    assert state.form_batch(1) is None  # group 3 is complete, but groups 1 and 2 need two batches by v2
+    d.finish(d.lease_of((1, 0)))
+    trained = [d.train(step=1)]
+    assert trained[0] is not None and trained[0].group_ids == [1]
+    assert [s.key for _, _, s in d.take()] == [(2, 0), (4, 0)]  # v2 aborted group 2: resumed first
+    d.finish(d.lease_of((2, 0)))
+    trained += [d.train(step=2), d.train(step=3)]
+    assert [(b.group_ids, b.version) for b in trained if b] == [([1], 1), ([2], 2), ([3], 3)]
+    assert all(b.stats["staleness_max"] <= 2 for b in trained if b)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 3])
 def test_async_staleness_never_exceeds_the_bound(eta: int) -> None:
     """A scripted run: random lengths, a learner that trains whenever it can, an abort per version."""
     rng = random.Random(eta)

@@ -2,13 +2,18 @@
 
 Pure functions of counts and versions, so every rule is a parametrized table with a readable id:
 fresh-group allowance, round completion and aborts, the dynamic-sampling filter, dispatch order, the
-async due rule and batch selection.
+async due rule, batch selection under the staleness bound (with a property test over any order of
+events) and how leases are spread over workers.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from april import policy
 from april.config import AlgoConfig, Mode
@@ -295,17 +300,193 @@ def test_select_batch(mode: Mode, complete: list[GroupAge], version: int, expect
 
 
 @pytest.mark.parametrize(
-    ("mode", "incomplete_due", "formed"),
+    ("mode", "incomplete", "formed"),
     [
-        pytest.param(Mode.ASYNC, 1, False, id="async-waits-for-due-group"),
-        pytest.param(Mode.ASYNC, 0, True, id="async-nothing-due"),
-        pytest.param(Mode.APRIL, 3, True, id="april-ignores-due"),
-        pytest.param(Mode.SYNC, 3, True, id="sync-ignores-due"),
+        pytest.param(Mode.ASYNC, [0], False, id="async-waits-for-due-group"),
+        pytest.param(Mode.ASYNC, [1, None], True, id="async-nothing-due"),
+        pytest.param(Mode.APRIL, [0, 0, 0], True, id="april-ignores-due"),
+        pytest.param(Mode.SYNC, [0, 0, 0], True, id="sync-ignores-due"),
     ],
 )
-def test_select_batch_incomplete_due(mode: Mode, incomplete_due: int, formed: bool) -> None:
-    complete = ages(*((g, 0) for g in range(B + 2)))
-    chosen = policy.select_batch(mode, ALGO, complete, 1, incomplete_due=incomplete_due)
+def test_select_batch_waits_for_incomplete_due(
+    mode: Mode, incomplete: list[int | None], formed: bool
+) -> None:
+    """Version 1, eta 1: groups 0 and 1 (v0 tokens) are due, 2..5 (v1) are not."""
+    complete = ages(*((g, 0 if g < 2 else 1) for g in range(B + 2)))
+    chosen = policy.select_batch(mode, ALGO, complete, 1, incomplete)
     assert (chosen is not None) is formed
     if formed:
         assert chosen == list(range(B))
+
+
+# ---------------------------------------------------------------------------------------------------
+# slack and keeps_staleness_bound (async)
+
+
+@pytest.mark.parametrize(
+    ("min_version", "version", "eta", "expected"),
+    [
+        pytest.param(None, 4, 2, 2, id="no-token-full-slack"),
+        pytest.param(4, 4, 2, 2, id="current-version-full-slack"),
+        pytest.param(3, 4, 2, 1, id="one-behind"),
+        pytest.param(2, 4, 2, 0, id="two-behind-due"),
+        pytest.param(0, 4, 2, 0, id="overdue-counts-as-due"),
+        pytest.param(4, 4, 0, 0, id="eta0-always-due"),
+    ],
+)
+def test_slack(min_version: int | None, version: int, eta: int, expected: int) -> None:
+    assert policy.slack(min_version, version, eta) == expected
+    assert (expected == 0 and min_version is not None) is policy.is_due(min_version, version, eta)
+
+
+ETA2 = AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=2, max_staleness=2)
+
+
+@pytest.mark.parametrize(
+    ("complete", "incomplete", "version", "keeps"),
+    [
+        # B = 2, eta = 2, version 2: slack = min_version (0 due, 1 next batch, 2 the one after)
+        pytest.param([2, 2], [None, None], 2, True, id="only-fresh-work-running"),
+        pytest.param([2, 2], [0], 2, False, id="a-due-group-runs"),
+        pytest.param([0, 2], [1, 1], 2, True, id="two-slack-1-fit-the-next-batch"),
+        pytest.param([2, 2], [1, 1, 1], 2, False, id="three-slack-1-need-one-now"),
+        pytest.param([1, 2], [1, 1], 2, True, id="one-slack-1-now-two-next"),
+        pytest.param([2, 2], [1, 1], 2, True, id="two-slack-1-wait-for-the-next"),
+        pytest.param([0, 0], [0], 2, True, id="more-due-than-a-batch-takes-a-full-batch-of-them"),
+        pytest.param([0, 2], [0, 0], 2, False, id="more-due-than-a-batch-needs-a-full-batch-of-them"),
+    ],
+)
+def test_keeps_staleness_bound(
+    complete: list[int | None], incomplete: list[int | None], version: int, keeps: bool
+) -> None:
+    assert policy.keeps_staleness_bound(ETA2, complete, incomplete, version) is keeps
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_keeps_staleness_bound_up_to_eta_1_is_the_due_rule(eta: int) -> None:
+    """With eta <= 1 the rule is exactly "no incomplete group is due", in every state the rule and
+    admission allow (at most a batch of due groups, at most eta + 1 batches of untrained groups)."""
+    b = 2
+    algo = AlgoConfig(rollout_batch_size=b, over_sampling_batch_size=b, max_staleness=eta)
+    versions: list[int | None] = [None, 2, 3]
+    checked = 0
+    for complete in itertools.product(versions, repeat=b):
+        for n in range(3):
+            for incomplete in itertools.product(versions, repeat=n):
+                every = [*complete, *incomplete]
+                if len(every) > (eta + 1) * b or sum(policy.slack(m, 3, eta) == 0 for m in every) > b:
+                    continue
+                due = any(policy.is_due(m, 3, eta) for m in incomplete)
+                assert policy.keeps_staleness_bound(algo, complete, list(incomplete), 3) is not due
+                checked += 1
+    assert checked >= 9  # the allowed states of eta 0; more for eta 1
+
+
+NO_TOKEN = 1  # a group's oldest token version relative to the learner's: 0, -1, ...; this when it has none
+GroupState = tuple[tuple[int, bool], ...]  # sorted (relative oldest version, complete) of untrained groups
+
+
+def async_successors(algo: AlgoConfig, state: GroupState) -> list[GroupState]:
+    """Every next state of an async run as the policy sees it, checking each batch against the bound.
+
+    Events: a group's first token (under the learner's version), a group completing, a group dropped (the
+    filter), and a learner step whenever `select_batch` gives a batch (versions shift by one). Admission
+    then refills to (eta + 1) x B untrained groups, the most it allows. Version numbers are relative, so a
+    run of any length visits finitely many states.
+    """
+    b, eta, v = algo.rollout_batch_size, algo.max_staleness, 100
+
+    def admitted(groups: list[tuple[int, bool]]) -> GroupState:
+        return tuple(sorted(groups + [(NO_TOKEN, False)] * ((eta + 1) * b - len(groups))))
+
+    out: list[GroupState] = []
+    for i, (rel, done) in enumerate(state):
+        rest = list(state[:i] + state[i + 1 :])
+        if not done:
+            if rel == NO_TOKEN:
+                out.append(admitted([*rest, (0, False)]))
+            out.append(admitted([*rest, (min(rel, 0), True)]))
+            out.append(admitted(rest))
+    ages = [GroupAge(i, v + rel) for i, (rel, done) in enumerate(state) if done]
+    incomplete = [None if rel == NO_TOKEN else v + rel for rel, done in state if not done]
+    chosen = policy.select_batch(Mode.ASYNC, algo, ages, v, incomplete)
+    if chosen is None:
+        if len(ages) >= b:  # the learner waits only for groups holding tokens older than its version
+            assert any(m is not None and m < v for m in incomplete), f"waited for fresh work in {state}"
+        return out
+    for i in chosen:
+        assert -state[i][0] <= eta, f"batch {chosen} of {state} trains a group {-state[i][0]} versions stale"
+    kept = [(rel if rel == NO_TOKEN else rel - 1, d) for i, (rel, d) in enumerate(state) if i not in chosen]
+    return [*out, admitted(kept)]
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 3])
+@pytest.mark.parametrize("b", [1, 2, 3])
+def test_async_never_trains_a_group_past_the_staleness_bound(b: int, eta: int) -> None:
+    """Exhaustive over every reachable state of small async runs (any order of tokens, completions,
+    drops and learner steps): no batch trains a group staler than max_staleness, and the learner never
+    waits for groups whose tokens are all current. (The rule before eta-aware batching fails this at
+    eta >= 2 within a few steps.)"""
+    algo = AlgoConfig(rollout_batch_size=b, over_sampling_batch_size=b, max_staleness=eta)
+    start: GroupState = tuple([(NO_TOKEN, False)] * ((eta + 1) * b))
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in async_successors(algo, todo.pop()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    assert len(seen) > eta  # the search went somewhere
+
+
+def test_async_eta_2_batch_of_young_groups_waits_for_the_old() -> None:
+    """The case the simulator found (B=1, eta 2): at v1, g1 and g2 hold v0 tokens and run, g3 (v1) is
+    complete. Training g3 now would leave g1 and g2 both due at v2, one batch for two: so it waits."""
+    algo = AlgoConfig(rollout_batch_size=1, over_sampling_batch_size=1, max_staleness=2)
+    assert policy.select_batch(Mode.ASYNC, algo, ages((3, 1)), 1, [0, 0]) is None
+    assert policy.select_batch(Mode.ASYNC, algo, ages((3, 1), (1, 0)), 1, [0]) == [1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# spread_leases
+
+
+@pytest.mark.parametrize(
+    ("available", "free", "slots", "expected"),
+    [
+        pytest.param(100, [3, 0, 5], [8, 8, 8], [3, 0, 5], id="work-for-every-slot-fills-all"),
+        pytest.param(8, [8, 8], [8, 8], [4, 4], id="even-split"),
+        pytest.param(6, [8, 4], [8, 8], [5, 1], id="levels-the-busier-worker"),
+        pytest.param(6, [8, 16], [8, 16], [2, 4], id="relative-to-size"),
+        pytest.param(3, [2, 2, 2], [4, 4, 4], [1, 1, 1], id="one-each"),
+        pytest.param(5, [64, 0, 64, 64], [64] * 4, [2, 0, 2, 1], id="ties-go-to-the-earlier-worker"),
+        pytest.param(0, [4, 4], [4, 4], [0, 0], id="no-work"),
+        pytest.param(-3, [4], [4], [0], id="negative-work-is-none"),
+        pytest.param(5, [], [], [], id="no-workers"),
+    ],
+)
+def test_spread_leases(available: int, free: list[int], slots: list[int], expected: list[int]) -> None:
+    assert policy.spread_leases(available, free, slots) == expected
+
+
+@given(
+    st.integers(0, 300),
+    st.lists(st.tuples(st.integers(1, 64), st.integers(0, 64)), max_size=12),
+)
+@settings(max_examples=300, deadline=None)
+def test_spread_leases_levels_free_fractions(available: int, workers: list[tuple[int, int]]) -> None:
+    """Every sample that can be leased is, within each worker's free slots, and no single sample moved
+    from one worker to another would leave the receiver freer than the giver was before it."""
+    slots = [s for s, _ in workers]
+    free = [min(f, s) for s, f in workers]
+    shares = policy.spread_leases(available, free, slots)
+    assert sum(shares) == min(available, sum(free))
+    assert all(0 <= x <= f for x, f in zip(shares, free, strict=True))
+    for i, (fi, xi, si) in enumerate(zip(free, shares, slots, strict=True)):
+        for j, (fj, xj, sj) in enumerate(zip(free, shares, slots, strict=True)):
+            if i != j and xi < fi and xj > 0:
+                assert (fj - xj + 1) * si >= (fi - xi) * sj
+
+
+def test_spread_leases_rejects_mismatched_lists() -> None:
+    with pytest.raises(ValueError, match="2 free counts for 1 workers"):
+        policy.spread_leases(3, [1, 2], [4])

@@ -9,14 +9,15 @@ the learner finishing a step (weights v+1 published, batch acked, next batch req
 
 `broker/server.py` holds the glue between messages and `BrokerState` next to its sockets and clocks, so
 this module mirrors it, handler by handler (names in brackets):
-  - SampleResult: accept each sample, grant the finished samples' slots back, then lease to that worker
-    unless the round is complete [_on_worker, _on_results, _dispatch_to(train=...)]. Scoring is instant,
-    so the worker's LeaseRequest and SampleResult arrive together.
+  - SampleResult: accept each sample, grant the finished samples' slots back, then dispatch unless the
+    round is complete [_on_worker, _on_results, _dispatch(train=...)]. Scoring is instant, so the
+    worker's LeaseRequest and SampleResult arrive together.
   - AbortDone: the worker's credit is reset to its slots; the abort round ends in the next tick once
     every holder confirmed, and sync/april then park queued samples [_on_abort_done, _check_abort].
   - tick, after every event: end a confirmed abort; close a complete round (abort the holders, or park
-    at once); lease to every worker with credit, in registration order; form and hand out the batch if
-    the learner waits [tick, _dispatch, _try_send_batch].
+    at once); dispatch: the leasable samples spread over the workers with credit by free slots relative
+    to size (`policy.spread_leases`), one Lease each; form and hand out the batch if the learner waits
+    [tick, _dispatch, _try_send_batch].
   - WeightsReady: set_weights, relay to every worker, in async abort when samples are leased and no abort
     is running [_on_weights]. BatchAck: ack_batch, then the ledger check [_ack].
   - the learner (learner/loop.py): request, train, publish v+1, ack, request the next step.
@@ -243,7 +244,7 @@ class Simulation:
         for lease_id, sample in items:
             self.state.accept_result(engine.worker_id, lease_id, sample)
         self.credit[engine.index] = min(self.credit[engine.index] + credit, engine.slots)
-        self._dispatch_to(engine, train=not self.state.round_complete())
+        self._dispatch(train=not self.state.round_complete())
 
     def _on_abort_done(self, engine: EngineModel) -> None:
         self.credit[engine.index] = engine.slots
@@ -263,26 +264,36 @@ class Simulation:
         self._dispatch()
         self._try_send_batch()
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, train: bool = True) -> None:
+        """Spread training samples over the engines with credit, one Lease each [_dispatch,
+        _lease_training]; no evaluations here."""
         state = self.state
-        if self.abort is not None or not state.dispatch_allowed():
+        if self.abort is not None or not train or not state.dispatch_allowed():
             return
-        allowance = policy.fresh_group_allowance(
-            state.mode, state.algo, state.counts(), state.version, state.round_open
-        )
-        if not state.queue and allowance <= 0:
+        available = state.leasable_samples()
+        if available <= 0:
             return  # take_work would lease nothing to any worker
-        for engine in [e for e in self.engines if self.credit[e.index] > 0]:
-            self._dispatch_to(engine)
-
-    def _dispatch_to(self, engine: EngineModel, train: bool = True) -> None:
-        i = engine.index
-        if self.abort is not None or self.credit[i] <= 0 or not (train and self.state.dispatch_allowed()):
-            return
-        work = self.state.take_work(engine.worker_id, self.credit[i], self.peer_version[i])
-        if work:
-            self.credit[i] -= len(work)
-            self._send(engine, Lease(work))
+        engines = [e for e in self.engines if self.credit[e.index] > 0]
+        free = [self.credit[e.index] for e in engines]
+        shares = policy.spread_leases(available, free, [e.slots for e in engines])
+        work: list[list[tuple[int, int, Sample]]] = [[] for _ in engines]
+        short = False
+        for engine, items, share in zip(engines, work, shares, strict=True):
+            if share:
+                got = state.take_work(engine.worker_id, share, self.peer_version[engine.index])
+                items += got
+                short = short or len(got) < share
+        if short:
+            order = sorted(range(len(engines)), key=lambda i: -(free[i] - len(work[i])) / engines[i].slots)
+            for i in order:
+                left = free[i] - len(work[i])
+                if left > 0 and state.leasable_samples():
+                    version = self.peer_version[engines[i].index]
+                    work[i] += state.take_work(engines[i].worker_id, left, version)
+        for engine, items in zip(engines, work, strict=True):
+            if items:
+                self.credit[engine.index] -= len(items)
+                self._send(engine, Lease(items))
 
     def _start_abort(self) -> None:
         holders = sorted({self.by_worker[lease.worker_id].index for lease in self.state.leases.values()})
