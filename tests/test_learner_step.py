@@ -242,7 +242,5 @@ def test_a_batch_with_ids_outside_the_vocabulary_is_refused_with_a_clear_error()
 
     msg = batch_message(rl_samples(0, groups=2))
     check_batch(msg, 2 * GROUP, GROUP, vocab_size=259)
-    with pytest.raises(
-        BatchError, match=r"ids range \d+\.\.\d+ is outside the model.s vocabulary 0\.\.199"
-    ):
+    with pytest.raises(BatchError, match=r"ids range \d+\.\.\d+ is outside the model.s vocabulary 0\.\.199"):
         check_batch(msg, 2 * GROUP, GROUP, vocab_size=200)
