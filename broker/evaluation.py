@@ -84,8 +84,14 @@ class Evaluations:
     """Decides when to evaluate and keeps the running evaluation's samples and leases."""
 
     def __init__(
-        self, prompts: Sequence[PromptRecord], every: int, final_version: int, max_new_tokens: int
+        self,
+        prompts: Sequence[PromptRecord],
+        every: int,
+        final_version: int,
+        max_new_tokens: int,
+        on_result: Callable[[EvalResult], None] | None = None,
     ) -> None:
+        self.on_result = on_result  # told of every finished evaluation (the server appends it to a file)
         self.prompts = tuple(prompts)
         self.every = every
         self.final_version = final_version
@@ -190,6 +196,8 @@ class Evaluations:
         )
         self.completed += 1
         self.run = None
+        if self.on_result is not None:
+            self.on_result(self.latest)
         log.info(
             "evaluation at v%d done: accuracy %.4f over %d held-out prompts (%d failed)",
             run.version,

@@ -32,7 +32,7 @@ from april.records import Sample
 from april.transport import configure
 from april.wire_records import SampleBatch
 from broker import snapshot
-from broker.evaluation import Evaluations
+from broker.evaluation import EvalResult, Evaluations
 from broker.peers import Peer, Rejections, WorkerPeer, Workers
 from broker.prometheus import PrometheusExporter
 from broker.snapshot_writer import SnapshotWriter
@@ -42,6 +42,7 @@ from broker.status import build_status
 log = logging.getLogger("april.broker")
 DRAIN_LIMIT = 256  # messages handled per socket before the loop ticks again
 STATUS_PERIOD_S = 1.0
+EVAL_LOG = "eval.jsonl"  # one line per finished evaluation, in the run directory
 
 
 @dataclass(slots=True)
@@ -64,7 +65,7 @@ class Broker:
         if config.run.eval_every > 0 and config.data.eval_size > 0:
             source, held_out = split_held_out(source, config.data.eval_size)  # training never sees them
         self.evals = Evaluations(
-            held_out, config.run.eval_every, config.run.steps, config.algo.max_new_tokens
+            held_out, config.run.eval_every, config.run.steps, config.algo.max_new_tokens, self._record_eval
         )
         self.exporter = PrometheusExporter(self.cfg.metrics_port) if self.cfg.metrics_port > 0 else None
         self.workers = Workers(self.cfg.heartbeat_interval_s, self.cfg.liveness)
@@ -567,6 +568,12 @@ class Broker:
             self.save_snapshot()
         if self.cfg.debug_ledger:
             self.state.check_ledger("in debug tick")
+
+    def _record_eval(self, result: EvalResult) -> None:
+        """Append a finished evaluation to RUN_DIR/eval.jsonl (the final one lands after the last step)."""
+        line = json.dumps({"time": time.time(), **result.to_json()})
+        with open(self.run_dir / EVAL_LOG, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
 
     def status(self, now: float) -> dict[str, object]:
         return build_status(self, now)

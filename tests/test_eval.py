@@ -178,6 +178,9 @@ def test_eval_leases_are_greedy_held_out_and_reported(cluster: Callable[..., Clu
     assert evaluation["completed"] >= 2  # v3 at least, v1 and v2 unless one fell due while another ran
     reported = [b["stats"] for b in c.batches() if "eval_accuracy" in b["stats"]]
     assert reported and all(s["eval_accuracy"] == 0.5 and s["eval_version"] >= 1 for s in reported)
+    logged = [json.loads(x) for x in (c.run_dir / "eval.jsonl").read_text().splitlines()]
+    assert logged[-1]["version"] == 3 and logged[-1]["accuracy"] == 0.5  # the final one, after the last step
+    assert len(logged) == evaluation["completed"]
 
 
 def test_eval_with_real_workers_and_the_sim_engine(cluster: Callable[..., Cluster]) -> None:
