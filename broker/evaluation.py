@@ -1,11 +1,12 @@
 """Evaluation on the held-out prompts: when the broker evaluates, the evaluation leases and the result.
 
 An evaluation runs the fixed held-out prompts (`april.heldout`) once each, greedily, under the weights
-version that triggered it: after the learner publishes version v with `v % run.eval_every == 0`, and after
-the final version `run.steps`. One evaluation runs at a time; one that falls due meanwhile starts when it
-finishes, at the broker's version then. Its samples live here, never in the books of `broker.state`: no
-group, no ledger entry, no partial buffer, never in a batch. They have group ids from `EVAL_GROUP_BASE` up
-(one sample, index 0, per held-out prompt) and take lease ids from the same counter as training leases.
+version that triggered it: the starting weights (v0) when a run starts, after the learner publishes version
+v with `v % run.eval_every == 0`, and after the final version `run.steps`. One evaluation runs at a time;
+one that falls due meanwhile starts when it finishes, at the broker's version then. Its samples live here,
+never in the books of `broker.state`: no group, no ledger entry, no partial buffer, never in a batch. They
+have group ids from `EVAL_GROUP_BASE` up (one sample, index 0, per held-out prompt) and take lease ids from
+the same counter as training leases.
 
 An evaluation sample that comes back INTERRUPTED (an abort hit its worker) keeps its tokens and is
 resumed, as training partials are, but only for this evaluation: greedy decoding continued under the same

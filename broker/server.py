@@ -79,6 +79,7 @@ class Broker:
             snapshot.write(snapshot.capture(self.state), run_dir / "broker")
         else:
             self.state = BrokerState(config.run.mode, config.algo, source)
+            self.evals.on_version(0)  # a baseline: the starting weights on the held-out prompts
         self.state.max_live_samples = self.cfg.max_buffered_samples
         self.snapshots = SnapshotWriter(run_dir / "broker")
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable

@@ -170,14 +170,15 @@ def test_eval_leases_are_greedy_held_out_and_reported(cluster: Callable[..., Clu
     assert all(e["g"] < EVAL_GROUP_BASE for e in train)
     held_out = {e["prompt"] for e in greedy}
     assert len(held_out) == 4 and held_out.isdisjoint({e["prompt"] for e in train})
-    assert all(e["version"] >= 1 for e in greedy)  # relayed weights come before the leases after them
+    # the v0 baseline runs on the starting weights, the later evaluations on relayed ones
+    assert 0 in {e["version"] for e in greedy} and max(e["version"] for e in greedy) >= 1
     assert status["eval"]["oldest_version"] == 3  # the final evaluation ran on the final weights
     # the scripted worker's reward is (group_id + index) % 2: prompts 1 and 3 of 4 are right
     evaluation = status["eval"]
     assert evaluation["accuracy"] == 0.5 and evaluation["n"] == 4 and evaluation["running"] is None
     assert evaluation["completed"] >= 2  # v3 at least, v1 and v2 unless one fell due while another ran
     reported = [b["stats"] for b in c.batches() if "eval_accuracy" in b["stats"]]
-    assert reported and all(s["eval_accuracy"] == 0.5 and s["eval_version"] >= 1 for s in reported)
+    assert reported and all(s["eval_accuracy"] == 0.5 and s["eval_version"] >= 0 for s in reported)
     logged = [json.loads(x) for x in (c.run_dir / "eval.jsonl").read_text().splitlines()]
     assert logged[-1]["version"] == 3 and logged[-1]["accuracy"] == 0.5  # the final one, after the last step
     assert len(logged) == evaluation["completed"]
@@ -196,9 +197,10 @@ def test_eval_with_real_workers_and_the_sim_engine(cluster: Callable[..., Cluste
     assert evaluation["n"] == 6 and evaluation["failed"] == 0 and 0.0 <= evaluation["accuracy"] <= 1.0
     assert evaluation["tokens_generated"] > 0
     stats = [b["stats"] for b in c.batches()]
-    assert all("eval_version" not in s for s in stats[:2])  # formed before v2, the first evaluation
-    reported = [s for s in stats[2:] if "eval_version" in s]
+    assert all(s.get("eval_version", 0.0) == 0.0 for s in stats[:2])  # before v2: at most the v0 baseline
+    reported = [s for s in stats[2:] if s.get("eval_version", 0.0) > 0]
     assert all(s["eval_version"] == 2.0 and not math.isnan(s["eval_accuracy"]) for s in reported)
+    assert json.loads((c.run_dir / "eval.jsonl").read_text().splitlines()[0])["version"] == 0
     assert Counter(w["id"] for w in status["workers"]) == {"w0": 1, "w1": 1}
 
 
