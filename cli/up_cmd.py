@@ -12,8 +12,10 @@ The process plumbing is `cli.supervisor`; the view is `cli.dashboard` / `cli.das
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import json
 import signal
 import socket
 import sys
@@ -21,8 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from april.config import Config, ConfigError, Mode, load_config, write_config
+from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
 from cli.dashboard_state import DashboardState, add_alert, add_event
 from cli.supervisor import ChildExit, ChildSpec, Supervisor
@@ -32,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "models" / "tiny"
 MAX_RESTARTS = 3
 BROKER_START_S = 60.0  # the broker answers its first status within this (imports + bind)
+FINAL_EVAL_WAIT_S = 120.0  # after the last step, the final evaluation may take this long to finish
 LEARNER = "learner"
 BROKER = "broker"
 
@@ -51,6 +56,7 @@ class UpOptions:
     resume: Path | None = None  # a run directory to continue
     headless: bool = False
     sets: tuple[str, ...] = ()
+    screenshot: Path | None = None  # save the dashboard as SVG just before stopping
 
 
 def builtin_config() -> Config:
@@ -227,13 +233,22 @@ class Run:
         self._check_checkpoints()
         if self.outcome != "finished":
             return not self.outcome
-        # the learner is done: let its last step reach the view (the broker publishes every second)
-        last = state.last_step
+        # the learner is done: wait (bounded) for the final evaluation, and let the view catch up
         assert self.finished_at is not None
-        return (
-            not (last is not None and last + 1 >= self.config.run.steps)
-            and time.time() - self.finished_at < 3
-        )
+        waited = time.time() - self.finished_at
+        if self.evaluating and self.final_eval() is None and waited < FINAL_EVAL_WAIT_S:
+            return True
+        last = state.last_step
+        return not (last is not None and last + 1 >= self.config.run.steps) and waited < 3
+
+    @property
+    def evaluating(self) -> bool:
+        return self.config.run.eval_every > 0 and self.config.data.eval_size > 0
+
+    def final_eval(self) -> dict[str, Any] | None:
+        """The evaluation at the final version, once the broker has logged it."""
+        evals = read_evals(self.run_dir)
+        return evals[-1] if evals and evals[-1]["version"] >= self.config.run.steps else None
 
     def _check_checkpoints(self) -> None:
         """An event per checkpoint the learner completes (the status feed does not carry them)."""
@@ -301,6 +316,8 @@ def run_up(opts: UpOptions, env: dict[str, str]) -> int:
     except KeyboardInterrupt:
         run.outcome = run.outcome or "interrupted"
     finally:
+        if opts.screenshot is not None:
+            export_svg(run.state, opts.screenshot)
         print(f"april up: stopping ({run.outcome or 'interrupted'}) ...", file=sys.stderr, flush=True)
         run.stop()
         signal.signal(signal.SIGTERM, previous)
@@ -313,14 +330,32 @@ def run_up(opts: UpOptions, env: dict[str, str]) -> int:
     return 130 if run.outcome == "interrupted" else 1
 
 
-def summary_line(run: Run) -> str:
-    import json
+def read_evals(run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluations the broker logged in RUN_DIR/eval.jsonl (oldest first)."""
+    try:
+        lines = (run_dir / "eval.jsonl").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
 
+
+def summary_line(run: Run) -> str:
     path = run.run_dir / "summary.json"
     if run.outcome == "finished" and path.exists():
         s = json.loads(path.read_text())
+        evals = read_evals(run.run_dir)
+        held_out = (
+            f"; held-out accuracy {evals[0]['accuracy']:.3f} (v{evals[0]['version']}) -> "
+            f"{evals[-1]['accuracy']:.3f} (v{evals[-1]['version']})"
+            if evals
+            else ""
+        )
         return (
             f"april up: {s['steps']} steps in {run.run_dir}: reward {s['reward_mean_first']:.3f} -> "
-            f"{s['reward_mean_last']:.3f}, {s['samples_per_s']:.2f} samples/s; ledger {s['ledger']}"
+            f"{s['reward_mean_last']:.3f}, {s['samples_per_s']:.2f} samples/s{held_out}; ledger {s['ledger']}"
         )
     return f"april up: {run.outcome}; {run.run_dir} is resumable: april up --resume {run.run_dir}"
