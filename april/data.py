@@ -225,7 +225,11 @@ class JsonlPromptSource:
 
 
 def open_source(data_config: DataConfig, seed: int) -> PromptSource:
-    """The source named by `[data] source`: "synthetic" or a path to a JSONL file."""
+    """The source named by `[data] source`: "synthetic", "task" (the built-in task) or a JSONL path."""
+    if data_config.source == "task":
+        from april.task import TaskPromptSource  # april.task imports this module
+
+        return TaskPromptSource(seed=seed)
     if data_config.source == "synthetic":
         return SyntheticPromptSource(
             seed=seed,

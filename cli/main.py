@@ -14,6 +14,7 @@ import typer
 from april.config import Mode
 from cli.broker_cmd import BrokerStartError, run_broker
 from cli.options import resolve_config, user_errors
+from cli.sft_cmd import sft_command, task_app
 from cli.simulate_cmd import simulate_command
 from cli.status_cmd import status_command
 
@@ -147,6 +148,8 @@ def generate(
 
 app.command("status")(status_command)
 app.command("simulate")(simulate_command)
+app.command("sft")(sft_command)
+app.add_typer(task_app, name="task")
 
 
 @app.command()
