@@ -115,7 +115,7 @@ class AlgoConfig:
 
 @dataclass(frozen=True, slots=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic" or a path to a JSONL file
+    source: str = "synthetic"  # "synthetic", "task" (the built-in task) or a path to a JSONL file
     prompt_key: str = "prompt"  # JSONL field holding the prompt (a dotted path reaches nested fields)
     answer_key: str = "answer"  # JSONL field holding the reference answer given to the reward
     shuffle: bool = True  # a new seeded permutation of the prompts each epoch; false: file order

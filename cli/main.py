@@ -167,6 +167,9 @@ def up(
         bool, typer.Option("--headless", help="One progress line per step instead of the dashboard.")
     ] = False,
     set_: SetOpt = None,
+    screenshot: Annotated[
+        Path | None, typer.Option("--screenshot", help="Save the final dashboard as an SVG file.")
+    ] = None,
 ) -> None:
     """Run broker, workers and learner with a live dashboard (default: built-in task, tiny model)."""
     from cli.up_cmd import UpError, UpOptions, run_up
@@ -181,6 +184,7 @@ def up(
         resume=resume,
         headless=headless,
         sets=tuple(set_ or ()),
+        screenshot=screenshot,
     )
     with user_errors(UpError):
         code = run_up(opts, dict(os.environ))

@@ -65,7 +65,7 @@ def builtin_config() -> Config:
 
     model = str(TINY_MODEL)
     return Config(
-        run=RunConfig(name="tiny", steps=40, mode=Mode.APRIL, eval_every=10),
+        run=RunConfig(name="tiny", steps=100, mode=Mode.APRIL, eval_every=10),
         algo=AlgoConfig(
             rollout_batch_size=8,
             over_sampling_batch_size=16,
@@ -77,7 +77,7 @@ def builtin_config() -> Config:
         data=DataConfig(source="task", eval_size=64),
         worker=WorkerConfig(engine="torch", slots=32, model=model, reward="exact", torch_threads=1),
         learner=LearnerConfig(
-            model=model, backend="deepspeed", lr=2e-4, torch_threads=2, checkpoint_every=10
+            model=model, backend="deepspeed", lr=1e-4, torch_threads=2, checkpoint_every=10
         ),
     )
 

@@ -289,3 +289,23 @@ def test_a_headless_run_in_each_mode(tmp_path: Path, mode: str) -> None:
     if mode == "sync":
         assert all(x["aborted"] == 0 and x["resumed"] == 0 for x in lines)
     assert len(children) == 4 and not [pid for pid in children if alive(pid)]
+
+
+def test_the_default_run_on_the_tiny_model(tmp_path: Path) -> None:
+    """`april up --headless --steps 3` with no config: the built-in task, the shipped tiny model, two torch
+    workers and the DeepSpeed learner, in april mode."""
+    from cli.up_cmd import TINY_MODEL
+
+    if not TINY_MODEL.is_dir():
+        pytest.fail(f"the shipped tiny model is missing from {TINY_MODEL}")
+    run_dir = tmp_path / "run"
+    code, out, children = run_up(["--steps", "3", "--run-dir", str(run_dir), "--set=run.eval_every=3"], 300)
+    assert code == 0, out
+    lines = check_run(run_dir, 3, samples=8 * 8)
+    assert all(x["mode"] == "april" for x in lines)
+    assert sum(x["aborted"] for x in lines) > 0 and sum(x["resumed"] for x in lines) > 0, lines
+    assert all(0 <= x["accuracy"] <= 1 and x["response_len_max"] <= 256 for x in lines)
+    evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["version"] for e in evals] == [0, 3]  # the baseline and the final evaluation
+    assert "held-out accuracy" in out
+    assert len(children) == 4 and not [pid for pid in children if alive(pid)]
