@@ -309,3 +309,28 @@ def test_the_default_run_on_the_tiny_model(tmp_path: Path) -> None:
     assert [e["version"] for e in evals] == [0, 3]  # the baseline and the final evaluation
     assert "held-out accuracy" in out
     assert len(children) == 4 and not [pid for pid in children if alive(pid)]
+
+
+def test_a_killed_worker_is_restarted_and_the_run_carries_on(tmp_path: Path) -> None:
+    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from cli.main import main; main()", "up", "--headless", "--config", str(cfg),
+         "--run-dir", str(run_dir), "--steps", "12", *free_port_set()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.1)
+    argv = {
+        pid: Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
+        for pid in child_pids(proc.pid)
+    }
+    workers = [pid for pid, args in argv.items() if args[3] == "worker"]  # python -c CODE ROLE ...
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=180)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert "exited -9: restarted (1/3)" in text
+    check_run(run_dir, 12, samples=4)
