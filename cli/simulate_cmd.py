@@ -254,8 +254,9 @@ def simulate_command(
         bool, typer.Option("--json", help="One JSON object: per mode the bench.json figures.")
     ] = False,
 ) -> None:
-    """Predict what april / async give over sync on a length distribution, in seconds of virtual time:
-    a discrete-event model drives the broker's own books and scheduling policy (BrokerState, april.policy)
+    """Predict what april / async give over sync on a length distribution, in virtual time.
+
+    A discrete-event model drives the broker's own books and scheduling policy (BrokerState, april.policy)
     with simulated engines and learner. Decode step = A + B x active sequences (+ C per prefilled token);
     defaults are GPU-like for a 4B model on one H100-class GPU per engine (A 6 ms, B 0.1 ms, C 0.02 ms:
     ~12 ms a step at 64 sequences, ~50k prefill tokens/s), a 20 s learner step, and the paper's setting
