@@ -14,9 +14,7 @@ in another order: 1e-5 absolute. Resume vs uninterrupted is exact (same process 
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,14 +26,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from ranks import launch_ranks  # noqa: E402
+
 from actors.hf import load_model, make_tiny_model  # noqa: E402
 from april.files import sha256_file  # noqa: E402
 from learner import checkpoint, weights  # noqa: E402
 from learner.ds_config import deepspeed_config  # noqa: E402
-from learner.engine import TrainEngine, TrainSettings, free_port  # noqa: E402
+from learner.engine import TrainEngine, TrainSettings  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-CHILD_TIMEOUT_S = 240  # the first DeepSpeed run on a machine builds a small C++ op (~35-60 s, then cached)
 SEQ_LEN = 32
 BASE = {"micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-3, "weight_decay": 0.01, "grad_clip": 1.0}
 
@@ -95,34 +93,10 @@ def train(spec: dict[str, Any]) -> None:
 
 def run_children(specs: list[dict[str, Any]], tmp: Path) -> None:
     """Run `train` in one subprocess per spec (ranks of one run when there are several), and wait."""
-    port, procs = str(free_port()), []
-    for rank, spec in enumerate(specs):
-        spec_file = tmp / f"spec{rank}.json"
+    files = [tmp / f"spec{rank}.json" for rank in range(len(specs))]
+    for spec, spec_file in zip(specs, files, strict=True):
         spec_file.write_text(json.dumps(spec))
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(len(specs)),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
-        log = open(tmp / f"child{rank}.log", "wb")  # noqa: SIM115  closed below
-        cmd = [sys.executable, __file__, str(spec_file)]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = []
-    for rank, (proc, log) in enumerate(procs):
-        try:
-            rc = proc.wait(timeout=CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        log.close()
-        if rc != 0:
-            tail = (tmp / f"child{rank}.log").read_text(errors="replace")[-3000:]
-            failed.append(f"rank {rank} exited {rc}:\n{tail}")
-    assert not failed, "\n".join(failed)
+    launch_ranks(__file__, files, [tmp / f"child{rank}.log" for rank in range(len(specs))])
 
 
 def result(out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -15,8 +15,6 @@ its process group. Tolerance across rank layouts: 1e-5 (the reduction order diff
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from ranks import launch_ranks  # noqa: E402
+
 from actors.hf import load_model, make_tiny_model  # noqa: E402
 from april import protocol  # noqa: E402
 from april.config import Algorithm, OffPolicy  # noqa: E402
@@ -35,13 +35,11 @@ from april.records import FinishReason, Sample  # noqa: E402
 from april.wire_records import SampleBatch  # noqa: E402
 from learner import checkpoint, weights  # noqa: E402
 from learner.batching import build_train_batch  # noqa: E402
-from learner.engine import TrainEngine, TrainSettings, free_port  # noqa: E402
+from learner.engine import TrainEngine, TrainSettings  # noqa: E402
 from learner.losses import LossConfig  # noqa: E402
 from learner.ranks import share_batch  # noqa: E402
 from learner.step import mini_batches, train_step  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-CHILD_TIMEOUT_S = 240
 GROUP = 4
 VERSION = 3
 
@@ -114,33 +112,7 @@ def run_ranks(spec: dict[str, Any], world: int, tmp: Path) -> tuple[dict[str, An
     out.mkdir()
     spec_file = tmp / f"spec-{world}.json"
     spec_file.write_text(json.dumps({**spec, "out": str(out)}))
-    port, procs = str(free_port()), []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
-        log = open(tmp / f"rank{world}-{rank}.log", "wb")  # noqa: SIM115  closed below
-        cmd = [sys.executable, __file__, str(spec_file)]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = []
-    for rank, (proc, log) in enumerate(procs):
-        try:
-            rc = proc.wait(timeout=CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        log.close()
-        if rc != 0:
-            failed.append(
-                f"rank {rank}/{world} exited {rc}:\n{(tmp / f'rank{world}-{rank}.log').read_text()[-3000:]}"
-            )
-    assert not failed, "\n".join(failed)
+    launch_ranks(__file__, [spec_file] * world, [tmp / f"rank{world}-{r}.log" for r in range(world)])
     res = json.loads((out / "result.json").read_text())
     return weights.load_published(Path(res["path"]), res["sha"]), res["stats"]
 
