@@ -99,28 +99,29 @@ def resolve(opts: UpOptions, env: dict[str, str]) -> tuple[Config, Path, bool]:
         if not base.is_file():
             raise UpError(f"--resume {opts.resume}: no config.toml there (not an april run directory)")
         return load_config(base, env=env, overrides=overrides), opts.resume, True
-    base_file = opts.config
-    if base_file is None:
-        if not TINY_MODEL.is_dir():
-            raise UpError(
-                f"the built-in tiny model is not at {TINY_MODEL}: run `april sft --out {TINY_MODEL}` "
-                "or pass --config with your own model"
-            )
-        base_file = Path(_write_builtin())
-    config = load_config(base_file, env=env, overrides=overrides)
+    if opts.config is not None:
+        config = load_config(opts.config, env=env, overrides=overrides)
+    elif not TINY_MODEL.is_dir():
+        raise UpError(
+            f"the built-in tiny model is not at {TINY_MODEL}: run `april sft --out {TINY_MODEL}` "
+            "or pass --config with your own model"
+        )
+    else:
+        config = load_builtin(env, overrides)
     run_dir = opts.run_dir or config.run_path()
     if (run_dir / "metrics.jsonl").exists():
         raise UpError(f"{run_dir} already holds a run: continue it with `april up --resume {run_dir}`")
     return config, run_dir, False
 
 
-def _write_builtin() -> str:
+def load_builtin(env: dict[str, str], overrides: dict[str, object]) -> Config:
+    """The built-in run as the base layer, under the same environment and option layers as a file."""
     import tempfile
 
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="april-up-", delete=False) as f:
-        path = f.name
-    write_config(builtin_config(), Path(path))
-    return path
+    with tempfile.TemporaryDirectory(prefix="april-up-") as tmp:
+        path = Path(tmp) / "builtin.toml"
+        write_config(builtin_config(), path)
+        return load_config(path, env=env, overrides=overrides)
 
 
 def wire_addresses(config: Config) -> Config:
