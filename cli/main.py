@@ -168,7 +168,7 @@ def up(
     ] = False,
     set_: SetOpt = None,
     screenshot: Annotated[
-        Path | None, typer.Option("--screenshot", help="Save the final dashboard as an SVG file.")
+        Path | None, typer.Option("--screenshot", help="Save the dashboard as SVG one step before the end.")
     ] = None,
 ) -> None:
     """Run broker, workers and learner with a live dashboard (default: built-in task, tiny model)."""

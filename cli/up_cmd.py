@@ -56,7 +56,7 @@ class UpOptions:
     resume: Path | None = None  # a run directory to continue
     headless: bool = False
     sets: tuple[str, ...] = ()
-    screenshot: Path | None = None  # save the dashboard as SVG just before stopping
+    screenshot: Path | None = None  # save the dashboard as SVG one step before the end (or at a stop)
 
 
 def builtin_config() -> Config:
@@ -195,7 +195,10 @@ def plan(config: Config, config_path: Path, run_dir: Path, workers: int, resume:
 class Run:
     """One `april up` run: its supervisor, its dashboard state and how it ended."""
 
-    def __init__(self, config: Config, run_dir: Path, specs: list[ChildSpec]) -> None:
+    def __init__(
+        self, config: Config, run_dir: Path, specs: list[ChildSpec], screenshot: Path | None = None
+    ) -> None:
+        self.screenshot = screenshot
         self.config = config
         self.run_dir = run_dir
         self.specs = specs
@@ -232,6 +235,8 @@ class Run:
         if not self.outcome:
             self._check_exits()
         self._check_checkpoints()
+        if state.last_step is not None and state.last_step + 2 >= self.config.run.steps:
+            self.save_screenshot()  # one step before the end: everything still running
         if self.outcome != "finished":
             return not self.outcome
         # the learner is done: wait (bounded) for the final evaluation, and let the view catch up
@@ -284,6 +289,11 @@ class Run:
         ):
             self.outcome = f"failed: {ex.name} exited {ex.code} after {ex.restarts} restarts"
 
+    def save_screenshot(self) -> None:
+        if self.screenshot is not None:
+            export_svg(self.state, self.screenshot)
+            self.screenshot = None
+
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signalled = True
 
@@ -303,7 +313,7 @@ def run_up(opts: UpOptions, env: dict[str, str]) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
     write_config(config, config_path)
-    run = Run(config, run_dir, plan(config, config_path, run_dir, opts.workers, resume))
+    run = Run(config, run_dir, plan(config, config_path, run_dir, opts.workers, resume), opts.screenshot)
     previous = signal.signal(signal.SIGTERM, run.on_signal)
     try:
         with StatusFeed(run.pub) as feed:
@@ -317,8 +327,7 @@ def run_up(opts: UpOptions, env: dict[str, str]) -> int:
     except KeyboardInterrupt:
         run.outcome = run.outcome or "interrupted"
     finally:
-        if opts.screenshot is not None:
-            export_svg(run.state, opts.screenshot)
+        run.save_screenshot()  # stopped before the learner finished: the view as it is
         print(f"april up: stopping ({run.outcome or 'interrupted'}) ...", file=sys.stderr, flush=True)
         run.stop()
         signal.signal(signal.SIGTERM, previous)
