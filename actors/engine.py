@@ -123,6 +123,18 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def check_engine_args(engine: str, slots: int, sampling: SamplingParams) -> None:
+    """The start-up checks every model engine makes: at least one slot and sampling settings it runs."""
+    if slots < 1:
+        raise EngineError(f"{engine} engine: slots must be >= 1, got {slots}")
+    if not sampling.temperature > 0:
+        raise EngineError(f"{engine} engine: temperature must be > 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
+        raise EngineError(
+            f"{engine} engine: need 0 < top_p <= 1 and top_k >= 0, got {sampling.top_p}, {sampling.top_k}"
+        )
+
+
 def admit(
     engine: str,
     active: int,

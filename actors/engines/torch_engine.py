@@ -48,6 +48,7 @@ from actors.engine import (
     SamplingParams,
     WeightLoadError,
     admit,
+    check_engine_args,
 )
 from actors.hf import load_model, model_context_length
 from april.records import FinishReason
@@ -171,14 +172,7 @@ class TorchEngine:
         version: int = 0,
         prefill_tokens: int = PREFILL_TOKENS,
     ) -> None:
-        if slots < 1:
-            raise EngineError(f"torch engine: slots must be >= 1, got {slots}")
-        if not sampling.temperature > 0:
-            raise EngineError(f"torch engine: temperature must be > 0, got {sampling.temperature}")
-        if not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
-            raise EngineError(
-                f"torch engine: need 0 < top_p <= 1 and top_k >= 0, got {sampling.top_p}, {sampling.top_k}"
-            )
+        check_engine_args("torch", slots, sampling)
         self.slots = slots
         self.sampling = sampling
         self.greedy = greedy

@@ -64,6 +64,7 @@ from actors.engine import (
     SamplingParams,
     WeightLoadError,
     admit,
+    check_engine_args,
 )
 from actors.hf import check_model_dir
 from april.records import FinishReason
@@ -118,14 +119,7 @@ class VLLMEngine:
     ) -> None:
         """`engine_args`: more `vllm.AsyncEngineArgs` fields (dtype, max_model_len, enforce_eager,
         gpu_memory_utilization, tensor_parallel_size, ...); unknown names raise EngineError."""
-        if slots < 1:
-            raise EngineError(f"vllm engine: slots must be >= 1, got {slots}")
-        if not sampling.temperature > 0:
-            raise EngineError(f"vllm engine: temperature must be > 0, got {sampling.temperature}")
-        if not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
-            raise EngineError(
-                f"vllm engine: need 0 < top_p <= 1 and top_k >= 0, got {sampling.top_p}, {sampling.top_k}"
-            )
+        check_engine_args("vllm", slots, sampling)
         path = check_model_dir(model_dir, tokenizer=False)
         self.slots = slots
         self.sampling = sampling
