@@ -155,13 +155,14 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
             if lc.checkpoint_every and step % lc.checkpoint_every == 0:
                 save_checkpoint(engine, config, run_dir, step, version, batch.batch_id)
                 saved = step
-        if (
-            lc.checkpoint_every and saved < step
-        ):  # stopped between checkpoints: save one, so --resume loses nothing
+        # stopped (or finished) between checkpoints: save one, so --resume loses nothing
+        if lc.checkpoint_every and saved < step:
             save_checkpoint(engine, config, run_dir, step, version, last_batch_id)
     finally:
         if client is not None:
             client.close()
+        if metrics is not None:
+            metrics.close()
     if leader:
         write_summary(run_dir, run_dir / "metrics.jsonl")
 
