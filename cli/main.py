@@ -5,7 +5,6 @@ Thin by design: each command resolves the config, then calls a plain function of
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -187,7 +186,7 @@ def up(
         screenshot=screenshot,
     )
     with user_errors(UpError):
-        code = run_up(opts, dict(os.environ))
+        code = run_up(opts)
     raise typer.Exit(code)
 
 

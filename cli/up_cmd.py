@@ -25,10 +25,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from april.config import Config, ConfigError, Mode, load_config, write_config
+from april.config import BrokerConfig, Config, ConfigError, Mode, write_config
 from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
 from cli.dashboard_state import DashboardState, add_alert, add_event
+from cli.options import resolve_config
 from cli.supervisor import ChildExit, ChildSpec, Supervisor
 from learner.checkpoint import latest as latest_checkpoint
 
@@ -82,52 +83,47 @@ def builtin_config() -> Config:
     )
 
 
-def resolve(opts: UpOptions, env: dict[str, str]) -> tuple[Config, Path, bool]:
+def resolve(opts: UpOptions) -> tuple[Config, Path, bool]:
     """The run's config, its directory, and whether it resumes. Precedence: base (the resumed run's
     config.toml, the --config file, or the built-in run) < APRIL_* environment < options."""
-    flags: dict[str, object] = {
-        "run.mode": opts.mode,
-        "worker.engine": opts.engine,
-        "run.steps": opts.steps,
-    }
-    from april.config import parse_override
 
-    overrides: dict[str, object] = dict(parse_override(s) for s in opts.sets)
-    overrides.update({k: v for k, v in flags.items() if v is not None})
+    def load(base: Path) -> Config:
+        flags = {"run__mode": opts.mode, "worker__engine": opts.engine, "run__steps": opts.steps}
+        return resolve_config(base, list(opts.sets), **flags)
+
     if opts.resume is not None:
         base = opts.resume / "config.toml"
         if not base.is_file():
             raise UpError(f"--resume {opts.resume}: no config.toml there (not an april run directory)")
-        return load_config(base, env=env, overrides=overrides), opts.resume, True
+        return load(base), opts.resume, True
     if opts.config is not None:
-        config = load_config(opts.config, env=env, overrides=overrides)
+        config = load(opts.config)
     elif not TINY_MODEL.is_dir():
         raise UpError(
             f"the built-in tiny model is not at {TINY_MODEL}: run `april sft --out {TINY_MODEL}` "
             "or pass --config with your own model"
         )
     else:
-        config = load_builtin(env, overrides)
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="april-up-") as tmp:  # the built-in run as the base layer
+            write_config(builtin_config(), Path(tmp) / "builtin.toml")
+            config = load(Path(tmp) / "builtin.toml")
     run_dir = opts.run_dir or config.run_path()
     if (run_dir / "metrics.jsonl").exists():
         raise UpError(f"{run_dir} already holds a run: continue it with `april up --resume {run_dir}`")
     return config, run_dir, False
 
 
-def load_builtin(env: dict[str, str], overrides: dict[str, object]) -> Config:
-    """The built-in run as the base layer, under the same environment and option layers as a file."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="april-up-") as tmp:
-        path = Path(tmp) / "builtin.toml"
-        write_config(builtin_config(), path)
-        return load_config(path, env=env, overrides=overrides)
+def connect_host(broker: BrokerConfig) -> str:
+    """The address peers on this machine reach the broker at (loopback when it binds every interface)."""
+    return "127.0.0.1" if broker.bind_host in ("0.0.0.0", "::", "*") else broker.bind_host
 
 
 def wire_addresses(config: Config) -> Config:
     """Point workers and learner at this broker's ports (loopback when it binds every interface)."""
     b = config.broker
-    host = "127.0.0.1" if b.bind_host in ("0.0.0.0", "::", "*") else b.bind_host
+    host = connect_host(b)
     return dataclasses.replace(
         config,
         worker=dataclasses.replace(config.worker, broker=f"tcp://{host}:{b.worker_port}"),
@@ -203,9 +199,7 @@ class Run:
         self.run_dir = run_dir
         self.specs = specs
         self.supervisor = Supervisor()
-        b = config.broker
-        host = "127.0.0.1" if b.bind_host in ("0.0.0.0", "::", "*") else b.bind_host
-        self.pub = f"tcp://{host}:{b.pub_port}"
+        self.pub = f"tcp://{connect_host(config.broker)}:{config.broker.pub_port}"
         self.state = DashboardState(source=self.pub)
         self.outcome = ""  # "finished", "failed: ...", "interrupted"
         self.finished_at: float | None = None
@@ -302,10 +296,10 @@ class Run:
         self.supervisor.stop([[LEARNER, *workers], [BROKER]])
 
 
-def run_up(opts: UpOptions, env: dict[str, str]) -> int:
+def run_up(opts: UpOptions) -> int:
     """Run to the end; returns the exit code (0: every step trained; 1: a child failed; 130: stopped)."""
     try:
-        config, run_dir, resume = resolve(opts, env)
+        config, run_dir, resume = resolve(opts)
     except ConfigError as exc:
         raise UpError(str(exc)) from None
     config = wire_addresses(config)
