@@ -31,6 +31,7 @@ import zmq
 from actors.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
 from actors.engines.sim_engine import SampleIdentity
 from actors.reward_runner import RewardRunner
+from actors.slot_meter import SlotMeter
 from actors.tokenizer import Tokenizer
 from april import protocol
 from april.codec import ProtocolError
@@ -95,6 +96,7 @@ class Worker:
         self.make_engine = make_engine
         self.seed = seed
         self.engine: Engine | None = None
+        self.meter: SlotMeter | None = None  # slot usage, reported as EngineUsage (from the engine's start)
         self.held: dict[int, Held] = {}  # lease id -> sample in the engine
         self.scoring: dict[int, Sample] = {}  # lease id -> finished sample waiting for its reward
         self.interval = 1.0
@@ -110,8 +112,10 @@ class Worker:
         while not should_stop():
             busy = self.engine is not None and self.engine.active > 0
             self._read_broker(0 if busy else 50)
+            self._meter_usage()
             if busy and self.engine is not None:
                 self._on_outputs(self.engine.step())
+                self._meter_usage()
             self._send_scored()
             self._keep_alive()
         self._shutdown()
@@ -163,6 +167,7 @@ class Worker:
                 seed=self.seed,
             )
             self.engine = self.make_engine(sampling, 0)
+            self.meter = SlotMeter(self.engine.slots, time.monotonic())
             log.info(
                 "worker %s: engine %s ready (%d slots)", self.worker_id, self.engine.name, self.engine.slots
             )
@@ -286,6 +291,15 @@ class Worker:
             return
         log.info("weights v%d loaded in %.3fs", version, time.monotonic() - started)
         self._send(protocol.WeightsLoaded(version, True, ""))
+
+    def _meter_usage(self) -> None:
+        """Account slot usage up to now, and report it when due (cumulative: a lost report loses nothing)."""
+        if self.engine is None or self.meter is None:
+            return
+        now = time.monotonic()
+        self.meter.observe(now, self.engine.active)
+        if self.meter.due(now, self.interval):
+            self._send(self.meter.report(now))
 
     # ------------------------------------------------------------------ connection
 

@@ -151,11 +151,13 @@ class BrokerConfig:
     curve_keys_dir: str = ""  # empty: no CURVE encryption
     debug_ledger: bool = False  # check the ledger balances after every state change (slow; for tests)
     metrics_port: int = 0  # Prometheus endpoint on bind_host:metrics_port; 0 = off
+    min_workers: int = 0  # lease nothing until this many workers registered (equal starts in benchmarks)
 
     def __post_init__(self) -> None:
         _positive(self, "broker", "heartbeat_interval_s", "liveness", "abort_timeout_s")
         _positive(self, "broker", "max_message_bytes", "max_buffered_samples", "snapshot_interval_s")
         _check(self.abort_retries >= 0, "broker.abort_retries", self.abort_retries, "must be >= 0")
+        _check(self.min_workers >= 0, "broker.min_workers", self.min_workers, "must be >= 0")
         seen: dict[int, str] = {}
         for n in ("worker_port", "learner_port", "pub_port"):
             port = getattr(self, n)
@@ -178,12 +180,17 @@ class WorkerConfig:
     sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
     sim_lengths: str = "lognormal:median=64,sigma=1.0,cap=512"  # sim engine: response-length spec
     sim_time_scale: float = 1.0  # sim engine: wall seconds per simulated second
+    sim_decode_ms: float = 15.0  # sim engine: A, ms per decode step (step = A + B x active + C x prefill)
+    sim_decode_ms_per_seq: float = 0.1  # sim engine: B, ms added per active sequence in a decode step
+    sim_prefill_ms_per_token: float = 0.01  # sim engine: C, ms per input token prefilled (prompt + partial)
     vllm_kv_cache_gib: float = 1.0  # vllm engine: KV cache size (its CPU default takes most of host memory)
     vllm_max_model_len: int = 0  # vllm engine: context length; 0 = the model's
 
     def __post_init__(self) -> None:
         _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads")
         _check(self.sim_time_scale >= 0, "worker.sim_time_scale", self.sim_time_scale, "must be >= 0")
+        for name in ("sim_decode_ms", "sim_decode_ms_per_seq", "sim_prefill_ms_per_token"):
+            _check(getattr(self, name) >= 0, f"worker.{name}", getattr(self, name), "must be >= 0")
         _check(self.vllm_kv_cache_gib > 0, "worker.vllm_kv_cache_gib", self.vllm_kv_cache_gib, "must be > 0")
         _check(
             self.vllm_max_model_len >= 0, "worker.vllm_max_model_len", self.vllm_max_model_len, "must be >= 0"
@@ -196,7 +203,7 @@ class LearnerConfig:
     model: str = ""  # Hugging Face model directory to train; its weights are version 0
     lr: float = 1e-6  # AdamW learning rate
     checkpoint_every: int = 10  # train steps between checkpoints
-    backend: str = "deepspeed"  # deepspeed | torch (plain torch AdamW, one process)
+    backend: str = "deepspeed"  # deepspeed | torch (plain torch AdamW, one process) | sim (no model)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
     micro_batches: int = 1  # micro-batches per optimizer step (gradient accumulation), per rank
     device: str = "cpu"  # cpu | cuda | cuda:N
@@ -215,6 +222,8 @@ class LearnerConfig:
     beta2: float = 0.999  # AdamW second-moment decay
     adam_eps: float = 1e-8  # AdamW epsilon
     tensorboard: bool = True  # also write TensorBoard events to <run>/tensorboard when it is installed
+    sim_step_s: float = 20.0  # backend sim: simulated seconds per step (fixed part), x worker.sim_time_scale
+    sim_step_s_per_token: float = 0.0  # backend sim: simulated seconds added per trained response token
 
     def __post_init__(self) -> None:
         _positive(self, "learner", "lr", "micro_batches", "torch_threads", "updates_per_batch", "adam_eps")
@@ -222,7 +231,19 @@ class LearnerConfig:
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             _check(0 <= v < 1, f"learner.{name}", v, "must be in [0, 1)")
-        _check(self.backend in ("deepspeed", "torch"), "learner.backend", self.backend, "deepspeed or torch")
+        _check(
+            self.backend in ("deepspeed", "torch", "sim"),
+            "learner.backend",
+            self.backend,
+            "deepspeed, torch or sim",
+        )
+        _check(self.sim_step_s >= 0, "learner.sim_step_s", self.sim_step_s, "must be >= 0")
+        _check(
+            self.sim_step_s_per_token >= 0,
+            "learner.sim_step_s_per_token",
+            self.sim_step_s_per_token,
+            "must be >= 0",
+        )
         _check(self.zero_stage in (0, 1, 2, 3), "learner.zero_stage", self.zero_stage, "0, 1, 2 or 3")
         _check(self.keep_weights >= 2, "learner.keep_weights", self.keep_weights, "must be >= 2")
         _check(self.checkpoint_every >= 0, "learner.checkpoint_every", self.checkpoint_every, "must be >= 0")

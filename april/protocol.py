@@ -203,6 +203,30 @@ class Disconnect:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineUsage:
+    """W->B. How the worker's engine slots were used since it started (cumulative, wall seconds): the
+    broker takes differences between reports, so a lost report loses nothing. `busy_slot_s` = integral of
+    running sequences, `slot_s` = integral of slots, `free_slot_s` = time the engine had a free slot and
+    nothing to run (no local queue: a free slot means nothing to run), `elapsed_s` = time measured."""
+
+    busy_slot_s: float
+    slot_s: float
+    free_slot_s: float
+    elapsed_s: float
+
+    def validate(self) -> None:
+        for name in ("busy_slot_s", "slot_s", "free_slot_s", "elapsed_s"):
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):  # NaN fails too
+                raise ValueError(f"{name} = {value}, must be finite and >= 0")
+        if self.busy_slot_s > self.slot_s * (1 + 1e-9) or self.free_slot_s > self.elapsed_s * (1 + 1e-9):
+            raise ValueError(
+                f"busy_slot_s {self.busy_slot_s} > slot_s {self.slot_s} or free_slot_s {self.free_slot_s} "
+                f"> elapsed_s {self.elapsed_s}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class LearnerHello:
     """L->B. Register the learner (rank 0). `version` is the weights version it holds."""
 
@@ -289,6 +313,7 @@ KIND_OF: dict[type, int] = {
     WeightsReady: 17,
     WeightsLoaded: 18,
     Disconnect: 19,
+    EngineUsage: 20,
     LearnerHello: 30,
     BatchRequest: 31,
     Batch: 32,
@@ -312,6 +337,7 @@ Message = (
     | WeightsReady
     | WeightsLoaded
     | Disconnect
+    | EngineUsage
     | LearnerHello
     | BatchRequest
     | Batch

@@ -37,12 +37,14 @@ from broker.peers import Peer, Rejections, WorkerPeer, Workers
 from broker.prometheus import PrometheusExporter
 from broker.snapshot_writer import SnapshotWriter
 from broker.state import BrokerState, PendingBatch, ResultRejected
-from broker.status import build_status
+from broker.status import build_status, run_totals
+from broker.usage import SlotUsage
 
 log = logging.getLogger("april.broker")
 DRAIN_LIMIT = 256  # messages handled per socket before the loop ticks again
 STATUS_PERIOD_S = 1.0
 EVAL_LOG = "eval.jsonl"  # one line per finished evaluation, in the run directory
+TOTALS = "broker_totals.json"  # the run's totals, written when the broker stops (april bench reads it)
 
 
 @dataclass(slots=True)
@@ -94,6 +96,8 @@ class Broker:
         self.aborts_done = 0
         self.started = now
         self.round_started = now
+        self.usage = SlotUsage(now)  # the workers' slot usage, per batch (rollout phases) and in total
+        self.first_lease: float | None = None  # when generation started: batches' run_s count from it
         self.last_status = 0.0
         self.last_snapshot = now
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -150,6 +154,7 @@ class Broker:
             self.exporter.close()
         self.save_snapshot()
         self.snapshots.close()
+        (self.run_dir / TOTALS).write_text(json.dumps(run_totals(self), indent=2) + "\n", encoding="utf-8")
         for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
             sock.close(linger=0)
         self.ctx.term()
@@ -220,6 +225,8 @@ class Broker:
                 self._dispatch(now, train=not self.state.round_complete())
             case protocol.AbortDone():
                 self._on_abort_done(worker_id, msg, now)
+            case protocol.EngineUsage():
+                self.usage.report(worker_id, msg, now)
             case protocol.WeightsLoaded(version=version, ok=ok, error=error):
                 if ok:
                     peer.version = max(peer.version, version)
@@ -333,7 +340,7 @@ class Broker:
         then training samples spread over the workers by free slots relative to size
         (`policy.spread_leases`), so no engine runs more sequences than its share while another idles.
         Samples leave the dispatch queue in its order whoever gets them."""
-        if self.abort is not None:
+        if self.abort is not None or len(self.workers) < self.cfg.min_workers:
             return
         peers = [p for p in self.workers.with_credit() if not p.restored]
         if not peers:
@@ -371,6 +378,9 @@ class Broker:
     ) -> None:
         """One Lease message: the first `greedy` items are evaluation samples (decoded greedily)."""
         peer.credit -= len(work)
+        if self.first_lease is None:
+            self.first_lease = now
+            self.usage.start(now)
         lease = protocol.Lease(
             lease_ids=np.array([w[0] for w in work], dtype=np.int64),
             budgets=np.array([w[1] for w in work], dtype=np.int32),
@@ -480,6 +490,9 @@ class Broker:
         self.state.check_ledger(f"after acking batch {batch_id}")
         self.batches_acked += 1
         self.round_started = now
+        self.usage.set_phase(now, True)  # a new round opens (async: the phase never closed)
+        if self.batches_acked >= self.config.run.steps:
+            self.usage.stop(now)  # the run's last step: its figures end here
         return True
 
     def _on_weights(self, msg: protocol.WeightsReady, now: float) -> None:
@@ -503,6 +516,10 @@ class Broker:
         if fresh:
             batch.stats["rollout_s"] = now - self.round_started
             batch.stats.update(self.evals.batch_stats())  # the latest evaluation, if any
+            batch.stats.update(self.usage.take_window())
+            batch.stats["run_s"] = now - (self.first_lease if self.first_lease is not None else self.started)
+            if policy.is_round_based(self.state.mode):
+                self.usage.set_phase(now, False)  # the rollout phase ends with its batch
             self.state.check_ledger(f"after forming batch {batch.batch_id}")
             self.batch_snapshot_seq = self.save_snapshot()
         if self.snapshots.durable_seq < self.batch_snapshot_seq:

@@ -1,6 +1,7 @@
-"""The broker's state as one JSON object: what `april status` prints and the PUB socket publishes.
+"""The broker's state as one JSON object: what `april status` prints and the PUB socket publishes, and the
+run's totals the broker leaves in the run directory when it stops.
 
-Read-only: builds a plain dict from the broker's books and peer registry; changes nothing.
+Read-only: builds plain dicts from the broker's books and peer registry; changes nothing.
 """
 
 from __future__ import annotations
@@ -89,4 +90,21 @@ def build_status(broker: Broker, now: float) -> dict[str, Any]:
             "by_reason": dict(broker.rejections.by_reason),
             "by_peer": {p: dict(c) for p, c in broker.rejections.by_peer.items()},
         },
+    }
+
+
+def run_totals(broker: Broker) -> dict[str, Any]:
+    """What the broker saw over the whole run, written to RUN_DIR/broker_totals.json when it stops (for
+    `april bench`): tokens generated and still held (`buffered_tokens`: partials, complete groups, an
+    unacked batch), aborts and resumes, and the workers' slot integrals (broker.usage)."""
+    state = broker.state
+    return {
+        "tokens_generated": state.totals.tokens_generated,
+        "buffered_tokens": sum(s.response_len for g in state.groups.values() for s in g.samples),
+        "trained_groups": state.trained,
+        "aborted": state.totals.aborted,
+        "resumed": state.totals.resumed,
+        "samples_finished": state.totals.samples_finished,
+        "usage": broker.usage.total.stats(),
+        "ledger": state.ledger().to_json(),
     }

@@ -1,4 +1,5 @@
-"""`april learner`: run the learner until run.steps are trained or SIGINT/SIGTERM arrives."""
+"""`april learner`: run the learner (real, or simulated with learner.backend = "sim") until run.steps are
+trained or SIGINT/SIGTERM arrives."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ from cli.process import setup_logging, stop_requested
 
 
 def run_learner_process(config: Config, run_dir: Path, resume: bool) -> None:
-    from learner.loop import run_learner
-
     setup_logging()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(config, run_dir / "config.learner.toml")
+    if config.learner.backend == "sim":  # no model, no torch: a cost model's step time (april bench)
+        from learner.sim_learner import run_sim_learner
+
+        run_sim_learner(config, run_dir, stop_requested())
+        return
+    from learner.loop import run_learner
+
     run_learner(config, run_dir, resume, stop_requested())

@@ -143,7 +143,8 @@ def preflight(config: Config) -> None:
     try:
         if config.worker.engine in ("torch", "vllm"):
             check_model_dir(config.worker.model)
-        check_model_dir(config.learner.model)
+        if config.learner.backend != "sim":  # the simulated learner has no model
+            check_model_dir(config.learner.model)
     except EngineError as exc:
         raise UpError(str(exc)) from None
     b = config.broker

@@ -26,7 +26,7 @@ from learner.batching import build_train_batch
 from learner.client import BatchError, BrokerClient, check_batch
 from learner.engine import TrainEngine, TrainSettings
 from learner.losses import LossConfig
-from learner.metrics import MetricsLog, step_record
+from learner.metrics import MetricsLog, ack_metrics, step_record, write_summary
 from learner.ranks import share_batch
 from learner.step import train_step
 
@@ -203,16 +203,6 @@ def receive_batch(
     return batch
 
 
-def ack_metrics(record: dict[str, Any]) -> dict[str, float]:
-    """The numeric figures of a metrics line, for the broker's status feed (bounded in count)."""
-    numeric = {
-        k: float(v)
-        for k, v in record.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and len(k) <= 64
-    }
-    return dict(list(numeric.items())[: protocol.MAX_ACK_METRICS])
-
-
 def save_checkpoint(
     engine: TrainEngine, config: Config, run_dir: Path, step: int, version: int, batch_id: int
 ) -> None:
@@ -230,27 +220,3 @@ def save_checkpoint(
         keep=config.learner.keep_checkpoints,
     )
 
-
-def write_summary(run_dir: Path, metrics_path: Path) -> None:
-    """summary.json: the final ledger, totals and throughput over the run's metrics lines."""
-    lines = (
-        [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-        if metrics_path.exists()
-        else []
-    )
-    if not lines:
-        return
-    wall = sum(x["step_time_s"] for x in lines)
-    summary = {
-        "steps": len(lines),
-        "final_version": lines[-1]["version"],
-        "ledger": lines[-1]["ledger"],
-        "samples_trained": sum(x["samples"] for x in lines),
-        "tokens_trained": sum(x["tokens_trained"] for x in lines),
-        "tokens_generated": sum(x["tokens_generated"] for x in lines),
-        "wall_s": wall,
-        "samples_per_s": sum(x["samples"] for x in lines) / wall if wall else 0.0,
-        "reward_mean_first": lines[0]["reward_mean"],
-        "reward_mean_last": lines[-1]["reward_mean"],
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

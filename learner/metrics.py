@@ -5,7 +5,8 @@ staleness, tokens), the broker's figures that came with it (`Batch.stats`, `Batc
 latest evaluation on the held-out prompts) and the learner's own (loss and its statistics, timings).
 `MetricsLog` appends the lines and is the only writer of the file; given a directory it also writes every
 numeric field as a TensorBoard scalar, when `tensorboard` is installed. The learner hands in plain
-numbers; torch is imported only for TensorBoard's writer, inside `MetricsLog`.
+numbers; torch is imported only for TensorBoard's writer, inside `MetricsLog`. `ack_metrics` (the figures
+relayed with a BatchAck) and `write_summary` (summary.json) serve both learners, real and simulated.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ REQUIRED = (
     "response_len_mean", "response_len_p99", "response_len_max", "slot_utilization", "learner_time_s",
     "weight_sync_s", "loss", "ledger", "eval_accuracy", "eval_version",
 )  # fmt: skip
+
+USAGE_INTEGRALS = ("busy_phase_slot_s", "phase_slot_s", "free_engine_s", "engine_s")
 
 
 def step_record(
@@ -77,6 +80,10 @@ def step_record(
         "response_len_p99": float(np.percentile(lengths, 99)) if len(samples) else 0.0,
         "response_len_max": int(lengths.max()) if len(samples) else 0,
         "slot_utilization": float(stats.get("slot_utilization", float("nan"))),
+        "bubble_frac": float(stats.get("bubble_frac", float("nan"))),
+        # the workers' slot integrals behind the two ratios (seconds; broker.usage), summable over steps
+        **{k: float(stats.get(k, 0.0)) for k in USAGE_INTEGRALS},
+        "run_s": float(stats.get("run_s", float("nan"))),  # batch formed, seconds after the first lease
         "rollout_s": float(stats.get("rollout_s", 0.0)),
         "learner_time_s": learner_time_s,
         "weight_sync_s": weight_sync_s,
@@ -154,3 +161,38 @@ def scalars(record: dict[str, Any], prefix: str = "learner/") -> Iterator[tuple[
             yield from scalars(value, name + "/")
         elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
             yield name, float(value)
+
+
+def ack_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric figures of a metrics line, for the broker's status feed (bounded in count)."""
+    numeric = {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and len(k) <= 64
+    }
+    return dict(list(numeric.items())[: protocol.MAX_ACK_METRICS])
+
+
+def write_summary(run_dir: Path, metrics_path: Path) -> None:
+    """summary.json: the final ledger, totals and throughput over the run's metrics lines."""
+    lines = (
+        [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
+        if metrics_path.exists()
+        else []
+    )
+    if not lines:
+        return
+    wall = sum(x["step_time_s"] for x in lines)
+    summary = {
+        "steps": len(lines),
+        "final_version": lines[-1]["version"],
+        "ledger": lines[-1]["ledger"],
+        "samples_trained": sum(x["samples"] for x in lines),
+        "tokens_trained": sum(x["tokens_trained"] for x in lines),
+        "tokens_generated": sum(x["tokens_generated"] for x in lines),
+        "wall_s": wall,
+        "samples_per_s": sum(x["samples"] for x in lines) / wall if wall else 0.0,
+        "reward_mean_first": lines[0]["reward_mean"],
+        "reward_mean_last": lines[-1]["reward_mean"],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

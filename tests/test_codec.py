@@ -86,6 +86,7 @@ def _finished_groups() -> SampleBatch:
 
 EXAMPLES: dict[type, Any] = {
     P.Heartbeat: P.Heartbeat(),
+    P.EngineUsage: P.EngineUsage(busy_slot_s=12.5, slot_s=16.0, free_slot_s=1.25, elapsed_s=2.0),
     P.Error: P.Error(code="not_leased", detail="lease 12 is not held by worker-0"),
     P.WorkerHello: P.WorkerHello(
         worker_id="worker-0",
@@ -265,6 +266,7 @@ def test_registry_is_consistent() -> None:
         "WeightsReady": 17,
         "WeightsLoaded": 18,
         "Disconnect": 19,
+        "EngineUsage": 20,
         "LearnerHello": 30,
         "BatchRequest": 31,
         "Batch": 32,
@@ -638,6 +640,20 @@ BODY_CASES = [
         P.AbortDone, lambda b: b.update(round_id=-1), "invalid_value", ["round_id = -1"], id="abort_neg"
     ),
     pytest.param(P.BatchRequest, lambda b: b.update(step=-2), "invalid_value", ["step = -2"], id="step_neg"),
+    pytest.param(
+        P.EngineUsage,
+        lambda b: b.update(slot_s=float("nan")),
+        "invalid_value",
+        ["slot_s = nan"],
+        id="usage_nan",
+    ),
+    pytest.param(
+        P.EngineUsage,
+        lambda b: b.update(busy_slot_s=20.0),
+        "invalid_value",
+        ["busy_slot_s 20.0"],
+        id="usage_busy",
+    ),
     pytest.param(
         P.Batch,
         lambda b: b["ledger"].update(partial=-1),

@@ -43,8 +43,10 @@ import numpy.typing as npt
 from actors.engine import EngineError, GenerationOutput, GenerationRequest, WeightLoadError, admit
 from actors.lengths import LengthSpec
 from april.records import FinishReason
+from april.sample_draw import draw_length, sample_key
+from april.sample_draw import mix as _mix
+from april.sample_draw import splitmix64 as _splitmix64
 
-_MASK64 = (1 << 64) - 1
 _MEMO_LIMIT = 65536  # aborted requests remembered for same-engine resume (no identify hook)
 
 
@@ -58,7 +60,7 @@ class SampleIdentity:
     @staticmethod
     def of_sample(group_id: int, index: int, prompt_len: int) -> SampleIdentity:
         """The identity of sample (group_id, index): what a worker's `identify` hook returns."""
-        return SampleIdentity(_mix(group_id, index), prompt_len)
+        return SampleIdentity(sample_key(group_id, index), prompt_len)
 
 
 Identify = Callable[[GenerationRequest], SampleIdentity]
@@ -80,22 +82,6 @@ class CostModel:
             + self.decode_per_request_ms * active
             + self.prefill_ms_per_token * prefill_tokens
         )
-
-
-def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """A good 64-bit mixer, vectorised (wrapping uint64 arithmetic)."""
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-def _mix(*values: int) -> int:
-    h = np.zeros(1, dtype=np.uint64)
-    for v in values:
-        h = _splitmix64(h ^ np.uint64(v & _MASK64))
-    return int(h[0])
 
 
 def _digest(ids: npt.NDArray[np.int32]) -> bytes:
@@ -182,8 +168,7 @@ class SimEngine:
 
     def drawn_length(self, key: int) -> int:
         """The total response length of the sample with identity `key` under this engine's seed."""
-        rng = np.random.default_rng([self.seed & _MASK64, key & _MASK64])
-        return int(self.lengths.sample(rng, 1)[0])
+        return draw_length(self.lengths, self.seed, key)
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
         admit(

@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
-import numpy.typing as npt
 
 from april import policy
 from april.config import AlgoConfig, ConfigError, Mode
 from april.data import PromptRecord
 from april.ledger import Ledger
 from april.records import Sample
+from april.sample_draw import LengthSampler, draw_length, sample_key
 from broker.sim.engines import Abort, EngineCost, EngineModel, Lease, Output, ToEngine, Weights
 from broker.sim.figures import Figures, Meter, Tally, compute_figures
 from broker.state import BrokerState
@@ -50,12 +49,6 @@ LENGTH_CHUNK_GROUPS = 512  # groups whose lengths are drawn at once
 class SimulationError(RuntimeError):
     """The simulated run cannot go on (nothing left to happen before the last step): a bug or a
     configuration that can never fill a batch. One readable line."""
-
-
-class LengthSampler(Protocol):
-    """What `actors.lengths.LengthSpec` offers: n response lengths (>= 1) from `rng`."""
-
-    def sample(self, rng: np.random.Generator, n: int) -> npt.NDArray[np.int64]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +62,9 @@ class SimConfig:
     steps: int = 20  # learner steps simulated
     prompt_len: int = 256  # tokens of every prompt (prefilled with each fresh or resumed sample)
     seed: int = 0  # response lengths are drawn per sample from this seed: the same in every mode
+    # True: each sample's length drawn from (seed, group, index) exactly as the sim engine draws it
+    # (april.sample_draw), so `april bench --engine sim` runs the very same samples; False: one seeded stream
+    per_sample_lengths: bool = False
     check_ledger_every_event: bool = False  # debug: the books balance after every event (slow)
 
     def __post_init__(self) -> None:
@@ -118,6 +114,21 @@ class LengthTable:
         return int(self.table[pos])
 
 
+class SampleLengths:
+    """The drawn total response length of a sample as the sim engine draws it (april.sample_draw)."""
+
+    def __init__(self, sampler: LengthSampler, seed: int) -> None:
+        self.sampler = sampler
+        self.seed = seed
+        self.drawn: dict[tuple[int, int], int] = {}
+
+    def __call__(self, sample: Sample) -> int:
+        key = (sample.group_id, sample.index)
+        if key not in self.drawn:
+            self.drawn[key] = max(1, draw_length(self.sampler, self.seed, sample_key(*key)))
+        return self.drawn[key]
+
+
 class _Prompts:
     """An endless prompt source of `prompt_len` tokens each (the simulation needs lengths, not text)."""
 
@@ -143,7 +154,11 @@ class Simulation:
         self.state = BrokerState(config.mode, config.algo, _Prompts(config.prompt_len))
         self.round_based = policy.is_round_based(config.mode)
         self.meter = Meter(config.engines)
-        table = LengthTable(lengths, config.seed, config.algo.n_samples_per_prompt)
+        table: LengthTable | SampleLengths = (
+            SampleLengths(lengths, config.seed)
+            if config.per_sample_lengths
+            else LengthTable(lengths, config.seed, config.algo.n_samples_per_prompt)
+        )
         self.engines = [
             EngineModel(i, config.slots, config.cost, self.meter, table) for i in range(config.engines)
         ]
