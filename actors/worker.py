@@ -37,6 +37,7 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import WorkerConfig
 from april.files import sha256_file
+from april.keys import ClientKeys
 from april.records import FinishReason, Sample
 from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
@@ -88,8 +89,10 @@ class Worker:
         rewards: RewardRunner,
         make_engine: EngineFactory,
         seed: int,
+        curve: ClientKeys | None = None,
     ) -> None:
         self.cfg = cfg
+        self.curve = curve  # CurveZMQ client keys when the broker requires them
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -306,7 +309,7 @@ class Worker:
     def _connect(self) -> None:
         if self.sock is not None:
             self.sock.close(linger=0)
-        self.sock = dealer(self.ctx, self.cfg.broker, self.worker_id)
+        self.sock = dealer(self.ctx, self.cfg.broker, self.worker_id, MAX_MESSAGE_BYTES, self.curve)
         self._hello()
         self.last_heard = time.monotonic()
 

@@ -148,7 +148,7 @@ class BrokerConfig:
     max_message_bytes: int = 268435456  # 256 MiB
     max_buffered_samples: int = 16384  # bound on samples held: issuing pauses at it (back-pressure)
     snapshot_interval_s: float = 30.0  # seconds between snapshots of the broker state to <run>/broker
-    curve_keys_dir: str = ""  # empty: no CURVE encryption
+    curve_keys_dir: str = ""  # CurveZMQ keys (`april keys generate DIR`), read by every role; empty: no CURVE
     debug_ledger: bool = False  # check the ledger balances after every state change (slow; for tests)
     metrics_port: int = 0  # Prometheus endpoint on bind_host:metrics_port; 0 = off
     min_workers: int = 0  # lease nothing until this many workers registered (equal starts in benchmarks)

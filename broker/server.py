@@ -27,11 +27,13 @@ from april.codec import ProtocolError
 from april.config import Config, ConfigError
 from april.data import PromptRecord, open_source
 from april.heldout import split_held_out
+from april.keys import server_keys
 from april.protocol import Message
 from april.records import Sample
 from april.transport import configure
 from april.wire_records import SampleBatch
 from broker import snapshot
+from broker.auth import CurveGate
 from broker.evaluation import EvalResult, Evaluations
 from broker.peers import Peer, Rejections, WorkerPeer, Workers
 from broker.prometheus import PrometheusExporter
@@ -62,6 +64,7 @@ class Broker:
         self.config = config
         self.cfg = config.broker
         self.run_dir = run_dir
+        keys = server_keys(Path(self.cfg.curve_keys_dir)) if self.cfg.curve_keys_dir else None  # fail first
         source = open_source(config.data, config.run.seed)
         held_out: tuple[PromptRecord, ...] = ()
         if config.run.eval_every > 0 and config.data.eval_size > 0:
@@ -101,9 +104,13 @@ class Broker:
         self.last_status = 0.0
         self.last_snapshot = now
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.gate = CurveGate(self.ctx, keys, self.rejections) if keys is not None else None
         self.worker_sock = configure(self.ctx.socket(zmq.ROUTER), self.cfg.max_message_bytes)
         self.learner_sock = configure(self.ctx.socket(zmq.ROUTER), self.cfg.max_message_bytes)
         self.pub_sock = configure(self.ctx.socket(zmq.PUB), self.cfg.max_message_bytes)
+        if self.gate is not None:  # CurveZMQ: every handshake is checked (and refusals counted) by the gate
+            for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
+                self.gate.secure(sock)
         for sock in (self.worker_sock, self.learner_sock):
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a reply to a vanished peer is dropped, never raises
             sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting under its id replaces the old pipe
@@ -139,10 +146,14 @@ class Broker:
         poller = zmq.Poller()
         poller.register(self.worker_sock, zmq.POLLIN)
         poller.register(self.learner_sock, zmq.POLLIN)
+        for sock in self.gate.sockets if self.gate is not None else []:
+            poller.register(sock, zmq.POLLIN)
         timeout_ms = max(1, int(self.cfg.heartbeat_interval_s * 250))
         while not should_stop():
             waiting_for_disk = self.snapshots.durable_seq < self.batch_snapshot_seq
             events = dict(poller.poll(1 if waiting_for_disk else timeout_ms))
+            if self.gate is not None:
+                self.gate.drain()
             if self.worker_sock in events:
                 self._drain(self.worker_sock, self._on_worker)
             if self.learner_sock in events:
@@ -157,6 +168,8 @@ class Broker:
         (self.run_dir / TOTALS).write_text(json.dumps(run_totals(self), indent=2) + "\n", encoding="utf-8")
         for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
             sock.close(linger=0)
+        if self.gate is not None:
+            self.gate.close()
         self.ctx.term()
 
     def save_snapshot(self) -> int:
@@ -230,7 +243,8 @@ class Broker:
             case protocol.WeightsLoaded(version=version, ok=ok, error=error):
                 if ok:
                     peer.version = max(peer.version, version)
-                else:
+                else:  # e.g. a sha256 mismatch: the worker keeps serving its old weights
+                    self.rejections.count(worker_id, "weights_not_loaded")
                     log.warning("worker %s failed to load weights v%d: %s", worker_id, version, error)
             case protocol.Disconnect(reason=reason):
                 log.info("worker %s disconnected: %s", worker_id, reason)

@@ -19,20 +19,21 @@ class BrokerStartError(Exception):
     """The broker cannot start as configured (busy port, non-loopback bind without keys, ...)."""
 
 
-def _check_bind_host(host: str) -> None:
+def check_bind_host(host: str, curve_keys_dir: str) -> None:
+    """Loopback is always allowed; any other address only with CurveZMQ keys (encrypted, authenticated)."""
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = False
-    if not loopback:
+    if not loopback and not curve_keys_dir:
         raise BrokerStartError(
-            f"broker.bind_host = {host!r}: binding a non-loopback address needs CurveZMQ keys, which this "
-            "version does not support yet; bind 127.0.0.1 and tunnel, or run everything on one host"
+            f"broker.bind_host = {host!r}: binding a non-loopback address needs CurveZMQ keys: run "
+            "`april keys generate DIR` and set broker.curve_keys_dir = DIR (or bind 127.0.0.1 and tunnel)"
         )
 
 
 def run_broker(config: Config, run_dir: Path, resume: bool) -> None:
-    _check_bind_host(config.broker.bind_host)
+    check_bind_host(config.broker.bind_host, config.broker.curve_keys_dir)
     setup_logging()
     run_dir.mkdir(parents=True, exist_ok=True)
     try:

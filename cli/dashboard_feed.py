@@ -26,7 +26,8 @@ from rich.live import Live
 
 from april import protocol
 from april.codec import ProtocolError
-from april.transport import configure
+from april.keys import ClientKeys
+from april.transport import configure, curve_client
 from cli.dashboard import metric, render, si
 from cli.dashboard_state import DashboardState, apply_status
 
@@ -39,13 +40,13 @@ Tick = Callable[[DashboardState], bool]  # called every refresh; False ends the 
 class StatusFeed:
     """A SUB socket on the broker's status feed. Never blocks longer than the timeout it is given."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, curve: ClientKeys | None = None) -> None:
         self.address = address
         self.received = 0  # statuses decoded
         self.undecodable = 0  # messages skipped (malformed, wrong kind, not a JSON object)
         self.last_error = ""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = configure(self._ctx.socket(zmq.SUB))
+        self._sock = curve_client(configure(self._ctx.socket(zmq.SUB)), curve)
         self._sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)

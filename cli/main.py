@@ -12,6 +12,7 @@ import typer
 
 from april.config import Mode
 from cli.broker_cmd import BrokerStartError, run_broker
+from cli.keys_cmd import keys_app
 from cli.options import resolve_config, user_errors
 from cli.sft_cmd import sft_command, task_app
 from cli.simulate_cmd import simulate_command
@@ -149,6 +150,7 @@ app.command("status")(status_command)
 app.command("simulate")(simulate_command)
 app.command("sft")(sft_command)
 app.add_typer(task_app, name="task")
+app.add_typer(keys_app, name="keys")
 
 
 @app.command()

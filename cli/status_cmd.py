@@ -21,6 +21,7 @@ from rich.text import Text
 from april import protocol
 from april.codec import ProtocolError
 from april.config import BrokerConfig
+from april.keys import ClientKeys, configured_client_keys
 from april.transport import dealer, recv, send
 from cli.dashboard_feed import StatusFeed, watch
 from cli.dashboard_state import DashboardState, apply_status
@@ -31,9 +32,9 @@ class StatusError(Exception):
     """No usable answer from the broker."""
 
 
-def fetch_status(address: str, timeout_s: float) -> dict[str, Any]:
+def fetch_status(address: str, timeout_s: float, curve: ClientKeys | None = None) -> dict[str, Any]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = dealer(ctx, address, f"status-{uuid.uuid4().hex[:12]}")
+    sock = dealer(ctx, address, f"status-{uuid.uuid4().hex[:12]}", curve=curve)
     try:
         send(sock, protocol.StatusRequest())
         try:
@@ -111,11 +112,17 @@ def pub_address(broker_address: str, pub: str | None) -> str:
     return f"{match.group(1)}:{BrokerConfig().pub_port}"
 
 
-def watch_status(address: str, timeout_s: float, wait: bool, console: Console | None = None) -> None:
+def watch_status(
+    address: str,
+    timeout_s: float,
+    wait: bool,
+    console: Console | None = None,
+    curve: ClientKeys | None = None,
+) -> None:
     """The live dashboard of the broker publishing at `address`, until Ctrl-C. Without `wait`, gives up
     (StatusError) when no status arrives within `timeout_s`; the broker publishes one every second."""
     try:
-        feed = StatusFeed(address)
+        feed = StatusFeed(address, curve)
     except zmq.ZMQError as exc:
         raise StatusError(f"cannot subscribe to {address!r}: {exc}") from None
     with feed:
@@ -148,12 +155,21 @@ def status_command(
     wait: Annotated[
         bool, typer.Option("--wait", help="--watch: wait for a broker to appear instead of giving up.")
     ] = False,
+    keys: Annotated[
+        str,
+        typer.Option(
+            "--keys",
+            envvar="APRIL_BROKER_CURVE_KEYS_DIR",
+            help="CurveZMQ key directory (broker.curve_keys_dir) when the broker requires keys.",
+        ),
+    ] = "",
 ) -> None:
     """Print a running broker's state (workers, in flight, buffers, ledger); --watch: the live dashboard."""
     with user_errors(StatusError):
+        curve = configured_client_keys(keys)
         if not watch_:
-            print_status(fetch_status(broker_address, timeout), as_json)
+            print_status(fetch_status(broker_address, timeout, curve), as_json)
         elif as_json:
             raise StatusError("--json prints one status; it does not go with --watch")
         else:
-            watch_status(pub_address(broker_address, pub), timeout, wait)
+            watch_status(pub_address(broker_address, pub), timeout, wait, curve=curve)

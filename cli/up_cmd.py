@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from april.config import BrokerConfig, Config, ConfigError, Mode, write_config
+from april.keys import configured_client_keys, server_keys
 from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
 from cli.dashboard_state import DashboardState, add_alert, add_event
@@ -148,6 +149,9 @@ def preflight(config: Config) -> None:
     except EngineError as exc:
         raise UpError(str(exc)) from None
     b = config.broker
+    if b.curve_keys_dir:  # the broker's and the children's CurveZMQ keys (KeysError: one line)
+        server_keys(Path(b.curve_keys_dir))
+        configured_client_keys(b.curve_keys_dir)
     for name in ("worker_port", "learner_port", "pub_port"):
         port = getattr(b, name)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -311,7 +315,7 @@ def run_up(opts: UpOptions) -> int:
     run = Run(config, run_dir, plan(config, config_path, run_dir, opts.workers, resume), opts.screenshot)
     previous = signal.signal(signal.SIGTERM, run.on_signal)
     try:
-        with StatusFeed(run.pub) as feed:
+        with StatusFeed(run.pub, configured_client_keys(config.broker.curve_keys_dir)) as feed:
             run.start(feed)
             if not run.outcome and opts.headless:
                 run_headless(feed, run.state, run.tick, metrics=run_dir / "metrics.jsonl")

@@ -7,12 +7,14 @@ from actors.factory import make_engine, make_tokenizer
 from actors.reward_runner import RewardRunner
 from actors.worker import Worker
 from april.config import Config
+from april.keys import configured_client_keys
 from cli.process import setup_logging, stop_requested
 
 
 def run_worker(config: Config) -> None:
     setup_logging()
     cfg = config.worker
+    curve = configured_client_keys(config.broker.curve_keys_dir)  # bad keys: one error line, before any load
     tokenizer = make_tokenizer(cfg)
     rewards = RewardRunner(cfg.reward, cfg.reward_timeout_s)
     worker: Worker
@@ -20,5 +22,5 @@ def run_worker(config: Config) -> None:
     def engine_factory(sampling: SamplingParams, version: int) -> Engine:
         return make_engine(cfg, sampling, worker.identify, version)
 
-    worker = Worker(cfg, tokenizer, rewards, engine_factory, seed=config.run.seed)
+    worker = Worker(cfg, tokenizer, rewards, engine_factory, seed=config.run.seed, curve=curve)
     worker.run(stop_requested())

@@ -18,6 +18,7 @@ import zmq
 
 from april import protocol
 from april.codec import ProtocolError
+from april.keys import ClientKeys
 from april.records import SampleStatus
 from april.transport import dealer, recv, send
 
@@ -31,8 +32,16 @@ class BatchError(Exception):
 
 
 class BrokerClient:
-    def __init__(self, address: str, version: int, last_batch_id: int = -1, learner_id: str = "") -> None:
+    def __init__(
+        self,
+        address: str,
+        version: int,
+        last_batch_id: int = -1,
+        learner_id: str = "",
+        curve: ClientKeys | None = None,
+    ) -> None:
         self.address = address
+        self.curve = curve  # CurveZMQ client keys when the broker requires them
         self.learner_id = learner_id or f"learner-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.version = version
         self.last_batch_id = last_batch_id
@@ -42,7 +51,7 @@ class BrokerClient:
         self.sock = self._connect()
 
     def _connect(self) -> zmq.Socket[bytes]:
-        sock = dealer(self.ctx, self.address, self.learner_id)
+        sock = dealer(self.ctx, self.address, self.learner_id, curve=self.curve)
         send(sock, protocol.LearnerHello(self.learner_id, self.version, os.getpid()))
         if self.latest_weights is not None:  # a restored broker may have lost the announcement
             send(sock, self.latest_weights)

@@ -21,6 +21,7 @@ from typing import Any
 
 from april import protocol
 from april.config import AlgoConfig, Config
+from april.keys import configured_client_keys
 from learner import checkpoint, weights
 from learner.batching import build_train_batch
 from learner.client import BatchError, BrokerClient, check_batch
@@ -87,7 +88,8 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
         meta = checkpoint.load(engine, latest)
         log.info("resumed from %s: step %d, version %d", latest, meta.step, meta.version)
     step, version = meta.step, meta.version
-    client = BrokerClient(lc.broker, version, meta.last_batch_id) if leader else None
+    curve = configured_client_keys(config.broker.curve_keys_dir) if leader else None  # rank 0 talks only
+    client = BrokerClient(lc.broker, version, meta.last_batch_id, curve=curve) if leader else None
     metrics = None
     if leader:
         if resume:

@@ -1,0 +1,51 @@
+"""`april keys`: create the CurveZMQ key files a broker needs to bind a non-loopback address.
+
+`april keys generate DIR` makes the broker's and the default client's key pairs and authorises the client;
+`april keys add-client DIR NAME` mints one more client pair, ready to copy to another host. The file
+layout and every check are `april.keys`'; this module only parses options and prints what it made.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from april import keys
+from cli.options import user_errors
+
+keys_app = typer.Typer(help="CurveZMQ keys: needed to bind the broker on a non-loopback address.")
+
+DirArg = Annotated[Path, typer.Argument(help="The key directory (broker.curve_keys_dir).", file_okay=False)]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace existing keys (old clients are locked out).")
+]
+
+
+@keys_app.command("generate")
+def generate_command(keys_dir: DirArg, force: ForceOpt = False) -> None:
+    """Create DIR/broker.key[_secret], DIR/client.key[_secret] and DIR/authorized/client.key."""
+    with user_errors(OSError):
+        made = keys.generate(keys_dir, force)
+    for path in made:
+        print(path)
+    print(
+        f"set broker.curve_keys_dir = {str(keys_dir)!r} for every role; "
+        f"keep {keys_dir / 'broker.key_secret'} on the broker's host only"
+    )
+
+
+@keys_app.command("add-client")
+def add_client_command(
+    keys_dir: DirArg,
+    name: Annotated[str, typer.Argument(help="The client's name (its key becomes authorized/NAME.key).")],
+    force: ForceOpt = False,
+) -> None:
+    """Mint a client pair NAME, authorise it, and put a copyable key directory in DIR/clients/NAME/."""
+    with user_errors(OSError):
+        out = keys.add_client(keys_dir, name, force)
+    print(
+        f"{out}: copy this directory to the client's host and set broker.curve_keys_dir to it there "
+        "(a running broker picks up the new key by itself)"
+    )
