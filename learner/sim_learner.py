@@ -25,6 +25,7 @@ import numpy as np
 from april import protocol
 from april.config import Config
 from april.files import sha256_file
+from april.keys import configured_client_keys
 from learner.client import BrokerClient, check_batch
 from learner.metrics import MetricsLog, ack_metrics, step_record, write_summary
 
@@ -54,7 +55,8 @@ def publish_sim_weights(weights_dir: Path, version: int) -> tuple[Path, str]:
 def run_sim_learner(config: Config, run_dir: Path, should_stop: Callable[[], bool]) -> None:
     """Train run.steps simulated steps (or until stopped); always from step 0 (nothing to resume)."""
     algo = config.algo
-    client = BrokerClient(config.learner.broker, 0)
+    curve = configured_client_keys(config.broker.curve_keys_dir)  # CurveZMQ keys when the broker needs them
+    client = BrokerClient(config.learner.broker, 0, curve=curve)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     step = version = 0
     try:
