@@ -54,8 +54,10 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# april bench: the paper-like workload in each mode with real processes (sim engine, ~1 min a mode)
 bench: install
 	$(BIN)/python benchmarks/broker_throughput.py
+	$(BIN)/april bench --engine sim --out runs/bench-sim
 
 # The configuration reference is generated from april/config.py; tests/test_config_doc.py fails when stale.
 docs: install

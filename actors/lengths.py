@@ -148,7 +148,11 @@ class EmpiricalLength(LengthSpec):
             lines = Path(path).read_text().splitlines()
         except OSError as e:
             raise LengthSpecError(f"{where}: cannot read ({e.strerror or e})") from None
-        values = [_file_value(where, i + 1, line) for i, line in enumerate(lines) if line.strip()]
+        values = [  # blank lines and '#' comments (e.g. how the lengths were measured) are skipped
+            _file_value(where, i + 1, line)
+            for i, line in enumerate(lines)
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
         if not values:
             raise LengthSpecError(f"{where}: no lengths in file")
         return EmpiricalLength(path, np.asarray(values, dtype=np.int64))

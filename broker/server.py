@@ -101,6 +101,7 @@ class Broker:
         self.round_started = now
         self.usage = SlotUsage(now)  # the workers' slot usage, per batch (rollout phases) and in total
         self.first_lease: float | None = None  # when generation started: batches' run_s count from it
+        self.last_step_totals: dict[str, object] | None = None  # run_totals when the last step was acked
         self.last_status = 0.0
         self.last_snapshot = now
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -165,7 +166,8 @@ class Broker:
             self.exporter.close()
         self.save_snapshot()
         self.snapshots.close()
-        (self.run_dir / TOTALS).write_text(json.dumps(run_totals(self), indent=2) + "\n", encoding="utf-8")
+        totals = {"at_last_step": self.last_step_totals, "at_stop": run_totals(self)}
+        (self.run_dir / TOTALS).write_text(json.dumps(totals, indent=2) + "\n", encoding="utf-8")
         for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
             sock.close(linger=0)
         if self.gate is not None:
@@ -507,6 +509,7 @@ class Broker:
         self.usage.set_phase(now, True)  # a new round opens (async: the phase never closed)
         if self.batches_acked >= self.config.run.steps:
             self.usage.stop(now)  # the run's last step: its figures end here
+            self.last_step_totals = run_totals(self)
         return True
 
     def _on_weights(self, msg: protocol.WeightsReady, now: float) -> None:

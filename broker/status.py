@@ -94,9 +94,10 @@ def build_status(broker: Broker, now: float) -> dict[str, Any]:
 
 
 def run_totals(broker: Broker) -> dict[str, Any]:
-    """What the broker saw over the whole run, written to RUN_DIR/broker_totals.json when it stops (for
-    `april bench`): tokens generated and still held (`buffered_tokens`: partials, complete groups, an
-    unacked batch), aborts and resumes, and the workers' slot integrals (broker.usage)."""
+    """What the broker saw so far: taken when the run's last step is acked and when the broker stops,
+    both written to RUN_DIR/broker_totals.json (for `april bench`): tokens generated and still held
+    (`buffered_tokens`: partials, complete groups, an unacked batch), aborts and resumes, and the
+    workers' slot integrals (broker.usage)."""
     state = broker.state
     return {
         "tokens_generated": state.totals.tokens_generated,

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from april.config import Mode
+from cli.bench_cmd import bench_command
 from cli.broker_cmd import BrokerStartError, run_broker
 from cli.keys_cmd import keys_app
 from cli.options import resolve_config, user_errors
@@ -148,6 +149,7 @@ def generate(
 
 app.command("status")(status_command)
 app.command("simulate")(simulate_command)
+app.command("bench")(bench_command)
 app.command("sft")(sft_command)
 app.add_typer(task_app, name="task")
 app.add_typer(keys_app, name="keys")

@@ -41,7 +41,7 @@ def test_parse_kinds_and_round_trip(tmp_path: Path) -> None:
 
 def test_file_spec_plain_and_jsonl(tmp_path: Path) -> None:
     plain = tmp_path / "lens+1.txt"  # a "+" in a path is fine
-    plain.write_text("5\n\n7\n9\n")
+    plain.write_text("# measured with: april generate ...\n5\n\n7\n  # a comment\n9\n")
     spec = LengthSpec.parse(f"file:{plain}")
     assert isinstance(spec, EmpiricalLength)
     assert sorted(set(spec.sample(np.random.default_rng(0), 200).tolist())) == [5, 7, 9]

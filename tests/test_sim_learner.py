@@ -64,7 +64,7 @@ def test_a_run_with_the_simulated_learner(tmp_path: Path, mode: str) -> None:
     for log in (run_dir / "logs").glob("worker-*.log"):
         text = log.read_text()
         assert "weights v3 loaded" in text and "not loaded" not in text, text[-2000:]
-    totals = json.loads((run_dir / "broker_totals.json").read_text())
+    totals = json.loads((run_dir / "broker_totals.json").read_text())["at_stop"]
     trained = sum(x["tokens_trained"] for x in lines)
     assert totals["tokens_generated"] == trained + totals["buffered_tokens"]  # nothing generated was lost
     assert not math.isnan(totals["usage"]["slot_utilization"])

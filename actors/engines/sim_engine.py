@@ -18,9 +18,10 @@ Sample identity (what makes a resume keep its length). A `GenerationRequest` car
     under the digest of `input + partial`, so resuming it *on this engine* is recognised. Resuming on
     another process draws a new length: use the hook for resume hand-off across workers.
 
-Time: `elapsed_s` accumulates model time (seconds a real GPU would spend). With `sleep=True` each step
-also sleeps `model time x time_scale` of wall time, so a worker driving it behaves like a real engine
-(`time_scale=1e-3` runs a 16k-token tail in seconds); `sleep=False` is for virtual-time simulation.
+Time: `elapsed_s` accumulates model time (seconds a real GPU would spend). With `sleep=True` steps keep
+to a wall-clock schedule of `model time x time_scale` (sleeping what is left of each step; the caller's
+work between steps is absorbed, as a GPU's host overhead), so a worker driving it behaves like a real
+engine (`time_scale=1e-3` runs a 16k-token tail in seconds); `sleep=False` is for virtual-time simulation.
 
 Tokens are deterministic pseudo-random ids in [3, vocab_size) (0..2 are reserved: pad, bos, eos); a
 response that reaches its drawn length ends with `stop_token_id`. Log-probs are in [-1, -0.5]. Sampling
@@ -47,6 +48,7 @@ from april.sample_draw import draw_length, sample_key
 from april.sample_draw import mix as _mix
 from april.sample_draw import splitmix64 as _splitmix64
 
+MAX_LAG_S = 0.05  # wall seconds a sleeping engine may fall behind its schedule and still catch up
 _MEMO_LIMIT = 65536  # aborted requests remembered for same-engine resume (no identify hook)
 
 
@@ -178,6 +180,8 @@ class SimEngine:
             requests,
             set(self._running) | {o.request_id for o in self._ready},
         )
+        if not self.active:  # busy again after idling: the wall-clock schedule starts now
+            self._wall_due = time.monotonic()
         for req in requests:
             if req.max_new_tokens < 0:
                 raise EngineError(
@@ -268,7 +272,10 @@ class SimEngine:
         if not self.sleep or self.time_scale == 0:
             return
         now = time.monotonic()
-        self._wall_due = max(self._wall_due, now) + model_s * self.time_scale
+        # a schedule, not a sleep per step: the caller's own time between steps (reading messages,
+        # scoring) is absorbed as a GPU's host overhead is, and sleep overshoot is paid back next step;
+        # a caller starved of CPU catches up by at most MAX_LAG_S (no burst of a backlog)
+        self._wall_due = max(self._wall_due, now - MAX_LAG_S) + model_s * self.time_scale
         if self._wall_due - now > 2e-4:  # sub-0.2 ms sleeps are mostly overhead: let the debt accrue
             time.sleep(self._wall_due - now)
 

@@ -1,0 +1,165 @@
+"""`april bench`: the same workload once per mode with the real broker, workers and learner processes,
+one mode after another; writes OUT/bench.json, OUT/bench.md and OUT/bench.png.
+
+`bench_command` is the typer command (`cli/main.py` registers it): it turns options into a
+`cli.bench_plan.BenchSetting`, runs each mode (`cli.bench_run`), and writes the reports
+(`cli.bench_report`). With `--engine sim` the learner is simulated too (`learner.backend = "sim"`), the
+simulator predicts the same runs first (`april simulate`, with the same samples) and the time scale is
+chosen from that prediction so the slowest mode takes about `--target-s` wall seconds; with
+`--engine torch` everything is real: the model on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from actors.lengths import EmpiricalLength, LengthSpec, LengthSpecError
+from april.config import AlgoConfig
+from broker.sim.engines import EngineCost
+from broker.sim.figures import Figures, with_speedups
+from broker.sim.model import SimulationError
+from cli.bench_figures import BenchRunError
+from cli.bench_plan import BenchSetting, choose_time_scale, predict
+from cli.bench_report import bench_json, bench_markdown, bench_png
+from cli.options import user_errors
+from cli.simulate_cmd import SimulateError, parse_modes, resolve_lengths
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "models" / "tiny"
+TASK_WORKLOAD = "tiny-task"  # the built-in task's lengths on the tiny model (workloads/tiny-task.txt)
+# engine -> defaults of the options that differ (sim: the paper-like setting of `april simulate`)
+DEFAULTS: dict[str, dict[str, int | str]] = {
+    "sim": {"workload": "math-long-tail", "steps": 5, "engines": 8, "slots": 64, "rollout_batch_size": 32,
+            "over_sampling_batch_size": 64, "max_new_tokens": 16384},
+    "torch": {"workload": TASK_WORKLOAD, "steps": 10, "engines": 2, "slots": 32, "rollout_batch_size": 8,
+              "over_sampling_batch_size": 16, "max_new_tokens": 256},
+}  # fmt: skip
+
+
+def _absolute(spec: LengthSpec) -> LengthSpec:
+    """A lengths file named by an absolute path: the workers may run elsewhere than here."""
+    if isinstance(spec, EmpiricalLength):
+        return EmpiricalLength.load(str(Path(spec.path).resolve()))
+    return spec
+
+
+def bench_command(
+    engine: Annotated[
+        str, typer.Option(help="sim (cost model, simulated learner) or torch (all real).")
+    ] = "sim",
+    modes: Annotated[str, typer.Option(help="Comma list of modes, run in this order.")] = "sync,april,async",
+    steps: Annotated[
+        int | None, typer.Option(help="Learner steps per mode (sim 5, torch 10).", min=1)
+    ] = None,
+    workload: Annotated[
+        str | None,
+        typer.Option(
+            help="Response lengths (sim: drawn per sample): a workloads/ name, a spec or a file, as for "
+            "`april simulate --lengths`. Default: math-long-tail (sim), tiny-task (torch: only its "
+            "histogram; the model decides the lengths)."
+        ),
+    ] = None,
+    out: Annotated[
+        Path, typer.Option(help="Output directory (bench.json, bench.md, bench.png, runs/).")
+    ] = Path("runs/bench"),
+    engines: Annotated[
+        int | None, typer.Option(help="Worker processes, one engine each (sim 8, torch 2).")
+    ] = None,
+    slots: Annotated[
+        int | None, typer.Option(help="Concurrent sequences per engine (sim 64, torch 32).")
+    ] = None,
+    rollout_batch_size: Annotated[int | None, typer.Option(help="Groups per step (sim 32, torch 8).")] = None,
+    over_sampling_batch_size: Annotated[
+        int | None, typer.Option(help="Groups in flight per april round (sim 64, torch 16).")
+    ] = None,
+    n_samples_per_prompt: Annotated[int, typer.Option(help="Samples per group.", min=1)] = 8,
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Response budget (sim 16384, torch 256).")
+    ] = None,
+    max_staleness: Annotated[int, typer.Option(help="async: versions a sample may lag (eta).", min=0)] = 1,
+    decode_ms: Annotated[float, typer.Option(help="sim: decode step base time A, ms.", min=0)] = 6.0,
+    decode_ms_per_seq: Annotated[float, typer.Option(help="sim: B, ms per active sequence.", min=0)] = 0.1,
+    prefill_ms_per_token: Annotated[
+        float, typer.Option(help="sim: C, ms per prefilled token.", min=0)
+    ] = 0.02,
+    learner_step_s: Annotated[float, typer.Option(help="sim: simulated learner step, s.", min=0)] = 20.0,
+    prompt_len: Annotated[int, typer.Option(help="sim: tokens of every prompt.", min=1)] = 256,
+    target_s: Annotated[
+        float,
+        typer.Option(help="sim: wall seconds the slowest mode's run should take (sets the time scale)."),
+    ] = 60.0,
+    time_scale: Annotated[
+        float | None, typer.Option(help="sim: wall seconds per simulated second (overrides --target-s).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of prompts, sampling and drawn lengths (every mode).")] = 0,
+    model: Annotated[Path, typer.Option(help="torch: the model directory.")] = TINY_MODEL,
+) -> None:
+    """Run the same workload in each mode with real processes; write bench.json, bench.md, bench.png."""
+    with user_errors(SimulateError, LengthSpecError, SimulationError, BenchRunError, ValueError):
+        if engine not in DEFAULTS:
+            raise SimulateError(f"--engine: got {engine!r}, expected sim or torch")
+        d = DEFAULTS[engine]
+        algo = AlgoConfig(
+            rollout_batch_size=rollout_batch_size or int(d["rollout_batch_size"]),
+            over_sampling_batch_size=over_sampling_batch_size or int(d["over_sampling_batch_size"]),
+            n_samples_per_prompt=n_samples_per_prompt,
+            max_new_tokens=max_new_tokens or int(d["max_new_tokens"]),
+            max_staleness=max_staleness,
+        )
+        name = workload or str(d["workload"])
+        setting = BenchSetting(
+            engine=engine,
+            modes=tuple(parse_modes(modes)),
+            steps=steps or int(d["steps"]),
+            workload=name,
+            lengths=_absolute(resolve_lengths(name)),
+            algo=algo,
+            engines=engines or int(d["engines"]),
+            slots=slots or int(d["slots"]),
+            seed=seed,
+            cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token),
+            learner_step_s=learner_step_s,
+            prompt_len=prompt_len,
+            model=str(model.resolve()),
+        )
+        run_bench(setting, out, target_s, time_scale)
+
+
+def run_bench(
+    setting: BenchSetting, out: Path, target_s: float, time_scale: float | None
+) -> dict[str, object]:
+    """Every mode, then the reports; returns bench.json's object."""
+    import dataclasses
+
+    from cli.bench_run import run_mode  # april up's machinery: imported when a bench runs, not for --help
+
+    predicted: dict[str, Figures] | None = None
+    if setting.engine == "sim":
+        predicted = predict(setting)
+        scale = time_scale if time_scale is not None else choose_time_scale(predicted, target_s)
+        setting = dataclasses.replace(setting, time_scale=scale)
+    out.mkdir(parents=True, exist_ok=True)
+    measured: dict[str, Figures] = {}
+    for mode in setting.modes:
+        figures, took = run_mode(setting, mode, out)
+        measured[mode.value] = figures
+        print(
+            f"april bench: {mode.value}: {figures.samples_per_s:.3f} samples/s, slot utilisation "
+            f"{figures.slot_utilization:.3f} ({took:.0f} s with start-up)",
+            file=sys.stderr,
+        )
+    measured = with_speedups(measured)
+    doc = bench_json(measured, setting.to_json(), predicted, setting.time_scale)
+    (out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    (out / "bench.md").write_text(bench_markdown(doc, measured, predicted), encoding="utf-8")
+    title = (
+        f"april bench, {setting.engine} engine, {setting.workload}: {setting.engines} x {setting.slots} slots"
+    )
+    bench_png(out / "bench.png", measured, setting.lengths, title)
+    print(f"april bench: wrote {out / 'bench.json'}, bench.md, bench.png", file=sys.stderr)
+    return doc

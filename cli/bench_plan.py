@@ -1,0 +1,145 @@
+"""What `april bench` runs: one setting, turned into the run config of each mode and the simulator's
+prediction of the same runs.
+
+Owns `BenchSetting` (workload, batch sizes, engines x slots, cost model, learner step, seed, steps),
+`run_config` (the `Config` a mode's `april up` run gets: the same prompts, seed, engine settings and
+number of steps in every mode; only `run.mode` differs) and, for `--engine sim`, `predict` (the same
+setting in `broker.sim`'s virtual time, with each sample's length drawn exactly as the sim engine draws
+it) and `choose_time_scale` (wall seconds per simulated second so the slowest mode takes about a target).
+Starts nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from actors.lengths import LengthSpec
+from april.config import (
+    AlgoConfig,
+    BrokerConfig,
+    Config,
+    DataConfig,
+    LearnerConfig,
+    Mode,
+    RunConfig,
+    WorkerConfig,
+)
+from broker.sim.engines import EngineCost
+from broker.sim.figures import Figures, with_speedups
+from broker.sim.model import SimConfig, simulate
+
+ENGINES = ("sim", "torch")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSetting:
+    engine: str  # sim | torch
+    modes: tuple[Mode, ...]
+    steps: int
+    workload: str  # what --workload named (a workload, spec or file; "task" for the built-in task)
+    lengths: LengthSpec  # the response-length distribution (sim: drawn; torch: measured, for the figure)
+    algo: AlgoConfig
+    engines: int  # worker processes, one engine each
+    slots: int
+    seed: int = 0
+    cost: EngineCost = dataclasses.field(default_factory=EngineCost)  # sim engine step cost
+    learner_step_s: float = 20.0  # sim learner: simulated seconds per step
+    prompt_len: int = 256  # sim: tokens of every prompt
+    time_scale: float = 1.0  # sim: wall seconds per simulated second
+    model: str = ""  # torch: the model directory (workers and learner)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine: got {self.engine!r}, expected one of {', '.join(ENGINES)}")
+
+    def to_json(self) -> dict[str, object]:
+        a = self.algo
+        out: dict[str, object] = {
+            "engine": self.engine,
+            "workload": self.workload,
+            "lengths": self.lengths.describe(),
+            "rollout_batch_size": a.rollout_batch_size,
+            "over_sampling_batch_size": a.over_sampling_batch_size,
+            "n_samples_per_prompt": a.n_samples_per_prompt,
+            "max_new_tokens": a.max_new_tokens,
+            "max_staleness": a.max_staleness,
+            "steps": self.steps,
+            "seed": self.seed,
+            "engines": self.engines,
+            "slots": self.slots,
+        }
+        if self.engine == "sim":
+            out.update(
+                decode_ms=self.cost.decode_ms,
+                decode_ms_per_seq=self.cost.decode_ms_per_seq,
+                prefill_ms_per_token=self.cost.prefill_ms_per_token,
+                learner_step_s=self.learner_step_s,
+                prompt_len=self.prompt_len,
+                time_scale=self.time_scale,
+            )
+        else:
+            out["model"] = self.model
+        return out
+
+
+def sim_config(setting: BenchSetting, mode: Mode) -> SimConfig:
+    return SimConfig(
+        mode,
+        setting.algo,
+        engines=setting.engines,
+        slots=setting.slots,
+        cost=setting.cost,
+        learner_step_s=setting.learner_step_s,
+        steps=setting.steps,
+        prompt_len=setting.prompt_len,
+        seed=setting.seed,
+        per_sample_lengths=True,
+    )
+
+
+def predict(setting: BenchSetting) -> dict[str, Figures]:
+    """`april simulate`'s figures of the same runs, in simulated seconds (the same samples)."""
+    by_mode = {m.value: simulate(sim_config(setting, m), setting.lengths).figures for m in setting.modes}
+    return with_speedups(by_mode)
+
+
+def choose_time_scale(predicted: dict[str, Figures], target_s: float) -> float:
+    """Wall seconds per simulated second so that the slowest mode's run takes about `target_s`."""
+    longest = max(f.wall_s for f in predicted.values())
+    return target_s / longest if longest > 0 else 1.0
+
+
+def run_config(setting: BenchSetting, mode: Mode, name: str) -> Config:
+    """The `april up` config of one mode's run (ports are the runner's)."""
+    run = RunConfig(name=name, seed=setting.seed, steps=setting.steps, mode=mode)
+    broker = BrokerConfig(min_workers=setting.engines)  # every engine starts together, as simulated
+    learner = LearnerConfig(checkpoint_every=0, tensorboard=False)
+    if setting.engine == "sim":
+        data = DataConfig(
+            source="synthetic",
+            synthetic_prompt_len_min=setting.prompt_len,
+            synthetic_prompt_len_max=setting.prompt_len,
+            eval_size=0,
+        )
+        worker = WorkerConfig(
+            engine="sim",
+            slots=setting.slots,
+            reward="exact",
+            sim_lengths=setting.lengths.describe(),
+            sim_time_scale=setting.time_scale,
+            sim_decode_ms=setting.cost.decode_ms,
+            sim_decode_ms_per_seq=setting.cost.decode_ms_per_seq,
+            sim_prefill_ms_per_token=setting.cost.prefill_ms_per_token,
+        )
+        learner = dataclasses.replace(learner, backend="sim", sim_step_s=setting.learner_step_s)
+        return Config(run=run, algo=setting.algo, data=data, broker=broker, worker=worker, learner=learner)
+    # torch: the built-in task on the model, everything real; one evaluation at the end (and the
+    # broker's baseline at v0, the same work in every mode) gives accuracy_final
+    run = dataclasses.replace(run, eval_every=setting.steps)
+    data = DataConfig(source="task", eval_size=32)
+    worker = WorkerConfig(
+        engine="torch", slots=setting.slots, model=setting.model, reward="exact", torch_threads=1
+    )
+    learner = dataclasses.replace(learner, model=setting.model, backend="deepspeed", lr=1e-4, torch_threads=2)
+    return Config(run=run, algo=setting.algo, data=data, broker=broker, worker=worker, learner=learner)
