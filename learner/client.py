@@ -79,6 +79,14 @@ class BrokerClient:
                     return msg
                 case protocol.Welcome():
                     self.interval = msg.heartbeat_interval_s
+                case protocol.Error(code="not_registered"):
+                    # a restarted broker that this socket reconnected to by itself: it answers, so it is
+                    # never silent, but it knows this learner only after a new hello (docs/protocol.md)
+                    log.warning("the broker does not know this learner (restarted?): saying hello again")
+                    send(self.sock, protocol.LearnerHello(self.learner_id, self.version, os.getpid()))
+                    if self.latest_weights is not None:
+                        send(self.sock, self.latest_weights)
+                    send(self.sock, protocol.BatchRequest(step, self.last_batch_id))
                 case protocol.Error(code=code, detail=detail):
                     log.warning("broker error %s: %s", code, detail)
             if now - last_sent >= self.interval:

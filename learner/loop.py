@@ -1,8 +1,9 @@
 """The learner process: one loop, top to bottom, as in DESIGN.md section 2.
 
 For each step: wait for the batch (exactly N samples in complete groups), train on it, publish weights
-version v+1 (safetensors, atomic, sha256) and announce them, ack the batch, append the metrics line, and
-checkpoint every `checkpoint_every` steps. Under a launcher (torchrun, deepspeed) every rank runs the
+version v+1 (safetensors, atomic, sha256) and announce them, append the metrics line, checkpoint every
+`checkpoint_every` steps, and ack the batch last (so a crash never leaves a batch acked but not in the
+checkpoint when checkpointing every step). Under a launcher (torchrun, deepspeed) every rank runs the
 loop; rank 0 alone talks to the broker and writes weights and metrics, and shares each batch.
 `--resume` restarts from the latest checkpoint; the broker re-sends any batch it still holds, and
 `last_batch_id` makes sure a trained batch is never trained again.
@@ -129,6 +130,7 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
             )
             computed = time.monotonic()
             state = engine.state_dict_for_publish()  # a collective under ZeRO-3: every rank calls it
+            acked: dict[str, float] | None = None  # the figures the ack carries (rank 0)
             if client is not None and metrics is not None:
                 path, sha = weights.publish(state, run_dir / "weights", version + 1, keep=lc.keep_weights)
                 client.publish(version + 1, path.resolve().as_uri(), sha)
@@ -143,7 +145,7 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
                     weight_sync_s=published - computed,
                     train={**stats, "wait_s": waited - started},
                 )
-                client.ack(batch.batch_id, ack_metrics(record))
+                acked = ack_metrics(record)
                 metrics.append(record)
                 log.info(
                     "step %d: loss %.4f, reward %.3f, accuracy %.3f, v%d published",
@@ -157,6 +159,10 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
             if lc.checkpoint_every and step % lc.checkpoint_every == 0:
                 save_checkpoint(engine, config, run_dir, step, version, batch.batch_id)
                 saved = step
+            if client is not None and acked is not None:
+                # acked last: a crash before this line trains the batch again from the last checkpoint (the
+                # broker still holds it); one after it finds the step in the checkpoint and metrics.jsonl
+                client.ack(batch.batch_id, acked)
         # stopped (or finished) between checkpoints: save one, so --resume loses nothing
         if lc.checkpoint_every and saved < step:
             save_checkpoint(engine, config, run_dir, step, version, last_batch_id)
@@ -221,4 +227,3 @@ def save_checkpoint(
         ),
         keep=config.learner.keep_checkpoints,
     )
-
