@@ -1,0 +1,249 @@
+"""Soak: a whole april run under random SIGKILLs, then the books are checked.
+
+What runs: the children `april up` would start (`cli.up_cmd.plan`: one `april broker`, `--workers`
+`april worker` processes on the sim engine, one real `april learner` on the shipped tiny model, torch
+backend, a checkpoint every step), supervised by `cli.supervisor.Supervisor` with unbounded restarts
+(broker and learner restart with `--resume`, as under `april up`). While `--duration-s` runs, a random
+worker is SIGKILLed every `--worker-every` seconds, the learner every `--learner-every`, the broker every
+`--broker-every` (the learner and broker schedules are offset by half a period so they do not coincide).
+
+At the end the kills stop, the run is given time to recover (every child up, one more step trained),
+the learner is stopped with SIGTERM (it finishes its step, as `april up` stops it), and then:
+- the broker's ledger balances (`issued == trained + complete_waiting + in_flight + partial + dropped`);
+- metrics.jsonl holds steps 0..S-1 once each, every line exactly N = B x n samples;
+- the broker counted exactly S x B groups trained (S x N samples): no batch trained twice, none lost.
+Prints a summary (kills survived per role, steps, trained samples, samples lost) and writes it as JSON.
+Exit code 0 when every check holds, 1 otherwise.
+
+Usage:
+    .venv/bin/python benchmarks/soak.py --duration-s 1800                     # the 30-minute soak
+    .venv/bin/python benchmarks/soak.py --duration-s 150 --worker-every 15 --learner-every 50 \
+        --broker-every 60                                                     # a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from april.config import load_config, write_config  # noqa: E402
+from cli.status_cmd import StatusError, fetch_status  # noqa: E402
+from cli.supervisor import Supervisor  # noqa: E402
+from cli.up_cmd import BROKER, LEARNER, TINY_MODEL, plan, wire_addresses  # noqa: E402
+
+UNBOUNDED = 1 << 30  # restarts allowed per child
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def write_soak_config(path: Path, args: argparse.Namespace) -> None:
+    worker_port, learner_port, pub_port = free_ports(3)
+    model = str(TINY_MODEL)
+    path.write_text(
+        f'[run]\nname = "soak"\nmode = "{args.mode}"\nsteps = {UNBOUNDED}\nseed = {args.seed}\n'
+        f"[algo]\nrollout_batch_size = {args.batch}\nover_sampling_batch_size = {2 * args.batch}\n"
+        f"n_samples_per_prompt = {args.n}\nmax_new_tokens = 32\nmax_staleness = 1\n"
+        "[data]\nsynthetic_vocab_size = 320\n"
+        f"[broker]\nworker_port = {worker_port}\nlearner_port = {learner_port}\npub_port = {pub_port}\n"
+        "heartbeat_interval_s = 0.5\nliveness = 3\nsnapshot_interval_s = 2.0\n"
+        f'[worker]\nengine = "sim"\nslots = 4\nmodel = "{model}"\n'
+        'sim_lengths = "lognormal:median=6,sigma=1.2,cap=32"\nsim_time_scale = 0.02\n'
+        f'[learner]\nmodel = "{model}"\nbackend = "torch"\nlr = 1e-3\ncheckpoint_every = 1\n'
+        "torch_threads = 1\n"
+    )
+
+
+@dataclasses.dataclass
+class Soak:
+    run_dir: Path
+    config_path: Path
+    workers: int
+    supervisor: Supervisor = dataclasses.field(default_factory=Supervisor)
+    kills: dict[str, int] = dataclasses.field(default_factory=lambda: {"worker": 0, LEARNER: 0, BROKER: 0})
+    restarts: dict[str, int] = dataclasses.field(default_factory=dict)
+    events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        config = wire_addresses(load_config(self.config_path))
+        write_config(config, self.config_path)
+        self.address = config.learner.broker
+        specs = plan(config, self.config_path, self.run_dir, self.workers, resume=False)
+        self.specs = [dataclasses.replace(s, max_restarts=UNBOUNDED) for s in specs]
+
+    def status(self, timeout_s: float = 1.0) -> dict[str, Any] | None:
+        try:
+            return fetch_status(self.address, timeout_s)
+        except StatusError:
+            return None
+
+    def start(self) -> None:
+        broker, *others = self.specs
+        self.supervisor.start(broker)
+        wait(lambda: self.status() is not None, 120, "the broker to answer")
+        for spec in others:
+            self.supervisor.start(spec)
+
+    def poll(self) -> None:
+        for ex in self.supervisor.poll(lambda name, code: False):
+            if ex.restarted:
+                self.restarts[ex.name] = self.restarts.get(ex.name, 0) + 1
+            else:
+                raise RuntimeError(f"{ex.name} exited {ex.code} for good: {ex.tail}")
+
+    def kill(self, name: str, t: float) -> None:
+        child = self.supervisor.children[name]
+        if child.proc.poll() is not None:
+            return  # between a crash and its restart: the next poll restarts it
+        status = self.status(0.5)
+        os.killpg(child.proc.pid, signal.SIGKILL)  # its session: a worker's reward runner dies too
+        child.proc.wait(10)
+        role = "worker" if name.startswith("worker-") else name
+        self.kills[role] += 1
+        moment = {
+            "t": round(t, 1),
+            "killed": name,
+            "steps": self.steps(),
+            "unacked_batch": None if status is None else status["unacked_batch"],
+            "aborting": None if status is None else status["round"]["aborting"],
+            "learner_waiting": None
+            if not status or not status["learner"]
+            else status["learner"]["waiting_for_batch"],
+        }
+        self.events.append(moment)
+        print(f"[soak {t:7.1f}s] SIGKILL {name}: {moment}", flush=True)
+
+    def steps(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def stop(self) -> None:
+        self.supervisor.stop([[LEARNER, *(s.name for s in self.specs[1:-1])], [BROKER]])
+
+
+def wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    root = Path(args.out or tempfile.mkdtemp(prefix="april-soak-"))
+    root.mkdir(parents=True, exist_ok=True)
+    config_path = root / "soak.toml"
+    write_soak_config(config_path, args)
+    soak = Soak(root / "run", config_path, args.workers)
+    started = time.monotonic()
+    soak.start()
+    due = {
+        "worker": args.worker_every,
+        LEARNER: args.learner_every / 2,
+        BROKER: args.broker_every,
+    }
+    workers = [s.name for s in soak.specs if s.name.startswith("worker-")]
+    try:
+        while (t := time.monotonic() - started) < args.duration_s:
+            soak.poll()
+            for role, at in due.items():
+                if t >= at:
+                    soak.kill(rng.choice(workers) if role == "worker" else role, t)
+                    every = {"worker": args.worker_every, LEARNER: args.learner_every}.get(role)
+                    due[role] = at + (every or args.broker_every)
+            time.sleep(0.2)
+        # recovery: every child up and one more step trained after the last kill
+        recovered_from = soak.steps()
+        deadline = time.monotonic() + args.recover_s
+        while soak.steps() <= recovered_from and time.monotonic() < deadline:
+            soak.poll()
+            time.sleep(0.2)
+        recovered = soak.steps() > recovered_from
+        learner = soak.supervisor.children[LEARNER].proc
+        learner.send_signal(signal.SIGTERM)  # finishes its step, checkpoints, disconnects
+        learner.wait(120)
+        time.sleep(1.0)  # the broker reads the last ack
+        status = soak.status(5.0)
+    finally:
+        soak.stop()
+    return report(args, soak, status, recovered, time.monotonic() - started)
+
+
+def report(
+    args: argparse.Namespace, soak: Soak, status: dict[str, Any] | None, recovered: bool, wall_s: float
+) -> dict[str, Any]:
+    lines = [json.loads(x) for x in (soak.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x["step"] for x in lines]
+    n_per_step = args.batch * args.n
+    ledger = status["ledger"] if status else {}
+    trained_groups = int(ledger.get("trained", -1))
+    checks = {
+        "recovered after the last kill": recovered,
+        "broker answered at the end": status is not None,
+        "ledger balances": bool(status and status["ledger_balanced"]),
+        "steps 0..S-1 once each": steps == list(range(len(steps))),
+        "every step exactly N samples": all(x["samples"] == n_per_step for x in lines),
+        "trained groups == steps x B": trained_groups == len(steps) * args.batch,
+    }
+    summary = {
+        "duration_s": args.duration_s,
+        "wall_s": round(wall_s, 1),
+        "kills": soak.kills,
+        "restarts": soak.restarts,
+        "steps": len(steps),
+        "trained_samples": trained_groups * args.n,
+        "expected_samples": len(steps) * n_per_step,
+        "samples_lost": len(steps) * n_per_step - trained_groups * args.n,
+        "ledger": ledger,
+        "rejected": status["rejected"]["by_reason"] if status else None,
+        "checks": checks,
+        "ok": all(checks.values()),
+        "kill_moments": soak.events,
+        "run_dir": str(soak.run_dir),
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k != "kill_moments"}, indent=2), flush=True)
+    (soak.run_dir.parent / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration-s", type=float, default=1800.0)
+    p.add_argument("--worker-every", type=float, default=60.0)
+    p.add_argument("--learner-every", type=float, default=600.0)
+    p.add_argument("--broker-every", type=float, default=600.0)
+    p.add_argument("--recover-s", type=float, default=180.0, help="time to train one more step at the end")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--mode", default="april", choices=["sync", "april", "async"])
+    p.add_argument("--batch", type=int, default=2, help="rollout_batch_size B (groups per step)")
+    p.add_argument("--n", type=int, default=2, help="n_samples_per_prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="directory for the run (a fresh temp dir by default)")
+    summary = run(p.parse_args(argv))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
