@@ -416,3 +416,28 @@ def test_learner_says_hello_again_to_a_broker_that_does_not_know_it() -> None:
     router.close(linger=0)
     ctx.term()
     assert hellos == 1 and isinstance(got[0], protocol.Batch), got
+
+
+# ---------------------------------------------------------------------- april up
+
+
+def test_april_up_reports_a_restart_on_the_dashboard_and_gives_up_after_the_bound(tmp_path: Path) -> None:
+    """What `april up` does with a crashed child's exit (`Run._report`): a restart is an event and an alert
+    with the log's tail on the dashboard; out of restarts, a broker or learner fails the run. The process
+    side (a real SIGKILLed worker restarted, the run finishing) is tests/test_up.py."""
+    from test_dashboard import fed, status, text
+
+    from april.config import Config
+    from cli.supervisor import ChildExit
+    from cli.up_cmd import MAX_RESTARTS, Run
+
+    run = Run(Config(), tmp_path, [])
+    run.state = fed(status())
+    run._report(ChildExit("worker-0", -9, True, 1, ("Killed",)))
+    shown = text(run.state, 120)
+    assert f"worker-0 exited -9: restarted (1/{MAX_RESTARTS})" in shown and "Killed" in shown
+    assert run.outcome == ""  # the run goes on
+    run._report(ChildExit("broker", 1, False, MAX_RESTARTS, ("SnapshotError: state.snap truncated",)))
+    assert run.outcome == f"failed: broker exited 1 after {MAX_RESTARTS} restarts"
+    shown = text(run.state, 120)
+    assert "broker exited 1: out of restarts" in shown and "SnapshotError" in shown
