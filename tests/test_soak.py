@@ -1,0 +1,23 @@
+"""The soak of benchmarks/soak.py as a slow-marked test: a whole run (real broker, sim workers, the real
+learner on the tiny model) under random SIGKILLs, then the books. `APRIL_SOAK_S` sets the duration
+(default 1800 s: workers killed every minute, learner and broker every ten)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+
+
+@pytest.mark.slow
+def test_soak_under_random_kills(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("soak", SOAK)
+    assert spec is not None and spec.loader is not None
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    duration = os.environ.get("APRIL_SOAK_S", "1800")
+    assert soak.main(["--duration-s", duration, "--out", str(tmp_path / "soak")]) == 0
