@@ -97,7 +97,17 @@ def bench_command(
         float | None, typer.Option(help="sim: wall seconds per simulated second (overrides --target-s).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of prompts, sampling and drawn lengths (every mode).")] = 0,
-    model: Annotated[Path, typer.Option(help="torch: the model directory.")] = TINY_MODEL,
+    model: Annotated[
+        Path, typer.Option(help="torch, or sim with --real-learner: the model directory.")
+    ] = TINY_MODEL,
+    real_learner: Annotated[
+        bool,
+        typer.Option(
+            "--real-learner",
+            help="sim: train --model for real (DeepSpeed, gradients) on the sim engine's tokens instead of "
+            "the simulated learner (its own speed, not --learner-step-s, then sets the step time).",
+        ),
+    ] = False,
 ) -> None:
     """Run the same workload in each mode with real processes; write bench.json, bench.md, bench.png."""
     with user_errors(SimulateError, LengthSpecError, SimulationError, BenchRunError, ValueError):
@@ -126,6 +136,7 @@ def bench_command(
             learner_step_s=learner_step_s,
             prompt_len=prompt_len,
             model=str(model.resolve()),
+            real_learner=real_learner,
         )
         run_bench(setting, out, target_s, time_scale)
 

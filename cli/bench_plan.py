@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from actors.factory import model_vocab_size
 from actors.lengths import LengthSpec
 from april.config import (
     AlgoConfig,
@@ -47,7 +48,8 @@ class BenchSetting:
     learner_step_s: float = 20.0  # sim learner: simulated seconds per step
     prompt_len: int = 256  # sim: tokens of every prompt
     time_scale: float = 1.0  # sim: wall seconds per simulated second
-    model: str = ""  # torch: the model directory (workers and learner)
+    model: str = ""  # torch, or sim with real_learner: the model directory (workers and learner)
+    real_learner: bool = False  # sim: train the model for real (DeepSpeed) instead of the simulated learner
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -78,7 +80,8 @@ class BenchSetting:
                 prompt_len=self.prompt_len,
                 time_scale=self.time_scale,
             )
-        else:
+            out["learner"] = "real" if self.real_learner else "sim"
+        if self.engine == "torch" or self.real_learner:
             out["model"] = self.model
         return out
 
@@ -133,6 +136,13 @@ def run_config(setting: BenchSetting, mode: Mode, name: str) -> Config:
             sim_prefill_ms_per_token=setting.cost.prefill_ms_per_token,
         )
         learner = dataclasses.replace(learner, backend="sim", sim_step_s=setting.learner_step_s)
+        if setting.real_learner:  # sim tokens the model can train on: its vocabulary, its tokenizer
+            vocab = model_vocab_size(setting.model)
+            data = dataclasses.replace(data, synthetic_vocab_size=vocab)
+            worker = dataclasses.replace(worker, model=setting.model)
+            learner = dataclasses.replace(
+                learner, model=setting.model, backend="deepspeed", lr=1e-4, torch_threads=2
+            )
         return Config(run=run, algo=setting.algo, data=data, broker=broker, worker=worker, learner=learner)
     # torch: the built-in task on the model, everything real; one evaluation at the end (and the
     # broker's baseline at v0, the same work in every mode) gives accuracy_final

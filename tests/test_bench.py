@@ -100,3 +100,37 @@ def test_bench_agrees_with_simulate_within_10_percent(tmp_path: Path) -> None:
     errors = doc["prediction_error"]
     assert set(errors) == {"sync", "april", "async"}
     assert all(abs(e) <= 0.10 for e in errors.values()), errors
+
+
+def test_each_mode_gets_the_same_config_but_its_mode_and_the_sim_learner_unless_told_to_train() -> None:
+    from actors.lengths import LengthSpec
+    from april.config import AlgoConfig, Mode, config_to_dict
+    from cli.bench_cmd import TINY_MODEL
+    from cli.bench_plan import BenchSetting, run_config
+
+    setting = BenchSetting(
+        "sim",
+        (Mode.SYNC, Mode.ASYNC),
+        3,
+        "w",
+        LengthSpec.parse("fixed:8"),
+        AlgoConfig(),
+        2,
+        4,
+        time_scale=0.5,
+    )
+    sync, asyn = (config_to_dict(run_config(setting, m, "b")) for m in (Mode.SYNC, Mode.ASYNC))
+    assert sync["run"].pop("mode") == "sync" and asyn["run"].pop("mode") == "async"
+    assert sync == asyn
+    assert sync["learner"]["backend"] == "sim" and sync["worker"]["sim_time_scale"] == 0.5
+    assert sync["broker"]["min_workers"] == 2 and sync["worker"]["sim_lengths"] == "fixed:8"
+    real = run_config(
+        BenchSetting(
+            "sim", (Mode.SYNC,), 3, "w", LengthSpec.parse("fixed:8"), AlgoConfig(), 2, 4,
+            model=str(TINY_MODEL), real_learner=True,
+        ),
+        Mode.SYNC,
+        "b",
+    )  # fmt: skip
+    assert real.learner.backend == "deepspeed" and real.learner.model == real.worker.model == str(TINY_MODEL)
+    assert real.data.synthetic_vocab_size == 320  # the tiny model's vocabulary: sim tokens it can train on
