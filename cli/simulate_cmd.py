@@ -242,6 +242,14 @@ def simulate_command(
     seed: Annotated[
         int, typer.Option(help="Seed of the drawn lengths (the same samples in every mode).")
     ] = 0,
+    per_sample_lengths: Annotated[
+        bool,
+        typer.Option(
+            "--per-sample-lengths",
+            help="Draw each sample's length from (seed, group, index) as the sim engine does: the very "
+            "samples `april bench --engine sim --seed SEED` runs.",
+        ),
+    ] = False,
     modes: Annotated[str, typer.Option(help="Comma list of modes to run.")] = "sync,april,async",
     sweep: Annotated[
         list[str] | None,
@@ -283,6 +291,7 @@ def simulate_command(
             steps=steps,
             prompt_len=prompt_len,
             seed=seed,
+            per_sample_lengths=per_sample_lengths,
         )
         started = time.perf_counter()
         results = [(p, run_point(apply_point(base, p), spec, chosen)) for p in points]

@@ -85,6 +85,15 @@ def test_bench_smoke_with_real_processes(tmp_path: Path) -> None:
     # wall time) within 10% of the real processes' in every mode (measured: within 5% on 2 cores)
     assert set(doc["prediction_error"]) == set(doc["modes"])
     assert all(abs(e) <= 0.10 for e in doc["prediction_error"].values()), doc["prediction_error"]
+    # `april simulate --per-sample-lengths` with the same settings is that prediction
+    sim_args = [a.replace("--workload", "--lengths") for a in SMALL]
+    result = CliRunner().invoke(
+        app, ["simulate", *sim_args, "--steps", "2", "--per-sample-lengths", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    simulated = json.loads(result.output)["modes"]
+    for mode, predicted in doc["predicted"].items():
+        assert simulated[mode]["samples_per_s"] == pytest.approx(predicted["samples_per_s"])
     md = (tmp_path / "bench.md").read_text()
     assert "| sync |" in md and "| april |" in md and "| async |" in md
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
