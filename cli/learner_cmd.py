@@ -16,7 +16,7 @@ def run_learner_process(config: Config, run_dir: Path, resume: bool) -> None:
     if config.learner.backend == "sim":  # no model, no torch: a cost model's step time (april bench)
         from learner.sim_learner import run_sim_learner
 
-        run_sim_learner(config, run_dir, stop_requested())
+        run_sim_learner(config, run_dir, resume, stop_requested())
         return
     from learner.loop import run_learner
 

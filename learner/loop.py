@@ -12,7 +12,6 @@ Composes the pieces; owns none of their logic.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -28,7 +27,7 @@ from learner.batching import build_train_batch
 from learner.client import BatchError, BrokerClient, check_batch
 from learner.engine import TrainEngine, TrainSettings
 from learner.losses import LossConfig
-from learner.metrics import MetricsLog, ack_metrics, step_record, write_summary
+from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
 from learner.ranks import share_batch
 from learner.step import train_step
 
@@ -173,20 +172,6 @@ def run_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callab
             metrics.close()
     if leader:
         write_summary(run_dir, run_dir / "metrics.jsonl")
-
-
-def forget_steps_from(path: Path, step: int) -> None:
-    """Drop the metrics lines of steps >= `step`: a resumed learner trains them again (atomic rewrite)."""
-    if not path.exists():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [x for x in lines if x.strip() and json.loads(x)["step"] < step]
-    if len(kept) == len(lines):
-        return
-    log.info("metrics.jsonl: %d lines of steps >= %d dropped (trained again)", len(lines) - len(kept), step)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def receive_batch(

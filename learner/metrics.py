@@ -196,3 +196,17 @@ def write_summary(run_dir: Path, metrics_path: Path) -> None:
         "reward_mean_last": lines[-1]["reward_mean"],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def forget_steps_from(path: Path, step: int) -> None:
+    """Drop the metrics lines of steps >= `step`: a resumed learner trains them again (atomic rewrite)."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [x for x in lines if x.strip() and json.loads(x)["step"] < step]
+    if len(kept) == len(lines):
+        return
+    log.info("metrics.jsonl: %d lines of steps >= %d dropped (trained again)", len(lines) - len(kept), step)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)

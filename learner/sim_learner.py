@@ -3,7 +3,10 @@
 For `april bench --engine sim`: it takes batches from the real broker exactly as `learner.loop` does
 (exactly-N check included), spends a step time from a cost model instead of computing gradients,
 publishes weights version v+1 as a small real file with its true sha256 (the workers verify it and the
-sim engine "loads" it), acks the batch and writes the same metrics.jsonl lines and summary.json.
+sim engine "loads" it), writes the same metrics.jsonl lines and summary.json, and acks the batch last.
+Its whole state (step, version, last batch id) is `sim_learner.json`, written before each ack as the real
+learner checkpoints before it: `--resume` (april up restarts a crashed learner with it) continues from
+there, the broker re-sends an unacked batch, and one already trained is only acked again.
 
 Cost model, in simulated seconds, scaled to wall time by `worker.sim_time_scale` (one clock for the whole
 simulated run, as the sim engine's decode steps):
@@ -27,10 +30,11 @@ from april.config import Config
 from april.files import sha256_file
 from april.keys import configured_client_keys
 from learner.client import BrokerClient, check_batch
-from learner.metrics import MetricsLog, ack_metrics, step_record, write_summary
+from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
 
 log = logging.getLogger("april.learner")
 KEEP_WEIGHTS = 3  # simulated weight files kept (the announced one and its predecessors)
+STATE_FILE = "sim_learner.json"  # the simulated learner's checkpoint: step, version, last_batch_id
 
 
 def sim_step_s(config: Config, batch: protocol.Batch) -> float:
@@ -52,13 +56,32 @@ def publish_sim_weights(weights_dir: Path, version: int) -> tuple[Path, str]:
     return path, sha256_file(path)
 
 
-def run_sim_learner(config: Config, run_dir: Path, should_stop: Callable[[], bool]) -> None:
-    """Train run.steps simulated steps (or until stopped); always from step 0 (nothing to resume)."""
+def load_state(run_dir: Path) -> tuple[int, int, int]:
+    """(step, version, last_batch_id) saved by the last acked-or-about-to-be-acked step; zeros if none."""
+    path = run_dir / STATE_FILE
+    if not path.exists():
+        return 0, 0, -1
+    state = json.loads(path.read_text(encoding="utf-8"))
+    return int(state["step"]), int(state["version"]), int(state["last_batch_id"])
+
+
+def save_state(run_dir: Path, step: int, version: int, last_batch_id: int) -> None:
+    tmp = run_dir / (STATE_FILE + ".tmp")
+    state = {"step": step, "version": version, "last_batch_id": last_batch_id}
+    tmp.write_text(json.dumps(state) + "\n", encoding="utf-8")
+    tmp.replace(run_dir / STATE_FILE)
+
+
+def run_sim_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callable[[], bool]) -> None:
+    """Train run.steps simulated steps (or until stopped), from the saved state when resuming."""
     algo = config.algo
+    step, version, last_batch_id = load_state(run_dir) if resume else (0, 0, -1)
+    if resume:
+        log.info("resumed: step %d, version %d", step, version)
+        forget_steps_from(run_dir / "metrics.jsonl", step)
     curve = configured_client_keys(config.broker.curve_keys_dir)  # CurveZMQ keys when the broker needs them
-    client = BrokerClient(config.learner.broker, 0, curve=curve)
+    client = BrokerClient(config.learner.broker, version, last_batch_id, curve=curve)
     metrics = MetricsLog(run_dir / "metrics.jsonl")
-    step = version = 0
     try:
         while step < config.run.steps and not should_stop():
             started = time.monotonic()
@@ -83,12 +106,11 @@ def run_sim_learner(config: Config, run_dir: Path, should_stop: Callable[[], boo
                 weight_sync_s=published - computed,
                 train={"loss": 0.0, "wait_s": waited - started},
             )
-            client.ack(batch.batch_id, ack_metrics(record))
             metrics.append(record)
-            log.info(
-                "step %d (simulated): %d samples, v%d published", step + 1, len(batch.samples), version + 1
-            )
             step, version = step + 1, version + 1
+            save_state(run_dir, step, version, batch.batch_id)
+            client.ack(batch.batch_id, ack_metrics(record))  # last, as the real learner (learner.loop)
+            log.info("step %d (simulated): %d samples, v%d published", step, len(batch.samples), version)
     finally:
         client.close()
         metrics.close()

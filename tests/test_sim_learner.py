@@ -69,3 +69,25 @@ def test_a_run_with_the_simulated_learner(tmp_path: Path, mode: str) -> None:
     assert totals["tokens_generated"] == trained + totals["buffered_tokens"]  # nothing generated was lost
     assert not math.isnan(totals["usage"]["slot_utilization"])
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+
+
+def test_the_simulated_learner_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """A second `april up --resume` continues the steps and versions (none trained twice, none skipped)."""
+    cfg = tmp_path / "sim.toml"
+    cfg.write_text(
+        '[run]\nmode = "april"\nsteps = 2\n'
+        "[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 4\nn_samples_per_prompt = 4\n"
+        "max_new_tokens = 64\n"
+        '[worker]\nengine = "sim"\nslots = 8\nsim_lengths = "lognormal:median=20,sigma=1.0,cap=64"\n'
+        f'[learner]\nbackend = "sim"\nsim_step_s = {STEP_S}\n'
+    )
+    run_dir = tmp_path / "run"
+    ports = tuple(free_ports())
+    assert run_up(UpOptions(config=cfg, workers=1, run_dir=run_dir, headless=True, sets=ports)) == 0
+    state = json.loads((run_dir / "sim_learner.json").read_text())
+    assert state["step"] == 2 and state["version"] == 2 and state["last_batch_id"] >= 0
+    assert run_up(UpOptions(config=cfg, workers=1, resume=run_dir, steps=4, headless=True, sets=ports)) == 0
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3]
+    assert [x["version"] for x in lines] == [1, 2, 3, 4]
+    assert json.loads((run_dir / "sim_learner.json").read_text())["step"] == 4
