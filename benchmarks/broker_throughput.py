@@ -39,7 +39,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ import zmq
 
 from april import protocol
 from april.codec import decode_header
+from april.ports import free_ports
 from april.records import FinishReason, Sample, SampleStatus
 from april.transport import dealer
 from april.wire_records import SampleBatch
@@ -343,17 +343,6 @@ class ScriptedLearner:
 
 
 # ------------------------------------------------------------------------------------------------ processes
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def write_config(path: Path, args: argparse.Namespace, ports: Sequence[int], max_staleness: int) -> None:

@@ -29,7 +29,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -40,21 +39,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from april.config import load_config, write_config  # noqa: E402
+from april.ports import free_ports  # noqa: E402
 from cli.status_cmd import StatusError, fetch_status  # noqa: E402
 from cli.supervisor import Supervisor  # noqa: E402
 from cli.up_cmd import BROKER, LEARNER, TINY_MODEL, plan, wire_addresses  # noqa: E402
 
 UNBOUNDED = 1 << 30  # restarts allowed per child
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def write_soak_config(path: Path, args: argparse.Namespace) -> None:

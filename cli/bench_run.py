@@ -8,27 +8,16 @@ the default ports must not meet this one), and the figures read back from OUT/ru
 from __future__ import annotations
 
 import dataclasses
-import socket
 import sys
 import time
 from pathlib import Path
 
 from april.config import Mode, write_config
+from april.ports import free_ports
 from broker.sim.figures import Figures
 from cli.bench_figures import BenchRunError, run_figures
 from cli.bench_plan import BenchSetting, run_config
 from cli.up_cmd import UpOptions, run_up
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def run_mode(setting: BenchSetting, mode: Mode, out: Path) -> tuple[Figures, float]:

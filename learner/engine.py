@@ -16,12 +16,12 @@ Heavy imports (torch, deepspeed, safetensors) happen inside functions.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from april.ports import free_ports
 from learner.ds_config import ZERO_STAGES, deepspeed_config
 
 if TYPE_CHECKING:
@@ -62,13 +62,6 @@ class TrainSettings:
             raise ValueError(f"device = {self.device!r}, expected 'cpu', 'cuda' or 'cuda:N'")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_process_group(device: str) -> None:
     """Join (or create, for a lone process) the default process group: gloo on CPU, NCCL on CUDA.
 
@@ -84,7 +77,7 @@ def init_process_group(device: str) -> None:
     if "RANK" not in os.environ:
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(name, value)
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_ports(1)[0]))
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", verbose=False)
 

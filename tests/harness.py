@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,19 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from april.ports import free_ports
 from cli.status_cmd import StatusError, fetch_status
 
 PEERS = str(Path(__file__).with_name("peers.py"))
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

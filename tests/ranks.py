@@ -17,9 +17,9 @@ CHILD_TIMEOUT_S = 240  # the first DeepSpeed run on a machine builds a small C++
 
 def launch_ranks(script: str, spec_files: list[Path], logs: list[Path]) -> None:
     """Run `script` once per spec file, as ranks 0..n-1 of one run, and wait for all of them."""
-    from learner.engine import free_port
+    from april.ports import free_ports
 
-    port, procs = str(free_port()), []
+    port, procs = str(free_ports(1)[0]), []
     for rank, (spec_file, log_path) in enumerate(zip(spec_files, logs, strict=True)):
         env = {
             **os.environ,

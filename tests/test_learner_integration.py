@@ -72,7 +72,7 @@ def test_two_rank_learner_trains_exactly_n_through_rank_zero(
     """`april learner` launched as 2 ranks (gloo): rank 0 alone talks to the broker, both train."""
     pytest.importorskip("deepspeed")
     from actors.hf import make_tiny_model
-    from learner.engine import free_port
+    from april.ports import free_ports
 
     model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
     (tmp_path / "parity_reward.py").write_text(
@@ -89,7 +89,7 @@ def test_two_rank_learner_trains_exactly_n_through_rank_zero(
     )  # fmt: skip
     c.start_broker()
     c.start_worker("tw0")
-    port = str(free_port())
+    port = str(free_ports(1)[0])
     for rank in (0, 1):
         env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port}  # fmt: skip

@@ -6,28 +6,21 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from pathlib import Path
 
 import pytest
 
 from april.files import sha256_file
+from april.ports import free_ports
 from cli.up_cmd import UpOptions, run_up
 
 # a round of ~20-token samples at 15 ms a step takes ~0.3 s: several usage reports (every 0.1 s) each
 STEP_S, TIME_SCALE = 0.2, 1.0
 
 
-def free_ports() -> list[str]:
-    socks = [socket.socket() for _ in range(3)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return [
-        f"broker.{n}={p}" for n, p in zip(("worker_port", "learner_port", "pub_port"), ports, strict=True)
-    ]
+def broker_ports() -> list[str]:
+    names = ("worker_port", "learner_port", "pub_port")
+    return [f"broker.{n}={p}" for n, p in zip(names, free_ports(3), strict=True)]
 
 
 @pytest.mark.parametrize("mode", ["april", "async"])
@@ -42,7 +35,7 @@ def test_a_run_with_the_simulated_learner(tmp_path: Path, mode: str) -> None:
         f'[learner]\nbackend = "sim"\nsim_step_s = {STEP_S}\n'
     )
     run_dir = tmp_path / "run"
-    opts = UpOptions(config=cfg, workers=2, run_dir=run_dir, headless=True, sets=tuple(free_ports()))
+    opts = UpOptions(config=cfg, workers=2, run_dir=run_dir, headless=True, sets=tuple(broker_ports()))
     assert run_up(opts) == 0
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["version"] for x in lines] == [1, 2, 3]
@@ -82,7 +75,7 @@ def test_the_simulated_learner_resumes_where_it_stopped(tmp_path: Path) -> None:
         f'[learner]\nbackend = "sim"\nsim_step_s = {STEP_S}\n'
     )
     run_dir = tmp_path / "run"
-    ports = tuple(free_ports())
+    ports = tuple(broker_ports())
     assert run_up(UpOptions(config=cfg, workers=1, run_dir=run_dir, headless=True, sets=ports)) == 0
     state = json.loads((run_dir / "sim_learner.json").read_text())
     assert state["step"] == 2 and state["version"] == 2 and state["last_batch_id"] >= 0

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from april.ports import free_ports
 from cli.main import app
 from cli.supervisor import ChildSpec, Supervisor, log_tail, own_session_dying_with_parent
 
@@ -172,14 +173,8 @@ def test_resume_of_a_directory_that_is_not_a_run(tmp_path: Path) -> None:
 
 
 def free_port_set() -> list[str]:
-    socks = [socket.socket() for _ in range(3)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
     names = ("worker_port", "learner_port", "pub_port")
-    return [f"--set=broker.{n}={p}" for n, p in zip(names, ports, strict=True)]
+    return [f"--set=broker.{n}={p}" for n, p in zip(names, free_ports(3), strict=True)]
 
 
 def run_up(args: list[str], timeout: float) -> tuple[int, str, list[int]]:
