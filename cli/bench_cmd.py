@@ -27,6 +27,20 @@ from cli.bench_figures import BenchRunError
 from cli.bench_plan import BenchSetting, choose_time_scale, predict
 from cli.bench_report import bench_json, bench_markdown, bench_png
 from cli.options import user_errors
+from cli.sim_options import (
+    COST,
+    LEARNER_STEP_S,
+    MODES,
+    PROMPT_LEN,
+    DecodeMs,
+    DecodeMsPerSeq,
+    LearnerStepS,
+    MaxStaleness,
+    Modes,
+    PrefillMsPerToken,
+    PromptLen,
+    SamplesPerPrompt,
+)
 from cli.simulate_cmd import SimulateError, parse_modes, resolve_lengths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +66,7 @@ def bench_command(
     engine: Annotated[
         str, typer.Option(help="sim (cost model, simulated learner) or torch (all real).")
     ] = "sim",
-    modes: Annotated[str, typer.Option(help="Comma list of modes, run in this order.")] = "sync,april,async",
+    modes: Modes = MODES,
     steps: Annotated[
         int | None, typer.Option(help="Learner steps per mode (sim 5, torch 10).", min=1)
     ] = None,
@@ -77,18 +91,16 @@ def bench_command(
     over_sampling_batch_size: Annotated[
         int | None, typer.Option(help="Groups in flight per april round (sim 64, torch 16).")
     ] = None,
-    n_samples_per_prompt: Annotated[int, typer.Option(help="Samples per group.", min=1)] = 8,
+    n_samples_per_prompt: SamplesPerPrompt = 8,
     max_new_tokens: Annotated[
         int | None, typer.Option(help="Response budget (sim 16384, torch 256).")
     ] = None,
-    max_staleness: Annotated[int, typer.Option(help="async: versions a sample may lag (eta).", min=0)] = 1,
-    decode_ms: Annotated[float, typer.Option(help="sim: decode step base time A, ms.", min=0)] = 6.0,
-    decode_ms_per_seq: Annotated[float, typer.Option(help="sim: B, ms per active sequence.", min=0)] = 0.1,
-    prefill_ms_per_token: Annotated[
-        float, typer.Option(help="sim: C, ms per prefilled token.", min=0)
-    ] = 0.02,
-    learner_step_s: Annotated[float, typer.Option(help="sim: simulated learner step, s.", min=0)] = 20.0,
-    prompt_len: Annotated[int, typer.Option(help="sim: tokens of every prompt.", min=1)] = 256,
+    max_staleness: MaxStaleness = 1,
+    decode_ms: DecodeMs = COST.decode_ms,
+    decode_ms_per_seq: DecodeMsPerSeq = COST.decode_ms_per_seq,
+    prefill_ms_per_token: PrefillMsPerToken = COST.prefill_ms_per_token,
+    learner_step_s: LearnerStepS = LEARNER_STEP_S,
+    prompt_len: PromptLen = PROMPT_LEN,
     target_s: Annotated[
         float,
         typer.Option(help="sim: wall seconds the slowest mode's run should take (sets the time scale)."),

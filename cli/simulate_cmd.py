@@ -26,6 +26,20 @@ from broker.sim.engines import EngineCost
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimConfig, SimulationError, simulate
 from cli.options import user_errors
+from cli.sim_options import (
+    COST,
+    LEARNER_STEP_S,
+    MODES,
+    PROMPT_LEN,
+    DecodeMs,
+    DecodeMsPerSeq,
+    LearnerStepS,
+    MaxStaleness,
+    Modes,
+    PrefillMsPerToken,
+    PromptLen,
+    SamplesPerPrompt,
+)
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"
 DEFAULT_LENGTHS = "math-long-tail"
@@ -221,24 +235,19 @@ def simulate_command(
     over_sampling_batch_size: Annotated[
         int, typer.Option(help="Groups in flight per april round.", min=1)
     ] = 64,
-    n_samples_per_prompt: Annotated[int, typer.Option(help="Samples per group.", min=1)] = 8,
+    n_samples_per_prompt: SamplesPerPrompt = 8,
     max_new_tokens: Annotated[
         int, typer.Option(help="Response budget; longer ones are truncated.", min=1)
     ] = 16384,
     engines: Annotated[int, typer.Option(help="Inference engines (one GPU or TP group each).", min=1)] = 8,
     slots: Annotated[int, typer.Option(help="Concurrent sequences per engine.", min=1)] = 64,
-    decode_ms: Annotated[float, typer.Option(help="A: decode step base time, ms.", min=0)] = 6.0,
-    decode_ms_per_seq: Annotated[float, typer.Option(help="B: added per active sequence, ms.", min=0)] = 0.1,
-    prefill_ms_per_token: Annotated[
-        float,
-        typer.Option(help="C: prefill per input token (prompt, or prompt + partial on resume), ms.", min=0),
-    ] = 0.02,
-    learner_step_s: Annotated[
-        float, typer.Option(help="L: learner step + weights publish, s.", min=0)
-    ] = 20.0,
-    max_staleness: Annotated[int, typer.Option(help="async: versions a sample may lag (eta).", min=0)] = 1,
+    decode_ms: DecodeMs = COST.decode_ms,
+    decode_ms_per_seq: DecodeMsPerSeq = COST.decode_ms_per_seq,
+    prefill_ms_per_token: PrefillMsPerToken = COST.prefill_ms_per_token,
+    learner_step_s: LearnerStepS = LEARNER_STEP_S,
+    max_staleness: MaxStaleness = 1,
     steps: Annotated[int, typer.Option(help="Learner steps simulated per mode.", min=1)] = 20,
-    prompt_len: Annotated[int, typer.Option(help="Prompt tokens of every sample.", min=1)] = 256,
+    prompt_len: PromptLen = PROMPT_LEN,
     seed: Annotated[
         int, typer.Option(help="Seed of the drawn lengths (the same samples in every mode).")
     ] = 0,
@@ -250,7 +259,7 @@ def simulate_command(
             "samples `april bench --engine sim --seed SEED` runs.",
         ),
     ] = False,
-    modes: Annotated[str, typer.Option(help="Comma list of modes to run.")] = "sync,april,async",
+    modes: Modes = MODES,
     sweep: Annotated[
         list[str] | None,
         typer.Option(

@@ -1,0 +1,30 @@
+"""The options `april simulate` and `april bench --engine sim` share: the simulated cluster's cost model
+(decode step A + B x active sequences, prefill C per input token, learner step L), the prompt length, the
+samples per group, the staleness bound and the modes. One declaration each, so the two commands cannot
+drift apart in meaning, help or default. Defaults are `broker.sim.engines.EngineCost`'s (a 4B model on
+one H100-class GPU per engine)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from broker.sim.engines import EngineCost
+
+COST = EngineCost()  # the default step cost
+LEARNER_STEP_S = 20.0  # default simulated learner step (train + publish), s
+PROMPT_LEN = 256  # default prompt tokens of every simulated sample
+MODES = "sync,april,async"
+
+DecodeMs = Annotated[float, typer.Option(help="A: decode step base time, ms.", min=0)]
+DecodeMsPerSeq = Annotated[float, typer.Option(help="B: added per active sequence, ms.", min=0)]
+PrefillMsPerToken = Annotated[
+    float,
+    typer.Option(help="C: prefill per input token (prompt, or prompt + partial on resume), ms.", min=0),
+]
+LearnerStepS = Annotated[float, typer.Option(help="L: learner step + weights publish, s.", min=0)]
+PromptLen = Annotated[int, typer.Option(help="Prompt tokens of every sample.", min=1)]
+SamplesPerPrompt = Annotated[int, typer.Option(help="Samples per group.", min=1)]
+MaxStaleness = Annotated[int, typer.Option(help="async: versions a sample may lag (eta).", min=0)]
+Modes = Annotated[str, typer.Option(help="Comma list of modes, run in this order.")]
