@@ -211,6 +211,20 @@ def time_ratio(summary: dict[str, dict[str, Any]], mode: str, base: str = "sync"
     return float(a["time_to_target_s"]["mean"]) / float(b["time_to_target_s"]["mean"])
 
 
+def paired_time_ratios(
+    runs: dict[str, list[dict[str, Any]]], mode: str, base: str = "sync"
+) -> dict[int, float | None]:
+    """Per seed, wall time to target of `mode` over `base` with the same seed (None: either missed it).
+    Runs of one seed ran back to back, so they shared more of the machine's conditions than the means do."""
+    base_time = {r["seed"]: r["time_to_target_s"] for r in runs.get(base, [])}
+    out: dict[int, float | None] = {}
+    for r in runs.get(mode, []):
+        b = base_time.get(r["seed"])
+        if r["seed"] in base_time:
+            out[r["seed"]] = None if b is None or r["time_to_target_s"] is None else r["time_to_target_s"] / b
+    return out
+
+
 def _pm(s: dict[str, Any], digits: int = 3, scale: float = 1.0) -> str:
     if s["mean"] is None:
         return "-"
@@ -506,6 +520,11 @@ def main() -> None:
     table = render_table(summary, args.target, args.final_window)
     if baseline is not None:
         table += f"- held-out sampled accuracy of the starting model (v0): {baseline:.3f}\n"
+    paired = {m: paired_time_ratios(runs, m) for m in runs if m != "sync"}
+    for mode, ratios in paired.items():
+        table += f"- {mode} / sync wall time to {args.target:g}, per seed (same seed, run back to back): " + (
+            ", ".join(f"seed {k} " + ("-" if v is None else f"{v:.2f}x") for k, v in ratios.items()) + "\n"
+        )
     result = {
         "steps": args.steps,
         "target": args.target,
@@ -522,6 +541,7 @@ def main() -> None:
         },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "ratios_to_sync": {m: time_ratio(summary, m) for m in summary if m != "sync"},
+        "paired_ratios_to_sync": paired,
         "modes": summary,
         "runs": runs,
         "benchmark_wall_s_this_invocation": time.time() - started,

@@ -112,6 +112,12 @@ def test_mode_summary_spread_ratio_and_table() -> None:
     assert "(1/2 reached)" in table
     assert "async / sync wall time to 0.55: 0.76x" in table
     assert "april / sync wall time to 0.55: not defined" in table
+    paired = acc.paired_time_ratios(runs, "april")
+    assert paired[0] == pytest.approx(1.0) and paired[1] is None
+    assert acc.paired_time_ratios(runs, "async") == {
+        0: pytest.approx(44.0 / 58.0),
+        1: pytest.approx(44.0 / 58.0),
+    }
     nobody = acc.summarize_mode([acc.summarize_run(curve([0.3] * 30), 0.55, 10, 10)])
     assert "not reached (0/1)" in acc.render_table({"sync": nobody}, 0.55)
 
