@@ -439,6 +439,9 @@ def plot(curves: dict[str, list[RunCurve]], target: float, window: int, path: Pa
             x, mean, lo, hi = _band(runs, window, by_time)
             ax.plot(x, mean, color=color, label=f"{mode} (mean of {len(runs)} seeds)")
             ax.fill_between(x, lo, hi, color=color, alpha=0.2)
+        for c in runs:  # each seed whole: the band only covers the time every seed of the mode reached
+            smoothed = trailing_mean(c.accuracy, window)
+            axes[1].plot(c.elapsed_s, smoothed, color=color, alpha=0.4, linewidth=0.8, linestyle="--")
         versions = sorted({v for r in runs for v, _ in r.evals})
         per_version = [[a for r in runs for v2, a in r.evals if v2 == v] for v in versions]
         axes[2].plot(versions, [statistics.fmean(a) for a in per_version], "o-", color=color, label=mode)
@@ -448,7 +451,7 @@ def plot(curves: dict[str, list[RunCurve]], target: float, window: int, path: Pa
         ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}")
         ax.set_ylabel(f"training accuracy (T = 1), {window}-step trailing mean")
     axes[0].set_xlabel("learner step")
-    axes[1].set_xlabel("wall time since launch (s)")
+    axes[1].set_xlabel("wall time since launch (s); dashed: each seed")
     axes[2].set_xlabel("weights version (= learner steps)")
     axes[2].set_ylabel("held-out greedy accuracy (64 prompts)")
     for ax in axes:
