@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,11 @@ def model_vocab_size(model_dir: str) -> int:
         ) from None
 
 
+def worker_seed(seed: int, worker_id: str) -> int:
+    """The run's seed salted with the worker id: reproducible per worker, different between workers."""
+    return (seed * 1_000_003 + zlib.crc32(worker_id.encode("utf-8"))) % (1 << 63)
+
+
 def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify, version: int) -> Engine:
     """The configured engine, its heavy imports done here and nowhere else."""
     if cfg.engine == "sim":
@@ -58,6 +65,8 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
         from actors.hf import set_torch_threads
 
         set_torch_threads(cfg.torch_threads)
+        # one generator per engine: salted with the worker id, or two workers would draw the same noise
+        sampling = dataclasses.replace(sampling, seed=worker_seed(sampling.seed, cfg.worker_id))
         return TorchEngine(cfg.model, cfg.slots, sampling, device=cfg.device, version=version)
     if cfg.engine == "sglang":
         from actors.engines.sglang_engine import SGLangEngine
