@@ -133,7 +133,7 @@ def resolve(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatc
     def role(config: Config, run_dir: Path | None = None, resume: bool = False) -> None:
         got.config, got.run_dir = config, run_dir
 
-    def status(address: str, timeout_s: float) -> dict[str, Any]:
+    def status(address: str, timeout_s: float, curve: object = None) -> dict[str, Any]:
         got.status_address = address
         return {}
 
