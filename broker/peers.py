@@ -31,6 +31,7 @@ class WorkerPeer(Peer):
     host: str = ""
     tokens_generated: int = 0  # new response tokens accepted from this worker (for its tokens/s)
     restored: bool = False  # known only from a snapshot's leases; has not said hello to this broker
+    hello_asked: float = float("-inf")  # when a restored worker was last asked to say hello
 
 
 @dataclass(slots=True)

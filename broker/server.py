@@ -228,6 +228,11 @@ class Broker:
             self._reject(self.worker_sock, identity, "not_registered", "send WorkerHello first")
             return
         peer.last_seen = now
+        if peer.restored and now - peer.hello_asked >= self.cfg.heartbeat_interval_s:
+            # a worker whose socket reconnected to this restarted broker by itself never finds it silent
+            # (it answers and sends heartbeats): only this asks it for the hello that makes it leasable
+            peer.hello_asked = now
+            self._send_worker(worker_id, protocol.Error("not_registered", "broker restarted: say hello"), now)
         match msg:
             case protocol.Heartbeat():
                 pass

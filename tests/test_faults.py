@@ -377,6 +377,47 @@ def test_workers_sigkilled_at_every_moment_three_times(
         assert reclaimed_at(c, name) - killed <= LIVENESS_S + SLACK_S, name
 
 
+def test_a_restarted_broker_asks_a_worker_it_knows_only_from_its_snapshot_to_say_hello(
+    cluster: Callable[..., Cluster],
+) -> None:
+    """A worker holding leases when the broker died is restored from the snapshot but gets no new work
+    until it says hello. When the broker restarts faster than the worker's liveness window, the worker's
+    socket reconnects by itself and never finds the broker silent, so the broker must ask (found on a
+    quiet machine: both workers were restored, never leasable, and the run stalled)."""
+    import numpy as np
+    import zmq
+
+    from april import protocol
+    from april.transport import dealer, recv, send
+
+    c = cluster(run={"mode": "april"}, broker={"snapshot_interval_s": 0.2})
+    c.start_broker()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = dealer(ctx, c.worker_address, "w0")
+    try:
+        send(sock, protocol.WorkerHello("w0", "raw", 2, 0, os.getpid(), "localhost", np.zeros(0, np.int64)))
+        leases = wait_for(
+            lambda: [m for m in [recv(sock, 200)] if isinstance(m, protocol.Lease)], 10, "a lease"
+        )
+        assert leases
+        wait_for(lambda: c.status()["ledger"]["in_flight"] > 0, 10, "the lease in the books")
+        time.sleep(0.5)  # a snapshot holding the lease
+        c.kill("broker")
+        c.start_broker(resume=True)  # at once: well inside the worker's liveness window
+        assert [w["restored"] for w in c.status()["workers"]] == [True]
+        asked = None
+        deadline = time.monotonic() + 5
+        while asked is None and time.monotonic() < deadline:
+            send(sock, protocol.Heartbeat())
+            msg = recv(sock, 200)
+            if isinstance(msg, protocol.Error) and msg.code == "not_registered":
+                asked = msg
+        assert asked is not None, "the restored worker was never asked to say hello"
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
 def test_learner_says_hello_again_to_a_broker_that_does_not_know_it() -> None:
     """A restarted broker that the learner's socket reconnected to by itself answers every message with
     Error(not_registered): it is never silent, so only a new hello gets the learner its batch (found by
