@@ -16,15 +16,24 @@ COST = EngineCost()  # the default step cost
 LEARNER_STEP_S = 20.0  # default simulated learner step (train + publish), s
 PROMPT_LEN = 256  # default prompt tokens of every simulated sample
 MODES = "sync,april,async"
+PANEL = "Simulated cluster (april simulate; april bench --engine sim)"
 
-DecodeMs = Annotated[float, typer.Option(help="A: decode step base time, ms.", min=0)]
-DecodeMsPerSeq = Annotated[float, typer.Option(help="B: added per active sequence, ms.", min=0)]
+DecodeMs = Annotated[float, typer.Option(help="A: decode step base time, ms.", min=0, rich_help_panel=PANEL)]
+DecodeMsPerSeq = Annotated[
+    float, typer.Option(help="B: added per active sequence, ms.", min=0, rich_help_panel=PANEL)
+]
 PrefillMsPerToken = Annotated[
     float,
-    typer.Option(help="C: prefill per input token (prompt, or prompt + partial on resume), ms.", min=0),
+    typer.Option(
+        help="C: prefill per input token (prompt, or prompt + partial on resume), ms.",
+        min=0,
+        rich_help_panel=PANEL,
+    ),
 ]
-LearnerStepS = Annotated[float, typer.Option(help="L: learner step + weights publish, s.", min=0)]
-PromptLen = Annotated[int, typer.Option(help="Prompt tokens of every sample.", min=1)]
+LearnerStepS = Annotated[
+    float, typer.Option(help="L: learner step + weights publish, s.", min=0, rich_help_panel=PANEL)
+]
+PromptLen = Annotated[int, typer.Option(help="Prompt tokens of every sample.", min=1, rich_help_panel=PANEL)]
 SamplesPerPrompt = Annotated[int, typer.Option(help="Samples per group.", min=1)]
 MaxStaleness = Annotated[int, typer.Option(help="async: versions a sample may lag (eta).", min=0)]
 Modes = Annotated[str, typer.Option(help="Comma list of modes, run in this order.")]
