@@ -13,11 +13,12 @@ computes anything, and nothing is done at import time.
 
 import enum
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from april.files import write_text_atomic
 
 
 class ConfigError(ValueError):
@@ -454,13 +455,4 @@ def write_config(config: Config, path: Path) -> None:
     for section, values in config_to_dict(config).items():
         lines += ["", f"[{section}]"]
         lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write("\n".join(lines) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, "\n".join(lines) + "\n")

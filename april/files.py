@@ -1,9 +1,10 @@
-"""Small file helpers shared by roles: content hashes and durable renames."""
+"""Small file helpers shared by roles: content hashes, atomic replacement and durable renames."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -23,3 +24,18 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` (UTF-8) atomically: a temp file in the same folder, then os.replace, so
+    a reader (or a crash) sees the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from april import protocol
+from april.files import write_text_atomic
 
 log = logging.getLogger("april.learner")
 
@@ -207,6 +208,4 @@ def forget_steps_from(path: Path, step: int) -> None:
     if len(kept) == len(lines):
         return
     log.info("metrics.jsonl: %d lines of steps >= %d dropped (trained again)", len(lines) - len(kept), step)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))

@@ -27,7 +27,7 @@ import numpy as np
 
 from april import protocol
 from april.config import Config
-from april.files import sha256_file
+from april.files import sha256_file, write_text_atomic
 from april.keys import configured_client_keys
 from learner.client import BrokerClient, check_batch
 from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
@@ -48,9 +48,7 @@ def publish_sim_weights(weights_dir: Path, version: int) -> tuple[Path, str]:
     """A small real file standing for version `version`: (path, sha256). Keeps the newest few."""
     weights_dir.mkdir(parents=True, exist_ok=True)
     path = weights_dir / f"v{version:06d}.sim.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"version": version, "simulated": True}) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps({"version": version, "simulated": True}) + "\n")
     for old in sorted(weights_dir.glob("v*.sim.json"))[:-KEEP_WEIGHTS]:
         old.unlink(missing_ok=True)
     return path, sha256_file(path)
@@ -66,10 +64,8 @@ def load_state(run_dir: Path) -> tuple[int, int, int]:
 
 
 def save_state(run_dir: Path, step: int, version: int, last_batch_id: int) -> None:
-    tmp = run_dir / (STATE_FILE + ".tmp")
     state = {"step": step, "version": version, "last_batch_id": last_batch_id}
-    tmp.write_text(json.dumps(state) + "\n", encoding="utf-8")
-    tmp.replace(run_dir / STATE_FILE)
+    write_text_atomic(run_dir / STATE_FILE, json.dumps(state) + "\n")
 
 
 def run_sim_learner(config: Config, run_dir: Path, resume: bool, should_stop: Callable[[], bool]) -> None:
