@@ -1,11 +1,14 @@
-"""Small file helpers shared by roles: content hashes, atomic replacement and durable renames."""
+"""Small file helpers shared by roles: content hashes, atomic replacement, durable renames and reading
+JSON-lines files (metrics.jsonl, eval.jsonl)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def sha256_file(path: Path) -> str:
@@ -39,3 +42,20 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_jsonl(path: Path, growing: bool = False) -> list[dict[str, Any]]:
+    """The JSON lines of a file ([] when it does not exist). `growing`: the file may still be written, so
+    a line that does not parse (a torn last line) is skipped instead of raising."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if not growing:
+                raise
+    return out

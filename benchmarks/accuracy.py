@@ -45,6 +45,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from april import files  # noqa: E402
+
 MODES = ("sync", "april", "async")
 EVAL_TASK_SEED = 12345  # task seed of the sampled held-out prompts: no run here draws from it
 RUN_INFO = "bench_run.json"  # per run: command, launch and end times, exit code
@@ -73,15 +75,7 @@ class RunCurve:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The complete JSON lines of a file (a torn last line is skipped); [] when it does not exist."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return files.read_jsonl(path, growing=True)
 
 
 def curve_from_records(

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from april.config import load_config, write_config  # noqa: E402
+from april.files import read_jsonl  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from cli.status_cmd import StatusError, fetch_status  # noqa: E402
 from cli.supervisor import Supervisor  # noqa: E402
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(
     args: argparse.Namespace, soak: Soak, status: dict[str, Any] | None, recovered: bool, wall_s: float
 ) -> dict[str, Any]:
-    lines = [json.loads(x) for x in (soak.run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = read_jsonl(soak.run_dir / "metrics.jsonl")
     steps = [x["step"] for x in lines]
     n_per_step = args.batch * args.n
     ledger = status["ledger"] if status else {}

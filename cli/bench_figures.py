@@ -21,17 +21,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from april.files import read_jsonl
 from broker.sim.figures import Figures
 
 
 class BenchRunError(RuntimeError):
     """A run directory without the files a finished run leaves; one readable line."""
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def run_figures(run_dir: Path) -> Figures:

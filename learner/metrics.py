@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from april import protocol
-from april.files import write_text_atomic
+from april.files import read_jsonl, write_text_atomic
 
 log = logging.getLogger("april.learner")
 
@@ -176,11 +176,7 @@ def ack_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 def write_summary(run_dir: Path, metrics_path: Path) -> None:
     """summary.json: the final ledger, totals and throughput over the run's metrics lines."""
-    lines = (
-        [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-        if metrics_path.exists()
-        else []
-    )
+    lines = read_jsonl(metrics_path)
     if not lines:
         return
     wall = sum(x["step_time_s"] for x in lines)
