@@ -12,7 +12,6 @@ The process plumbing is `cli.supervisor`; the view is `cli.dashboard` / `cli.das
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import json
@@ -26,6 +25,7 @@ from types import FrameType
 from typing import Any
 
 from april.config import BrokerConfig, Config, ConfigError, Mode, write_config
+from april.files import read_jsonl
 from april.keys import configured_client_keys, server_keys
 from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
@@ -340,16 +340,8 @@ def run_up(opts: UpOptions) -> int:
 
 
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
-    """The evaluations the broker logged in RUN_DIR/eval.jsonl (oldest first)."""
-    try:
-        lines = (run_dir / "eval.jsonl").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
+    """The evaluations the broker logged in RUN_DIR/eval.jsonl (oldest first; it may be writing one)."""
+    return read_jsonl(run_dir / "eval.jsonl", growing=True)
 
 
 def summary_line(run: Run) -> str:
