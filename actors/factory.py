@@ -62,7 +62,7 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
         )
     if cfg.engine == "torch":
         from actors.engines.torch_engine import TorchEngine
-        from actors.hf import set_torch_threads
+        from april.hf import set_torch_threads
 
         set_torch_threads(cfg.torch_threads)
         # one generator per engine: salted with the worker id, or two workers would draw the same noise

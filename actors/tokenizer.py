@@ -41,7 +41,7 @@ class ByteTokenizer:
 
 class HFTokenizer:
     def __init__(self, model_dir: Path | str) -> None:
-        from actors.hf import load_tokenizer
+        from april.hf import load_tokenizer
 
         self.tok: Any = load_tokenizer(model_dir)
         eos = self.tok.eos_token_id

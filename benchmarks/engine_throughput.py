@@ -1,7 +1,7 @@
 """Torch engine throughput: continuous batching vs `model.generate` on static batches, long-tailed lengths.
 
 What runs (one process, CPU by default, `--threads` torch threads):
-- a model: `--model DIR`, or a random Llama-style model written by `actors.hf.make_tiny_model` large enough
+- a model: `--model DIR`, or a random Llama-style model written by `april.hf.make_tiny_model` large enough
   that batching matters (`--hidden 256 --layers 4`);
 - `--n` prompts (uniform lengths in [`--prompt-min`, `--prompt-max`]) and, per prompt, a response length
   drawn from a lognormal (median `--median`, sigma `--sigma`, capped at `--cap`): the long tail of RL
@@ -182,7 +182,7 @@ def step_sweep(model_dir: Path, args: argparse.Namespace) -> list[dict[str, floa
 
 def main() -> None:
     args = parse_args()
-    from actors.hf import load_model, make_tiny_model, set_torch_threads
+    from april.hf import load_model, make_tiny_model, set_torch_threads
 
     set_torch_threads(args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="april-bench-")

@@ -1,6 +1,6 @@
 """Learner step time: plain torch vs DeepSpeed ZeRO-0/1/2 (CPU, gloo, fp32, torch AdamW) on the same batch.
 
-What runs: a random Llama-style model from `actors.hf.make_tiny_model` (`--hidden 256 --layers 4` by
+What runs: a random Llama-style model from `april.hf.make_tiny_model` (`--hidden 256 --layers 4` by
 default), a batch of `--n` samples x `--seq` tokens (an LM cross-entropy loss: the engine does not know
 RL), split into micro-batches of `--micro` and accumulated into one AdamW step with clipping. One timed
 step = every micro-batch's forward + backward, then `TrainEngine.step()`. Each backend runs in its own
@@ -64,7 +64,7 @@ def measure(args: argparse.Namespace, name: str, model_dir: Path) -> dict[str, A
     """In this (fresh) process: build the engine, run warm-up + timed steps, time one publish."""
     import torch
 
-    from actors.hf import load_model, set_torch_threads
+    from april.hf import load_model, set_torch_threads
     from learner.engine import TrainEngine, TrainSettings
     from learner.weights import publish
 
@@ -126,7 +126,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args, args.child[0], Path(args.child[1]))))
         return
-    from actors.hf import make_tiny_model
+    from april.hf import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(

@@ -16,8 +16,9 @@ import typer
 
 from april.config import Config, ConfigError, load_config, parse_override
 from april.data import DatasetError
+from april.hf import ModelError
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, DatasetError, FileNotFoundError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, DatasetError, ModelError, FileNotFoundError)
 
 
 def resolve_config(

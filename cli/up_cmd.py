@@ -138,15 +138,14 @@ def preflight(config: Config) -> None:
 
     if config.worker.engine not in ENGINES:
         raise UpError(f"unknown engine {config.worker.engine!r} (expected one of {', '.join(ENGINES)})")
-    from actors.engine import EngineError
-    from actors.hf import check_model_dir
+    from april.hf import ModelError, check_model_dir
 
     try:
         if config.worker.engine in ("torch", "vllm"):
             check_model_dir(config.worker.model)
         if config.learner.backend != "sim":  # the simulated learner has no model
             check_model_dir(config.learner.model)
-    except EngineError as exc:
+    except ModelError as exc:
         raise UpError(str(exc)) from None
     b = config.broker
     if b.curve_keys_dir:  # the broker's and the children's CurveZMQ keys (KeysError: one line)

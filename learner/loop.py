@@ -47,7 +47,7 @@ def loss_config(config: Config) -> LossConfig:
 
 def make_engine(config: Config) -> tuple[TrainEngine, Any]:
     """The training engine around the model in learner.model, and a frozen reference copy if KL is on."""
-    from actors.hf import load_model, set_torch_threads
+    from april.hf import load_model, set_torch_threads
 
     lc = config.learner
     if lc.backend == "torch" and int(os.environ.get("WORLD_SIZE", "1")) > 1:

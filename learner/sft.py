@@ -1,8 +1,8 @@
 """Supervised warm start on the built-in task: a tiny Llama-style model taught the worked chains.
 
 Owns `SftSettings`, the token encoding of task examples for training, the length-bucketed batch order
-and `train_sft`, which writes a random tiny model with `actors.hf.make_tiny_model`, loads it back
-through `actors.hf.load_model` (the path every HF checkpoint takes), trains it with plain torch AdamW on
+and `train_sft`, which writes a random tiny model with `april.hf.make_tiny_model`, loads it back
+through `april.hf.load_model` (the path every HF checkpoint takes), trains it with plain torch AdamW on
 next-token cross-entropy over the response tokens (prompt tokens are context only), and saves it as an
 HF directory (safetensors, `save_dtype`) with its tokenizer.
 
@@ -166,7 +166,7 @@ def train_sft(
     """Create, train and save the warm-started model in `out_dir` (overwriting a model there)."""
     import torch
 
-    from actors.hf import load_model, load_tokenizer, make_tiny_model, set_torch_threads
+    from april.hf import load_model, load_tokenizer, make_tiny_model, set_torch_threads
 
     started = time.perf_counter()
     set_torch_threads(settings.threads or _cores())

@@ -253,7 +253,7 @@ def just_acked(c: Cluster) -> Callable[[], bool]:
 def test_learner_sigkilled_after_receiving_a_batch_and_during_a_weight_publish(
     cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
-    from actors.hf import make_tiny_model
+    from april.hf import make_tiny_model
 
     # wider than models/tiny: an 8 MB weights file takes long enough to write that the test can catch it
     model = make_tiny_model(tmp_path / "model", seed=0, hidden=256)

@@ -28,8 +28,8 @@ pytest.importorskip("safetensors")
 
 from ranks import launch_ranks  # noqa: E402
 
-from actors.hf import load_model, make_tiny_model  # noqa: E402
 from april.files import sha256_file  # noqa: E402
+from april.hf import load_model, make_tiny_model  # noqa: E402
 from learner import checkpoint, weights  # noqa: E402
 from learner.ds_config import deepspeed_config  # noqa: E402
 from learner.engine import TrainEngine, TrainSettings  # noqa: E402

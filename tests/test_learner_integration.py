@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 def test_learner_trains_exactly_n_and_publishes_versions(
     cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from actors.hf import load_model, make_tiny_model
     from april.files import sha256_file
+    from april.hf import load_model, make_tiny_model
     from learner.metrics import REQUIRED
     from learner.weights import load_published, version_path
 
@@ -71,7 +71,7 @@ def test_two_rank_learner_trains_exactly_n_through_rank_zero(
 ) -> None:
     """`april learner` launched as 2 ranks (gloo): rank 0 alone talks to the broker, both train."""
     pytest.importorskip("deepspeed")
-    from actors.hf import make_tiny_model
+    from april.hf import make_tiny_model
     from april.ports import free_ports
 
     model_dir = make_tiny_model(tmp_path / "tiny", seed=0)

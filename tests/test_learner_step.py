@@ -27,9 +27,9 @@ pytest.importorskip("transformers")
 
 from ranks import launch_ranks  # noqa: E402
 
-from actors.hf import load_model, make_tiny_model  # noqa: E402
 from april import protocol  # noqa: E402
 from april.config import Algorithm, OffPolicy  # noqa: E402
+from april.hf import load_model, make_tiny_model  # noqa: E402
 from april.ledger import Ledger  # noqa: E402
 from april.records import FinishReason, Sample  # noqa: E402
 from april.wire_records import SampleBatch  # noqa: E402

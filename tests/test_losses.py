@@ -485,7 +485,7 @@ def test_split_micro_batches_bounds_tokens_and_keeps_every_sample() -> None:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from transformers import AutoModelForCausalLM
 
-    from actors.hf import make_tiny_model
+    from april.hf import make_tiny_model
 
     path: Path = make_tiny_model(tmp_path_factory.mktemp("tiny"), seed=3, hidden=32, layers=1, heads=2)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="sdpa")

@@ -11,9 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from actors.hf import load_model, load_tokenizer, make_tiny_tokenizer
 from actors.tokenizer import HFTokenizer
 from april.data import JsonlPromptSource
+from april.hf import load_model, load_tokenizer, make_tiny_tokenizer
 from april.task import TaskPromptSource, TaskSpec, make_example
 from cli.main import app
 from learner.sft import IGNORE_INDEX, SftSettings, batch_order, collate, encode, lr_factor, train_sft

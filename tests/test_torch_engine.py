@@ -1,6 +1,6 @@
 """The torch engine against slow, obviously-correct references: `model.generate` and full forward passes.
 
-A tiny random Llama-style model is written once per module by `actors.hf.make_tiny_model`; every check
+A tiny random Llama-style model is written once per module by `april.hf.make_tiny_model`; every check
 drives a real `TorchEngine` on CPU (no fakes).
 """
 
@@ -23,7 +23,7 @@ from actors.engine import (  # noqa: E402
     WeightLoadError,
 )
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from actors.hf import load_model, load_tokenizer, make_tiny_model  # noqa: E402
+from april.hf import ModelError, load_model, load_tokenizer, make_tiny_model  # noqa: E402
 from april.records import FinishReason  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.7)
@@ -331,19 +331,19 @@ def test_add_rejects_bad_requests(model_dir: Path) -> None:
 def test_hf_errors_name_the_missing_piece(model_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    with pytest.raises(EngineError, match="does not exist"):
+    with pytest.raises(ModelError, match="does not exist"):
         load_model(tmp_path / "absent")
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
     (broken / "tokenizer.json").unlink()
     (broken / "tokenizer_config.json").unlink()
-    with pytest.raises(EngineError, match="no tokenizer"):
+    with pytest.raises(ModelError, match="no tokenizer"):
         load_tokenizer(broken)
     (broken / "model.safetensors").unlink()
-    with pytest.raises(EngineError, match="no weights"):
+    with pytest.raises(ModelError, match="no weights"):
         load_model(broken)
     (broken / "config.json").unlink()
-    with pytest.raises(EngineError, match=r"no config\.json"):
+    with pytest.raises(ModelError, match=r"no config\.json"):
         TorchEngine(broken, slots=1, sampling=GREEDY)
 
 

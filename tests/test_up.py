@@ -112,7 +112,7 @@ def one_line_error(args: list[str]) -> str:
 
 @pytest.fixture
 def sim_config(tmp_path: Path) -> Path:
-    from actors.hf import make_tiny_model
+    from april.hf import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny", seed=0)
     cfg = tmp_path / "up.toml"
@@ -229,7 +229,7 @@ def check_run(run_dir: Path, steps: int, samples: int) -> list[dict[str, object]
 
 
 def sim_run_config(tmp_path: Path, mode: str) -> Path:
-    from actors.hf import make_tiny_model
+    from april.hf import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny", seed=0)
     cfg = tmp_path / f"{mode}.toml"

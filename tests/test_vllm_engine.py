@@ -27,7 +27,7 @@ from actors.engine import (  # noqa: E402
 )
 from actors.engines import vllm_engine  # noqa: E402
 from actors.engines.vllm_engine import VLLMEngine  # noqa: E402
-from actors.hf import load_model, make_tiny_model  # noqa: E402
+from april.hf import load_model, make_tiny_model  # noqa: E402
 from april.records import FinishReason  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_vllm_worker_runs_april_rounds(cluster: Callable[..., Cluster], tmp_path: Path) -> None:
-    from actors.hf import make_tiny_model
+    from april.hf import make_tiny_model
 
     model = make_tiny_model(
         tmp_path / "tiny", seed=0, hidden=64, heads=2

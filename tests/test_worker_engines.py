@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 def test_torch_worker_runs_april_rounds_and_verifies_weights(
     cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
-    from actors.hf import make_tiny_model
+    from april.hf import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny", seed=0)
     weights = next(model.glob("*.safetensors"))
@@ -72,7 +72,7 @@ def test_sglang_worker_against_the_contract_fixture(cluster: Callable[..., Clust
 def test_a_request_the_engine_rejects_fails_one_sample_not_the_worker(
     cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
-    from actors.hf import make_tiny_model
+    from april.hf import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny", seed=0)
     c = cluster(

@@ -50,7 +50,7 @@ from actors.engine import (
     admit,
     check_engine_args,
 )
-from actors.hf import load_model, model_context_length
+from april.hf import load_model, model_context_length
 from april.records import FinishReason
 
 PREFILL_TOKENS = 8192  # most (rows x padded length) positions in one prefill forward

@@ -66,7 +66,7 @@ from actors.engine import (
     admit,
     check_engine_args,
 )
-from actors.hf import check_model_dir
+from april.hf import check_model_dir
 from april.records import FinishReason
 
 _T = TypeVar("_T")

@@ -1,12 +1,15 @@
-"""Hugging Face adapter: load a causal LM and its tokenizer from a local directory, and make tiny ones.
+"""Hugging Face model directories, shared by the rollout side and the learner: check, load, make tiny ones.
 
-Owns everything that touches `transformers` model/tokenizer loading for the rollout side: checking that a
-model directory is complete (one readable `EngineError` line per missing piece), loading it on a device and
-dtype, `make_tiny_model` (a small random Llama-style model plus a byte-level tokenizer, written offline and
-deterministic by seed, for tests, benchmarks and the built-in task) and the torch thread setting.
+Owns everything that touches `transformers` model/tokenizer loading: checking that a model directory is
+complete (one readable `ModelError` line per missing piece), loading it on a device and dtype,
+`make_tiny_model` (a small random Llama-style model plus a byte-level tokenizer, written offline and
+deterministic by seed, for tests, benchmarks and the built-in task) and the torch thread setting. It lives
+in `april/` because workers (torch, vLLM engines, tokenizers) and the learner both load models, and roles
+never import each other.
 
 Does not generate (that is `actors.engines.torch_engine`) and never downloads: directories only.
-Heavy imports (torch, transformers, tokenizers) happen inside the functions, not at import time.
+Heavy imports (torch, transformers, tokenizers) happen inside the functions, never at import time, so
+`april` stays importable without torch (tests/test_dependencies.py).
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from actors.engine import EngineError
-
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -24,22 +25,27 @@ if TYPE_CHECKING:
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
+
+class ModelError(Exception):
+    """A model directory that is missing, incomplete or unreadable; the message is one readable line."""
+
+
 # Special tokens of the tiny byte-level tokenizer; the 256 byte tokens follow them.
 TINY_PAD, TINY_BOS, TINY_EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 TINY_SPECIALS = (TINY_PAD, TINY_BOS, TINY_EOS)
 
 
 def check_model_dir(model_dir: Path | str, *, tokenizer: bool = True) -> Path:
-    """Return `model_dir` as a Path, or raise EngineError naming the first missing piece."""
+    """Return `model_dir` as a Path, or raise ModelError naming the first missing piece."""
     path = Path(model_dir)
     if not path.is_dir():
-        raise EngineError(f"model directory {str(path)!r} does not exist (expected an HF model directory)")
+        raise ModelError(f"model directory {str(path)!r} does not exist (expected an HF model directory)")
     if not (path / "config.json").is_file():
-        raise EngineError(f"model directory {str(path)!r} has no config.json")
+        raise ModelError(f"model directory {str(path)!r} has no config.json")
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
-        raise EngineError(f"model directory {str(path)!r} has no weights (expected *.safetensors)")
+        raise ModelError(f"model directory {str(path)!r} has no weights (expected *.safetensors)")
     if tokenizer and not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise EngineError(
+        raise ModelError(
             f"model directory {str(path)!r} has no tokenizer (expected one of {', '.join(TOKENIZER_FILES)})"
         )
     return path
@@ -55,7 +61,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     resolved = getattr(torch, dtype, None)
     if not isinstance(resolved, torch.dtype):
-        raise EngineError(f"dtype {dtype!r} is not a torch dtype (expected auto, float32, bfloat16, float16)")
+        raise ModelError(f"dtype {dtype!r} is not a torch dtype (expected auto, float32, bfloat16, float16)")
     return resolved
 
 
@@ -72,7 +78,7 @@ def load_model(
         )
     except Exception as exc:  # from_pretrained raises many types (OSError, SafetensorError, ValueError...)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise EngineError(f"cannot load model from {str(path)!r}: {first}") from exc
+        raise ModelError(f"cannot load model from {str(path)!r}: {first}") from exc
     model.to(device)  # type: ignore[arg-type]  # transformers types `.to` through a decorator
     model.eval()  # type: ignore[no-untyped-call]
     return model
@@ -87,7 +93,7 @@ def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerBase:
         tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise EngineError(f"cannot load tokenizer from {str(path)!r}: {first}") from exc
+        raise ModelError(f"cannot load tokenizer from {str(path)!r}: {first}") from exc
     return tok
 
 
@@ -132,7 +138,7 @@ def make_tiny_model(
 
     tokenizer = make_tiny_tokenizer()
     if vocab_size < len(tokenizer):
-        raise EngineError(f"make_tiny_model: vocab_size {vocab_size} < tokenizer size {len(tokenizer)}")
+        raise ModelError(f"make_tiny_model: vocab_size {vocab_size} < tokenizer size {len(tokenizer)}")
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
