@@ -46,7 +46,7 @@ def worker_seed(seed: int, worker_id: str) -> int:
 def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify, version: int) -> Engine:
     """The configured engine, its heavy imports done here and nowhere else."""
     if cfg.engine == "sim":
-        from actors.engines.sim_engine import CostModel, SimEngine
+        from actors.engines.sim_engine import SimEngine
 
         stop = sampling.stop_token_ids[0] if sampling.stop_token_ids else 2
         return SimEngine(
@@ -55,7 +55,7 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
             vocab_size=model_vocab_size(cfg.model) if cfg.model else SIM_VOCAB_SIZE,
             seed=sampling.seed,
             time_scale=cfg.sim_time_scale,
-            cost=CostModel(cfg.sim_decode_ms, cfg.sim_decode_ms_per_seq, cfg.sim_prefill_ms_per_token),
+            cost=cfg.sim_cost,
             stop_token_id=stop,
             version=version,
             identify=identify,

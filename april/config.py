@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from april.engine_cost import DEFAULT_COST as SIM_COST
+from april.engine_cost import EngineCost
 from april.files import write_text_atomic
 
 
@@ -181,9 +183,10 @@ class WorkerConfig:
     sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
     sim_lengths: str = "lognormal:median=64,sigma=1.0,cap=512"  # sim engine: response-length spec
     sim_time_scale: float = 1.0  # sim engine: wall seconds per simulated second
-    sim_decode_ms: float = 15.0  # sim engine: A, ms per decode step (step = A + B x active + C x prefill)
-    sim_decode_ms_per_seq: float = 0.1  # sim engine: B, ms added per active sequence in a decode step
-    sim_prefill_ms_per_token: float = 0.01  # sim engine: C, ms per input token prefilled (prompt + partial)
+    # one cost model with april simulate's engines: april/engine_cost.py holds the defaults and formula
+    sim_decode_ms: float = SIM_COST.decode_ms  # sim engine: A, ms a step (A + B x active + C x prefilled)
+    sim_decode_ms_per_seq: float = SIM_COST.decode_ms_per_seq  # sim engine: B, ms per active sequence
+    sim_prefill_ms_per_token: float = SIM_COST.prefill_ms_per_token  # sim engine: C, ms per prefilled token
     vllm_kv_cache_gib: float = 1.0  # vllm engine: KV cache size (its CPU default takes most of host memory)
     vllm_max_model_len: int = 0  # vllm engine: context length; 0 = the model's
 
@@ -196,6 +199,11 @@ class WorkerConfig:
         _check(
             self.vllm_max_model_len >= 0, "worker.vllm_max_model_len", self.vllm_max_model_len, "must be >= 0"
         )
+
+    @property
+    def sim_cost(self) -> EngineCost:
+        """The sim engine's step cost, from the three sim_* fields."""
+        return EngineCost(self.sim_decode_ms, self.sim_decode_ms_per_seq, self.sim_prefill_ms_per_token)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ import typer
 
 from actors.lengths import EmpiricalLength, LengthSpec, LengthSpecError
 from april.config import AlgoConfig
-from broker.sim.engines import EngineCost
+from april.engine_cost import EngineCost
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimulationError
 from cli.bench_figures import BenchRunError

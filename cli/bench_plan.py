@@ -26,7 +26,7 @@ from april.config import (
     RunConfig,
     WorkerConfig,
 )
-from broker.sim.engines import EngineCost
+from april.engine_cost import EngineCost
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
 

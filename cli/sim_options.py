@@ -1,8 +1,9 @@
 """The options `april simulate` and `april bench --engine sim` share: the simulated cluster's cost model
 (decode step A + B x active sequences, prefill C per input token, learner step L), the prompt length, the
 samples per group, the staleness bound and the modes. One declaration each, so the two commands cannot
-drift apart in meaning, help or default. Defaults are `broker.sim.engines.EngineCost`'s (a 4B model on
-one H100-class GPU per engine)."""
+drift apart in meaning, help or default. The step cost's defaults are `april.engine_cost.EngineCost`'s,
+the ones the sim engine of `april up --engine sim` also starts from (a 4B model on one H100-class GPU
+per engine)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Annotated
 
 import typer
 
-from broker.sim.engines import EngineCost
+from april.engine_cost import DEFAULT_COST
 
-COST = EngineCost()  # the default step cost
+COST = DEFAULT_COST  # the default step cost (A, B, C)
 LEARNER_STEP_S = 20.0  # default simulated learner step (train + publish), s
 PROMPT_LEN = 256  # default prompt tokens of every simulated sample
 MODES = "sync,april,async"

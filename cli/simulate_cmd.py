@@ -22,7 +22,7 @@ from rich.table import Table
 
 from actors.lengths import EmpiricalLength, LengthSpec, LengthSpecError
 from april.config import AlgoConfig, Mode
-from broker.sim.engines import EngineCost
+from april.engine_cost import EngineCost
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimConfig, SimulationError, simulate
 from cli.options import user_errors
@@ -274,10 +274,11 @@ def simulate_command(
     """Predict what april / async give over sync on a length distribution, in virtual time.
 
     A discrete-event model drives the broker's own books and scheduling policy (BrokerState, april.policy)
-    with simulated engines and learner. Decode step = A + B x active sequences (+ C per prefilled token);
-    defaults are GPU-like for a 4B model on one H100-class GPU per engine (A 6 ms, B 0.1 ms, C 0.02 ms:
-    ~12 ms a step at 64 sequences, ~50k prefill tokens/s), a 20 s learner step, and the paper's setting
-    (32 x 8 samples, over-sampling 64, 16k tokens, 8 engines).
+    with simulated engines and learner. Decode step = A + B x active sequences (+ C per prefilled token),
+    the sim engine's cost model (april/engine_cost.py: `april up --engine sim` starts from the same
+    defaults); defaults are GPU-like for a 4B model on one H100-class GPU per engine (A 6 ms, B 0.1 ms,
+    C 0.02 ms: ~12 ms a step at 64 sequences, ~50k prefill tokens/s), a 20 s learner step, and the
+    paper's setting (32 x 8 samples, over-sampling 64, 16k tokens, 8 engines).
     """
     with user_errors(SimulateError, LengthSpecError, SimulationError):
         spec = resolve_lengths(lengths)

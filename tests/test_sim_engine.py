@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from actors.engine import EngineError, GenerationOutput, GenerationRequest, WeightLoadError
-from actors.engines.sim_engine import CostModel, SampleIdentity, SimEngine
+from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.lengths import (
     EmpiricalLength,
     FixedLength,
@@ -19,6 +19,7 @@ from actors.lengths import (
     LogNormalLength,
     MixtureLength,
 )
+from april.engine_cost import EngineCost
 from april.records import FinishReason, Sample
 
 MIXTURE = "mixture:0.9*lognormal:median=500,sigma=0.6,cap=16384+0.1*lognormal:median=8000,sigma=0.5,cap=16384"
@@ -289,7 +290,7 @@ def test_load_weights_errors(tmp_path: Path) -> None:
 
 
 def test_step_time_model_virtual() -> None:
-    cost = CostModel(decode_base_ms=10.0, decode_per_request_ms=0.5, prefill_ms_per_token=0.25)
+    cost = EngineCost(decode_ms=10.0, decode_ms_per_seq=0.5, prefill_ms_per_token=0.25)
     e = sim("fixed:3", slots=4, cost=cost)
     e.add([req(1, [1, 2, 3, 4], 10), req(2, [1, 2], 2)])
     e.step()  # prefill 6 tokens, 2 decoding
@@ -304,7 +305,7 @@ def test_step_time_model_virtual() -> None:
 
 
 def test_real_sleep_follows_time_scale() -> None:
-    cost = CostModel(decode_base_ms=1000.0, decode_per_request_ms=0.0, prefill_ms_per_token=0.0)
+    cost = EngineCost(decode_ms=1000.0, decode_ms_per_seq=0.0, prefill_ms_per_token=0.0)
     e = SimEngine("fixed:100", slots=1, cost=cost, time_scale=1e-3)  # 1 s model steps -> 1 ms wall
     e.add([req(1, [1], 100)])
     t0 = time.monotonic()

@@ -14,8 +14,9 @@ from april.files import sha256_file
 from april.ports import free_ports
 from cli.up_cmd import UpOptions, run_up
 
-# a round of ~20-token samples at 15 ms a step takes ~0.3 s: several usage reports (every 0.1 s) each
-STEP_S, TIME_SCALE = 0.2, 1.0
+# a round of ~20-token samples at 15 ms a step (stated in the config below, not the default cost) takes
+# ~0.3 s: several usage reports (every 0.1 s) each
+STEP_S, TIME_SCALE, DECODE_MS = 0.2, 1.0, 15.0
 
 
 def broker_ports() -> list[str]:
@@ -31,7 +32,7 @@ def test_a_run_with_the_simulated_learner(tmp_path: Path, mode: str) -> None:
         "[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 4\nn_samples_per_prompt = 4\n"
         "max_new_tokens = 64\n[broker]\nmin_workers = 2\n"
         '[worker]\nengine = "sim"\nslots = 8\nsim_lengths = "lognormal:median=20,sigma=1.0,cap=64"\n'
-        f"sim_time_scale = {TIME_SCALE}\n"
+        f"sim_time_scale = {TIME_SCALE}\nsim_decode_ms = {DECODE_MS}\n"
         f'[learner]\nbackend = "sim"\nsim_step_s = {STEP_S}\n'
     )
     run_dir = tmp_path / "run"

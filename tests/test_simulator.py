@@ -13,11 +13,12 @@ import pytest
 from typer.testing import CliRunner
 
 from actors.engine import GenerationRequest
-from actors.engines.sim_engine import CostModel, SampleIdentity, SimEngine
+from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.lengths import EmpiricalLength, LengthSpec, LengthSpecError
 from april.config import AlgoConfig, Mode
+from april.engine_cost import EngineCost
 from april.records import new_group_samples
-from broker.sim.engines import EngineCost, EngineModel
+from broker.sim.engines import EngineModel
 from broker.sim.figures import Meter
 from broker.sim.model import SimConfig, SimResult, simulate
 from cli.main import app
@@ -246,7 +247,7 @@ def test_april_beats_sync_on_a_long_tail_and_the_same_seed_gives_the_same_sample
 
 def test_engine_model_matches_the_sim_engine_step_by_step() -> None:
     """Same lengths, same cost: finish times agree, including a sample admitted when the first finishes."""
-    cost = CostModel(decode_base_ms=2.0, decode_per_request_ms=0.5, prefill_ms_per_token=0.01)
+    cost = EngineCost(2.0, 0.5, 0.01)
     samples = new_group_samples(0, 6, np.arange(3, 13, dtype=np.int32), "", {})
     first, later = samples[:5], samples[5]
 
@@ -270,7 +271,7 @@ def test_engine_model_matches_the_sim_engine_step_by_step() -> None:
             ref_done[later.index] = -1.0
 
     meter = Meter(1)
-    model = EngineModel(0, 8, EngineCost(2.0, 0.5, 0.01), meter, lambda s: drawn[s.index])
+    model = EngineModel(0, 8, cost, meter, lambda s: drawn[s.index])
     model.admit([(s.index, 1000, s.resumed()) for s in first])
     done: dict[int, float] = {}
     while model.active:

@@ -1,9 +1,10 @@
 """The simulation engine: no model, a cost model of a GPU inference engine for planning and benchmarks.
 
-Owns: when each simulated request finishes and how long each decode step takes. A decode step over
-`active` requests costs `a + b * active` ms plus `prefill_ms_per_token` for every input token newly
-admitted in that step (decode is memory-bound on a GPU, so `a` dominates). Response lengths are drawn
-per sample from a `LengthSpec` (actors/lengths.py), reproducibly from (seed, sample identity).
+Owns: when each simulated request finishes and what it generates. Each decode step takes the time
+`april.engine_cost.EngineCost` gives (the one cost model, which `april simulate` also uses): a fixed
+part, a part per active request, and the prefill of every input token newly admitted in that step.
+Response lengths are drawn per sample from a `LengthSpec` (actors/lengths.py), reproducibly from
+(seed, sample identity).
 
 It obeys the same abort / resume / weights semantics as the real engines: `abort` returns partials at
 once; a resumed sample (input = prompt + partial, budget reduced) keeps its drawn total length and
@@ -43,6 +44,7 @@ import numpy.typing as npt
 
 from actors.engine import EngineError, GenerationOutput, GenerationRequest, WeightLoadError, admit
 from actors.lengths import LengthSpec
+from april.engine_cost import EngineCost
 from april.records import FinishReason
 from april.sample_draw import draw_length, sample_key
 from april.sample_draw import mix as _mix
@@ -66,24 +68,6 @@ class SampleIdentity:
 
 
 Identify = Callable[[GenerationRequest], SampleIdentity]
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """Step time in ms: decode_base_ms + decode_per_request_ms x active + prefill_ms_per_token x new
-    input tokens. Defaults are of the order of a 7B model on one H100."""
-
-    decode_base_ms: float = 15.0
-    decode_per_request_ms: float = 0.1
-    prefill_ms_per_token: float = 0.01
-    load_weights_ms: float = 0.0
-
-    def step_ms(self, active: int, prefill_tokens: int) -> float:
-        return (
-            self.decode_base_ms
-            + self.decode_per_request_ms * active
-            + self.prefill_ms_per_token * prefill_tokens
-        )
 
 
 def _digest(ids: npt.NDArray[np.int32]) -> bytes:
@@ -131,7 +115,7 @@ class SimEngine:
         *,
         slots: int = 8,
         seed: int = 0,
-        cost: CostModel | None = None,
+        cost: EngineCost | None = None,
         time_scale: float = 1.0,
         sleep: bool = True,
         vocab_size: int = 32000,
@@ -151,7 +135,7 @@ class SimEngine:
         self.slots = slots
         self.version = version
         self.seed = seed
-        self.cost = cost or CostModel()
+        self.cost = cost or EngineCost()
         self.time_scale = time_scale
         self.sleep = sleep
         self.vocab_size = vocab_size
@@ -254,7 +238,7 @@ class SimEngine:
         for run in self._running.values():
             prefill += run.prefill_tokens
             run.prefill_tokens = 0
-        self._advance(self.cost.step_ms(len(self._running), prefill) / 1000.0)
+        self._advance(self.cost.step_s(len(self._running), prefill))
         self.steps += 1
         finished = []
         for run in self._running.values():
@@ -292,8 +276,9 @@ class SimEngine:
         return out
 
     def load_weights(self, path: Path | str, version: int) -> None:
-        """Record `version`. `path` may be "", "sim://..." (no file) or an existing path; anything else
-        raises WeightLoadError, as does a version older than the one loaded."""
+        """Record `version`, in no model time (as the simulator's engines: the cost model has no load
+        term). `path` may be "", "sim://..." (no file) or an existing path; anything else raises
+        WeightLoadError, as does a version older than the one loaded."""
         text = str(path)
         if not (text in ("", ".") or text.startswith("sim:") or Path(text).exists()):
             raise WeightLoadError(
@@ -301,7 +286,6 @@ class SimEngine:
             )
         if version < self.version:
             raise WeightLoadError(f"sim engine: weights version {version} older than loaded {self.version}")
-        self._advance(self.cost.load_weights_ms / 1000.0)
         if version == self.version:
             return
         self.version = version

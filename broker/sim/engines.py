@@ -3,11 +3,10 @@
 Owns the engine side of the simulation: which leased samples each engine is decoding, how many tokens
 each has produced, when its next step boundary falls, and the broker messages it has not read yet.
 
-Cost model (the one of the sim engine, `actors.engines.sim_engine.CostModel`, restated here because the
-broker may not import a worker module): a decode step over `active` sequences takes
-`decode_ms + decode_ms_per_seq x active` ms, plus `prefill_ms_per_token` for every input token admitted
-in that step. A fresh sample's input is its prompt; a resumed partial re-prefills prompt + the response
-so far (the resume hand-off cost: its KV cache did not survive the abort).
+Cost model: `april.engine_cost.EngineCost`, the one the sim engine a worker runs also uses (a decode
+step over `active` sequences, plus the prefill of every input token admitted in that step). A fresh
+sample's input is its prompt; a resumed partial re-prefills prompt + the response so far (the resume
+hand-off cost: its KV cache did not survive the abort).
 
 Vectorised: all sequences of an engine advance together, so between two events an engine is an
 arithmetic progression of step boundaries (the first step longer by its prefill). It is woken only at a
@@ -27,36 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from april.config import ConfigError
+from april.engine_cost import EngineCost
 from april.records import FinishReason, Sample
 from broker.sim.figures import Meter
 
 LengthOf = Callable[[Sample], int]  # the drawn total response length of a sample
 Output = tuple[int, Sample]  # (lease id, the sample as returned to the broker)
 _EPS = 1e-9  # float slack when placing a time on the step grid
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCost:
-    """Step time in ms: decode_ms + decode_ms_per_seq x active + prefill_ms_per_token x new input
-    tokens. The defaults are of the order of a 4B model on one H100-class GPU (bf16, CUDA graphs):
-    about 6 ms for a step at batch 1, about 12 ms at 64 sequences, prefill about 50k tokens/s."""
-
-    decode_ms: float = 6.0
-    decode_ms_per_seq: float = 0.1
-    prefill_ms_per_token: float = 0.02
-
-    def __post_init__(self) -> None:
-        costs = (self.decode_ms, self.decode_ms_per_seq, self.prefill_ms_per_token)
-        if min(costs) < 0 or self.decode_ms + self.decode_ms_per_seq <= 0:
-            raise ConfigError(
-                f"simulate: step cost A={self.decode_ms:g}, B={self.decode_ms_per_seq:g}, "
-                f"C={self.prefill_ms_per_token:g} ms: expected all >= 0 and A + B > 0 (a step takes time)"
-            )
-
-    def step_s(self, active: int, prefill_tokens: int = 0) -> float:
-        ms = self.decode_ms + self.decode_ms_per_seq * active + self.prefill_ms_per_token * prefill_tokens
-        return ms / 1000.0
 
 
 @dataclass(frozen=True, slots=True)

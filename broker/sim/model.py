@@ -36,10 +36,11 @@ import numpy as np
 from april import policy
 from april.config import AlgoConfig, ConfigError, Mode
 from april.data import PromptRecord
+from april.engine_cost import EngineCost
 from april.ledger import Ledger
 from april.records import Sample
 from april.sample_draw import LengthSampler, draw_length, sample_key
-from broker.sim.engines import Abort, EngineCost, EngineModel, Lease, Output, ToEngine, Weights
+from broker.sim.engines import Abort, EngineModel, Lease, Output, ToEngine, Weights
 from broker.sim.figures import Figures, Meter, Tally, compute_figures
 from broker.state import BrokerState
 
@@ -73,6 +74,12 @@ class SimConfig:
                 raise ConfigError(f"simulate: {name} = {getattr(self, name)}, expected >= 1")
         if not self.learner_step_s >= 0:
             raise ConfigError(f"simulate: learner_step_s = {self.learner_step_s}, expected >= 0")
+        c = self.cost
+        if c.step_ms(1) <= 0:  # virtual time must advance, or the event loop would never end
+            raise ConfigError(
+                f"simulate: step cost A={c.decode_ms:g}, B={c.decode_ms_per_seq:g}, "
+                f"C={c.prefill_ms_per_token:g} ms: expected A + B > 0 (a step takes time)"
+            )
 
 
 @dataclass(frozen=True, slots=True)
