@@ -11,6 +11,12 @@ missing/extra fields, types, sizes) and then calls the struct's `validate()` if 
 `ProtocolError` carrying a short `reason` (used for per-reason counters) and a message naming what was wrong.
 No pickle, no eval: only msgpack scalars, maps, lists and raw little-endian buffers.
 
+A struct is closed unless it declares `EVOLVABLE: ClassVar[bool] = True`. An evolvable struct (the
+broker's status records, `april.status`) is read across versions: a field with a default may be absent
+(it takes the default: a field added later), and fields it does not declare are skipped (a field a newer
+sender added). Every field it declares is still checked exactly. Commands stay closed: a message that is
+only half understood must not be acted on.
+
 Does not know the message types: `april.protocol` registers them.
 """
 
@@ -95,6 +101,8 @@ class _Array:
 class _Struct:
     cls: type
     fields: tuple[tuple[str, _Spec], ...]
+    evolvable: bool = False  # defaulted fields may be absent, undeclared ones are skipped
+    required: frozenset[str] = frozenset()  # fields without a default (all fields of a closed struct)
 
 
 _Spec = _Scalar | _Enum | _Optional | _List | _Dict | _Array | _Struct
@@ -112,7 +120,13 @@ def struct_schema(cls: type) -> _Struct:
     fields = tuple(
         (f.name, _compile(hints[f.name], f"{cls.__name__}.{f.name}")) for f in dataclasses.fields(cls)
     )
-    schema = _Struct(cls, fields)
+    evolvable = getattr(cls, "EVOLVABLE", False) is True
+    required = frozenset(
+        f.name
+        for f in dataclasses.fields(cls)
+        if not evolvable or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    )
+    schema = _Struct(cls, fields, evolvable, required)
     _SCHEMAS[cls] = schema
     return schema
 
@@ -182,6 +196,15 @@ def _encode_value(value: Any, spec: _Spec, buffers: list[Frame]) -> Any:
     return value
 
 
+def encode_map(obj: Any) -> dict[str, Any]:
+    """The map of a dataclass instance that has no array fields (e.g. for a JSON document)."""
+    buffers: list[Frame] = []
+    body = encode_struct(obj, buffers)
+    if buffers:
+        raise ValueError(f"{type(obj).__name__} has array fields: it needs frames, not a map")
+    return body
+
+
 def encode_frames(version: int, kind: int, msg: Any) -> list[Frame]:
     buffers: list[Frame] = []
     body = encode_struct(msg, buffers)
@@ -248,17 +271,25 @@ def decode_body(cls: type, frames: Sequence[Frame], max_bytes: int = DEFAULT_MAX
     return obj
 
 
+def decode_map(cls: type, raw: object, where: str = "") -> Any:
+    """Decode and validate a map (e.g. a parsed JSON document) as an instance of dataclass `cls`, with the
+    checks of a message body; a struct with array fields cannot be read this way (`bad_buffer`)."""
+    return _decode_struct(raw, struct_schema(cls), (), set(), where or cls.__name__)
+
+
 def _decode_struct(raw: Any, schema: _Struct, frames: Sequence[Frame], used: set[int], where: str) -> Any:
     _check_map(raw, where)
-    names = [name for name, _ in schema.fields]
-    missing = [n for n in names if n not in raw]
+    missing = [name for name, _ in schema.fields if name in schema.required and name not in raw]
     if missing:
         raise ProtocolError("missing_field", f"{where}: missing field(s) {', '.join(missing)}")
-    extra = sorted(set(raw) - set(names))
-    if extra:
-        raise ProtocolError("extra_field", f"{where}: unknown field(s) {', '.join(map(str, extra))}")
+    if not schema.evolvable:
+        extra = sorted(set(raw) - {name for name, _ in schema.fields})
+        if extra:
+            raise ProtocolError("extra_field", f"{where}: unknown field(s) {', '.join(map(str, extra))}")
     values = {
-        name: _decode_value(raw[name], spec, frames, used, f"{where}.{name}") for name, spec in schema.fields
+        name: _decode_value(raw[name], spec, frames, used, f"{where}.{name}")
+        for name, spec in schema.fields
+        if name in raw  # an evolvable struct's absent field takes its default
     }
     obj = schema.cls(**values)
     validate: Callable[[], None] | None = getattr(obj, "validate", None)

@@ -27,6 +27,7 @@ from april.codec import (
 )
 from april.codec import decode_header as _decode_header
 from april.ledger import Ledger
+from april.status import BrokerStatus
 from april.wire_records import SampleBatch
 
 PROTOCOL_VERSION = 1
@@ -294,9 +295,11 @@ class StatusRequest:
 
 @dataclass(frozen=True, slots=True)
 class StatusReply:
-    """B->S, and published on the PUB socket under topic b"status". `state_json` is a JSON object."""
+    """B->S, and published on the PUB socket under topic b"status": the broker's state (`april.status`,
+    whose records are evolvable: fields may be added with a default, and readers skip fields they do
+    not know)."""
 
-    state_json: str
+    status: BrokerStatus
 
 
 # The registry. Kind codes are wire format: append only.

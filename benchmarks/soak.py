@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 from april.config import load_config, write_config  # noqa: E402
 from april.files import read_jsonl  # noqa: E402
 from april.ports import free_ports  # noqa: E402
+from april.status import BrokerStatus  # noqa: E402
 from cli.status_cmd import StatusError, fetch_status  # noqa: E402
 from cli.supervisor import Supervisor  # noqa: E402
 from cli.up_cmd import BROKER, LEARNER, TINY_MODEL, plan, wire_addresses  # noqa: E402
@@ -82,7 +83,7 @@ class Soak:
         specs = plan(config, self.config_path, self.run_dir, self.workers, resume=False)
         self.specs = [dataclasses.replace(s, max_restarts=UNBOUNDED) for s in specs]
 
-    def status(self, timeout_s: float = 1.0) -> dict[str, Any] | None:
+    def status(self, timeout_s: float = 1.0) -> BrokerStatus | None:
         try:
             return fetch_status(self.address, timeout_s)
         except StatusError:
@@ -115,11 +116,13 @@ class Soak:
             "t": round(t, 1),
             "killed": name,
             "steps": self.steps(),
-            "unacked_batch": None if status is None else status["unacked_batch"],
-            "aborting": None if status is None else status["round"]["aborting"],
+            "unacked_batch": None
+            if status is None or status.unacked_batch is None
+            else dataclasses.asdict(status.unacked_batch),
+            "aborting": None if status is None else status.round.aborting,
             "learner_waiting": None
-            if not status or not status["learner"]
-            else status["learner"]["waiting_for_batch"],
+            if status is None or status.learner is None
+            else status.learner.waiting_for_batch,
         }
         self.events.append(moment)
         print(f"[soak {t:7.1f}s] SIGKILL {name}: {moment}", flush=True)
@@ -183,17 +186,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(
-    args: argparse.Namespace, soak: Soak, status: dict[str, Any] | None, recovered: bool, wall_s: float
+    args: argparse.Namespace, soak: Soak, status: BrokerStatus | None, recovered: bool, wall_s: float
 ) -> dict[str, Any]:
     lines = read_jsonl(soak.run_dir / "metrics.jsonl")
     steps = [x["step"] for x in lines]
     n_per_step = args.batch * args.n
-    ledger = status["ledger"] if status else {}
-    trained_groups = int(ledger.get("trained", -1))
+    trained_groups = -1 if status is None else status.ledger.trained
     checks = {
         "recovered after the last kill": recovered,
         "broker answered at the end": status is not None,
-        "ledger balances": bool(status and status["ledger_balanced"]),
+        "ledger balances": status is not None and status.ledger_balanced,
         "steps 0..S-1 once each": steps == list(range(len(steps))),
         "every step exactly N samples": all(x["samples"] == n_per_step for x in lines),
         "trained groups == steps x B": trained_groups == len(steps) * args.batch,
@@ -207,8 +209,8 @@ def report(
         "trained_samples": trained_groups * args.n,
         "expected_samples": len(steps) * n_per_step,
         "samples_lost": len(steps) * n_per_step - trained_groups * args.n,
-        "ledger": ledger,
-        "rejected": status["rejected"]["by_reason"] if status else None,
+        "ledger": {} if status is None else status.ledger.to_json(),
+        "rejected": None if status is None else status.rejected.by_reason,
         "checks": checks,
         "ok": all(checks.values()),
         "kill_moments": soak.events,

@@ -32,6 +32,7 @@ from typing import Any
 
 from april.data import PromptRecord
 from april.records import Sample, SampleStatus, new_group_samples
+from april.status import EvalProgress, EvalStatus
 from broker.state import ResultRejected, check_continues
 
 log = logging.getLogger("april.broker")
@@ -214,22 +215,25 @@ class Evaluations:
         """The latest result's figures for a new batch's stats; empty before the first evaluation."""
         return self.latest.batch_stats() if self.latest else {}
 
-    def status(self) -> dict[str, Any] | None:
-        """The `eval` object of the status JSON; None when evaluation is off."""
+    def status(self) -> EvalStatus | None:
+        """The `eval` record of the broker's status; None when evaluation is off."""
         if not self.enabled:
             return None
-        run = self.run
-        return {
-            **(self.latest.to_json() if self.latest else {"version": None, "accuracy": None, "n": 0}),
-            "every": self.every,
-            "completed": self.completed,
-            "tokens_generated": self.tokens_generated,
-            "running": None
+        latest, run = self.latest, self.run
+        return EvalStatus(
+            version=None if latest is None else latest.version,
+            accuracy=None if latest is None else latest.accuracy,
+            reward_mean=None if latest is None or math.isnan(latest.reward_mean) else latest.reward_mean,
+            n=0 if latest is None else latest.n,
+            failed=0 if latest is None else latest.failed,
+            oldest_version=None if latest is None else latest.oldest_version,
+            newest_version=None if latest is None else latest.newest_version,
+            every=self.every,
+            completed=self.completed,
+            tokens_generated=self.tokens_generated,
+            running=None
             if run is None
-            else {
-                "version": run.version,
-                "done": run.done,
-                "leased": len(run.leases),
-                "of": len(run.samples),
-            },
-        }
+            else EvalProgress(
+                version=run.version, done=run.done, leased=len(run.leases), of=len(run.samples)
+            ),
+        )

@@ -1,20 +1,22 @@
 """The broker's Prometheus endpoint: live gauges and counters at http://BIND_HOST:METRICS_PORT/metrics.
 
-Off unless `broker.metrics_port` > 0. The figures are those of the status object (`broker.status`): the
-poll loop hands each status it builds (once a second) to `update`, and a scrape, served on
-prometheus-client's HTTP thread, reads only that latest dict; it never touches the broker's books, so
-there is nothing to lock. Counters count since this broker process started, as the status `totals` do
-(Prometheus handles the reset at a restart). prometheus-client is imported here only, when the endpoint
-is configured; without it the broker refuses to start with one line saying what to install.
+Off unless `broker.metrics_port` > 0. The figures are those of the status record (`april.status`,
+built by `broker.status`): the poll loop hands each status it builds (once a second) to `update`, and a
+scrape, served on prometheus-client's HTTP thread, reads only that latest frozen record; it never touches
+the broker's books, so there is nothing to lock. Counters count since this broker process started, as
+the status `totals` do (Prometheus handles the reset at a restart). prometheus-client is imported here
+only, when the endpoint is configured; without it the broker refuses to start with one line saying what to
+install.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from april.config import ConfigError
+from april.status import BrokerStatus, Totals
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -24,66 +26,72 @@ if TYPE_CHECKING:
 
 PREFIX = "april_broker_"
 
-# (status key, metric name, help): gauges read straight from the status object
-GAUGES = (
-    ("version", "version", "weights version the broker serves"),
-    ("in_flight_groups", "in_flight_groups", "groups with a sample queued or leased"),
-    ("partial_groups", "partial_groups", "groups waiting to resume interrupted samples"),
-    ("partial_buffer", "partial_buffer_samples", "interrupted samples waiting in the queue"),
-    ("complete_groups", "complete_groups", "complete groups not yet in a batch"),
-    ("leased_samples", "leased_samples", "training samples leased to workers now"),
-    ("queued_samples", "queued_samples", "samples waiting in the dispatch queue"),
+# (metric name, help, figure): gauges read straight from the status record
+GAUGES: tuple[tuple[str, str, Callable[[BrokerStatus], float]], ...] = (
+    ("version", "weights version the broker serves", lambda s: s.version),
+    ("in_flight_groups", "groups with a sample queued or leased", lambda s: s.in_flight_groups),
+    ("partial_groups", "groups waiting to resume interrupted samples", lambda s: s.partial_groups),
+    ("partial_buffer_samples", "interrupted samples waiting in the queue", lambda s: s.partial_buffer),
+    ("complete_groups", "complete groups not yet in a batch", lambda s: s.complete_groups),
+    ("leased_samples", "training samples leased to workers now", lambda s: s.leased_samples),
+    ("queued_samples", "samples waiting in the dispatch queue", lambda s: s.queued_samples),
+    ("workers", "registered workers", lambda s: len(s.workers)),
+    ("workers_alive", "workers heard from within the liveness window", lambda s: s.workers_alive),
 )
-# (totals key, metric name without _total, help)
-COUNTERS = (
-    ("aborted", "aborted_samples", "samples returned interrupted by an abort"),
-    ("resumed", "resumed_samples", "samples leased again with a partial response"),
-    ("tokens_generated", "tokens_generated", "new response tokens accepted from workers (training)"),
-    ("samples_finished", "samples_finished", "training samples returned FINISHED or FAILED"),
-    ("batches_acked", "batches_acked", "batches the learner trained and acked"),
+# (metric name without _total, help, figure): the status `totals`
+COUNTERS: tuple[tuple[str, str, Callable[[Totals], int]], ...] = (
+    ("aborted_samples", "samples returned interrupted by an abort", lambda t: t.aborted),
+    ("resumed_samples", "samples leased again with a partial response", lambda t: t.resumed),
+    (
+        "tokens_generated",
+        "new response tokens accepted from workers (training)",
+        lambda t: t.tokens_generated,
+    ),
+    ("samples_finished", "training samples returned FINISHED or FAILED", lambda t: t.samples_finished),
+    ("batches_acked", "batches the learner trained and acked", lambda t: t.batches_acked),
 )
 
 
-def status_metrics(status: dict[str, Any]) -> Iterator[Metric]:
-    """The metric families of one status object (empty before the first status)."""
+def status_metrics(status: BrokerStatus | None) -> Iterator[Metric]:
+    """The metric families of one status record (none before the first status)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    if not status:
+    if status is None:
         return
-    for key, name, doc in GAUGES:
-        yield GaugeMetricFamily(PREFIX + name, doc, value=float(status[key]))
-    workers = status["workers"]
-    yield GaugeMetricFamily(PREFIX + "workers", "registered workers", value=len(workers))
-    yield GaugeMetricFamily(
-        PREFIX + "workers_alive",
-        "workers heard from within the liveness window",
-        value=sum(w["alive"] for w in workers),
-    )
+    for name, doc, figure in GAUGES:
+        yield GaugeMetricFamily(PREFIX + name, doc, value=float(figure(status)))
     ledger = GaugeMetricFamily(PREFIX + "ledger_groups", "groups by ledger state", labels=["state"])
-    for state in ("issued", "trained", "complete_waiting", "in_flight", "partial"):
-        ledger.add_metric([state], float(status["ledger"][state]))
-    ledger.add_metric(["dropped"], float(sum(status["ledger"]["dropped"].values())))
+    books = status.ledger
+    for state, count in (
+        ("issued", books.issued),
+        ("trained", books.trained),
+        ("complete_waiting", books.complete_waiting),
+        ("in_flight", books.in_flight),
+        ("partial", books.partial),
+        ("dropped", sum(books.dropped.values())),
+    ):
+        ledger.add_metric([state], float(count))
     yield ledger
-    evaluation = status.get("eval") or {}
-    accuracy = evaluation.get("accuracy")
+    evaluation = status.eval
+    accuracy = None if evaluation is None else evaluation.accuracy
     yield GaugeMetricFamily(
         PREFIX + "eval_accuracy",
         "accuracy on the held-out prompts at the latest evaluation (NaN before the first)",
-        value=math.nan if accuracy is None else float(accuracy),
+        value=math.nan if accuracy is None else accuracy,
     )
-    version = evaluation.get("version")
+    version = None if evaluation is None else evaluation.version
     yield GaugeMetricFamily(
         PREFIX + "eval_version",
         "weights version of the latest evaluation (-1 before the first)",
         value=-1.0 if version is None else float(version),
     )
-    for key, name, doc in COUNTERS:
-        yield CounterMetricFamily(PREFIX + name, doc, value=float(status["totals"][key]))
+    for name, doc, counter in COUNTERS:
+        yield CounterMetricFamily(PREFIX + name, doc, value=float(counter(status.totals)))
     rejections = CounterMetricFamily(
         PREFIX + "rejections", "messages and samples rejected", labels=["reason"]
     )
-    for reason, count in sorted(status["rejected"]["by_reason"].items()):
-        rejections.add_metric([reason], float(count))
+    for reason, n in sorted(status.rejected.by_reason.items()):
+        rejections.add_metric([reason], float(n))
     yield rejections
 
 
@@ -99,7 +107,7 @@ class PrometheusExporter:
                 "not installed (pip install prometheus-client, or the observability extra)"
             ) from None
         self.port = port
-        self.latest: dict[str, Any] = {}
+        self.latest: BrokerStatus | None = None
         exporter = self
 
         class StatusCollector(Collector):
@@ -116,8 +124,8 @@ class PrometheusExporter:
 
         self._server, _ = start_http_server(self.port, addr=host, registry=self.registry)
 
-    def update(self, status: dict[str, Any]) -> None:
-        """Serve this status from now on (the reference swap is atomic; the dict is never mutated)."""
+    def update(self, status: BrokerStatus) -> None:
+        """Serve this status from now on (the reference swap is atomic; the record is frozen)."""
         self.latest = status
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ from april.heldout import split_held_out
 from april.keys import server_keys
 from april.protocol import Message
 from april.records import Sample
+from april.status import BrokerStatus
 from april.transport import configure
 from april.wire_records import SampleBatch
 from broker import snapshot
@@ -467,7 +468,7 @@ class Broker:
 
     def _on_learner(self, identity: bytes, msg: Message, now: float) -> None:
         if isinstance(msg, protocol.StatusRequest):
-            self._send(self.learner_sock, identity, protocol.StatusReply(json.dumps(self.status(now))))
+            self._send(self.learner_sock, identity, protocol.StatusReply(self.status(now)))
             return
         if isinstance(msg, protocol.LearnerHello):
             self.learner = Peer(msg.learner_id, last_seen=now, last_sent=now)
@@ -599,9 +600,7 @@ class Broker:
         if now - self.last_status >= STATUS_PERIOD_S:
             self.last_status = now
             status = self.status(now)
-            self.pub_sock.send_multipart(
-                [b"status", *protocol.encode(protocol.StatusReply(json.dumps(status)))]
-            )
+            self.pub_sock.send_multipart([b"status", *protocol.encode(protocol.StatusReply(status))])
             if self.exporter is not None:
                 self.exporter.update(status)
         if now - self.last_snapshot >= self.cfg.snapshot_interval_s:
@@ -615,5 +614,5 @@ class Broker:
         with open(self.run_dir / EVAL_LOG, "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
-    def status(self, now: float) -> dict[str, object]:
+    def status(self, now: float) -> BrokerStatus:
         return build_status(self, now)

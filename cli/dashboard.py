@@ -1,10 +1,10 @@
 """The live dashboard's rendering: what `april up` and `april status --watch` show.
 
 Owns `render(state, now)`, a pure function of a `DashboardState` (tested against a fixed-width capture
-console), `export_svg` (a screenshot of it) and the display helpers (`sparkline`, `bar`, `si`, `duration`,
-`metric`). It never changes the state: folding statuses and deriving events is `cli/dashboard_state.py`;
-the socket and the Live loop are `cli/dashboard_feed.py`. Figures the feed lacks (missing keys, NaN)
-render as a dash, never raise.
+console), `export_svg` (a screenshot of it) and the display helpers (`sparkline`, `bar`, `si`,
+`duration`). It never changes the state: folding statuses and deriving events is `cli/dashboard_state.py`;
+the socket and the Live loop are `cli/dashboard_feed.py`. It reads the typed status (`april.status`) by
+attribute; figures the learner has not sent (NaN) render as a dash, never raise.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.markup import escape
@@ -23,7 +22,8 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
-from cli.dashboard_state import DASH, DashboardState, as_dict, fmt, fmt_int, num, workers_of
+from april.status import BrokerStatus, LearnerStatus, StepFigures, WorkerStatus
+from cli.dashboard_state import DASH, DashboardState, fmt, fmt_int, num
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 WIDE = 110  # columns from which the header takes a line less and the workers table shows hosts
@@ -34,12 +34,7 @@ STALE_S = 3.0  # the broker publishes every second: silence past this is shown i
 # formatting
 
 
-def metric(metrics: Mapping[str, Any], name: str) -> Any:
-    """A learner figure under its flat name or namespaced as in metrics.jsonl (`learner/clip_frac`)."""
-    return metrics.get(name, metrics.get(f"learner/{name}"))
-
-
-def si(value: Any) -> str:
+def si(value: float | None) -> str:
     """1234 -> "1.2k"; missing or NaN -> DASH."""
     x = num(value)
     if not math.isfinite(x):
@@ -95,12 +90,13 @@ class _View:
         self.state, self.now, self.height = state, now, height
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        state, wide, status = self.state, options.max_width >= WIDE, self.state.status or {}
-        parts: list[RenderableType] = [_header(state, status, self.now, wide)]
+        state, wide, status = self.state, options.max_width >= WIDE, self.state.status
+        parts: list[RenderableType] = [_header(state, self.now, wide)]
         parts += [_alert(role, tail) for role, tail in state.alerts.items()]
-        if state.status is not None:
+        if status is not None:
+            figures = status.step_figures
             parts.append(_workers_panel(state, status, wide))
-            parts.append(_side_by_side(_rollout_panel(state, status), _learner_panel(status, wide)))
+            parts.append(_side_by_side(_rollout_panel(state, status, figures), _learner_panel(status, wide)))
             parts.append(_trends_panel(state, options.max_width - 24))
         if self.height is None:
             yield Group(*parts, _events_panel(state, state.event_rows))
@@ -136,31 +132,30 @@ def _pairs(rows: Iterable[tuple[str, str | Text | Table]]) -> Table:
     return grid
 
 
-def _header(state: DashboardState, status: Mapping[str, Any], now: float, wide: bool) -> Panel:
+def _header(state: DashboardState, now: float, wide: bool) -> Panel:
     source = escape(state.source) or None
-    if state.status is None or state.received_at is None:
+    status = state.status
+    if status is None or state.received_at is None:
         waiting = Text(f"waiting for the first status from {state.source or 'the broker'}...", "yellow")
         return _panel(waiting, "april", subtitle=source)
-    m = as_dict(status.get("learner_metrics"))
-    step, steps = num(m.get("step")), num(status.get("steps"))
-    done = int(step) + 1 if math.isfinite(step) else int(num(status.get("version"), 0))
-    progress = f" [green]{bar(done / steps if steps > 0 else math.nan, 12)}[/]" if wide else ""
+    m = status.step_figures
+    done = m.step + 1 if m.step is not None else status.version
+    progress = f" [green]{bar(done / status.steps if status.steps > 0 else math.nan, 12)}[/]" if wide else ""
     silent = now - state.received_at
-    elapsed = num(status.get("uptime_s")) + min(max(0.0, silent), STALE_S)
-    workers = workers_of(status)
-    alive = sum(1 for w in workers if w.get("alive", True))
-    word, style = _learner_word(as_dict(status.get("learner")))
+    elapsed = status.uptime_s + min(max(0.0, silent), STALE_S)
+    alive, workers = status.workers_alive, len(status.workers)
+    word, style = _learner_word(status.learner)
     lines = [
-        f"[dim]run[/] [bold]{escape(str(status.get('run', DASH)))}[/]  [dim]mode[/] "
-        f"[bold magenta]{escape(str(status.get('mode', DASH)))}[/]  "
-        f"[dim]step[/] [bold]{done}/{fmt_int(steps)}[/]{progress}  "
-        f"[dim]policy[/] [bold cyan]v{fmt_int(status.get('version'))}[/]  [dim]elapsed[/] "
+        f"[dim]run[/] [bold]{escape(status.run)}[/]  [dim]mode[/] "
+        f"[bold magenta]{escape(status.mode)}[/]  "
+        f"[dim]step[/] [bold]{done}/{status.steps}[/]{progress}  "
+        f"[dim]policy[/] [bold cyan]v{status.version}[/]  [dim]elapsed[/] "
         f"[bold]{duration(elapsed)}[/]",
         f"[dim]throughput[/] [bold]{si(state.tokens.rate())} tok/s[/] generated · "
-        f"[bold]{fmt(m.get('samples_per_s'), '.2f')} samples/s[/] trained",
-        f"[dim]workers[/] [{'bold' if alive == len(workers) else 'bold red'}]{alive}/{len(workers)} alive[/]"
+        f"[bold]{fmt(m.samples_per_s, '.2f')} samples/s[/] trained",
+        f"[dim]workers[/] [{'bold' if alive == workers else 'bold red'}]{alive}/{workers} alive[/]"
         "  "
-        f"[dim]learner[/] [{style}]{word}[/]",
+        f"[dim]learner[/] [{style}]{escape(word)}[/]",
     ]
     if wide:
         lines[1:] = [f"{lines[1]}  {lines[2]}"]
@@ -169,10 +164,12 @@ def _header(state: DashboardState, status: Mapping[str, Any], now: float, wide: 
     return _panel(Text.from_markup("\n".join(lines)), "april", subtitle=source)
 
 
-def _learner_word(learner: Mapping[str, Any]) -> tuple[str, str]:
-    if not learner:
+def _learner_word(learner: LearnerStatus | None) -> tuple[str, str]:
+    if learner is None:
         return "not connected", "bold red"
-    return ("waiting for a batch", "yellow") if learner.get("waiting_for_batch") else ("training", "green")
+    if learner.waiting_for_batch:
+        return "waiting for a batch", "yellow"
+    return (learner.phase, "yellow") if learner.phase else ("training", "green")
 
 
 def _alert(role: str, tail: list[str]) -> Panel:
@@ -180,28 +177,25 @@ def _alert(role: str, tail: list[str]) -> Panel:
     return _panel(body, f"{escape(role)} crashed: last lines of its log", "red")
 
 
-def _workers_panel(state: DashboardState, status: Mapping[str, Any], wide: bool) -> Panel:
+def _workers_panel(state: DashboardState, status: BrokerStatus, wide: bool) -> Panel:
     table = Table(box=None, padding=(0, 1), expand=True, header_style="dim")
     table.add_column("worker", overflow="ellipsis", no_wrap=True, ratio=1)
     names = ("engine", "host", "pid", "busy", "tok/s", "ver", "seen", "state")
     for name in names if wide else [n for n in names if n not in ("host", "pid")]:
         left = name in ("engine", "host", "busy", "state")
         table.add_column(name, no_wrap=True, justify="left" if left else "right", overflow="ellipsis")
-    workers = sorted(workers_of(status), key=lambda w: str(w.get("id")))
+    workers = sorted(status.workers, key=lambda w: w.id)
     for w in workers[: state.worker_rows]:
-        slots, busy, loaded = num(w.get("slots"), 0), num(w.get("leases"), 0), num(w.get("version"))
-        window = state.worker_tokens.get(str(w.get("id")))
-        where: list[RenderableType] = (
-            [Text(str(w.get("host") or DASH)), fmt_int(w.get("pid"))] if wide else []
-        )
+        window = state.worker_tokens.get(w.id)
+        where: list[RenderableType] = [Text(w.host or DASH), str(w.pid)] if wide else []
         table.add_row(
-            Text(str(w.get("id", "?"))),  # Text, not markup: names come from the peers
-            Text(str(w.get("engine", DASH))),
+            Text(w.id),  # Text, not markup: names come from the peers
+            Text(w.engine),
             *where,
-            f"{busy:.0f}/{slots:.0f} {bar(busy / slots if slots else 0.0, 10 if wide else 5)}",
+            f"{w.leases}/{w.slots} {bar(w.leases / w.slots if w.slots else 0.0, 10 if wide else 5)}",
             si(window.rate() if window else None),
-            Text(f"v{fmt_int(loaded)}", "yellow" if loaded < num(status.get("version"), 0) else ""),
-            f"{fmt(w.get('last_seen_s'), '.1f')}s",
+            Text(f"v{w.version}", "yellow" if w.version < status.version else ""),
+            f"{w.last_seen_s:.1f}s",
             _worker_state(w),
         )
     if len(workers) > state.worker_rows:
@@ -211,46 +205,41 @@ def _workers_panel(state: DashboardState, status: Mapping[str, Any], wide: bool)
     return _panel(table, "workers")
 
 
-def _worker_state(w: Mapping[str, Any]) -> Text:
-    if not w.get("alive", True):
+def _worker_state(w: WorkerStatus) -> Text:
+    if not w.alive:
         return Text("dead", "bold red")
-    return Text("restored", "yellow") if w.get("restored") else Text("up", "green")
+    return Text("restored", "yellow") if w.restored else Text("up", "green")
 
 
-def _rollout_panel(state: DashboardState, status: Mapping[str, Any]) -> Panel:
-    m, s = as_dict(status.get("learner_metrics")), status
-    stale = f"mean {fmt(metric(m, 'staleness_mean'), '.2f')} · max {fmt_int(metric(m, 'staleness_max'))}"
+def _rollout_panel(state: DashboardState, s: BrokerStatus, m: StepFigures) -> Panel:
+    stale = f"mean {fmt(m.staleness_mean, '.2f')} · max {fmt_int(m.staleness_max)}"
     rows: list[tuple[str, str | Text | Table]] = [
-        (
-            "in flight",
-            f"{fmt_int(s.get('in_flight_groups'))} groups · {fmt_int(s.get('leased_samples'))} leased",
-        ),
-        ("queued", f"{fmt_int(s.get('queued_samples'))} samples"),
-        (
-            "partial",
-            f"{fmt_int(s.get('partial_buffer'))} samples · {fmt_int(s.get('partial_groups'))} groups",
-        ),
-        ("complete", f"{fmt_int(s.get('complete_groups'))} groups waiting"),
-        *_abort_rows(state, status),
-        ("off-policy", f"{_pct(metric(m, 'offpolicy_token_frac'))} of tokens"),
+        ("in flight", f"{s.in_flight_groups} groups · {s.leased_samples} leased"),
+        ("queued", f"{s.queued_samples} samples"),
+        ("partial", f"{s.partial_buffer} samples · {s.partial_groups} groups"),
+        ("complete", f"{s.complete_groups} groups waiting"),
+        *_abort_rows(state, s, m),
+        ("off-policy", f"{_pct(m.offpolicy_token_frac)} of tokens"),
         ("staleness", stale),
-        ("buffer age", _histogram(as_dict(s.get("partial_staleness")))),
+        ("buffer age", _histogram(s.partial_staleness)),
         ("ledger", _ledger(s)),
     ]
-    if as_dict(s.get("round")).get("aborting"):
-        rows.append(
-            ("round", f"[bold yellow]abort round {fmt_int(as_dict(s.get('round')).get('id'))} running[/]")
-        )
+    if s.round.aborting:
+        rows.append(("round", f"[bold yellow]abort round {s.round.id} running[/]"))
     return _panel(_pairs(rows), "rollouts")
 
 
-def _abort_rows(state: DashboardState, status: Mapping[str, Any]) -> list[tuple[str, str | Text | Table]]:
+def _abort_rows(
+    state: DashboardState, status: BrokerStatus, m: StepFigures
+) -> list[tuple[str, str | Text | Table]]:
     """Samples aborted and resumed: in the step under way, in the last trained batch, over the run."""
-    m, totals = as_dict(status.get("learner_metrics")), as_dict(status.get("totals"))
+    base_aborted, base_resumed = state.step_base
     rows: list[tuple[str, str | Text | Table]] = [("", _cells(["this step", "last", "run"], "dim"))]
-    for key, base in zip(("aborted", "resumed"), state.step_base, strict=True):
-        total = num(totals.get(key))
-        rows.append((key, _cells([fmt_int(total - base), fmt_int(m.get(key)), fmt_int(total)])))
+    for key, total, base, last in (
+        ("aborted", status.totals.aborted, base_aborted, m.aborted),
+        ("resumed", status.totals.resumed, base_resumed, m.resumed),
+    ):
+        rows.append((key, _cells([str(total - base), fmt_int(last), str(total)])))
     return rows
 
 
@@ -263,14 +252,13 @@ def _cells(values: list[str], style: str = "") -> Table:
     return grid
 
 
-def _pct(value: Any) -> str:
-    x = num(value)
-    return f"{100 * x:.1f}%" if math.isfinite(x) else DASH
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f}%" if math.isfinite(value) else DASH
 
 
-def _histogram(counts: Mapping[str, Any], width: int = 12, rows: int = 6) -> Text:
+def _histogram(counts: Mapping[str, int], width: int = 12, rows: int = 6) -> Text:
     """Partial samples by staleness (policy versions behind): one bar per level, the tail merged."""
-    levels = sorted((int(k), int(num(v, 0))) for k, v in counts.items() if str(k).isdigit())
+    levels = sorted((int(k), n) for k, n in counts.items() if k.isdigit())
     if not levels:
         return Text("(partial buffer empty)", "dim")
     merged = len(levels) > rows
@@ -284,54 +272,52 @@ def _histogram(counts: Mapping[str, Any], width: int = 12, rows: int = 6) -> Tex
     return Text("\n").join(lines)
 
 
-def _ledger(status: Mapping[str, Any]) -> str:
-    ledger = as_dict(status.get("ledger"))
-    dropped = sum(int(num(v, 0)) for v in as_dict(ledger.get("dropped")).values())
-    rejected = int(num(as_dict(status.get("rejected")).get("total"), 0))
-    ok = status.get("ledger_balanced", True)
+def _ledger(status: BrokerStatus) -> str:
+    ledger = status.ledger
+    dropped = sum(ledger.dropped.values())
+    rejected = status.rejected.total
     return (
-        ("[green]balanced[/]" if ok else "[bold red]NOT BALANCED[/]")
-        + f" · issued {fmt_int(ledger.get('issued'))} · trained {fmt_int(ledger.get('trained'))}"
+        ("[green]balanced[/]" if status.ledger_balanced else "[bold red]NOT BALANCED[/]")
+        + f" · issued {ledger.issued} · trained {ledger.trained}"
         + (f" · dropped {dropped}" if dropped else "")
         + (f" · [yellow]{rejected} rejected[/]" if rejected else "")
     )
 
 
-def _learner_panel(status: Mapping[str, Any], wide: bool) -> Panel:
-    m, learner = as_dict(status.get("learner_metrics")), as_dict(status.get("learner"))
+def _learner_panel(status: BrokerStatus, wide: bool) -> Panel:
+    m, learner = status.step_figures, status.learner
     word, style = _learner_word(learner)
-    seen = f" · {fmt(learner.get('last_seen_s'), '.1f')}s ago" if learner else ""
-    evaluated = f" · eval {fmt(m.get('eval_accuracy'))}" if "eval_accuracy" in m else ""
+    seen = f" · {learner.last_seen_s:.1f}s ago" if learner else ""
+    evaluated = f" · eval {fmt(m.eval_accuracy)}" if math.isfinite(m.eval_accuracy) else ""
     rows: list[tuple[str, str | Text | Table]] = [
-        ("learner", f"[{style}]{word}[/]{seen}"),
-        ("last step", f"{fmt_int(m.get('step'))} -> v{fmt_int(m.get('version'))}"),
-        ("loss", fmt(m.get("loss"), ".4g")),
-        ("reward", fmt(m.get("reward_mean"))),
-        ("accuracy", fmt(m.get("accuracy")) + evaluated),
-        ("clip frac", fmt(metric(m, "clip_frac"))),
-        ("approx KL", fmt(metric(m, "approx_kl"), ".2e")),
-        ("entropy", fmt(metric(m, "entropy"))),
+        ("learner", f"[{style}]{escape(word)}[/]{seen}"),
+        ("last step", f"{fmt_int(m.step)} -> v{fmt_int(m.version)}"),
+        ("loss", fmt(m.loss, ".4g")),
+        ("reward", fmt(m.reward_mean)),
+        ("accuracy", fmt(m.accuracy) + evaluated),
+        ("clip frac", fmt(m.clip_frac)),
+        ("approx KL", fmt(m.approx_kl, ".2e")),
+        ("entropy", fmt(m.entropy)),
         ("step time", _step_split(m, wide)),
-        ("samples/s", f"{fmt(m.get('samples_per_s'), '.2f')} ({si(m.get('tokens_per_s'))} tok/s)"),
+        ("samples/s", f"{fmt(m.samples_per_s, '.2f')} ({si(m.tokens_per_s)} tok/s)"),
     ]
     return _panel(_pairs(rows), "learner")
 
 
-def _step_split(m: Mapping[str, Any], wide: bool) -> Text:
+def _step_split(m: StepFigures, wide: bool) -> Text:
     """Where a step's time went (wait for the batch | train | publish weights): one bar, then seconds."""
     parts = [
-        ("wait", "wait_s", "yellow"),
-        ("train", "learner_time_s", "green"),
-        ("sync", "weight_sync_s", "cyan"),
+        ("wait", m.wait_s, "yellow"),
+        ("train", m.learner_time_s, "green"),
+        ("sync", m.weight_sync_s, "cyan"),
     ]
-    secs = [num(metric(m, key)) for _, key, _ in parts]
-    total = sum(x for x in secs if math.isfinite(x))
+    total = sum(x for _, x, _ in parts if math.isfinite(x))
     if total <= 0:
         return Text(DASH)
     text = Text(f"{total:.2f}s ")
-    for (_, _, style), x in zip(parts, secs, strict=True):
+    for _, x, style in parts:
         text.append("█" * round((24 if wide else 16) * x / total) if math.isfinite(x) else "", style)
-    for i, ((name, _, style), x) in enumerate(zip(parts, secs, strict=True)):
+    for i, (name, x, style) in enumerate(parts):
         text.append("\n" if i == 0 or (i == 2 and not wide) else "  ")
         text.append(f"{name} ", "dim").append(fmt(x, ".2f"), style)
     return text

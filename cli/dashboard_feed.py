@@ -2,7 +2,8 @@
 headless progress lines.
 
 `StatusFeed` subscribes to the broker's PUB socket (topic b"status", a `protocol.StatusReply` per second)
-and hands out the newest status; a message it cannot decode is counted and skipped, never raised.
+and hands out the newest status (an `april.status.BrokerStatus`); a message it cannot decode is counted
+and skipped, never raised.
 `watch` runs a rich `Live` screen that only polls the feed, folds statuses into a `DashboardState` and
 refreshes; `run_headless` prints one line per learner step and the events instead. Both are read-only:
 they never send to the broker, so stopping them never affects training. The rendering is in
@@ -27,8 +28,9 @@ from rich.live import Live
 from april import protocol
 from april.codec import ProtocolError
 from april.keys import ClientKeys
+from april.status import BrokerStatus, StepFigures
 from april.transport import configure, curve_client
-from cli.dashboard import metric, render, si
+from cli.dashboard import render, si
 from cli.dashboard_state import DashboardState, apply_status
 
 TOPIC = b"status"
@@ -43,7 +45,7 @@ class StatusFeed:
     def __init__(self, address: str, curve: ClientKeys | None = None) -> None:
         self.address = address
         self.received = 0  # statuses decoded
-        self.undecodable = 0  # messages skipped (malformed, wrong kind, not a JSON object)
+        self.undecodable = 0  # messages skipped (malformed, wrong topic or kind)
         self.last_error = ""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = curve_client(configure(self._ctx.socket(zmq.SUB)), curve)
@@ -56,11 +58,11 @@ class StatusFeed:
             self.close()
             raise
 
-    def poll(self, timeout_ms: int) -> dict[str, Any] | None:
+    def poll(self, timeout_ms: int) -> BrokerStatus | None:
         """The newest status that arrived within `timeout_ms` (older queued ones are skipped), or None."""
         if not self._sock.poll(timeout_ms, zmq.POLLIN):
             return None
-        newest: dict[str, Any] | None = None
+        newest: BrokerStatus | None = None
         for _ in range(MAX_DRAIN):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -71,7 +73,7 @@ class StatusFeed:
                 newest = status
         return newest
 
-    def wait(self, timeout_s: float) -> dict[str, Any] | None:
+    def wait(self, timeout_s: float) -> BrokerStatus | None:
         """The first status within `timeout_s` seconds, or None."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
@@ -80,24 +82,19 @@ class StatusFeed:
                 return status
         return None
 
-    def _parse(self, frames: list[bytes]) -> dict[str, Any] | None:
+    def _parse(self, frames: list[bytes]) -> BrokerStatus | None:
         try:
             if len(frames) < 2 or frames[0] != TOPIC:
                 raise ProtocolError("bad_topic", f"expected topic frame {TOPIC!r}, got {frames[:1]!r}")
             msg = protocol.decode(frames[1:])
             if not isinstance(msg, protocol.StatusReply):
                 raise ProtocolError("bad_kind", f"got {type(msg).__name__}, expected StatusReply")
-            status = json.loads(msg.state_json)
-            if not isinstance(status, dict):
-                raise ProtocolError(
-                    "bad_status", f"status is a JSON {type(status).__name__}, expected an object"
-                )
-        except (ProtocolError, ValueError) as exc:
+        except ProtocolError as exc:
             self.undecodable += 1
             self.last_error = str(exc)
             return None
         self.received += 1
-        return status
+        return msg.status
 
     def close(self) -> None:
         self._sock.close(linger=0)
@@ -136,22 +133,20 @@ def watch(
             pass
 
 
-def progress_line(status: dict[str, Any]) -> str | None:
-    """One line for the learner's last step (for `april up --headless`), or None before the first step."""
-    m = status.get("learner_metrics")
-    if not isinstance(m, dict) or "step" not in m:
+def progress_line(m: StepFigures, steps: int | None) -> str | None:
+    """One line for a learner step (for `april up --headless`), or None when `m` has no step; `steps` is
+    the run's length (None: not known yet)."""
+    if m.step is None:
         return None
 
-    def f(key: str, spec: str = ".3f") -> str:
-        value = metric(m, key)
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        return format(value, spec) if ok else "-"
+    def f(value: float | None, spec: str = ".3f") -> str:
+        return "-" if value is None or not math.isfinite(value) else format(value, spec)
 
-    step = f"{m['step'] + 1:.0f}" if isinstance(m["step"], int | float) and math.isfinite(m["step"]) else "?"
     return (
-        f"step {step}/{status.get('steps', '?')} v{f('version', '.0f')}  reward {f('reward_mean')}  "
-        f"acc {f('accuracy')}  loss {f('loss', '.4g')}  {f('samples_per_s', '.2f')} samples/s  "
-        f"{si(metric(m, 'tokens_per_s'))} tok/s  aborted {f('aborted', '.0f')}  resumed {f('resumed', '.0f')}"
+        f"step {m.step + 1}/{'?' if steps is None else steps} v{f(m.version, '.0f')}  "
+        f"reward {f(m.reward_mean)}  acc {f(m.accuracy)}  loss {f(m.loss, '.4g')}  "
+        f"{f(m.samples_per_s, '.2f')} samples/s  {si(m.tokens_per_s)} tok/s  aborted {f(m.aborted, '.0f')}  "
+        f"resumed {f(m.resumed, '.0f')}"
     )
 
 
@@ -208,14 +203,14 @@ def run_headless(
             for event in list(state.events)[len(state.events) - new :]:
                 out.write(f"{time.strftime('%H:%M:%S', time.localtime(event.t))} {event.text}\n")
             printed_events = state.events_total
-            steps = (state.status or {}).get("steps", "?")
+            steps = None if state.status is None else state.status.steps
             if tail is not None:
                 for record in tail.new_records():
-                    line = progress_line({"learner_metrics": record, "steps": steps})
+                    line = progress_line(StepFigures.read(record), steps)
                     out.write(f"{line}\n" if line else "")
             elif state.status is not None and state.last_step != printed_step:
                 printed_step = state.last_step
-                line = progress_line(state.status)
+                line = progress_line(state.status.step_figures, steps)
                 if line:
                     out.write(line + "\n")
             out.flush()

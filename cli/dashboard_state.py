@@ -3,18 +3,19 @@
 Owns `DashboardState` (the last broker status, run-long `Series` for the sparklines, token-rate
 `RateWindow`s, the event log and crash alerts), `apply_status` (folds one status into the state and derives
 events from the difference with the previous one), `add_event` / `add_alert` / `clear_alert`, and the
-tolerant readers of a status dict (`num`, `as_dict`, `workers_of`, `fmt`, `fmt_int`: a missing key or NaN
-reads as a default or a dash, never raises). It does not draw anything (`cli/dashboard.py`) nor talk to
-sockets or run a loop (`cli/dashboard_feed.py`).
+number formatters (`num`, `fmt`, `fmt_int`: a missing figure or NaN reads as a default or a dash, never
+raises). Statuses arrive as typed records (`april.status`), already checked by the codec. It does not draw
+anything (`cli/dashboard.py`) nor talk to sockets or run a loop (`cli/dashboard_feed.py`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+
+from april.status import BrokerStatus
 
 DASH = "\u2013"  # en dash: a figure the feed lacks
 RATE_WINDOW_S = 5.0  # tokens/s over the last few seconds of broker time
@@ -76,7 +77,7 @@ class RateWindow:
 @dataclass(slots=True)
 class DashboardState:
     source: str = ""  # where the statuses come from (the PUB address), shown in the header
-    status: dict[str, Any] | None = None  # the newest broker status (broker/status.py)
+    status: BrokerStatus | None = None  # the newest broker status
     received_at: float | None = None  # wall-clock time it arrived
     statuses: int = 0
     reward: Series = field(default_factory=Series)  # one point per learner step
@@ -84,7 +85,7 @@ class DashboardState:
     throughput: Series = field(default_factory=Series)  # generated tokens/s, one point per status
     tokens: RateWindow = field(default_factory=RateWindow)
     worker_tokens: dict[str, RateWindow] = field(default_factory=dict)
-    last_step: int | None = None  # learner_metrics["step"] last seen
+    last_step: int | None = None  # the learner's last step seen (status.step_figures.step)
     step_base: tuple[int, int] = (0, 0)  # totals (aborted, resumed) when the current step began
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=200))
     events_total: int = 0  # events ever added (a headless printer prints those past its own count)
@@ -111,143 +112,118 @@ def clear_alert(state: DashboardState, role: str) -> None:
     state.alerts.pop(role, None)
 
 
-def apply_status(state: DashboardState, status: dict[str, Any], now: float) -> None:
+def apply_status(state: DashboardState, status: BrokerStatus, now: float) -> None:
     """Fold one published status into the state: series, token rates, and events derived from the diff."""
     prev = state.status
     if prev is None:
         add_event(
             state,
             now,
-            f"attached to {state.source or 'the broker'}: run {status.get('run', DASH)}, "
-            f"mode {status.get('mode', DASH)}, v{status.get('version', DASH)}, "
-            f"{len(workers_of(status))} workers",
+            f"attached to {state.source or 'the broker'}: run {status.run}, mode {status.mode}, "
+            f"v{status.version}, {len(status.workers)} workers",
             "bold",
         )
-    elif num(status.get("uptime_s"), 0.0) < num(prev.get("uptime_s"), 0.0):
+    elif status.uptime_s < prev.uptime_s:
         add_event(state, now, "broker restarted", "bold yellow")
         state.worker_tokens.clear()
     else:
         _diff_events(state, prev, status, now)
-    totals = as_dict(status.get("totals"))
-    if prev is None or status.get("version") != prev.get("version"):
-        state.step_base = (int(num(totals.get("aborted"), 0)), int(num(totals.get("resumed"), 0)))
+    if prev is None or status.version != prev.version:
+        state.step_base = (status.totals.aborted, status.totals.resumed)
     _update_rates(state, status)
-    metrics = as_dict(status.get("learner_metrics"))
-    step = metrics.get("step")
-    if isinstance(step, int | float) and math.isfinite(step) and int(step) != state.last_step:
-        state.last_step = int(step)
-        state.reward.add(num(metrics.get("reward_mean")))
-        state.accuracy.add(num(metrics.get("accuracy")))
+    figures = status.step_figures
+    if figures.step is not None and figures.step != state.last_step:
+        state.last_step = figures.step
+        state.reward.add(figures.reward_mean)
+        state.accuracy.add(figures.accuracy)
     state.status, state.received_at = status, now
     state.statuses += 1
 
 
-def _update_rates(state: DashboardState, status: Mapping[str, Any]) -> None:
-    t = num(status.get("uptime_s"))
+def _update_rates(state: DashboardState, status: BrokerStatus) -> None:
+    t = status.uptime_s
     if not math.isfinite(t):
         return
-    state.tokens.add(t, num(as_dict(status.get("totals")).get("tokens_generated"), 0.0))
+    state.tokens.add(t, status.totals.tokens_generated)
     rate = state.tokens.rate()
     if rate is not None:
         state.throughput.add(rate)
-    seen = set()
-    for w in workers_of(status):
-        wid = str(w.get("id", "?"))
-        seen.add(wid)
-        state.worker_tokens.setdefault(wid, RateWindow()).add(t, num(w.get("tokens_generated"), 0.0))
-    for wid in set(state.worker_tokens) - seen:
+    for w in status.workers:
+        state.worker_tokens.setdefault(w.id, RateWindow()).add(t, w.tokens_generated)
+    for wid in set(state.worker_tokens) - {w.id for w in status.workers}:
         del state.worker_tokens[wid]
 
 
-def _diff_events(state: DashboardState, prev: Mapping[str, Any], new: Mapping[str, Any], now: float) -> None:
+def _diff_events(state: DashboardState, prev: BrokerStatus, new: BrokerStatus, now: float) -> None:
     for text, style in _worker_events(prev, new):
         add_event(state, now, text, style)
-    old_learner, learner = as_dict(prev.get("learner")), as_dict(new.get("learner"))
-    if learner.get("id") != old_learner.get("id"):
-        if learner:
-            add_event(state, now, f"learner {learner.get('id')} connected", "green")
-        else:
-            add_event(state, now, f"learner {old_learner.get('id')} disconnected", "red")
-    if new.get("mode") != prev.get("mode"):
-        add_event(state, now, f"mode {prev.get('mode')} → {new.get('mode')}", "bold")
+    old_learner, learner = prev.learner, new.learner
+    if learner is not None and (old_learner is None or learner.id != old_learner.id):
+        add_event(state, now, f"learner {learner.id} connected", "green")
+    elif learner is None and old_learner is not None:
+        add_event(state, now, f"learner {old_learner.id} disconnected", "red")
+    if new.mode != prev.mode:
+        add_event(state, now, f"mode {prev.mode} → {new.mode}", "bold")
     abort = _abort_event(prev, new)
     if abort:
         add_event(state, now, abort, "yellow")
-    if num(new.get("version"), 0) > num(prev.get("version"), 0):
-        m = as_dict(new.get("learner_metrics"))
-        figures = f"reward {fmt(m.get('reward_mean'))}, loss {fmt(m.get('loss'), '.4g')}"
-        after = f" (step {fmt_int(m.get('step'))}: {figures})" if m else ""
-        jump = int(num(new.get("version"), 0) - num(prev.get("version"), 0))
-        versions = f"v{fmt_int(new.get('version'))}" + (f" ({jump} versions)" if jump > 1 else "")
+    if new.version > prev.version:
+        m = new.step_figures
+        figures = f"reward {fmt(m.reward_mean)}, loss {fmt(m.loss, '.4g')}"
+        after = f" (step {fmt_int(m.step)}: {figures})" if new.learner_metrics else ""
+        jump = new.version - prev.version
+        versions = f"v{new.version}" + (f" ({jump} versions)" if jump > 1 else "")
         add_event(state, now, f"weights {versions} published{after}", "cyan")
-    if prev.get("ledger_balanced", True) and not new.get("ledger_balanced", True):
+    if prev.ledger_balanced and not new.ledger_balanced:
         add_event(state, now, "ledger NOT balanced", "bold red")
-    rejected = num(as_dict(new.get("rejected")).get("total"), 0)
-    if rejected > num(as_dict(prev.get("rejected")).get("total"), 0):
-        add_event(state, now, f"{rejected:.0f} messages rejected so far (see `april status`)", "yellow")
+    rejected = new.rejected.total
+    if rejected > prev.rejected.total:
+        add_event(state, now, f"{rejected} messages rejected so far (see `april status`)", "yellow")
 
 
-def _abort_event(prev: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+def _abort_event(prev: BrokerStatus, new: BrokerStatus) -> str:
     """One line for the abort rounds begun or confirmed since `prev` (several may fit in one second)."""
-    old, rnd = as_dict(prev.get("round")), as_dict(new.get("round"))
-    first, last = int(num(old.get("id"), 0)) + 1, int(num(rnd.get("id"), 0))
-    confirmed = num(rnd.get("aborts_done"), 0) > num(old.get("aborts_done"), 0)
+    first, last = prev.round.id + 1, new.round.id
+    confirmed = new.round.aborts_done > prev.round.aborts_done
     if last < first and not confirmed:
         return ""
     label = f"abort round {last}" if last <= first else f"abort rounds {first}-{last}"
-    if rnd.get("aborting"):
-        return f"{label} started: interrupting {fmt_int(new.get('leased_samples'))} leased samples"
-    interrupted = num(as_dict(new.get("totals")).get("aborted")) - num(
-        as_dict(prev.get("totals")).get("aborted")
-    )
-    partial = fmt_int(new.get("partial_buffer"))
-    return f"{label} done: {fmt_int(interrupted)} samples interrupted, {partial} now partial"
+    if new.round.aborting:
+        return f"{label} started: interrupting {new.leased_samples} leased samples"
+    interrupted = new.totals.aborted - prev.totals.aborted
+    return f"{label} done: {interrupted} samples interrupted, {new.partial_buffer} now partial"
 
 
-def _worker_events(prev: Mapping[str, Any], new: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
-    before = {str(w.get("id")): w for w in workers_of(prev)}
-    after = {str(w.get("id")): w for w in workers_of(new)}
+def _worker_events(prev: BrokerStatus, new: BrokerStatus) -> Iterator[tuple[str, str]]:
+    before = {w.id: w for w in prev.workers}
+    after = {w.id: w for w in new.workers}
     for wid, w in after.items():
         old = before.get(wid)
         if old is None:
-            where = f"{w.get('host', DASH)} pid {w.get('pid', DASH)}"
-            yield (
-                f"worker {wid} joined ({w.get('engine', DASH)}, {w.get('slots', DASH)} slots, {where})",
-                "green",
-            )
-        elif old.get("pid") and w.get("pid") and old.get("pid") != w.get("pid"):
-            yield f"worker {wid} restarted (pid {old.get('pid')} → {w.get('pid')})", "yellow"
-        elif old.get("alive", True) and not w.get("alive", True):
-            yield f"worker {wid} died: silent for {num(w.get('last_seen_s'), 0):.1f}s", "bold red"
-        elif not old.get("alive", True) and w.get("alive", True):
+            where = f"{w.host or DASH} pid {w.pid}"
+            yield f"worker {wid} joined ({w.engine}, {w.slots} slots, {where})", "green"
+        elif old.pid and w.pid and old.pid != w.pid:
+            yield f"worker {wid} restarted (pid {old.pid} → {w.pid})", "yellow"
+        elif old.alive and not w.alive:
+            yield f"worker {wid} died: silent for {w.last_seen_s:.1f}s", "bold red"
+        elif not old.alive and w.alive:
             yield f"worker {wid} is back", "green"
     for wid in before.keys() - after.keys():
         yield f"worker {wid} left", "red"
 
 
 # ---------------------------------------------------------------------------------------------------
-# reading a status
+# formatting figures
 
 
-def num(value: Any, default: float = math.nan) -> float:
+def num(value: float | None, default: float = math.nan) -> float:
     """`value` as a float if it is a number (not a bool), else `default`."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return default
     return float(value)
 
 
-def as_dict(value: Any) -> dict[str, Any]:
-    """`value` if it is a dict, else an empty one."""
-    return value if isinstance(value, dict) else {}
-
-
-def workers_of(status: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The status's worker entries that are dicts (none if `workers` is missing or not a list)."""
-    workers = status.get("workers")
-    return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else []
-
-
-def fmt(value: Any, spec: str = ".3f") -> str:
+def fmt(value: float | None, spec: str = ".3f") -> str:
     """A number formatted with `spec` (a "d" spec truncates to an int); missing or NaN -> DASH."""
     x = num(value)
     if not math.isfinite(x):
@@ -255,6 +231,6 @@ def fmt(value: Any, spec: str = ".3f") -> str:
     return format(int(x), spec) if spec.endswith("d") else format(x, spec)
 
 
-def fmt_int(value: Any) -> str:
+def fmt_int(value: float | None) -> str:
     """A number as an integer; missing or NaN -> DASH."""
     return fmt(value, "d")

@@ -1,5 +1,6 @@
-"""`april status`: ask a running broker for its state and print it (a table, or one JSON object);
-with `--watch`, show the live dashboard from the broker's PUB feed instead (read-only, until Ctrl-C).
+"""`april status`: ask a running broker for its state and print it (a table, or one JSON object:
+`BrokerStatus.to_json`, documented in docs/protocol.md section 12); with `--watch`, show the live
+dashboard from the broker's PUB feed instead (read-only, until Ctrl-C).
 
 `status_command` is the typer command (`cli/main.py` registers it); the work is in plain functions.
 """
@@ -10,7 +11,7 @@ import json
 import re
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 import zmq
@@ -22,6 +23,7 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import BrokerConfig
 from april.keys import ClientKeys, configured_client_keys
+from april.status import BrokerStatus
 from april.transport import dealer, recv, send
 from cli.dashboard_feed import StatusFeed, watch
 from cli.dashboard_state import DashboardState, apply_status
@@ -32,7 +34,7 @@ class StatusError(Exception):
     """No usable answer from the broker."""
 
 
-def fetch_status(address: str, timeout_s: float, curve: ClientKeys | None = None) -> dict[str, Any]:
+def fetch_status(address: str, timeout_s: float, curve: ClientKeys | None = None) -> BrokerStatus:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = dealer(ctx, address, f"status-{uuid.uuid4().hex[:12]}", curve=curve)
     try:
@@ -45,61 +47,57 @@ def fetch_status(address: str, timeout_s: float, curve: ClientKeys | None = None
             raise StatusError(f"no broker answered at {address} within {timeout_s:g}s")
         if not isinstance(reply, protocol.StatusReply):
             raise StatusError(f"broker at {address} answered {type(reply).__name__}, expected StatusReply")
-        state: dict[str, Any] = json.loads(reply.state_json)
-        return state
+        return reply.status
     finally:
         sock.close(linger=0)
         ctx.term()
 
 
-def render_status(state: dict[str, Any]) -> Group:
+def render_status(status: BrokerStatus) -> Group:
     """The status as rich renderables (pure: tested against a capture console)."""
-    ledger = state["ledger"]
-    dropped = sum(ledger["dropped"].values())
+    ledger = status.ledger
     head = Table.grid(padding=(0, 2))
-    head.add_row(
-        "mode", state["mode"], "version", str(state["version"]), "uptime", f"{state['uptime_s']:.0f}s"
-    )
+    head.add_row("mode", status.mode, "version", str(status.version), "uptime", f"{status.uptime_s:.0f}s")
     head.add_row(
         "in flight",
-        f"{state['in_flight_groups']} groups / {state['leased_samples']} leased",
+        f"{status.in_flight_groups} groups / {status.leased_samples} leased",
         "partial buffer",
-        f"{state['partial_buffer']} samples ({state['partial_groups']} groups)",
+        f"{status.partial_buffer} samples ({status.partial_groups} groups)",
         "complete",
-        f"{state['complete_groups']} groups",
+        f"{status.complete_groups} groups",
     )
     ledger_line = Text(
-        f"ledger: issued {ledger['issued']} = trained {ledger['trained']}"
-        f" + waiting {ledger['complete_waiting']} + in flight {ledger['in_flight']}"
-        f" + partial {ledger['partial']} + dropped {dropped}"
-        f"  ({'balanced' if state['ledger_balanced'] else 'NOT BALANCED'});"
-        f"  rejected messages: {state['rejected']['total']}"
+        f"ledger: issued {ledger.issued} = trained {ledger.trained}"
+        f" + waiting {ledger.complete_waiting} + in flight {ledger.in_flight}"
+        f" + partial {ledger.partial} + dropped {sum(ledger.dropped.values())}"
+        f"  ({'balanced' if status.ledger_balanced else 'NOT BALANCED'});"
+        f"  rejected messages: {status.rejected.total}"
     )
     workers = Table(
         "worker", "engine", "slots", "credit", "leases", "version", "last seen", "alive", title="workers"
     )
-    for w in state["workers"]:
+    for w in status.workers:
         workers.add_row(
-            w["id"],
-            w["engine"],
-            str(w["slots"]),
-            str(w["credit"]),
-            str(w["leases"]),
-            str(w["version"]),
-            f"{w['last_seen_s']:.1f}s",
-            "yes" if w["alive"] else "no",
+            Text(w.id),  # Text, not markup: names come from the peers
+            Text(w.engine),
+            str(w.slots),
+            str(w.credit),
+            str(w.leases),
+            str(w.version),
+            f"{w.last_seen_s:.1f}s",
+            "yes" if w.alive else "no",
         )
     staleness = Table("staleness", "partial samples", title="partial buffer staleness")
-    for k, v in state["partial_staleness"].items():
-        staleness.add_row(k, str(v))
+    for k, v in status.partial_staleness.items():
+        staleness.add_row(Text(k), str(v))
     return Group(head, ledger_line, workers, staleness)
 
 
-def print_status(state: dict[str, Any], as_json: bool) -> None:
+def print_status(status: BrokerStatus, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(state))
+        print(json.dumps(status.to_json()))
     else:
-        Console().print(render_status(state))
+        Console().print(render_status(status))
 
 
 def pub_address(broker_address: str, pub: str | None) -> str:

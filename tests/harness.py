@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from april.ports import free_ports
+from april.status import BrokerStatus
 from cli.status_cmd import StatusError, fetch_status
 
 PEERS = str(Path(__file__).with_name("peers.py"))
@@ -179,14 +180,15 @@ class Cluster:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def try_status(self) -> dict[str, Any] | None:
+    def try_status(self) -> BrokerStatus | None:
         try:
             return fetch_status(self.learner_address, 0.5)
         except StatusError:
             return None
 
-    def status(self) -> dict[str, Any]:
-        return wait_for(self.try_status, 10, "broker status")  # type: ignore[no-any-return]
+    def status(self) -> BrokerStatus:
+        status: BrokerStatus = wait_for(self.try_status, 10, "broker status")
+        return status
 
     def wait_exit(self, name: str, timeout: float) -> int:
         try:

@@ -111,9 +111,9 @@ def test_a_reward_that_raises_or_hangs_fails_its_sample_and_the_run_goes_on(
     batches = c.batches()
     assert len(batches) == 3 and all(b["ok"] for b in batches)  # only finished samples were trained
     status = c.status()
-    assert status["ledger_balanced"] and status["ledger"]["trained"] == 3 * 4
-    assert status["ledger"]["dropped"].get("failed", 0) > 0, status["ledger"]
+    assert status.ledger_balanced and status.ledger.trained == 3 * 4
+    assert status.ledger.dropped.get("failed", 0) > 0, status.ledger
     log = (c.tmp / "w0.log").read_text()
     assert "failed its reward: reward timed out after 0.5s" in log
     assert "failed its reward: reward raised ValueError: no score for this one" in log
-    assert [w["id"] for w in status["workers"]] == ["w0"] and status["workers"][0]["alive"]
+    assert [w.id for w in status.workers] == ["w0"] and status.workers[0].alive

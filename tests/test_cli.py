@@ -6,18 +6,20 @@ Fast: errors are raised before anything binds; the tests that need a broker use 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from harness import Cluster, free_ports
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
+from april.ledger import Ledger
+from april.status import BrokerStatus, LearnerStatus, Rejected, RoundStatus, Totals, WorkerStatus
 from cli.main import app
 from cli.status_cmd import render_status
 
@@ -166,7 +168,7 @@ def test_status_json_and_table_of_a_running_broker(cluster: Callable[..., Cluste
     assert state["workers"] == []
     assert state["ledger_balanced"] is True
 
-    text = render(state)
+    text = render(BrokerStatus.from_json(state))  # the printed JSON reads back as the record
     assert "april" in text
     assert f"issued {state['ledger']['issued']}" in text
 
@@ -179,60 +181,55 @@ def test_status_json_and_table_of_a_running_broker(cluster: Callable[..., Cluste
 # render_status
 
 
-def render(state: dict[str, Any]) -> str:
+def render(state: BrokerStatus) -> str:
     out = io.StringIO()
     Console(file=out, width=100).print(render_status(state))
     return out.getvalue()
 
 
-def hand_state() -> dict[str, Any]:
-    return {
-        "mode": "async",
-        "version": 3,
-        "epoch": 1,
-        "uptime_s": 42.0,
-        "round": {"id": 5, "open": True, "aborting": False, "aborts_done": 5},
-        "workers": [
-            {
-                "id": "gpu-node-7",
-                "engine": "sglang",
-                "slots": 64,
-                "credit": 12,
-                "leases": 52,
-                "version": 3,
-                "pid": 4242,
-                "host": "node7",
-                "last_seen_s": 1.5,
-                "restored": False,
-                "alive": True,
-            }
+def hand_state() -> BrokerStatus:
+    return BrokerStatus(
+        run="r",
+        steps=10,
+        mode="async",
+        version=3,
+        epoch=1,
+        uptime_s=42.0,
+        round=RoundStatus(id=5, open=True, aborting=False, aborts_done=5),
+        workers=[
+            WorkerStatus(
+                id="gpu-node-7",
+                engine="sglang",
+                slots=64,
+                credit=12,
+                leases=52,
+                tokens_generated=9000,
+                version=3,
+                pid=4242,
+                host="node7",
+                last_seen_s=1.5,
+                restored=False,
+                alive=True,
+            )
         ],
-        "learner": {"id": "learner-0", "last_seen_s": 0.5, "waiting_for_batch": True},
-        "in_flight_groups": 9,
-        "leased_samples": 52,
-        "queued_samples": 4,
-        "partial_groups": 2,
-        "partial_buffer": 6,
-        "partial_staleness": {"0": 4, "1": 2},
-        "complete_groups": 3,
-        "unacked_batch": None,
-        "cursor": 31,
-        "ledger": {
-            "issued": 31,
-            "trained": 16,
-            "complete_waiting": 3,
-            "in_flight": 9,
-            "partial": 2,
-            "dropped": {"dynamic_filter": 1},
-        },
-        "ledger_balanced": True,
-        "totals": {"aborted": 20, "resumed": 14, "tokens_generated": 9000, "samples_finished": 70},
-        "rejected": {
-            "total": 2,
-            "by_reason": {"not_leased": 2},
-            "by_peer": {"gpu-node-7": {"not_leased": 2}},
-        },
-    }
+        learner=LearnerStatus(id="learner-0", last_seen_s=0.5, waiting_for_batch=True),
+        learner_metrics={},
+        in_flight_groups=9,
+        leased_samples=52,
+        queued_samples=4,
+        partial_groups=2,
+        partial_buffer=6,
+        partial_staleness={"0": 4, "1": 2},
+        complete_groups=3,
+        unacked_batch=None,
+        cursor=31,
+        ledger=Ledger(
+            issued=31, trained=16, complete_waiting=3, in_flight=9, partial=2, dropped={"dynamic_filter": 1}
+        ),
+        totals=Totals(aborted=20, resumed=14, tokens_generated=9000, samples_finished=70, batches_acked=8),
+        eval=None,
+        rejected=Rejected(by_reason={"not_leased": 2}, by_peer={"gpu-node-7": {"not_leased": 2}}),
+    )
 
 
 def test_render_status_shows_mode_ledger_and_workers() -> None:
@@ -252,8 +249,11 @@ def test_render_status_shows_mode_ledger_and_workers() -> None:
 
 def test_render_status_flags_an_unbalanced_ledger_and_a_dead_worker() -> None:
     state = hand_state()
-    state["ledger_balanced"] = False
-    state["workers"][0]["alive"] = False
+    state = dataclasses.replace(
+        state,
+        ledger=dataclasses.replace(state.ledger, issued=state.ledger.issued + 1),  # a group lost
+        workers=[dataclasses.replace(state.workers[0], alive=False)],
+    )
     text = render(state)
     assert "NO" in text
     row = next(line for line in text.splitlines() if "gpu-node-7" in line)

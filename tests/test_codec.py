@@ -15,7 +15,7 @@ import enum
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
@@ -43,6 +43,17 @@ from april.codec import (
 )
 from april.ledger import Ledger
 from april.records import FinishReason, Sample
+from april.status import (
+    BrokerStatus,
+    EvalProgress,
+    EvalStatus,
+    LearnerStatus,
+    Rejected,
+    RoundStatus,
+    Totals,
+    UnackedBatch,
+    WorkerStatus,
+)
 from april.wire_records import SampleBatch
 
 REASONS = {
@@ -82,6 +93,33 @@ def _finished_groups() -> SampleBatch:
             s = s.extend([g, i, 0], [-0.5, -0.25, -0.125], 3, FinishReason.STOP).scored(float(i))
             out.append(s)
     return SampleBatch.from_samples(out)
+
+
+def _broker_status() -> BrokerStatus:
+    """A status with every optional part present (learner, unacked batch, a running evaluation)."""
+    return BrokerStatus(
+        run="gsm8k", steps=100, mode="april", version=3, epoch=1, uptime_s=12.5,
+        round=RoundStatus(id=2, open=True, aborting=True, aborts_done=1),
+        workers=[
+            WorkerStatus(
+                id="worker-0", engine="sglang", slots=8, credit=2, leases=6, tokens_generated=900, version=3,
+                pid=4242, host="node-1", last_seen_s=0.25, restored=False, alive=True,
+            )
+        ],
+        learner=LearnerStatus(id="learner-0", last_seen_s=0.5, waiting_for_batch=True, phase="training"),
+        learner_metrics={"step": 2.0, "loss": 0.5, "learner/clip_frac": 0.125, "eval_accuracy": math.nan},
+        in_flight_groups=4, leased_samples=6, queued_samples=2, partial_groups=1, partial_buffer=2,
+        partial_staleness={"0": 1, "1": 1}, complete_groups=1,
+        unacked_batch=UnackedBatch(batch_id=2, step=2, groups=2), cursor=12,
+        ledger=Ledger(issued=12, trained=6, complete_waiting=3, in_flight=2, partial=1),
+        totals=Totals(aborted=5, resumed=3, tokens_generated=4000, samples_finished=30, batches_acked=2),
+        eval=EvalStatus(
+            version=2, accuracy=0.5, reward_mean=None, n=4, failed=1, oldest_version=2, newest_version=3,
+            every=2, completed=2, tokens_generated=64,
+            running=EvalProgress(version=3, done=1, leased=3, of=4),
+        ),
+        rejected=Rejected(by_reason={"not_leased": 2}, by_peer={"worker-0": {"not_leased": 2}}),
+    )  # fmt: skip
 
 
 EXAMPLES: dict[type, Any] = {
@@ -140,7 +178,7 @@ EXAMPLES: dict[type, Any] = {
     ),
     P.BatchAck: P.BatchAck(batch_id=9, metrics={"loss": 0.5, "reward_mean": 0.25}),
     P.StatusRequest: P.StatusRequest(),
-    P.StatusReply: P.StatusReply(state_json='{"mode": "april", "version": 3}'),
+    P.StatusReply: P.StatusReply(status=_broker_status()),
 }
 
 
@@ -451,6 +489,13 @@ BODY_CASES = [
         ["Batch.ledger", "dropped"],
         id="ledger",
     ),
+    pytest.param(
+        P.StatusReply,
+        lambda b: b["status"]["workers"][0].pop("alive"),
+        "missing_field",
+        ["StatusReply.status.workers[0]", "alive"],
+        id="missing_status",
+    ),
     pytest.param(P.Abort, lambda b: b.update(bogus=1), "extra_field", ["Abort", "bogus"], id="extra"),
     pytest.param(
         P.Heartbeat, lambda b: b.update(x=None), "extra_field", ["Heartbeat", "x"], id="extra_empty"
@@ -463,6 +508,27 @@ BODY_CASES = [
         id="extra_nested",
     ),
     # scalar types
+    pytest.param(
+        P.StatusReply,
+        lambda b: b["status"]["workers"][0].update(slots="8"),
+        "wrong_type",
+        ["StatusReply.status.workers[0].slots", "expected int"],
+        id="status_str_int",
+    ),
+    pytest.param(
+        P.StatusReply,
+        lambda b: b["status"].update(learner={"id": "l", "last_seen_s": 0.1, "waiting_for_batch": 1}),
+        "wrong_type",
+        ["StatusReply.status.learner.waiting_for_batch", "expected bool"],
+        id="status_int_bool",
+    ),
+    pytest.param(
+        P.StatusReply,
+        lambda b: b["status"]["eval"].update(accuracy="0.5"),
+        "wrong_type",
+        ["StatusReply.status.eval.accuracy", "expected float"],
+        id="status_optional",
+    ),
     pytest.param(
         P.Abort, lambda b: b.update(round_id="7"), "wrong_type", ["Abort.round_id", "expected int"], id="s"
     ),
@@ -822,6 +888,67 @@ def test_offsets_that_overflow_int64() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Evolvable structs (the status records): defaulted fields may be absent, unknown ones are skipped.
+
+
+@dataclass(frozen=True, slots=True)
+class Gauge:
+    EVOLVABLE: ClassVar[bool] = True
+    name: str
+    value: float
+    unit: str = ""  # a field added later
+
+
+@dataclass(frozen=True, slots=True)
+class Panel:
+    gauges: list[Gauge]
+    label: str = ""  # closed struct: a default does not make the field optional on the wire
+
+
+def _panel(body: Any) -> list[bytes]:
+    return [header(1, 1), msgpack.packb(body)]
+
+
+def test_evolvable_struct_takes_defaults_and_skips_unknown_fields() -> None:
+    older = {"gauges": [{"name": "tok/s", "value": 3}], "label": "x"}  # a sender without `unit`
+    decoded = decode_body(Panel, _panel(older))
+    assert decoded == Panel([Gauge("tok/s", 3.0, "")], "x")
+    newer = {"gauges": [{"name": "tok/s", "value": 3.5, "unit": "1/s", "colour": "red"}], "label": ""}
+    assert decode_body(Panel, _panel(newer)) == Panel([Gauge("tok/s", 3.5, "1/s")], "")
+
+
+def test_evolvable_struct_still_checks_every_field_it_knows() -> None:
+    cases = [
+        (
+            {"gauges": [{"value": 3.0}], "label": ""},
+            "missing_field",
+            "Panel.gauges[0]: missing field(s) name",
+        ),
+        ({"gauges": [{"name": "a", "value": "3"}], "label": ""}, "wrong_type", "Panel.gauges[0].value"),
+        ({"gauges": [{"name": "a", "value": 3.0, "unit": 1}], "label": ""}, "wrong_type", "gauges[0].unit"),
+        ({"gauges": [{"name": "a", "value": 3.0, b"x": 1}], "label": ""}, "wrong_type", "map keys must be"),
+        ({"gauges": []}, "missing_field", "Panel: missing field(s) label"),  # the closed struct
+        ({"gauges": [], "label": "", "x": 1}, "extra_field", "Panel: unknown field(s) x"),
+    ]
+    for body, reason, fragment in cases:
+        with pytest.raises(ProtocolError) as info:
+            decode_body(Panel, [header(1, 1), msgpack.packb(body, use_bin_type=True)])
+        assert info.value.reason == reason and fragment in str(info.value), (body, info.value)
+
+
+def test_status_reply_skips_fields_a_newer_broker_adds() -> None:
+    frames = frames_of(EXAMPLES[P.StatusReply])
+    body = body_of(frames)
+    body["status"]["gpu_hours"] = 1.5
+    body["status"]["workers"][0]["gpu"] = {"name": "H100"}
+    del body["status"]["learner"]["phase"]  # an older broker: the learner's phase is not sent
+    msg = P.decode(with_body(frames, body))
+    assert isinstance(msg, P.StatusReply)
+    assert msg.status.learner is not None and msg.status.learner.phase == ""
+    assert_same(msg.status.workers, EXAMPLES[P.StatusReply].status.workers)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Property tests
 
 
@@ -850,6 +977,7 @@ FIELD_NAMES = sorted(
     {name for cls in P.MESSAGE_TYPES for name, _ in struct_schema(cls).fields}
     | {name for name, _ in struct_schema(SampleBatch).fields}
     | {name for name, _ in struct_schema(Ledger).fields}
+    | {name for cls in (WorkerStatus, LearnerStatus, EvalStatus) for name, _ in struct_schema(cls).fields}
 )
 KINDS = sorted(P.KIND_OF.values())
 VALID_FRAMES = {cls: frames_of(msg) for cls, msg in EXAMPLES.items()}

@@ -133,9 +133,8 @@ def resolve(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatc
     def role(config: Config, run_dir: Path | None = None, resume: bool = False) -> None:
         got.config, got.run_dir = config, run_dir
 
-    def status(address: str, timeout_s: float, curve: object = None) -> dict[str, Any]:
+    def status(address: str, timeout_s: float, curve: object = None) -> None:
         got.status_address = address
-        return {}
 
     monkeypatch.setattr(cli.main, "run_broker", role)
     monkeypatch.setattr(cli.worker_cmd, "run_worker", role)

@@ -3,15 +3,15 @@ the PUB feed on a real loopback socket, the headless lines and `april status --w
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import io
-import json
 import math
 import re
 import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import typer
 import zmq
@@ -21,6 +21,16 @@ from rich.screen import Screen
 from typer.testing import CliRunner
 
 from april import protocol
+from april.ledger import Ledger
+from april.status import (
+    BrokerStatus,
+    LearnerStatus,
+    Rejected,
+    RoundStatus,
+    StepFigures,
+    Totals,
+    WorkerStatus,
+)
 from cli.dashboard import SPARK_CHARS, export_svg, render, sparkline
 from cli.dashboard_feed import StatusFeed, progress_line, run_headless, watch
 from cli.dashboard_state import (
@@ -37,44 +47,53 @@ from cli.status_cmd import StatusError, pub_address, status_command
 T0 = 1_700_000_000.0  # wall clock of the first status
 
 
-def worker(wid: str, **over: Any) -> dict[str, Any]:
-    w: dict[str, Any] = {
-        "id": wid, "engine": "sim", "slots": 8, "credit": 2, "leases": 6, "tokens_generated": 0, "version": 3,
-        "pid": 100, "host": "node1", "last_seen_s": 0.2, "restored": False, "alive": True,
-    }  # fmt: skip
-    w.update(over)
-    return w
+def worker(wid: str, **over: Any) -> WorkerStatus:
+    w = WorkerStatus(
+        id=wid, engine="sim", slots=8, credit=2, leases=6, tokens_generated=0, version=3, pid=100,
+        host="node1", last_seen_s=0.2, restored=False, alive=True,
+    )  # fmt: skip
+    return dataclasses.replace(w, **over)
 
 
-def status(uptime: float = 10.0, version: int = 3, tokens: int = 0, **over: Any) -> dict[str, Any]:
+def status(uptime: float = 10.0, version: int = 3, tokens: int = 0, **over: Any) -> BrokerStatus:
     """A status as broker/status.py builds it."""
-    s: dict[str, Any] = {
-        "run": "gsm8k-tiny", "steps": 100, "mode": "april", "version": version, "epoch": 0,
-        "uptime_s": uptime,
-        "round": {"id": 1, "open": True, "aborting": False, "aborts_done": 1},
-        "workers": [
+    s = BrokerStatus(
+        run="gsm8k-tiny", steps=100, mode="april", version=version, epoch=0, uptime_s=uptime,
+        round=RoundStatus(id=1, open=True, aborting=False, aborts_done=1),
+        workers=[
             worker("w-a", tokens_generated=tokens, version=version),
             worker("w-b", engine="sglang", slots=16, leases=16, tokens_generated=2 * tokens, pid=200),
         ],
-        "learner": {"id": "learner-0", "last_seen_s": 0.1, "waiting_for_batch": False},
-        "learner_metrics": {
+        learner=LearnerStatus(id="learner-0", last_seen_s=0.1, waiting_for_batch=False),
+        learner_metrics={
             "step": version - 1, "version": version, "loss": 0.01234, "reward_mean": 0.25 + version / 100,
             "accuracy": 0.5, "learner/clip_frac": 0.125, "learner/approx_kl": 0.0012, "learner/wait_s": 0.5,
             "learner_time_s": 2.0, "weight_sync_s": 0.25, "samples_per_s": 12.5, "tokens_per_s": 3000.0,
             "staleness_mean": 0.4, "staleness_max": 2, "offpolicy_token_frac": 0.234, "aborted": 5,
             "resumed": 4,
         },
-        "in_flight_groups": 12, "leased_samples": 22, "queued_samples": 3, "partial_groups": 4,
-        "partial_buffer": 9, "partial_staleness": {"0": 6, "1": 2, "2": 1}, "complete_groups": 3,
-        "unacked_batch": None, "cursor": 40,
-        "ledger": {"issued": 40, "trained": 24, "complete_waiting": 3, "in_flight": 9, "partial": 4,
-                   "dropped": {"filtered": 2}},
-        "ledger_balanced": True,
-        "totals": {"aborted": 30, "resumed": 25, "tokens_generated": 3 * tokens, "samples_finished": 100},
-        "rejected": {"total": 0, "by_reason": {}, "by_peer": {}},
-    }  # fmt: skip
-    s.update(over)
-    return s
+        in_flight_groups=12, leased_samples=22, queued_samples=3, partial_groups=4,
+        partial_buffer=9, partial_staleness={"0": 6, "1": 2, "2": 1}, complete_groups=3,
+        unacked_batch=None, cursor=40,
+        ledger=Ledger(issued=40, trained=24, complete_waiting=3, in_flight=9, partial=2,
+                      dropped={"filtered": 2}),
+        totals=Totals(aborted=30, resumed=25, tokens_generated=3 * tokens, samples_finished=100,
+                      batches_acked=version),
+        eval=None,
+        rejected=Rejected(by_reason={}, by_peer={}),
+    )  # fmt: skip
+    return dataclasses.replace(s, **over)
+
+
+def with_worker(s: BrokerStatus, i: int, **over: Any) -> BrokerStatus:
+    """`s` with worker `i` changed."""
+    workers = list(s.workers)
+    workers[i] = dataclasses.replace(workers[i], **over)
+    return dataclasses.replace(s, workers=workers)
+
+
+def with_metrics(s: BrokerStatus, **over: float) -> BrokerStatus:
+    return dataclasses.replace(s, learner_metrics={**s.learner_metrics, **over})
 
 
 def text(state: DashboardState, width: int = 120, now: float | None = None) -> str:
@@ -85,7 +104,7 @@ def text(state: DashboardState, width: int = 120, now: float | None = None) -> s
     return out
 
 
-def fed(*statuses: dict[str, Any], source: str = "tcp://127.0.0.1:5557") -> DashboardState:
+def fed(*statuses: BrokerStatus, source: str = "tcp://127.0.0.1:5557") -> DashboardState:
     """A state that received `statuses` one second apart."""
     state = DashboardState(source=source)
     for i, s in enumerate(statuses):
@@ -121,8 +140,7 @@ def test_header_shows_run_mode_step_version_elapsed_and_throughput(width: int) -
 @pytest.mark.parametrize("width", [120, 80])
 def test_worker_rows_show_busy_slots_tokens_per_second_version_and_liveness(width: int) -> None:
     before = status(10.0, version=4, tokens=0)
-    after = status(12.0, version=4, tokens=1000)
-    after["workers"][1].update(alive=False, last_seen_s=4.0, version=3)
+    after = with_worker(status(12.0, version=4, tokens=1000), 1, alive=False, last_seen_s=4.0, version=3)
     out = text(fed(before, after), width)
     a, b = line_with(out, "w-a"), line_with(out, "w-b")
     assert "6/8" in a and "500" in a and "v4" in a and " up " in a  # 1000 tokens over 2 s
@@ -133,7 +151,8 @@ def test_worker_rows_show_busy_slots_tokens_per_second_version_and_liveness(widt
 
 def test_rollout_panel_shows_buffers_aborts_histogram_and_offpolicy_share() -> None:
     start = status(10.0, version=3)
-    later = status(11.0, version=3, totals={"aborted": 34, "resumed": 26, "tokens_generated": 0})
+    totals = Totals(aborted=34, resumed=26, tokens_generated=0, samples_finished=100, batches_acked=3)
+    later = status(11.0, version=3, totals=totals)
     out = text(fed(start, later))
     assert "12 groups · 22 leased" in out
     assert "9 samples · 4 groups" in out and "3 groups waiting" in out
@@ -170,9 +189,9 @@ def test_learner_panel_shows_loss_reward_accuracy_clip_kl_and_step_time_split(wi
 
 
 def test_sparklines_follow_reward_accuracy_and_throughput_over_the_run() -> None:
-    statuses = [status(10.0 + i, version=3 + i, tokens=100 * i * i) for i in range(8)]
-    for i, s in enumerate(statuses):
-        s["learner_metrics"]["accuracy"] = i / 10
+    statuses = [
+        with_metrics(status(10.0 + i, version=3 + i, tokens=100 * i * i), accuracy=i / 10) for i in range(8)
+    ]
     out = text(fed(*statuses))
     assert spark_row(out, "reward") == "▁▂▃▄▅▆▇█"  # rising one level a step
     assert spark_row(out, "accuracy") == "▁▂▃▄▅▆▇█"
@@ -200,16 +219,22 @@ def test_series_keeps_the_whole_run_in_bounded_memory() -> None:
 
 def test_missing_and_nan_metrics_render_as_dashes() -> None:
     nan = float("nan")
-    odd = status(learner_metrics={"step": nan, "loss": nan, "reward_mean": None, "accuracy": "x"})
-    odd["workers"][0].pop("tokens_generated")
-    odd["workers"][1].update(id="[bold]w-b[/", engine="[red]", host=None)  # names are never markup
-    for state in (fed(odd), fed({}), fed({"workers": "junk", "learner_metrics": [], "totals": None})):
+    odd = status(learner_metrics={"step": nan, "loss": nan, "reward_mean": nan})  # accuracy not sent
+    odd = with_worker(odd, 1, id="[bold]w-b[/", engine="[red]", host="")  # names are never markup
+    bare = status(
+        workers=[], learner=None, learner_metrics={}, partial_staleness={}, ledger=Ledger(), eval=None
+    )  # a broker that has seen nothing yet
+    for state in (fed(odd), fed(bare)):
         for width in (120, 80):
             out = text(state, width)
-            assert DASH in out
+            assert DASH in line_with(out, "loss") and DASH in line_with(out, "reward ")
+            assert DASH in line_with(out, "accuracy") and DASH in line_with(out, "last step")
     out = text(fed(odd))
     assert "[bold]w-b[/" in out and "[red]" in out
-    assert DASH in line_with(out, "loss") and DASH in line_with(out, "reward ")
+    assert DASH in line_with(out, "[bold]w-b[/")  # no host: a dash
+    bare_out = text(fed(bare))
+    assert "no workers connected" in bare_out and "learner not connected" in bare_out
+    assert "(partial buffer empty)" in bare_out
 
 
 def test_before_the_first_status_and_when_the_feed_goes_silent() -> None:
@@ -252,7 +277,7 @@ def test_export_svg_writes_a_screenshot(tmp_path: Path) -> None:
 # events derived from consecutive statuses
 
 
-def events_between(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+def events_between(before: BrokerStatus, after: BrokerStatus) -> list[str]:
     state = fed(before)
     seen = state.events_total
     apply_status(state, after, T0 + 1)
@@ -270,27 +295,30 @@ def test_the_first_status_says_where_it_attached() -> None:
 
 def test_events_for_workers_joining_dying_coming_back_restarting_and_leaving() -> None:
     before = status()
-    joined = copy.deepcopy(before)
-    joined["workers"].append(worker("w-c", host="node9", pid=9))
+    joined = dataclasses.replace(before, workers=[*before.workers, worker("w-c", host="node9", pid=9)])
     assert events_between(before, joined) == ["worker w-c joined (sim, 8 slots, node9 pid 9)"]
-    died = copy.deepcopy(before)
-    died["workers"][0].update(alive=False, last_seen_s=3.5)
+    died = with_worker(before, 0, alive=False, last_seen_s=3.5)
     assert events_between(before, died) == ["worker w-a died: silent for 3.5s"]
     assert events_between(died, before) == ["worker w-a is back"]
-    restarted = copy.deepcopy(before)
-    restarted["workers"][1]["pid"] = 201
+    restarted = with_worker(before, 1, pid=201)
     assert events_between(before, restarted) == ["worker w-b restarted (pid 200 → 201)"]
-    left = copy.deepcopy(before)
-    del left["workers"][0]
+    left = dataclasses.replace(before, workers=before.workers[1:])
     assert events_between(before, left) == ["worker w-a left"]
 
 
 def test_events_for_weights_abort_rounds_learner_ledger_and_rejections() -> None:
     before = status(10.0, version=3)
-    after = status(11.0, version=4, leased_samples=7, partial_buffer=5, ledger_balanced=False)
-    after["round"] = {"id": 2, "open": True, "aborting": False, "aborts_done": 2}
-    after["totals"]["aborted"] += 6
-    after["rejected"] = {"total": 3, "by_reason": {"stale_lease": 3}, "by_peer": {}}
+    unbalanced = dataclasses.replace(before.ledger, issued=before.ledger.issued + 1)  # a group lost
+    after = status(
+        11.0,
+        version=4,
+        leased_samples=7,
+        partial_buffer=5,
+        ledger=unbalanced,
+        round=RoundStatus(id=2, open=True, aborting=False, aborts_done=2),
+        totals=dataclasses.replace(before.totals, aborted=before.totals.aborted + 6),
+        rejected=Rejected(by_reason={"stale_lease": 3}, by_peer={}),
+    )
     assert events_between(before, after) == [
         "abort round 2 done: 6 samples interrupted, 5 now partial",
         "weights v4 published (step 3: reward 0.290, loss 0.01234)",
@@ -298,7 +326,7 @@ def test_events_for_weights_abort_rounds_learner_ledger_and_rejections() -> None
         "3 messages rejected so far (see `april status`)",
     ]
     aborting = status(
-        11.0, leased_samples=7, round={"id": 4, "open": True, "aborting": True, "aborts_done": 1}
+        11.0, leased_samples=7, round=RoundStatus(id=4, open=True, aborting=True, aborts_done=1)
     )
     assert events_between(before, aborting) == ["abort rounds 2-4 started: interrupting 7 leased samples"]
     gone = status(11.0, learner=None)
@@ -319,15 +347,23 @@ def test_events_render_newest_last() -> None:
 
 
 def test_progress_line_has_the_step_figures() -> None:
-    line = progress_line(status(version=7))
+    s = status(version=7)
+    line = progress_line(s.step_figures, s.steps)
     assert line == (
         "step 7/100 v7  reward 0.320  acc 0.500  loss 0.01234  12.50 samples/s  3.0k tok/s  "
         "aborted 5  resumed 4"
     )
-    assert progress_line(status(learner_metrics={})) is None
-    assert "reward -" in (
-        progress_line(status(learner_metrics={"step": 0, "reward_mean": float("nan")})) or ""
-    )
+    assert progress_line(StepFigures.read({}), 100) is None
+    assert "reward -" in (progress_line(StepFigures.read({"step": 0, "reward_mean": float("nan")}), 5) or "")
+    assert (progress_line(StepFigures.read({"step": 0}), None) or "").startswith("step 1/? ")
+
+
+def test_learner_phase_shows_while_it_starts() -> None:
+    learner = LearnerStatus(id="learner-0", last_seen_s=0.1, waiting_for_batch=False, phase="loading model")
+    out = text(fed(status(learner=learner, learner_metrics={})))
+    assert "learner loading model" in out
+    waiting = dataclasses.replace(learner, phase="", waiting_for_batch=True)
+    assert "learner waiting for a batch" in text(fed(status(learner=waiting)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -344,13 +380,12 @@ def publisher() -> Any:
     ctx.term()
 
 
-def publish(sock: zmq.Socket[bytes], state: dict[str, Any]) -> None:
+def publish(sock: zmq.Socket[bytes], state: BrokerStatus) -> None:
     """Exactly as broker/server.py publishes."""
-    reply = protocol.StatusReply(json.dumps(state))
-    sock.send_multipart([b"status", *protocol.encode(reply)])
+    sock.send_multipart([b"status", *protocol.encode(protocol.StatusReply(state))])
 
 
-def first_status(sock: zmq.Socket[bytes], feed: StatusFeed, state: dict[str, Any]) -> dict[str, Any]:
+def first_status(sock: zmq.Socket[bytes], feed: StatusFeed, state: BrokerStatus) -> BrokerStatus:
     """Publish until the subscription is up (a SUB misses what is sent before it joins)."""
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:
@@ -366,15 +401,18 @@ def test_status_feed_receives_the_newest_status_and_skips_junk(publisher: Any) -
     with StatusFeed(address) as feed:
         assert first_status(sock, feed, status(1.0)) == status(1.0)
         sock.send_multipart([b"status", b"not a message"])
-        sock.send_multipart([b"status", *protocol.encode(protocol.StatusReply("[1, 2]"))])
         sock.send_multipart([b"status", *protocol.encode(protocol.Heartbeat())])
+        header, body = protocol.encode(protocol.StatusReply(status(1.5)))
+        junk = msgpack.unpackb(body)
+        junk["status"]["workers"] = "junk"  # well-formed msgpack, not a status
+        sock.send_multipart([b"status", header, msgpack.packb(junk)])
         publish(sock, status(2.0))
         publish(sock, status(3.0))
         deadline, got = time.monotonic() + 2.0, None
-        while got is None or (got["uptime_s"] < 3.0 and time.monotonic() < deadline):
+        while got is None or (got.uptime_s < 3.0 and time.monotonic() < deadline):
             got = feed.poll(200) or got
-        assert got["uptime_s"] == 3.0  # the newest; the older one queued with it is skipped
-        assert feed.undecodable == 3 and feed.last_error
+        assert got.uptime_s == 3.0  # the newest; the older one queued with it is skipped
+        assert feed.undecodable == 3 and "status.workers: expected a list" in feed.last_error
         assert feed.poll(0) is None
 
 
@@ -396,7 +434,7 @@ def test_headless_prints_events_and_one_line_per_learner_step(publisher: Any) ->
     lines = out.getvalue().splitlines()
     assert "attached to" in lines[0] and any("weights v4 published" in line for line in lines)
     steps = [line for line in lines if line.startswith("step ")]
-    assert steps == [progress_line(status(version=3)), progress_line(status(version=4))]
+    assert steps == [progress_line(status(version=v).step_figures, 100) for v in (3, 4)]
 
 
 def test_watch_refreshes_calls_tick_and_stops_when_tick_says_so(publisher: Any) -> None:

@@ -21,6 +21,7 @@ from april.config import ConfigError
 from april.data import JsonlPromptSource, PromptSource, SyntheticPromptSource
 from april.heldout import split_held_out
 from april.records import FinishReason, Sample
+from april.status import BrokerStatus
 from broker.evaluation import EVAL_GROUP_BASE, Evaluations
 from broker.state import ResultRejected
 
@@ -131,24 +132,32 @@ def test_evaluation_resumes_interrupted_samples_and_reports_accuracy() -> None:
     assert evals.batch_stats() == {"eval_accuracy": 0.5, "eval_reward_mean": 0.5, "eval_version": 1.0}
     assert evals.run is not None and evals.run.version == 2  # the one that fell due meanwhile
     status = evals.status()
-    assert status is not None and status["completed"] == 1 and status["running"]["of"] == 4
+    assert status is not None and status.completed == 1
+    assert status.running is not None and status.running.of == 4 and status.running.version == 2
+    assert (status.version, status.accuracy, status.n, status.failed) == (1, 0.5, 4, 0)
 
 
 # ------------------------------------------------------------------------------------------ whole runs
+
+
+def eval_version(c: Cluster) -> int | None:
+    """The weights version of the broker's latest evaluation (None: none yet, or evaluation is off)."""
+    evaluation = c.status().eval
+    return None if evaluation is None else evaluation.version
 
 
 def _leases(c: Cluster, workers: list[str]) -> list[dict[str, Any]]:
     return [e for w in workers for e in c.read(w) if e["kind"] == "lease"]
 
 
-def _check_books(c: Cluster, steps: int) -> dict[str, Any]:
+def _check_books(c: Cluster, steps: int) -> BrokerStatus:
     batches = c.batches()
     assert len(batches) == steps and all(b["ok"] for b in batches), "a batch was not exactly N samples"
     assert all(g < EVAL_GROUP_BASE for b in batches for g, _ in b["keys"]), "an eval sample was trained"
     status = c.status()
-    ledger = status["ledger"]
-    assert status["ledger_balanced"] and ledger["trained"] == steps * c.config["algo"]["rollout_batch_size"]
-    assert ledger["issued"] == status["cursor"]  # groups issued = training prompts drawn, no eval in it
+    ledger = status.ledger
+    assert status.ledger_balanced and ledger.trained == steps * c.config["algo"]["rollout_batch_size"]
+    assert ledger.issued == status.cursor  # groups issued = training prompts drawn, no eval in it
     return status
 
 
@@ -160,7 +169,7 @@ def test_eval_leases_are_greedy_held_out_and_reported(cluster: Callable[..., Clu
     c.start_peer("worker", "w1", slots=6, tail_every=3)
     c.start_learner(steps=3, train_s=0.1)
     c.wait_exit("learner", 90)
-    done = wait_for(lambda: (c.status()["eval"] or {}).get("version") == 3, 30, "the final evaluation")
+    done = wait_for(lambda: eval_version(c) == 3, 30, "the final evaluation")
     assert done
     status = _check_books(c, 3)
     leases = _leases(c, ["w0", "w1"])
@@ -172,16 +181,17 @@ def test_eval_leases_are_greedy_held_out_and_reported(cluster: Callable[..., Clu
     assert len(held_out) == 4 and held_out.isdisjoint({e["prompt"] for e in train})
     # the v0 baseline runs on the starting weights, the later evaluations on relayed ones
     assert 0 in {e["version"] for e in greedy} and max(e["version"] for e in greedy) >= 1
-    assert status["eval"]["oldest_version"] == 3  # the final evaluation ran on the final weights
+    evaluation = status.eval
+    assert evaluation is not None
+    assert evaluation.oldest_version == 3  # the final evaluation ran on the final weights
     # the scripted worker's reward is (group_id + index) % 2: prompts 1 and 3 of 4 are right
-    evaluation = status["eval"]
-    assert evaluation["accuracy"] == 0.5 and evaluation["n"] == 4 and evaluation["running"] is None
-    assert evaluation["completed"] >= 2  # v3 at least, v1 and v2 unless one fell due while another ran
+    assert evaluation.accuracy == 0.5 and evaluation.n == 4 and evaluation.running is None
+    assert evaluation.completed >= 2  # v3 at least, v1 and v2 unless one fell due while another ran
     reported = [b["stats"] for b in c.batches() if "eval_accuracy" in b["stats"]]
     assert reported and all(s["eval_accuracy"] == 0.5 and s["eval_version"] >= 0 for s in reported)
     logged = [json.loads(x) for x in (c.run_dir / "eval.jsonl").read_text().splitlines()]
     assert logged[-1]["version"] == 3 and logged[-1]["accuracy"] == 0.5  # the final one, after the last step
-    assert len(logged) == evaluation["completed"]
+    assert len(logged) == evaluation.completed
 
 
 def test_eval_with_real_workers_and_the_sim_engine(cluster: Callable[..., Cluster]) -> None:
@@ -191,17 +201,18 @@ def test_eval_with_real_workers_and_the_sim_engine(cluster: Callable[..., Cluste
     c.start_worker("w1")
     c.start_learner(steps=4, train_s=0.05)
     c.wait_exit("learner", 90)
-    wait_for(lambda: (c.status()["eval"] or {}).get("version") == 4, 30, "the evaluation at v4")
+    wait_for(lambda: eval_version(c) == 4, 30, "the evaluation at v4")
     status = _check_books(c, 4)
-    evaluation = status["eval"]
-    assert evaluation["n"] == 6 and evaluation["failed"] == 0 and 0.0 <= evaluation["accuracy"] <= 1.0
-    assert evaluation["tokens_generated"] > 0
+    evaluation = status.eval
+    assert evaluation is not None and evaluation.accuracy is not None
+    assert evaluation.n == 6 and evaluation.failed == 0 and 0.0 <= evaluation.accuracy <= 1.0
+    assert evaluation.tokens_generated > 0
     stats = [b["stats"] for b in c.batches()]
     assert all(s.get("eval_version", 0.0) == 0.0 for s in stats[:2])  # before v2: at most the v0 baseline
     reported = [s for s in stats[2:] if s.get("eval_version", 0.0) > 0]
     assert all(s["eval_version"] == 2.0 and not math.isnan(s["eval_accuracy"]) for s in reported)
     assert json.loads((c.run_dir / "eval.jsonl").read_text().splitlines()[0])["version"] == 0
-    assert Counter(w["id"] for w in status["workers"]) == {"w0": 1, "w1": 1}
+    assert Counter(w.id for w in status.workers) == {"w0": 1, "w1": 1}
 
 
 def test_greedy_flag_reaches_the_engine_through_a_real_worker(cluster: Callable[..., Cluster]) -> None:
@@ -218,7 +229,7 @@ def test_greedy_flag_reaches_the_engine_through_a_real_worker(cluster: Callable[
         c.start_worker("sw0")
         c.start_learner(steps=2, train_s=0.05)
         c.wait_exit("learner", 90)
-        wait_for(lambda: (c.status()["eval"] or {}).get("version") == 2, 30, "the evaluation at v2")
+        wait_for(lambda: eval_version(c) == 2, 30, "the evaluation at v2")
         _check_books(c, 2)
         posts = server.posts("/generate")
     data = c.config["data"]

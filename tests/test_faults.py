@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 from harness import Cluster, wait_for
 
+from april.status import RoundStatus, WorkerStatus
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
 LIVENESS_S = 3 * 0.2  # the harness broker: liveness x heartbeat_interval_s
@@ -73,18 +75,19 @@ def kill_inside(c: Cluster, name: str, inside: Callable[[], bool], timeout: floa
     raise AssertionError(f"never caught {name} {what} within {timeout}s; logs in {c.tmp}")
 
 
-def worker_status(c: Cluster, worker: str) -> dict[str, Any] | None:
+def worker_status(c: Cluster, worker: str) -> tuple[RoundStatus, WorkerStatus] | None:
+    """The broker's abort round and its view of `worker` (None: no status, or the worker is unknown)."""
     status = c.try_status()
     if status is None:
         return None
-    found = [w for w in status["workers"] if w["id"] == worker]
-    return {"round": status["round"], **found[0]} if found else None
+    found = [w for w in status.workers if w.id == worker]
+    return (status.round, found[0]) if found else None
 
 
 def generating(c: Cluster, worker: str) -> Callable[[], bool]:
     def check() -> bool:
-        w = worker_status(c, worker)
-        return w is not None and w["leases"] > 0 and not w["round"]["aborting"]
+        got = worker_status(c, worker)
+        return got is not None and got[1].leases > 0 and not got[0].aborting
 
     return check
 
@@ -93,8 +96,8 @@ def aborting(c: Cluster, worker: str) -> Callable[[], bool]:
     """An Abort is out and this worker still holds leases (it has not returned its partials)."""
 
     def check() -> bool:
-        w = worker_status(c, worker)
-        return w is not None and w["leases"] > 0 and w["round"]["aborting"]
+        got = worker_status(c, worker)
+        return got is not None and got[1].leases > 0 and got[0].aborting
 
     return check
 
@@ -131,8 +134,8 @@ def assert_scripted_books(c: Cluster, steps: int) -> None:
     assert all(n == 1 for n in trained.values()), "a sample was trained twice"
     status = c.status()
     b, n = c.config["algo"]["rollout_batch_size"], c.config["algo"]["n_samples_per_prompt"]
-    assert status["ledger_balanced"], status["ledger"]
-    assert status["ledger"]["trained"] == steps * b and len(trained) == steps * b * n
+    assert status.ledger_balanced, status.ledger
+    assert status.ledger.trained == steps * b and len(trained) == steps * b * n
 
 
 def metrics_lines(c: Cluster) -> list[dict[str, Any]]:
@@ -148,8 +151,8 @@ def assert_learner_books(c: Cluster, steps: int) -> None:
     b, n = c.config["algo"]["rollout_batch_size"], c.config["algo"]["n_samples_per_prompt"]
     assert all(x["samples"] == b * n for x in lines)
     status = c.status()
-    assert status["ledger_balanced"], status["ledger"]
-    assert status["ledger"]["trained"] == steps * b, status["ledger"]
+    assert status.ledger_balanced, status.ledger
+    assert status.ledger.trained == steps * b, status.ledger
 
 
 # ---------------------------------------------------------------------- workers
@@ -176,10 +179,10 @@ def test_worker_sigkilled_while_generating_aborting_and_loading_weights(
     c.wait_exit("learner", 120)
     assert_scripted_books(c, 14)
     status = c.status()
-    assert {w["id"] for w in status["workers"]} == {"w0"}
+    assert {w.id for w in status.workers} == {"w0"}
     for name, killed in kills.items():  # leases back within the liveness window (+ the tick's slack)
         assert reclaimed_at(c, name) - killed <= LIVENESS_S + SLACK_S, name
-    assert status["totals"]["resumed"] > 0  # interrupted samples were resumed (by w0: the only one left)
+    assert status.totals.resumed > 0  # interrupted samples were resumed (by w0: the only one left)
 
 
 # ---------------------------------------------------------------------- the learner
@@ -212,10 +215,10 @@ def training(c: Cluster, min_step: int) -> Callable[[], bool]:
 
     def check() -> bool:
         status = c.try_status()
-        if status is None or status["learner"] is None or status["unacked_batch"] is None:
+        if status is None or status.learner is None or status.unacked_batch is None:
             return False
-        batch, k = status["unacked_batch"]["batch_id"], status["unacked_batch"]["step"]
-        if status["learner"]["waiting_for_batch"] or k < min_step or not checkpointed(c, k):
+        batch, k = status.unacked_batch.batch_id, status.unacked_batch.step
+        if status.learner.waiting_for_batch or k < min_step or not checkpointed(c, k):
             return False
         check.held = (batch, k)  # type: ignore[attr-defined]
         return len(metrics_lines(c)) == k
@@ -241,11 +244,11 @@ def publishing(c: Cluster, min_step: int) -> Callable[[], bool]:
 
 def just_acked(c: Cluster) -> Callable[[], bool]:
     """The broker counted one more batch acked than when this was made: the learner has just acked."""
-    acked = c.status()["totals"]["batches_acked"]
+    acked = c.status().totals.batches_acked
 
     def check() -> bool:
         status = c.try_status()
-        return status is not None and status["totals"]["batches_acked"] > acked
+        return status is not None and status.totals.batches_acked > acked
 
     return check
 
@@ -265,7 +268,7 @@ def test_learner_sigkilled_after_receiving_a_batch_and_during_a_weight_publish(
     before_ack = training(c, min_step=2)
     kill_inside(c, "learner", before_ack, 120, "between a batch and its ack")
     held, first_step = before_ack.held  # type: ignore[attr-defined]
-    assert c.status()["unacked_batch"]["batch_id"] == held  # still held for the next learner
+    assert c.status().unacked_batch.batch_id == held  # still held for the next learner
     c.start_learner_process("learner", resume=True)
     kill_inside(c, "learner", publishing(c, min_step=first_step + 2), 120, "writing weights")
     leftovers = [p.name for p in (c.run_dir / "weights").iterdir() if p.name.endswith(".tmp")]
@@ -299,7 +302,7 @@ def assert_no_half_written_weights(c: Cluster) -> None:
     for worker in ("w0", "w1"):
         assert "not loaded" not in (c.tmp / f"{worker}.log").read_text(), worker
     final = len(metrics_lines(c))
-    assert all(w["version"] == final for w in c.status()["workers"])
+    assert all(w.version == final for w in c.status().workers)
 
 
 # ---------------------------------------------------------------------- the broker
@@ -317,9 +320,9 @@ def kill_and_resume_broker(c: Cluster, rng: random.Random, kills: int, every: in
         c.kill("broker")
         c.start_broker(resume=True)
         after = c.status()
-        assert after["ledger_balanced"], after["ledger"]
-        assert after["cursor"] >= after["ledger"]["issued"] >= done  # the data cursor is back
-        epochs.append(after["epoch"])
+        assert after.ledger_balanced, after.ledger
+        assert after.cursor >= after.ledger.issued >= done  # the data cursor is back
+        epochs.append(after.epoch)
     return epochs
 
 
@@ -334,8 +337,8 @@ def run_with_broker_kills(cluster: Callable[..., Cluster], steps: int, kills: in
     assert c.wait_exit("learner", 240) == 0, (c.tmp / "learner.log").read_text()[-3000:]
     assert_learner_books(c, steps)
     status = c.status()
-    assert sorted(w["id"] for w in status["workers"]) == ["w0", "w1"]  # both came back by themselves
-    assert all(w["alive"] and not w["restored"] for w in status["workers"])
+    assert sorted(w.id for w in status.workers) == ["w0", "w1"]  # both came back by themselves
+    assert all(w.alive and not w.restored for w in status.workers)
 
 
 def test_broker_sigkilled_twice_and_resumed_workers_and_learner_reconnect(
@@ -400,11 +403,11 @@ def test_a_restarted_broker_asks_a_worker_it_knows_only_from_its_snapshot_to_say
             lambda: [m for m in [recv(sock, 200)] if isinstance(m, protocol.Lease)], 10, "a lease"
         )
         assert leases
-        wait_for(lambda: c.status()["ledger"]["in_flight"] > 0, 10, "the lease in the books")
+        wait_for(lambda: c.status().ledger.in_flight > 0, 10, "the lease in the books")
         time.sleep(0.5)  # a snapshot holding the lease
         c.kill("broker")
         c.start_broker(resume=True)  # at once: well inside the worker's liveness window
-        assert [w["restored"] for w in c.status()["workers"]] == [True]
+        assert [w.restored for w in c.status().workers] == [True]
         asked = None
         deadline = time.monotonic() + 5
         while asked is None and time.monotonic() < deadline:

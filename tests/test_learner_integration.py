@@ -62,7 +62,7 @@ def test_learner_trains_exactly_n_and_publishes_versions(
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "weights never changed"
     assert "weights v3 loaded" in (c.tmp / "tw0.log").read_text()
     assert (c.run_dir / "checkpoints").exists() and (c.run_dir / "summary.json").exists()
-    assert c.status()["ledger"]["trained"] == 6
+    assert c.status().ledger.trained == 6
 
 
 @pytest.mark.slow
@@ -98,5 +98,5 @@ def test_two_rank_learner_trains_exactly_n_through_rank_zero(
         assert c.wait_exit(f"learner{rank}", 300) == 0, (c.tmp / f"learner{rank}.log").read_text()[-2000:]
     lines = [json.loads(x) for x in (c.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["version"] for x in lines] == [1, 2] and all(x["samples"] == 4 for x in lines)
-    assert c.status()["ledger"]["trained"] == 4
+    assert c.status().ledger.trained == 4
     assert len(list((c.run_dir / "checkpoints").glob("step_*/rng_rank*.json"))) == 2

@@ -102,12 +102,12 @@ def test_the_broker_serves_the_run_through_garbage_and_a_rogue_worker(
     trained = Counter(tuple(k) for b in batches for k in b["keys"])
     assert all(n == 1 for n in trained.values()), "a sample was trained twice"
     status = c.status()
-    assert status["ledger_balanced"] and status["ledger"]["trained"] == 8 * 4, status["ledger"]
-    by_reason = status["rejected"]["by_reason"]
+    assert status.ledger_balanced and status.ledger.trained == 8 * 4, status.ledger
+    by_reason = status.rejected.by_reason
     for reason in ("bad_header", "wrong_version", "unknown_kind", "missing_field", "identity_mismatch"):
         assert by_reason.get(reason, 0) > 0, (reason, by_reason)
-    rogue = status["rejected"]["by_peer"]["rogue"]
+    rogue = status.rejected.by_peer["rogue"]
     assert rogue == {"not_leased": 3, "invalid_value": 4, "wrong_sample": 1}  # its first result was taken
-    assert status["rejected"]["by_peer"]["stranger"] == {"not_registered": 1, "oversize": 1}
-    assert status["rejected"]["total"] >= sent["counted"] + sum(expected.values())
-    assert [w["id"] for w in status["workers"]] == ["w0"] and status["workers"][0]["alive"]
+    assert status.rejected.by_peer["stranger"] == {"not_registered": 1, "oversize": 1}
+    assert status.rejected.total >= sent["counted"] + sum(expected.values())
+    assert [w.id for w in status.workers] == ["w0"] and status.workers[0].alive

@@ -52,8 +52,9 @@ def test_metrics_endpoint_serves_live_gauges_and_counters(cluster: Callable[...,
     assert done
     m = scrape(port)
     status = c.status()
-    assert m["april_broker_version"] == 2 == status["version"]
-    assert m["april_broker_eval_accuracy"] == status["eval"]["accuracy"] == 0.5  # scripted rewards
+    assert m["april_broker_version"] == 2 == status.version
+    assert status.eval is not None
+    assert m["april_broker_eval_accuracy"] == status.eval.accuracy == 0.5  # scripted rewards
     assert m['april_broker_ledger_groups{state="trained"}'] == 8
     for gauge in ("in_flight_groups", "partial_groups", "partial_buffer_samples", "complete_groups"):
         assert f"april_broker_{gauge}" in m

@@ -153,7 +153,7 @@ def stranger_keys(server_public: bytes) -> ClientKeys:
 def test_a_client_with_the_keys_is_served_on_every_socket(curve_broker: CurveBroker) -> None:
     client = keys.client_keys(curve_broker.keys_dir)
     status = fetch_status(curve_broker.learner, 10, client)
-    assert status["rejected"]["total"] == 0
+    assert status.rejected.total == 0
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = dealer(ctx, curve_broker.worker, "w0", curve=client)
     try:
@@ -164,7 +164,7 @@ def test_a_client_with_the_keys_is_served_on_every_socket(curve_broker: CurveBro
         ctx.term()
     with StatusFeed(curve_broker.pub, client) as feed:
         published = feed.wait(10)
-    assert published is not None and published["mode"] == "april"
+    assert published is not None and published.mode == "april"
     assert curve_broker.broker.gate is not None and curve_broker.broker.gate.zap.accepted >= 3
 
 
@@ -186,8 +186,8 @@ def test_a_stranger_with_its_own_keys_gets_nothing_and_is_counted(curve_broker: 
     assert "intruder" not in curve_broker.broker.workers
     assert curve_broker.rejected("auth_refused") >= 3  # learner, worker and PUB ports, retried
     status = fetch_status(curve_broker.learner, 10, keys.client_keys(curve_broker.keys_dir))
-    assert status["rejected"]["by_reason"]["auth_refused"] >= 3
-    assert status["rejected"]["by_peer"]["127.0.0.1"]["auth_refused"] >= 3
+    assert status.rejected.by_reason["auth_refused"] >= 3
+    assert status.rejected.by_peer["127.0.0.1"]["auth_refused"] >= 3
 
 
 def test_a_client_without_curve_gets_nothing(curve_broker: CurveBroker) -> None:
@@ -209,7 +209,7 @@ def test_a_client_that_does_not_know_the_broker_key_gets_nothing(curve_broker: C
 
 def test_a_key_added_while_running_is_accepted_without_restart(curve_broker: CurveBroker) -> None:
     newcomer = keys.client_keys(keys.add_client(curve_broker.keys_dir, "late"))
-    assert fetch_status(curve_broker.learner, 10, newcomer)["rejected"]["total"] == 0
+    assert fetch_status(curve_broker.learner, 10, newcomer).rejected.total == 0
     (curve_broker.keys_dir / "authorized" / "late.key").unlink()  # revoked: new connections are refused
     with pytest.raises(StatusError, match="no broker answered"):
         fetch_status(curve_broker.learner, SILENCE_S, newcomer)
@@ -226,7 +226,7 @@ def test_an_oversized_frame_is_dropped_and_the_broker_serves_on(curve_broker: Cu
         big.close(linger=0)
         ctx.term()
     assert curve_broker.broker.learner_sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
-    assert fetch_status(curve_broker.learner, 10, client)["ledger_balanced"]
+    assert fetch_status(curve_broker.learner, 10, client).ledger_balanced
 
 
 # ---------------------------------------------------------------------------------------- binding
@@ -247,7 +247,7 @@ def test_non_loopback_bind_needs_keys(tmp_path: Path) -> None:
 def test_a_broker_with_keys_binds_every_interface_and_serves_authorised_clients(tmp_path: Path) -> None:
     keys.generate(tmp_path / "keys")
     for served in _serve(tmp_path, "0.0.0.0", tmp_path / "keys"):
-        assert fetch_status(served.learner, 10, keys.client_keys(served.keys_dir))["rejected"]["total"] == 0
+        assert fetch_status(served.learner, 10, keys.client_keys(served.keys_dir)).rejected.total == 0
         stranger = stranger_keys(keys.server_keys(served.keys_dir).public)
         with pytest.raises(StatusError):
             fetch_status(served.learner, SILENCE_S, stranger)

@@ -39,6 +39,6 @@ def test_vllm_worker_runs_april_rounds(cluster: Callable[..., Cluster], tmp_path
     batches = c.batches()
     assert len(batches) == 2 and all(b["ok"] for b in batches)
     status = c.status()
-    assert status["ledger_balanced"] and status["ledger"]["trained"] == 4
+    assert status.ledger_balanced and status.ledger.trained == 4
     log = (c.tmp / "vw0.log").read_text()
     assert "weights v1 loaded" in log and "weights v2 loaded" in log

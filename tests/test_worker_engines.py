@@ -40,11 +40,11 @@ def test_torch_worker_runs_april_rounds_and_verifies_weights(
     batches = c.batches()
     assert len(batches) == 3 and all(b["ok"] for b in batches)
     status = c.status()
-    assert status["ledger_balanced"] and status["ledger"]["trained"] == 6
+    assert status.ledger_balanced and status.ledger.trained == 6
     log = (c.tmp / "tw0.log").read_text()
     assert "weights v1 loaded" in log and "weights v3 loaded" in log
     assert "weights v2 not loaded" in log and "sha256" in log  # refused: kept serving v1
-    assert status["workers"][0]["version"] == 3
+    assert status.workers[0].version == 3
 
 
 def test_sglang_worker_against_the_contract_fixture(cluster: Callable[..., Cluster]) -> None:
@@ -65,7 +65,7 @@ def test_sglang_worker_against_the_contract_fixture(cluster: Callable[..., Clust
         c.wait_exit("learner", 90)
         batches = c.batches()
         assert len(batches) == 2 and all(b["ok"] for b in batches)
-        assert c.status()["ledger_balanced"]
+        assert c.status().ledger_balanced
         assert any(path == "/generate" for path, _ in server.calls)
 
 
@@ -88,8 +88,8 @@ def test_a_request_the_engine_rejects_fails_one_sample_not_the_worker(
     )
     c.start_broker()
     c.start_worker("tw0")
-    wait_for(lambda: c.status()["ledger"]["dropped"].get("failed", 0) >= 2, 60, "failed groups to be counted")
+    wait_for(lambda: c.status().ledger.dropped.get("failed", 0) >= 2, 60, "failed groups to be counted")
     status = c.status()
-    assert status["ledger_balanced"]
-    assert [w["id"] for w in status["workers"]] == ["tw0"]  # still alive and serving
+    assert status.ledger_balanced
+    assert [w.id for w in status.workers] == ["tw0"]  # still alive and serving
     assert "cannot be generated" in (c.tmp / "tw0.log").read_text()

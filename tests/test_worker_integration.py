@@ -20,12 +20,12 @@ def test_april_run_with_real_workers(cluster: Callable[..., Cluster]) -> None:
     batches = c.batches()
     assert len(batches) == 4 and all(b["ok"] for b in batches)
     status = c.status()
-    assert status["ledger_balanced"] and status["ledger"]["trained"] == 16
-    assert status["totals"]["aborted"] > 0 and status["totals"]["resumed"] > 0
+    assert status.ledger_balanced and status.ledger.trained == 16
+    assert status.totals.aborted > 0 and status.totals.resumed > 0
     multi_version = [segs for b in batches for segs in b["segments"] if len({v for v, _, _ in segs}) > 1]
     assert multi_version, "no resumed sample spans two policy versions"
-    assert {w["id"] for w in status["workers"]} == {"w0", "w1"}
-    assert all(w["version"] >= 3 for w in status["workers"])  # sim:// weights relayed and acked
+    assert {w.id for w in status.workers} == {"w0", "w1"}
+    assert all(w.version >= 3 for w in status.workers)  # sim:// weights relayed and acked
 
 
 def test_worker_sigterm_returns_leases_and_sigkill_is_survived(cluster: Callable[..., Cluster]) -> None:
@@ -37,7 +37,7 @@ def test_worker_sigterm_returns_leases_and_sigkill_is_survived(cluster: Callable
     c.start_worker("victim")
 
     def both_hold_leases() -> bool:  # a registered worker has installed its signal handlers
-        leases = {w["id"]: w["leases"] for w in c.status()["workers"]}
+        leases = {w.id: w.leases for w in c.status().workers}
         return leases.get("leaver", 0) > 0 and leases.get("victim", 0) > 0
 
     wait_for(both_hold_leases, 30, "both workers to hold leases")
@@ -47,8 +47,8 @@ def test_worker_sigterm_returns_leases_and_sigkill_is_survived(cluster: Callable
     c.start_learner(steps=3, train_s=0.05)
     c.wait_exit("learner", 90)
     status = c.status()
-    assert status["ledger_balanced"] and status["ledger"]["trained"] == 12
-    assert [w["id"] for w in status["workers"]] == ["w2"]
+    assert status.ledger_balanced and status.ledger.trained == 12
+    assert [w.id for w in status.workers] == ["w2"]
     broker_log = (c.tmp / "broker.log").read_text()
     assert "worker leaver disconnected: shutdown" in broker_log  # SIGTERM: a clean goodbye
     assert "worker victim silent for" in broker_log  # SIGKILL: found dead by liveness, leases re-queued
