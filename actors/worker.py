@@ -10,7 +10,8 @@ is decoded greedily; a sample that finished generating frees its engine slot at 
 (LeaseRequest credit) and is streamed when scored; on Abort every unfinished sample goes back INTERRUPTED
 with its tokens and log-probs, and AbortDone is sent only once the engine is idle, naming the samples
 still being scored; weights are verified by sha256 before loading and a failed load keeps the old ones;
-a silent broker is reconnected with backoff (1 s doubling to 32 s) and told which leases are still held.
+after every (re)connect and whenever the broker says it does not know this worker, the WorkerHello
+names the leases still held. Heartbeats, liveness and reconnecting with backoff are `april.peer_link`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
-import zmq
 
 from actors.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
 from actors.engines.sim_engine import SampleIdentity
@@ -34,18 +34,15 @@ from actors.reward_runner import RewardRunner
 from actors.slot_meter import SlotMeter
 from actors.tokenizer import Tokenizer
 from april import protocol
-from april.codec import ProtocolError
 from april.config import WorkerConfig
 from april.files import sha256_file
 from april.keys import ClientKeys
+from april.peer_link import PeerLink
 from april.records import FinishReason, Sample
-from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
 
 log = logging.getLogger("april.worker")
 EngineFactory = Callable[[SamplingParams, int], Engine]  # (sampling, starting version) -> engine
-BACKOFF_MIN_S, BACKOFF_MAX_S = 1.0, 32.0
-LIVENESS = 3
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -92,7 +89,6 @@ class Worker:
         curve: ClientKeys | None = None,
     ) -> None:
         self.cfg = cfg
-        self.curve = curve  # CurveZMQ client keys when the broker requires them
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -102,16 +98,13 @@ class Worker:
         self.meter: SlotMeter | None = None  # slot usage, reported as EngineUsage (from the engine's start)
         self.held: dict[int, Held] = {}  # lease id -> sample in the engine
         self.scoring: dict[int, Sample] = {}  # lease id -> finished sample waiting for its reward
-        self.interval = 1.0
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.sock: zmq.Socket[bytes] | None = None
-        self.last_heard = self.last_sent = 0.0
-        self.backoff = BACKOFF_MIN_S
+        # the broker connection; `curve`: CurveZMQ client keys when the broker requires them
+        self.link = PeerLink(cfg.broker, self.worker_id, self._hello, curve, MAX_MESSAGE_BYTES)
 
     # ------------------------------------------------------------------ the loop
 
     def run(self, should_stop: Callable[[], bool]) -> None:
-        self._connect()
+        self.link.connect()
         while not should_stop():
             busy = self.engine is not None and self.engine.active > 0
             self._read_broker(0 if busy else 50)
@@ -120,23 +113,15 @@ class Worker:
                 self._on_outputs(self.engine.step())
                 self._meter_usage()
             self._send_scored()
-            self._keep_alive()
+            self.link.keep_alive()
         self._shutdown()
 
     def _read_broker(self, timeout_ms: int) -> None:
-        assert self.sock is not None
-        while True:
-            try:
-                msg = recv(self.sock, timeout_ms, MAX_MESSAGE_BYTES)
-            except ProtocolError as exc:
-                log.warning("malformed message from the broker dropped: %s", exc)
-                continue
-            if msg is None:
-                return
-            self.last_heard = time.monotonic()
-            self.backoff = BACKOFF_MIN_S
+        """Handle what the broker sent, waiting at most `timeout_ms` for the first message."""
+        msg = self.link.recv(timeout_ms)
+        while msg is not None:
             self._handle(msg)
-            timeout_ms = 0
+            msg = self.link.recv(0)
 
     def _handle(self, msg: protocol.Message) -> None:
         match msg:
@@ -148,19 +133,12 @@ class Worker:
                 self._on_abort(round_id)
             case protocol.WeightsReady():
                 self._on_weights(msg)
-            case protocol.Error(code=code, detail=detail):
-                log.warning("broker error %s: %s", code, detail)
-                if code == "not_registered":
-                    self._hello()
-            case protocol.Heartbeat():
-                pass
             case _:
                 log.warning("unexpected %s from the broker", type(msg).__name__)
 
     # ------------------------------------------------------------------ broker messages
 
     def _on_welcome(self, msg: protocol.Welcome) -> None:
-        self.interval = msg.heartbeat_interval_s
         if self.engine is None:
             sampling = SamplingParams(
                 temperature=msg.temperature,
@@ -301,48 +279,22 @@ class Worker:
             return
         now = time.monotonic()
         self.meter.observe(now, self.engine.active)
-        if self.meter.due(now, self.interval):
+        if self.meter.due(now, self.link.interval):
             self._send(self.meter.report(now))
 
     # ------------------------------------------------------------------ connection
 
-    def _connect(self) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=0)
-        self.sock = dealer(self.ctx, self.cfg.broker, self.worker_id, MAX_MESSAGE_BYTES, self.curve)
-        self._hello()
-        self.last_heard = time.monotonic()
-
-    def _hello(self) -> None:
+    def _hello(self) -> list[protocol.Message]:
+        """What introduces this worker to a broker that may have lost it: the leases it still holds."""
         held = np.array(sorted([*self.held, *self.scoring]), dtype=np.int64)
         version = self.engine.version if self.engine is not None else 0
-        self._send(
-            protocol.WorkerHello(
-                self.worker_id,
-                self.cfg.engine,
-                self.cfg.slots,
-                version,
-                os.getpid(),
-                socket.gethostname(),
-                held,
-            )
+        hello = protocol.WorkerHello(
+            self.worker_id, self.cfg.engine, self.cfg.slots, version, os.getpid(), socket.gethostname(), held
         )
+        return [hello]
 
     def _send(self, msg: protocol.Message) -> None:
-        assert self.sock is not None
-        send(self.sock, msg)
-        self.last_sent = time.monotonic()
-
-    def _keep_alive(self) -> None:
-        now = time.monotonic()
-        if now - self.last_sent >= self.interval:
-            self._send(protocol.Heartbeat())
-        silent = now - self.last_heard
-        if silent > max(LIVENESS * self.interval, self.backoff):
-            log.warning("broker silent for %.1fs: reconnecting (next try in %.0fs)", silent, self.backoff)
-            self._connect()
-            self.last_heard = now
-            self.backoff = min(self.backoff * 2, BACKOFF_MAX_S)
+        self.link.send(msg)
 
     def _shutdown(self) -> None:
         """Leave cleanly: partials back to the broker, scored samples sent if they come quickly."""
@@ -355,9 +307,7 @@ class Worker:
         self.rewards.close()
         if self.engine is not None:
             self.engine.close()
-        assert self.sock is not None
-        self.sock.close(linger=1000)
-        self.ctx.term()
+        self.link.close(linger_ms=1000)
 
     def identify(self, request: GenerationRequest) -> SampleIdentity:
         """Sample identity for the sim engine: stable across resumes and workers."""

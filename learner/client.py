@@ -1,30 +1,26 @@
 """The learner's side of the protocol: register, wait for a batch, publish weights, ack.
 
-Owns the DEALER connection to the broker's learner port, heartbeats while waiting (a batch can take
-minutes to form), reconnection with backoff when the broker goes silent (re-announcing the latest weights,
-which a restored broker may have lost), and the idempotent-ack rule: every BatchRequest names the last
-batch trained, and a batch already trained is acked again, never trained twice. Knows nothing of torch.
+Owns what the learner says to the broker and what it must say again to a broker that lost it (after a
+reconnect, or when the broker answers `not_registered`): its hello, the latest weights (which a restored
+broker may have lost) and the BatchRequest it is waiting on. Keeps the idempotent-ack rule: every
+BatchRequest names the last batch trained, and a batch already trained is acked again, never trained
+twice. The connection itself (heartbeats while waiting, as a batch can take minutes to form; reconnecting
+with backoff when the broker goes silent) is `april.peer_link`'s. Knows nothing of torch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 from collections.abc import Callable
 
-import zmq
-
 from april import protocol
-from april.codec import ProtocolError
 from april.keys import ClientKeys
+from april.peer_link import PeerLink
 from april.records import SampleStatus
-from april.transport import dealer, recv, send
 
 log = logging.getLogger("april.learner")
-LIVENESS = 3
-BACKOFF_MAX_S = 32.0
 
 
 class BatchError(Exception):
@@ -40,80 +36,58 @@ class BrokerClient:
         learner_id: str = "",
         curve: ClientKeys | None = None,
     ) -> None:
-        self.address = address
-        self.curve = curve  # CurveZMQ client keys when the broker requires them
         self.learner_id = learner_id or f"learner-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.version = version
         self.last_batch_id = last_batch_id
         self.latest_weights: protocol.WeightsReady | None = None
-        self.interval = 1.0
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.sock = self._connect()
+        self.waiting: protocol.BatchRequest | None = None  # the request next_batch waits on
+        # `curve`: CurveZMQ client keys when the broker requires them
+        self.link = PeerLink(address, self.learner_id, self._hello, curve)
+        self.link.connect()
 
-    def _connect(self) -> zmq.Socket[bytes]:
-        sock = dealer(self.ctx, self.address, self.learner_id, curve=self.curve)
-        send(sock, protocol.LearnerHello(self.learner_id, self.version, os.getpid()))
+    def _hello(self) -> list[protocol.Message]:
+        """What introduces this learner to a broker that may have lost it."""
+        hello: list[protocol.Message] = [protocol.LearnerHello(self.learner_id, self.version, os.getpid())]
         if self.latest_weights is not None:  # a restored broker may have lost the announcement
-            send(sock, self.latest_weights)
-        return sock
+            hello.append(self.latest_weights)
+        if self.waiting is not None:
+            hello.append(self.waiting)
+        return hello
 
     def next_batch(self, step: int, should_stop: Callable[[], bool]) -> protocol.Batch | None:
         """Block (with heartbeats and reconnects) until the batch for `step` arrives; None if stopped."""
-        send(self.sock, protocol.BatchRequest(step, self.last_batch_id))
-        last_heard = last_sent = time.monotonic()
-        backoff = 1.0
-        while not should_stop():
-            try:
-                msg = recv(self.sock, 100)
-            except ProtocolError as exc:
-                log.warning("malformed message from the broker dropped: %s", exc)
-                continue
-            now = time.monotonic()
-            if msg is not None:
-                last_heard, backoff = now, 1.0
-            match msg:
-                case protocol.Batch() if msg.batch_id == self.last_batch_id:
-                    # trained already; only the ack was lost
-                    send(self.sock, protocol.BatchAck(msg.batch_id, {}))
-                case protocol.Batch():
-                    return msg
-                case protocol.Welcome():
-                    self.interval = msg.heartbeat_interval_s
-                case protocol.Error(code="not_registered"):
-                    # a restarted broker that this socket reconnected to by itself: it answers, so it is
-                    # never silent, but it knows this learner only after a new hello (docs/protocol.md)
-                    log.warning("the broker does not know this learner (restarted?): saying hello again")
-                    send(self.sock, protocol.LearnerHello(self.learner_id, self.version, os.getpid()))
-                    if self.latest_weights is not None:
-                        send(self.sock, self.latest_weights)
-                    send(self.sock, protocol.BatchRequest(step, self.last_batch_id))
-                case protocol.Error(code=code, detail=detail):
-                    log.warning("broker error %s: %s", code, detail)
-            if now - last_sent >= self.interval:
-                send(self.sock, protocol.Heartbeat())
-                last_sent = now
-            if now - last_heard > max(LIVENESS * self.interval, backoff):
-                log.warning("broker silent for %.0fs: reconnecting", now - last_heard)
-                self.sock.close(linger=0)
-                self.sock = self._connect()
-                send(self.sock, protocol.BatchRequest(step, self.last_batch_id))
-                last_heard, backoff = now, min(backoff * 2, BACKOFF_MAX_S)
-        return None
+        self.waiting = protocol.BatchRequest(step, self.last_batch_id)
+        self.link.send(self.waiting)
+        try:
+            while not should_stop():
+                match self.link.recv(100):
+                    case protocol.Batch(batch_id=batch_id) if batch_id == self.last_batch_id:
+                        # trained already; only the ack was lost
+                        self.link.send(protocol.BatchAck(batch_id, {}))
+                    case protocol.Batch() as batch:
+                        return batch
+                    case None | protocol.Welcome():
+                        pass
+                    case msg:
+                        log.warning("unexpected %s from the broker", type(msg).__name__)
+                self.link.keep_alive()
+            return None
+        finally:
+            self.waiting = None
 
     def publish(self, version: int, uri: str, sha256: str) -> None:
         self.latest_weights = protocol.WeightsReady(version, uri, sha256)
         self.version = version
-        send(self.sock, self.latest_weights)
+        self.link.send(self.latest_weights)
 
     def ack(self, batch_id: int, metrics: dict[str, float]) -> None:
         """Ack a trained batch; `metrics` (the step's figures) go to the broker's status feed."""
         self.last_batch_id = batch_id
-        send(self.sock, protocol.BatchAck(batch_id, metrics))
+        self.link.send(protocol.BatchAck(batch_id, metrics))
 
     def close(self) -> None:
-        send(self.sock, protocol.Disconnect("done"))
-        self.sock.close(linger=1000)
-        self.ctx.term()
+        self.link.send(protocol.Disconnect("done"))
+        self.link.close(linger_ms=1000)
 
 
 def check_batch(
