@@ -231,6 +231,11 @@ class LearnerConfig:
     beta2: float = 0.999  # AdamW second-moment decay
     adam_eps: float = 1e-8  # AdamW epsilon
     tensorboard: bool = True  # also write TensorBoard events to <run>/tensorboard when it is installed
+    wandb_project: str = ""  # also log every metrics line to this wandb project (empty: off)
+    wandb_entity: str = ""  # wandb team or user (empty: your wandb default)
+    wandb_run_name: str = ""  # wandb display name (empty: the run directory's name)
+    wandb_group: str = ""  # wandb group, to compare related runs together (empty: none)
+    wandb_tags: str = ""  # comma-separated wandb tags (empty: none)
     sim_step_s: float = 20.0  # backend sim: simulated seconds per step (fixed part), x worker.sim_time_scale
     sim_step_s_per_token: float = 0.0  # backend sim: simulated seconds added per trained response token
 

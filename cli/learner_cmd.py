@@ -7,9 +7,11 @@ from pathlib import Path
 
 from april.config import Config, write_config
 from cli.process import setup_logging, stop_requested
+from learner.wandb_sink import check_wandb
 
 
 def run_learner_process(config: Config, run_dir: Path, resume: bool) -> None:
+    check_wandb(config.learner)  # before the model loads: a missing wandb is one line, not a late trace
     setup_logging()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(config, run_dir / "config.learner.toml")

@@ -33,6 +33,7 @@ from cli.dashboard_state import DashboardState, add_alert, add_event
 from cli.options import resolve_config
 from cli.supervisor import ChildExit, ChildSpec, Supervisor
 from learner.checkpoint import latest as latest_checkpoint
+from learner.wandb_sink import check_wandb
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = REPO / "models" / "tiny"
@@ -146,6 +147,10 @@ def preflight(config: Config) -> None:
         if config.learner.backend != "sim":  # the simulated learner has no model
             check_model_dir(config.learner.model)
     except ModelError as exc:
+        raise UpError(str(exc)) from None
+    try:
+        check_wandb(config.learner)  # wandb_project set and wandb not installed: the learner would fail
+    except ConfigError as exc:
         raise UpError(str(exc)) from None
     b = config.broker
     if b.curve_keys_dir:  # the broker's and the children's CurveZMQ keys (KeysError: one line)

@@ -4,9 +4,11 @@
 staleness, tokens), the broker's figures that came with it (`Batch.stats`, `Batch.ledger`, including the
 latest evaluation on the held-out prompts) and the learner's own (loss and its statistics, timings).
 `MetricsLog` appends the lines and is the only writer of the file; given a directory it also writes every
-numeric field as a TensorBoard scalar, when `tensorboard` is installed. The learner hands in plain
-numbers; torch is imported only for TensorBoard's writer, inside `MetricsLog`. `ack_metrics` (the figures
-relayed with a BatchAck) and `write_summary` (summary.json) serve both learners, real and simulated.
+numeric field as a TensorBoard scalar, when `tensorboard` is installed, and given a config with
+`learner.wandb_project` it logs them to wandb (`learner.wandb_sink`). The learner hands in plain
+numbers; torch is imported only for TensorBoard's writer and wandb only for its run, inside `MetricsLog`.
+`ack_metrics` (the figures relayed with a BatchAck) and `write_summary` (summary.json) serve both
+learners, real and simulated.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from april import protocol
+from april.config import Config
 from april.files import read_jsonl, write_text_atomic
+from learner.wandb_sink import WandbRun  # wandb itself is imported only when a WandbRun is opened
 
 log = logging.getLogger("april.learner")
 
@@ -101,15 +105,19 @@ def step_record(
 
 class MetricsLog:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl (flushed and fsynced per line, so a
-    crash never leaves a torn line that a resumed run would append after). With `tensorboard_dir` (the
-    learner passes RUN_DIR/tensorboard), every numeric field of a line is also a TensorBoard scalar
-    `learner/<name>` at global step `step` (nested fields as `learner/ledger/issued`, NaN skipped); without
-    the `tensorboard` package that part is skipped, said once in the log."""
+    crash never leaves a torn line that a resumed run would append after), and mirrors each line to the
+    optional sinks. With `tensorboard_dir` (the learner passes RUN_DIR/tensorboard), every numeric field of
+    a line is also a TensorBoard scalar `learner/<name>` at global step `step` (nested fields as
+    `learner/ledger/issued`, NaN skipped); without the `tensorboard` package that part is skipped, said
+    once in the log. With a `config` whose `learner.wandb_project` is set, the same fields go to the run
+    directory's wandb run under their metrics.jsonl names (`learner.wandb_sink`); wandb is imported only
+    then, and its absence is a one-line ConfigError here, before the first step."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None) -> None:
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, config: Config | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._tensorboard: Any = None  # torch.utils.tensorboard.SummaryWriter
+        self._wandb: WandbRun | None = None
         if tensorboard_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -117,6 +125,9 @@ class MetricsLog:
                 log.info("no TensorBoard events: %s (pip install tensorboard)", exc)
             else:
                 self._tensorboard = SummaryWriter(log_dir=str(tensorboard_dir))
+        if config is not None and config.learner.wandb_project:
+            last = self.last_step()
+            self._wandb = WandbRun(path.parent, config, next_step=0 if last is None else last + 1)
 
     def append(self, record: dict[str, Any]) -> None:
         missing = [k for k in REQUIRED if k not in record]
@@ -127,16 +138,21 @@ class MetricsLog:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+        step = int(record["step"])
         if self._tensorboard is not None:
-            step = int(record["step"])
             for name, value in scalars(record):
                 self._tensorboard.add_scalar(name, value, step)
             self._tensorboard.flush()  # a step's events are on disk with its line
+        if self._wandb is not None:
+            self._wandb.log(step, dict(numeric_fields(record)))
 
     def close(self) -> None:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def last_step(self) -> int | None:
         """The step of the last complete line (resume appends after it)."""
@@ -151,17 +167,24 @@ class MetricsLog:
         return last
 
 
-def scalars(record: dict[str, Any], prefix: str = "learner/") -> Iterator[tuple[str, float]]:
-    """(TensorBoard tag, value) for every finite number in a metrics record but `step` and `time`, nested
-    dicts flattened. Keys already namespaced by the learner (`learner/clip_frac`) keep their name."""
+def numeric_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, int | float]]:
+    """(name, value) for every finite number in a metrics record but `step` (the x axis) and `time` (the
+    loggers keep their own wall clock), nested dicts flattened with "/" (`ledger/dropped/failed`); names
+    and values as in metrics.jsonl. Bools, strings and NaN (no evaluation yet) are left out."""
     for key, value in record.items():
-        if prefix == "learner/" and key in ("step", "time"):
+        if not prefix and key in ("step", "time"):
             continue
-        name = key if prefix == "learner/" and key.startswith(prefix) else prefix + key
         if isinstance(value, dict):
-            yield from scalars(value, name + "/")
+            yield from numeric_fields(value, f"{prefix}{key}/")
         elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            yield name, float(value)
+            yield prefix + key, value
+
+
+def scalars(record: dict[str, Any]) -> Iterator[tuple[str, float]]:
+    """(TensorBoard tag, value) for each of `numeric_fields`, under `learner/`. Keys already namespaced by
+    the learner (`learner/clip_frac`) keep their name."""
+    for name, value in numeric_fields(record):
+        yield (name if name.startswith("learner/") else "learner/" + name), float(value)
 
 
 def ack_metrics(record: dict[str, Any]) -> dict[str, float]:
