@@ -68,7 +68,7 @@ class RunConfig:
     run_dir: str = ""  # empty: runs/<name>
     seed: int = 0  # seeds the prompt order, synthetic prompts and sampling
     steps: int = 20  # learner steps (batches trained) in the run
-    mode: Mode = Mode.APRIL  # scheduling: sync baseline, april partial rollouts, async (DESIGN.md 4)
+    mode: Mode = Mode.APRIL  # scheduling: sync baseline, april partial rollouts, async (docs/design.md 4)
     eval_every: int = 0  # steps between evaluations on the held-out prompts (and at the end); 0 = off
 
     def __post_init__(self) -> None:
@@ -84,7 +84,7 @@ class RunConfig:
 
 @dataclass(frozen=True, slots=True)
 class AlgoConfig:
-    algorithm: Algorithm = Algorithm.GRPO  # advantage estimator and loss (DESIGN.md section 5)
+    algorithm: Algorithm = Algorithm.GRPO  # advantage estimator and loss (docs/learner.md)
     rollout_batch_size: int = 8  # prompts per train step
     over_sampling_batch_size: int = 16  # prompts in flight per step (>= rollout_batch_size)
     n_samples_per_prompt: int = 4  # samples per group (GRPO's baseline is taken over a group)
@@ -94,7 +94,7 @@ class AlgoConfig:
     top_k: int = 0  # 0 = off
     max_staleness: int = 1  # policy versions a sample may lag the learner
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (not counted in N)
-    offpolicy: OffPolicy = OffPolicy.NONE  # handling of tokens from older policy versions (DESIGN.md 5)
+    offpolicy: OffPolicy = OffPolicy.NONE  # handling of tokens from older policy versions (docs/learner.md)
     tis_cap: float = 2.0  # offpolicy tis: cap C of the importance weight min(ratio, C) (>= 1)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The ledger: conservation of issued groups (DESIGN.md section 8).
+"""The ledger: conservation of issued groups (docs/design.md section 8).
 
 Every group the data source issued is in exactly one state, so
 `issued == trained + complete_waiting + in_flight + partial + sum(dropped.values())`.

@@ -1,4 +1,4 @@
-"""The scheduling policy of the three modes, as pure functions (DESIGN.md section 4).
+"""The scheduling policy of the three modes, as pure functions (docs/design.md section 4).
 
 Decides, from counts alone: how many fresh groups may be issued now, when a round is complete and an
 abort is due, which samples are dispatched first and how many go to each worker, and which complete

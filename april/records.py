@@ -1,6 +1,6 @@
 """The unit of work: samples, their staleness tags, and groups.
 
-Owns the in-memory `Sample` record (DESIGN.md section 3) and the rules that act on one sample: how a
+Owns the in-memory `Sample` record (docs/design.md section 3) and the rules that act on one sample: how a
 resumed generation extends it (a new segment tagged with the policy version that produced it), what its
 remaining budget is, and how stale it is at a given learner version. Also owns `Group` (one prompt and its
 n samples) and the checks that make a group trainable.

@@ -1,4 +1,4 @@
-"""The broker role: the only meeting point of workers and learner (DESIGN.md section 2).
+"""The broker role: the only meeting point of workers and learner (docs/design.md section 2).
 
 `broker.server` (sockets and the poll loop), `broker.state` (the books), `broker.snapshot`
 (persistence), `broker.peers` (liveness and rejection counters), `broker.status` (builds the status record,

@@ -147,7 +147,7 @@ class LossStats:
     staleness_max: int = 0
 
     def metrics(self) -> dict[str, float]:
-        """Flat metric names (DESIGN.md section 8 where they exist there)."""
+        """Flat metric names (docs/design.md section 7 where they exist there)."""
 
         def ratio(num: float, den: float) -> float:
             return num / den if den else 0.0

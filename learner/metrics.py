@@ -1,4 +1,4 @@
-"""One line of `metrics.jsonl` per learner step: the public contract of DESIGN.md section 8.
+"""One line of `metrics.jsonl` per learner step: the public contract of docs/design.md section 7.
 
 `step_record` joins the three sources of a step's figures: the batch itself (rewards, lengths,
 staleness, tokens), the broker's figures that came with it (`Batch.stats`, `Batch.ledger`, including the

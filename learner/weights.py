@@ -1,6 +1,6 @@
 """Publishing weights versions: `weights/v{version:06d}.safetensors`, written atomically, with a sha256.
 
-Owns the file side of the weights hand-off (DESIGN.md section 6): the learner's rank 0 writes version v
+Owns the file side of the weights hand-off (docs/design.md section 6): the learner's rank 0 writes version v
 to a temp file in the same directory, fsyncs it, renames it into place (so a reader never sees a
 half-written `v*.safetensors`, even after a crash), hashes the bytes, and prunes old versions;
 `load_published` is the reader's side, verifying the sha256 before trusting a byte.

@@ -1,5 +1,5 @@
 """A contract fixture for SGLang's HTTP API: a small threaded server that behaves like the parts of an
-SGLang 0.5.x server a rollout worker uses (see shared/reference/SGLANG-API.md).
+SGLang 0.5.x server a rollout worker uses (see actors/engines/sglang_engine.py).
 
 What it reproduces, because the adapter must survive it:
   - request validation as in 0.5.23: unknown `sampling_params` key -> 400 "unknown field", a

@@ -1,4 +1,4 @@
-"""Decision tables for april.policy: the scheduling rules of the three modes (DESIGN.md section 4).
+"""Decision tables for april.policy: the scheduling rules of the three modes (docs/design.md section 4).
 
 Pure functions of counts and versions, so every rule is a parametrized table with a readable id:
 fresh-group allowance, round completion and aborts, the dynamic-sampling filter, dispatch order, the

@@ -1,6 +1,6 @@
 """The SGLang adapter: drives one or more real SGLang servers over their HTTP API, token ids only.
 
-Owns the HTTP contract in shared/reference/SGLANG-API.md: how a request becomes a `/generate` call,
+Owns the HTTP contract with a real SGLang server: how a request becomes a `/generate` call,
 how its answer becomes a `GenerationOutput`, how to abort so that no partial output is lost, and how
 weights are swapped. Does not import sglang (the server is another process, started here with
 `python -m sglang.launch_server` or given as URLs) and uses only the standard library for HTTP: one
