@@ -461,13 +461,13 @@ def plot(curves: dict[str, list[RunCurve]], target: float, window: int, path: Pa
 # ---------------------------------------------------------------------------------------------- main
 
 # --smoke: every step of the benchmark (runs, sampled evaluation, summary, table, plot) at a size that runs
-# in a minute or two: two modes, one seed, two steps of 2 x 2 samples, the sim engine for the rollouts (the
+# in a minute or two: two modes, one seed, one step of 2 x 2 samples, the sim engine for the rollouts (the
 # benchmark reads the same run files whichever engine made them) and the plain torch learner, so the final
 # weights are the tiny model's and the sampled evaluation loads them as in a full run.
 SMOKE: dict[str, Any] = {
     "modes": "sync,april",
     "seeds": "0",
-    "steps": 2,
+    "steps": 1,
     "window": 1,
     "final_window": 1,
     "workers": 1,
@@ -480,7 +480,7 @@ SMOKE: dict[str, Any] = {
         "algo.n_samples_per_prompt=2",
         "algo.max_new_tokens=16",
         "data.eval_size=2",
-        "run.eval_every=2",
+        "run.eval_every=1",
         "worker.engine=sim",
         "worker.sim_time_scale=0.01",
         "learner.backend=torch",
