@@ -816,7 +816,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     print_table(results)
     load_end = os.getloadavg()
-    print(f"load average (1/5/15 min): {load_start} at start, {load_end} at the end ({os.cpu_count()} CPUs)")
+    start, end = (" ".join(f"{x:.2f}" for x in load) for load in (load_start, load_end))
+    print(f"load average (1, 5, 15 min): {start} at the start, {end} at the end, {os.cpu_count()} CPUs")
     report = {
         "benchmark": "broker_throughput",
         "machine": machine_info(),

@@ -152,16 +152,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     soak = Soak(root / "run", config_path, args.workers)
     launched = time.monotonic()
     soak.start()
-    # The kill schedule starts once the run is up (its first step trained), so every kill hits a running
-    # system; the broker then has a snapshot to resume from (a broker killed before its first snapshot
-    # cannot be restarted with --resume: "no broker snapshot ... (nothing to resume)").
-    deadline = time.monotonic() + args.recover_s
-    while soak.steps() < 1:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {args.recover_s:.0f}s waiting for the first step")
-        soak.poll()
-        time.sleep(0.2)
-    started = time.monotonic()
     due = {
         "worker": args.worker_every,
         LEARNER: args.learner_every / 2,
@@ -169,6 +159,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     workers = [s.name for s in soak.specs if s.name.startswith("worker-")]
     try:
+        # The kill schedule starts once the run is up (its first step trained), so every kill hits a
+        # running system; the broker then has a snapshot to resume from (a broker killed before its first
+        # snapshot cannot be restarted with --resume: "no broker snapshot ... (nothing to resume)").
+        deadline = time.monotonic() + args.recover_s
+        while soak.steps() < 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {args.recover_s:.0f}s waiting for the first step")
+            soak.poll()
+            time.sleep(0.2)
+        started = time.monotonic()
         while (t := time.monotonic() - started) < args.duration_s:
             soak.poll()
             for role, at in due.items():
