@@ -24,6 +24,7 @@ nothing is asserted. The analysis functions are pure (tested in tests/test_accur
 plotting are thin. Wall-clock figures are only as good as the machine is quiet: say what else ran.
 
 Usage: python benchmarks/accuracy.py --steps 80 --target 0.55 --out bench-out/accuracy
+       python benchmarks/accuracy.py --smoke      # every step at tiny sizes (the suite runs it)
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from april import files  # noqa: E402
+from april.ports import free_ports  # noqa: E402
 
 MODES = ("sync", "april", "async")
 EVAL_TASK_SEED = 12345  # task seed of the sampled held-out prompts: no run here draws from it
@@ -307,10 +309,9 @@ def run_one(run_dir: Path, mode: str, seed: int, args: argparse.Namespace) -> No
     """`april up --headless` into run_dir (an unfinished earlier attempt is moved aside first)."""
     if run_dir.exists():
         run_dir.rename(run_dir.with_name(f"{run_dir.name}.unfinished-{int(time.time())}"))
-    ports = [
-        f"broker.{name}={args.port_base + i}"
-        for i, name in enumerate(("worker_port", "learner_port", "pub_port"))
-    ]
+    numbers = free_ports(3) if args.port_base == 0 else [args.port_base + i for i in range(3)]
+    names = ("worker_port", "learner_port", "pub_port")
+    ports = [f"broker.{name}={port}" for name, port in zip(names, numbers, strict=True)]
     sets = [f"run.seed={seed}", f"run.name={mode}-seed{seed}", *ports, *args.set]
     april = [sys.executable, "-c", "from cli.main import main; main()"]  # as cli.supervisor starts roles
     cmd = [*april, "up", "--headless", "--mode", mode, "--steps", str(args.steps)]
@@ -459,8 +460,36 @@ def plot(curves: dict[str, list[RunCurve]], target: float, window: int, path: Pa
 
 # ---------------------------------------------------------------------------------------------- main
 
+# --smoke: every step of the benchmark (runs, sampled evaluation, summary, table, plot) at a size that runs
+# in a minute or two: two modes, one seed, one step of 2 x 2 samples, the sim engine for the rollouts (the
+# benchmark reads the same run files whichever engine made them) and the plain torch learner, so the final
+# weights are the tiny model's and the sampled evaluation loads them as in a full run.
+SMOKE: dict[str, Any] = {
+    "modes": "sync,april",
+    "seeds": "0",
+    "steps": 1,
+    "window": 1,
+    "final_window": 1,
+    "workers": 1,
+    "port_base": 0,
+    "eval_prompts": 1,
+    "eval_samples": 1,
+    "set": [
+        "algo.rollout_batch_size=2",
+        "algo.over_sampling_batch_size=2",
+        "algo.n_samples_per_prompt=2",
+        "algo.max_new_tokens=16",
+        "data.eval_size=2",
+        "run.eval_every=1",
+        "worker.engine=sim",
+        "worker.sim_time_scale=0.01",
+        "learner.backend=torch",
+    ],
+    "out": REPO / "bench-out" / "accuracy-smoke",
+}
 
-def main() -> None:
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: sync,april,async")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated run.seed values")
@@ -469,14 +498,25 @@ def main() -> None:
     p.add_argument("--window", type=int, default=10, help="trailing-mean window for steps to target")
     p.add_argument("--final-window", type=int, default=10, help="last steps averaged as final accuracy")
     p.add_argument("--workers", type=int, default=2, help="rollout worker processes (april up -k)")
-    p.add_argument("--port-base", type=int, default=6555, help="broker worker port; +1 learner, +2 PUB")
+    p.add_argument(
+        "--port-base", type=int, default=6555, help="broker worker port; +1 learner, +2 PUB (0: free ports)"
+    )
     p.add_argument("--set", action="append", default=[], help="extra config override, section.key=value")
     p.add_argument("--eval-prompts", type=int, default=200, help="sampled held-out prompts (0: skip)")
     p.add_argument("--eval-samples", type=int, default=4, help="samples per sampled held-out prompt")
     p.add_argument("--revision", default="", help="what code ran (e.g. a commit), stored in accuracy.json")
     p.add_argument("--analyze-only", action="store_true", help="run nothing; summarise what OUT holds")
     p.add_argument("--out", type=Path, default=REPO / "bench-out" / "accuracy")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="a minute or two at tiny sizes (options given win)")
+    args = p.parse_args(argv)
+    if args.smoke:  # the smoke sizes become the defaults, so options given on the command line still win
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     seeds = [int(s) for s in args.seeds.split(",") if s]
     model_dir = REPO / "models" / "tiny"

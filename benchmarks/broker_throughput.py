@@ -20,12 +20,14 @@ Measured over a fixed window (`--seconds`) after a warm-up (`--warmup`) that sta
   from /proc over the window, divided by samples trained; plus the workers' and learner's CPU share.
 
 The broker runs as it does in production, including its snapshots: it writes `RUN_DIR/broker/state.snap`
-(fsynced) when it forms a batch and when the batch is acked, whatever `snapshot_interval_s` says.
+(and appends complete groups to `complete.log`), fsynced, whenever it forms a batch, whatever
+`snapshot_interval_s` says.
 The learner does not decode the sample arrays (it reads the body map only), so that the harness takes as
 little CPU from the broker as it can; workers decode Leases with the strict codec, as a real worker does.
 
 Not a test: nothing is asserted. Prints a table and writes JSON (`--out`).
 Usage: python benchmarks/broker_throughput.py [--workers 16 --tokens 2048 --seconds 10 --warmup 3]
+       python benchmarks/broker_throughput.py --smoke     # every scenario at tiny sizes (the suite runs it)
 """
 
 from __future__ import annotations
@@ -53,15 +55,24 @@ import msgpack
 import numpy as np
 import zmq
 
-from april import protocol
-from april.codec import decode_header
-from april.ports import free_ports
-from april.records import FinishReason, Sample, SampleStatus
-from april.transport import dealer
-from april.wire_records import SampleBatch
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from april import protocol  # noqa: E402
+from april.codec import decode_header  # noqa: E402
+from april.ports import free_ports  # noqa: E402
+from april.records import FinishReason, Sample, SampleStatus  # noqa: E402
+from april.transport import dealer  # noqa: E402
+from april.wire_records import SampleBatch  # noqa: E402
 
 SCENARIOS = ("steady", "weights", "bounded")
-UNBOUNDED_STALENESS = 1_000_000_000  # admission never blocks, no group is ever due
+# steady and weights: a staleness bound so far off that admission never blocks and no group falls due
+# within a run here; admission would block after (bound + version + 1) x B groups accepted (65,600 at
+# B = 64: about a minute at 10k samples/s; `admission_headroom_groups` reports what was left). Not larger:
+# the broker's batch rule (april.policy.keeps_staleness_bound) counts groups into max_staleness + 1 slack
+# buckets for every batch it forms, O(max_staleness): about 1 ms at 1024. With 1e9, this benchmark's
+# first choice, the broker filled two lists of a billion counts for its first batch, which never came.
+ADMISSION_FREE_STALENESS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +92,9 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     bound (max_staleness + version + 1) x B is then the only backpressure, so the backlog stays bounded.
     """
     if name == "steady":
-        return Scenario(name, 0, UNBOUNDED_STALENESS, args.hold_ms)
+        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.hold_ms)
     if name == "weights":
-        return Scenario(name, args.weights_every, UNBOUNDED_STALENESS, args.weights_hold_ms)
+        return Scenario(name, args.weights_every, ADMISSION_FREE_STALENESS, args.weights_hold_ms)
     return Scenario(name, 1, args.max_staleness, args.hold_ms)
 
 
@@ -287,10 +298,22 @@ def run_worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------------ learner
 
 
+@dataclass(frozen=True, slots=True)
+class BatchSeen:
+    """One Batch as the learner received it."""
+
+    time: float
+    samples: int
+    tokens: int
+    nbytes: int  # all frames
+    version: int  # the broker's weights version when it formed the batch
+    complete_waiting: int  # complete groups left in the broker (its ledger)
+    issued: int  # groups issued so far (its ledger)
+
+
 @dataclass(slots=True)
 class LearnerLog:
-    # (time, samples, tokens, bytes, complete_waiting groups in the ledger) per Batch received
-    batches: list[tuple[float, int, int, int, int]] = field(default_factory=list)
+    batches: list[BatchSeen] = field(default_factory=list)
     weights_published: int = 0
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -324,10 +347,20 @@ class ScriptedLearner:
         # The body map only: batch id and array lengths (the arrays are the broker's cost, not ours).
         body = msgpack.unpackb(frames[1], raw=False)
         samples, tokens = body["samples"]["group_id"][2], body["samples"]["response_ids"][2]
-        waiting = body["ledger"]["complete_waiting"]
-        self.log.batches.append((now, samples, tokens, sum(len(f) for f in frames), waiting))
+        ledger = body["ledger"]
+        self.log.batches.append(
+            BatchSeen(
+                now,
+                samples,
+                tokens,
+                sum(len(f) for f in frames),
+                body["version"],
+                ledger["complete_waiting"],
+                ledger["issued"],
+            )
+        )
         self.last_batch_id = body["batch_id"]
-        send_counted(self.sock, protocol.BatchAck(self.last_batch_id))
+        send_counted(self.sock, protocol.BatchAck(self.last_batch_id, {}))
         self.step += 1
         if self.weights_every and self.step % self.weights_every == 0:
             self.version += 1
@@ -372,15 +405,17 @@ snapshot_interval_s = 3600.0
     )
 
 
-def april_exe() -> str:
-    exe = Path(sys.executable).with_name("april")
-    return str(exe) if exe.exists() else shutil.which("april") or "april"
+def child_env() -> dict[str, str]:
+    """The environment of the broker and worker processes: the april code of the tree this script lives in
+    (PYTHONPATH), not whatever the interpreter's installed april points at."""
+    path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def broker_command(run_dir: Path, profile: Path | None) -> list[str]:
     argv = ["broker", "--run-dir", str(run_dir), "--config", str(run_dir / "bench.toml")]
     if profile is None:
-        return [april_exe(), *argv]
+        return [sys.executable, "-c", "from cli.main import main; main()", *argv]
     code = (
         "import cProfile, sys, cli.main; "
         f"sys.argv = ['april', *{argv!r}]; "
@@ -502,7 +537,9 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
     broker_log = run_dir / "broker.log"
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     with processes() as procs, open(broker_log, "wb") as log_file:
-        broker = subprocess.Popen(broker_command(run_dir, profile), stdout=log_file, stderr=subprocess.STDOUT)
+        broker = subprocess.Popen(
+            broker_command(run_dir, profile), stdout=log_file, stderr=subprocess.STDOUT, env=child_env()
+        )
         procs.append(broker)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (run_dir / "config.toml").exists():  # written once the broker has bound its ports
@@ -521,7 +558,8 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
                     f"--slots={args.slots}",
                     f"--hold-ms={settings.hold_ms}",
                     f"--stats={run_dir / f'worker{i:02d}.json'}",
-                ]
+                ],
+                env=child_env(),
             )
             for i in range(args.workers)
         ]
@@ -535,7 +573,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no batch within {START_TIMEOUT_S:.0f}s:\n{tail(broker_log)}")
                 learner.poll(100)
-            window_start = learner.log.batches[0][0] + args.warmup
+            window_start = learner.log.batches[0].time + args.warmup
             window_end = window_start + args.seconds
             worker_pids = [w.pid for w in workers]
             cpu0: CpuSample | None = None
@@ -551,8 +589,8 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
                 learner.poll(5)
             cpu1 = CpuSample.take(broker.pid, worker_pids)
             assert cpu0 is not None
-            snap = run_dir / "broker" / "state.snap"
-            snapshot_bytes = snap.stat().st_size if snap.exists() else 0
+            # state.snap (live groups) and complete.log (complete groups, appended once each)
+            snapshot_bytes = sum(f.stat().st_size for f in (run_dir / "broker").glob("*") if f.is_file())
         finally:
             learner.close()
             ctx.term()
@@ -585,10 +623,10 @@ def summarize(
 ) -> dict[str, Any]:
     lo, hi = window
     secs = hi - lo
-    batches = [b for b in learner.batches if lo <= b[0] < hi]
-    samples = sum(b[1] for b in batches)
-    tokens = sum(b[2] for b in batches)
-    out_bytes = sum(b[3] for b in batches)
+    batches = [b for b in learner.batches if lo <= b.time < hi]
+    samples = sum(b.samples for b in batches)
+    tokens = sum(b.tokens for b in batches)
+    out_bytes = sum(b.nbytes for b in batches)
     sends = [s for log in worker_logs for s in log["sends"] if lo <= s[0] < hi]
     in_bytes = sum(s[2] for s in sends)
     lat = np.array([x[1] for log in worker_logs for x in log["latencies"] if lo <= x[0] < hi])
@@ -598,10 +636,15 @@ def summarize(
     for log in worker_logs:
         for k, v in log["other"].items():
             worker_other[k] = worker_other.get(k, 0) + v
-    before = [b[4] for b in learner.batches if b[0] < lo]
+    before = [b.complete_waiting for b in learner.batches if b.time < lo]
+    settings = scenario_settings(args, scenario)
+    last = learner.batches[-1] if learner.batches else BatchSeen(0.0, 0, 0, 0, 0, 0, 0)
+    # async admission: at most (max_staleness + version + 1) x B groups accepted at version v
+    # (april.policy.admission_limit); no headroom left means admission held the workers back
+    limit = (settings.max_staleness + last.version + 1) * args.rollout_batch_size
     return {
         "scenario": scenario,
-        **{k: v for k, v in asdict(scenario_settings(args, scenario)).items() if k != "name"},
+        **{k: v for k, v in asdict(settings).items() if k != "name"},
         "window_s": round(secs, 3),
         "batches": len(batches),
         "samples": samples,
@@ -613,7 +656,10 @@ def summarize(
         # complete groups waiting in the broker (ledger of the last Batch before / in the window): the
         # backlog grows when workers return samples faster than the broker turns them into batches
         "backlog_groups_start": before[-1] if before else None,
-        "backlog_groups_end": batches[-1][4] if batches else None,
+        "backlog_groups_end": batches[-1].complete_waiting if batches else None,
+        "batches_total": len(learner.batches),  # warm-up and window
+        "issued_groups_at_end": last.issued,
+        "admission_headroom_groups": limit - last.issued,
         "sample_results": len(sends),
         "samples_per_result": (sum(s[1] for s in sends) / len(sends)) if sends else 0.0,
         "latency_ms_p50": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
@@ -687,6 +733,20 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+# --smoke: every scenario, the same processes and messages, at a size that runs in a few seconds each
+SMOKE: dict[str, Any] = {
+    "workers": 2,
+    "slots": 8,
+    "tokens": 64,
+    "seconds": 1.5,
+    "warmup": 0.5,
+    "rollout_batch_size": 4,
+    "n_samples_per_prompt": 4,
+    "weights_every": 2,
+    "out": "bench-out/broker_throughput-smoke.json",
+}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=16, help="scripted worker processes")
@@ -706,12 +766,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the run directories (broker logs, snapshots)")
     p.add_argument("--profile-broker", default="", help="run the broker under cProfile, stats to PATH.*.prof")
     p.add_argument("--py-spy", default="", help="sample the broker with py-spy in the window, to PATH.*.txt")
+    p.add_argument(
+        "--smoke", action="store_true", help="a few seconds a scenario: tiny sizes (options given win)"
+    )
     # worker role (started by this script)
     p.add_argument("--role", choices=("bench", "worker"), default="bench", help=argparse.SUPPRESS)
     p.add_argument("--worker-id", default="", help=argparse.SUPPRESS)
     p.add_argument("--broker", default="", help=argparse.SUPPRESS)
     p.add_argument("--stats", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smoke:  # the smoke sizes become the defaults, so options given on the command line still win
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         p.error(f"--scenarios: unknown {sorted(unknown)}, expected some of {SCENARIOS}")
@@ -731,6 +797,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.role == "worker":
         run_worker(args)
         return
+    load_start = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="april-bench-", dir=args.run_root or None))
     results = []
     try:
@@ -748,11 +815,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             shutil.rmtree(root, ignore_errors=True)
     print()
     print_table(results)
+    load_end = os.getloadavg()
+    start, end = (" ".join(f"{x:.2f}" for x in load) for load in (load_start, load_end))
+    print(f"load average (1, 5, 15 min): {start} at the start, {end} at the end, {os.cpu_count()} CPUs")
     report = {
         "benchmark": "broker_throughput",
         "machine": machine_info(),
         "params": {k: v for k, v in vars(args).items() if k not in ("role", "worker_id", "broker", "stats")},
-        "notes": "broker snapshots (fsynced) at every batch formed and acked, as in production",
+        "load_average": {"start": load_start, "end": load_end},  # the machine may be shared
+        "notes": "broker snapshots (fsynced) at every batch formed, as in production",
         "results": results,
     }
     out = Path(args.out)

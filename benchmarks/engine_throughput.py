@@ -17,6 +17,7 @@ measured after the prefill, and tokens/s = active / step time.
 
 Not a test: nothing is asserted. Prints a table and writes JSON (`--out`).
 Usage: python benchmarks/engine_throughput.py [--n 256 --slots 32 64 --threads 2]
+       python benchmarks/engine_throughput.py --smoke     # a few seconds, tiny sizes (the suite runs it)
 """
 
 from __future__ import annotations
@@ -36,7 +37,26 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def parse_args() -> argparse.Namespace:
+# --smoke: the same runs on a model and workload small enough for a few seconds (tests/test_benchmarks.py)
+SMOKE: dict[str, Any] = {
+    "hidden": 32,
+    "layers": 1,
+    "heads": 2,
+    "vocab": 320,  # prompts draw ids 3..258
+    "n": 8,
+    "slots": [2, 4],
+    "prompt_min": 4,
+    "prompt_max": 8,
+    "median": 4.0,
+    "cap": 12,
+    "max_active": 4,
+    "step_prompt": 8,
+    "step_repeats": 2,
+    "out": Path("bench-out/engine_throughput-smoke.json"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="HF model directory (default: make a random one)")
     ap.add_argument("--hidden", type=int, default=256)
@@ -57,7 +77,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench-out/engine_throughput.json"))
-    return ap.parse_args()
+    ap.add_argument(
+        "--smoke", action="store_true", help="a few seconds: tiny model and workload (options given win)"
+    )
+    args = ap.parse_args(argv)
+    if args.smoke:  # the smoke sizes become the defaults, so options given on the command line still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args(argv)
+    return args
 
 
 def workload(args: argparse.Namespace) -> tuple[list[np.ndarray], list[int]]:

@@ -12,6 +12,7 @@ Also timed: `state_dict_for_publish()` + `weights.publish()`.
 Reported: median and min step time per backend, and their ratios to plain torch (the target: DeepSpeed
 within 1.15x). Not a test: nothing is asserted. Prints a table and writes JSON (`--out`).
 Usage: python benchmarks/learner_step.py [--n 64 --seq 256 --micro 8 --steps 3 --rounds 3 --threads 2]
+       python benchmarks/learner_step.py --smoke       # tiny sizes, torch and ZeRO-2 (the suite runs it)
 """
 
 from __future__ import annotations
@@ -40,6 +41,24 @@ BACKENDS: dict[str, tuple[Literal["torch", "deepspeed"], int]] = {
 }
 
 
+# --smoke: a tiny model and batch, one timed step, plain torch and one DeepSpeed backend (ZeRO-2: the
+# partitioned optimizer and gradients; stages 0 and 1 take the same path through this script)
+SMOKE: dict[str, Any] = {
+    "hidden": 32,
+    "layers": 1,
+    "heads": 2,
+    "n": 4,
+    "seq": 16,
+    "micro": 2,
+    "steps": 1,
+    "rounds": 1,
+    "warmup": 0,
+    "threads": 1,
+    "backends": ["torch", "zero2"],
+    "out": Path("bench-out/learner_step-smoke.json"),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=256)
@@ -56,8 +75,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=list(BACKENDS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench-out/learner_step.json"))
+    ap.add_argument(
+        "--smoke", action="store_true", help="a few seconds a backend: tiny sizes (options given win)"
+    )
     ap.add_argument("--child", nargs=2, metavar=("BACKEND", "MODEL_DIR"), help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.smoke:  # the smoke sizes become the defaults, so options given on the command line still win
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args(argv)
+    return args
 
 
 def measure(args: argparse.Namespace, name: str, model_dir: Path) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 What runs: the children `april up` would start (`cli.up_cmd.plan`: one `april broker`, `--workers`
 `april worker` processes on the sim engine, one real `april learner` on the shipped tiny model, torch
 backend, a checkpoint every step), supervised by `cli.supervisor.Supervisor` with unbounded restarts
-(broker and learner restart with `--resume`, as under `april up`). While `--duration-s` runs, a random
-worker is SIGKILLed every `--worker-every` seconds, the learner every `--learner-every`, the broker every
-`--broker-every` (the learner and broker schedules are offset by half a period so they do not coincide).
+(broker and learner restart with `--resume`, as under `april up`). For `--duration-s` from the first
+trained step, a random worker is SIGKILLed every `--worker-every` seconds, the learner every
+`--learner-every`, the broker every `--broker-every` (the learner and broker schedules are offset by half a
+period so they do not coincide).
 
 At the end the kills stop, the run is given time to recover (every child up, one more step trained),
 the learner is stopped with SIGTERM (it finishes its step, as `april up` stops it), and then:
@@ -19,6 +20,7 @@ Usage:
     .venv/bin/python benchmarks/soak.py --duration-s 1800                     # the 30-minute soak
     .venv/bin/python benchmarks/soak.py --duration-s 150 --worker-every 15 --learner-every 50 \
         --broker-every 60                                                     # a few minutes
+    .venv/bin/python benchmarks/soak.py --smoke      # 8 s, each role killed once (the suite runs it)
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config_path = root / "soak.toml"
     write_soak_config(config_path, args)
     soak = Soak(root / "run", config_path, args.workers)
-    started = time.monotonic()
+    launched = time.monotonic()
     soak.start()
     due = {
         "worker": args.worker_every,
@@ -160,6 +162,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     workers = [s.name for s in soak.specs if s.name.startswith("worker-")]
     try:
+        # The kill schedule starts once the run is up (its first step trained), so every kill hits a
+        # running system; the broker then has a snapshot to resume from (a broker killed before its first
+        # snapshot cannot be restarted with --resume: "no broker snapshot ... (nothing to resume)").
+        deadline = time.monotonic() + args.recover_s
+        while soak.steps() < 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out after {args.recover_s:.0f}s waiting for the first step")
+            soak.poll()
+            time.sleep(0.2)
+        started = time.monotonic()
         while (t := time.monotonic() - started) < args.duration_s:
             soak.poll()
             for role, at in due.items():
@@ -182,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         status = soak.status(5.0)
     finally:
         soak.stop()
-    return report(args, soak, status, recovered, time.monotonic() - started)
+    return report(args, soak, status, recovered, time.monotonic() - launched)
 
 
 def report(
@@ -221,6 +233,11 @@ def report(
     return summary
 
 
+# --smoke: one kill of each role (a worker at 3 s and 6 s, the learner at 5 s, the broker at 7 s after the
+# first step) in an 8-second soak, then the same recovery and checks as a full one
+SMOKE: dict[str, Any] = {"duration_s": 8.0, "worker_every": 3.0, "learner_every": 10.0, "broker_every": 7.0}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=1800.0)
@@ -234,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=2, help="n_samples_per_prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="directory for the run (a fresh temp dir by default)")
-    summary = run(p.parse_args(argv))
+    p.add_argument("--smoke", action="store_true", help="8 s, each role killed once (options given win)")
+    args = p.parse_args(argv)
+    if args.smoke:  # the smoke sizes become the defaults, so options given on the command line still win
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
+    summary = run(args)
     return 0 if summary["ok"] else 1
 
 

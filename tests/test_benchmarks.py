@@ -1,0 +1,219 @@
+"""Every script in benchmarks/ runs at its smoke size (`--smoke`) in a subprocess, and what it writes parses
+and has the shape, keys and counts a full run has: a benchmark nothing runs rots. The figures themselves
+(throughput, times, accuracy) are never compared with a threshold: the machine may be busy. A new script
+in benchmarks/ without a check here fails `test_every_benchmark_has_a_smoke_check`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+DEADLINE_S = 300  # "did not hang", not "was fast": the smoke sizes take seconds to a minute or two
+
+
+def run_smoke(script: str, out: Path, cwd: Path) -> str:
+    """`python benchmarks/SCRIPT --smoke --out OUT` with this tree's april first on the path; its output."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        check=False,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} --smoke exited {proc.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def positive(value: Any) -> bool:
+    return finite(value) and value > 0
+
+
+# ------------------------------------------------------------------------------------------- per script
+
+
+def check_broker_throughput(tmp_path: Path) -> None:
+    out = tmp_path / "broker_throughput.json"
+    printed = run_smoke("broker_throughput.py", out, tmp_path)
+    report = json.loads(out.read_text())
+    params = report["params"]
+    assert report["benchmark"] == "broker_throughput" and params["smoke"] is True
+    assert report["machine"]["cpu_count"] >= 1
+    assert all(finite(x) for x in report["load_average"]["start"] + report["load_average"]["end"])
+    results = report["results"]
+    assert [r["scenario"] for r in results] == ["steady", "weights", "bounded"]
+    n = params["rollout_batch_size"] * params["n_samples_per_prompt"]
+    for r in results:
+        name = r["scenario"]
+        assert r["batches"] >= 1, f"{name}: no batch in the window"
+        assert r["samples"] == r["batches"] * n, name  # every Batch holds exactly B x n samples
+        assert r["batches_total"] >= r["batches"], name
+        # every trained sample carries exactly --tokens response tokens (aborted ones are resumed to it)
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * params["tokens"]), name
+        for key in ("samples_per_s", "generated_per_s", "mb_per_s_in", "mb_per_s_out", "samples_per_result"):
+            assert positive(r[key]), (name, key, r[key])
+        for key in (
+            "broker_cpu_s",
+            "broker_cpu_util",
+            "workers_cpu_util",
+            "latency_ms_p50",
+            "latency_ms_p99",
+        ):
+            assert finite(r[key]) and r[key] >= 0, (name, key, r[key])
+        assert r["latency_ms_p50"] <= r["latency_ms_p99"] <= r["latency_ms_max"], name
+        assert r["latency_count"] >= 1 and r["sample_results"] >= 1, name
+        assert r["worker_logs"] == params["workers"], name
+        assert r["learner_errors"] == {}, name  # the broker rejected nothing the scripted learner sent
+        assert "Error" not in r["worker_other_messages"], name
+        # the learner publishes after every `weights_every`-th batch it acks
+        every = r["weights_every"]
+        assert r["weights_published"] == (r["batches_total"] // every if every else 0), name
+    steady, weights, bounded = results
+    assert (
+        steady["max_staleness"]
+        == weights["max_staleness"]
+        > bounded["max_staleness"]
+        == params["max_staleness"]
+    )
+    for r in (steady, weights):  # these two must not be held back by admission
+        assert r["admission_headroom_groups"] > 0, r
+    for name in ("steady", "weights", "bounded"):
+        assert f"  {name}: " in printed  # the table's per-scenario lines
+
+
+def check_engine_throughput(tmp_path: Path) -> None:
+    out = tmp_path / "engine_throughput.json"
+    printed = run_smoke("engine_throughput.py", out, tmp_path)
+    report = json.loads(out.read_text())
+    config = report["config"]
+    assert config["n"] >= 1 and report["machine"]["cpus"] >= 1
+    total = report["lengths"]["total"]
+    assert total >= config["n"]  # every response at least one token
+    assert [row["slots"] for row in report["throughput"]] == config["slots"]
+    for row in report["throughput"]:
+        cb, st = row["continuous"], row["static_generate"]
+        for side in (cb, st):  # both sides generate exactly the drawn lengths
+            assert side["useful_tokens"] == total
+            assert all(positive(side[k]) for k in ("wall_s", "tokens_per_s", "steps", "ms_per_step"))
+            # a step yields at most one token per slot, and the longest response takes its length in steps
+            assert side["steps"] * row["slots"] >= total and side["steps"] >= report["lengths"]["max"]
+        assert row["ratio"] == pytest.approx(cb["tokens_per_s"] / st["tokens_per_s"])
+    sweep = report["step_sweep"]
+    actives = [row["active"] for row in sweep]
+    assert (
+        actives == [2**i for i in range(len(actives))]
+        and actives[-1] <= config["max_active"] < 2 * actives[-1]
+    )
+    assert all(positive(row["ms_per_step"]) and positive(row["tokens_per_s"]) for row in sweep)
+    assert "useful tokens/s" in printed and "decode step time" in printed
+
+
+def check_learner_step(tmp_path: Path) -> None:
+    out = tmp_path / "learner_step.json"
+    printed = run_smoke("learner_step.py", out, tmp_path)
+    report = json.loads(out.read_text())
+    args = report["args"]
+    assert report["benchmark"] == "learner_step" and args["smoke"] is True
+    assert list(report["results"]) == args["backends"] and "torch" in args["backends"]
+    assert any(b.startswith("zero") for b in args["backends"])  # DeepSpeed runs too
+    for name, r in report["results"].items():
+        assert len(r["step_s"]) == args["steps"] * args["rounds"], name  # every timed step of every round
+        assert all(positive(t) for t in r["step_s"]), name
+        assert r["min_s"] == min(r["step_s"]) and r["min_s"] <= r["median_s"] <= max(r["step_s"]), name
+        assert positive(r["publish_s"]) and positive(r["ratio_vs_torch"]), name
+    assert report["results"]["torch"]["ratio_vs_torch"] == pytest.approx(1.0)
+    assert "median/torch" in printed
+
+
+def check_accuracy(tmp_path: Path) -> None:
+    out = tmp_path / "accuracy"
+    printed = run_smoke("accuracy.py", out, tmp_path)
+    result = json.loads((out / "accuracy.json").read_text())
+    modes = list(result["modes"])
+    steps = result["steps"]
+    assert modes[0] == "sync" and len(modes) >= 2 and steps >= 1
+    assert set(result["ratios_to_sync"]) == set(modes[1:]) == set(result["paired_ratios_to_sync"])
+    v0 = result["sampled_eval"]["v0_accuracy"]
+    assert finite(v0) and 0 <= v0 <= 1
+    for mode in modes:
+        (run,) = result["runs"][mode]  # one seed
+        assert run["mode"] == mode and run["steps"] == steps
+        for key in (
+            "final_train_accuracy",
+            "first_train_accuracy",
+            "final_eval_accuracy",
+            "sampled_eval_accuracy",
+        ):
+            assert finite(run[key]) and 0 <= run[key] <= 1, (mode, key, run[key])
+        assert positive(run["total_wall_s"]) and positive(run["first_step_s"])
+        assert all(finite(run[f"median_{k}"]) for k in ("step_s", "wait_s", "learner_s")), run
+        assert result["modes"][mode]["seeds"] == [run["seed"]]
+        lines = [
+            json.loads(x)
+            for x in (out / f"{mode}-seed{run['seed']}" / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert [x["step"] for x in lines] == list(range(steps))
+    table = (out / "accuracy.md").read_text()
+    assert all(f"| {mode} | 1 |" in table for mode in modes)
+    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| mode | seeds |" in printed
+
+
+def check_soak(tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    run_smoke("soak.py", out, tmp_path)  # exit 0: every check of the soak held
+    summary = json.loads((out / "soak.json").read_text())
+    assert summary["ok"] is True and summary["checks"] and all(summary["checks"].values()), summary["checks"]
+    assert set(summary["kills"]) == {"worker", "learner", "broker"} and sum(summary["kills"].values()) >= 1
+    assert summary["steps"] >= 1 and summary["samples_lost"] == 0
+    assert summary["trained_samples"] == summary["expected_samples"] > 0
+    ledger = summary["ledger"]
+    accounted = sum(ledger[k] for k in ("trained", "complete_waiting", "in_flight", "partial"))
+    assert ledger["issued"] == accounted + sum(ledger["dropped"].values())
+    assert len(summary["kill_moments"]) == sum(summary["kills"].values())
+
+
+CHECKS: dict[str, Callable[[Path], None]] = {
+    "broker_throughput.py": check_broker_throughput,
+    "engine_throughput.py": check_engine_throughput,
+    "learner_step.py": check_learner_step,
+    "accuracy.py": check_accuracy,
+    "soak.py": check_soak,
+}
+
+
+def test_every_benchmark_has_a_smoke_check() -> None:
+    scripts = sorted(p.name for p in BENCHMARKS.glob("*.py"))
+    assert scripts == sorted(CHECKS), "a benchmark without a smoke check here (or a check of a removed one)"
+
+
+def test_the_benchmarks_readme_gives_each_smoke_and_full_command() -> None:
+    readme = (BENCHMARKS / "README.md").read_text()
+    for script in CHECKS:
+        assert f"## `{script}`" in readme, script
+        assert f"benchmarks/{script} --smoke" in readme, script
+
+
+@pytest.mark.parametrize("script", sorted(CHECKS))
+def test_smoke_run(script: str, tmp_path: Path) -> None:
+    CHECKS[script](tmp_path)
