@@ -76,6 +76,12 @@ class Broker:
         self.exporter = PrometheusExporter(self.cfg.metrics_port) if self.cfg.metrics_port > 0 else None
         self.workers = Workers(self.cfg.heartbeat_interval_s, self.cfg.liveness)
         now = time.monotonic()
+        if resume and not snapshot.exists(run_dir / "broker"):
+            # Killed before its first snapshot: nothing was persisted, and no batch was handed out (a batch
+            # leaves only once a snapshot holding it is durable), so starting the books afresh loses nothing;
+            # refusing would make `april up`'s restart with --resume fail for good.
+            log.warning("--resume: no snapshot in %s yet; starting the books afresh", run_dir / "broker")
+            resume = False
         if resume:
             snap = snapshot.read(run_dir / "broker")
             self.state = snapshot.restore(snap, config.run.mode, config.algo, source)

@@ -294,6 +294,11 @@ def write(snapshot: BrokerSnapshot, directory: Path) -> Path:
     return SnapshotStore(directory).save(live_snapshot, complete)
 
 
+def exists(directory: Path) -> bool:
+    """Whether a snapshot was ever written to `directory` (a broker killed before its first has none)."""
+    return (directory / FILE_NAME).is_file()
+
+
 def read(directory: Path) -> BrokerSnapshot:
     return SnapshotStore(directory).load()
 

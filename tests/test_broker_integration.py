@@ -170,6 +170,24 @@ def test_broker_killed_and_resumed_loses_nothing(cluster: Callable[..., Cluster]
     assert len({b["batch"] for b in batches}) == 5
 
 
+def test_broker_killed_before_its_first_snapshot_resumes_afresh(cluster: Callable[..., Cluster]) -> None:
+    """A broker SIGKILLed before any snapshot reached the disk restarts with --resume (as `april up`
+    restarts it) on fresh books, and the run trains all its steps; before, every restart refused with
+    "nothing to resume" and the run was stuck for good."""
+    c = cluster(run={"mode": "april"}, algo={"max_new_tokens": 40})
+    c.start_broker()
+    wait_for(c.try_status, 60, "the broker answering")
+    c.kill("broker")
+    for leftover in (c.run_dir / "broker").glob("*"):  # as if killed before its first snapshot
+        leftover.unlink()
+    c.start_broker(resume=True)
+    c.start_peer("worker", "w0", slots=8, tail_every=2, step_s=0.01)
+    c.start_learner(steps=3, train_s=0.05)
+    c.wait_exit("learner", 90)
+    assert_books(c, 3)
+    assert c.status().epoch == 0  # fresh books: no snapshot was restored
+
+
 def test_garbage_on_every_port_is_counted_and_the_run_goes_on(cluster: Callable[..., Cluster]) -> None:
     c = cluster(run={"mode": "april"}, broker={"max_message_bytes": 1 << 20})
     c.start_broker()

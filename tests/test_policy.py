@@ -382,6 +382,42 @@ def test_keeps_staleness_bound_up_to_eta_1_is_the_due_rule(eta: int) -> None:
     assert checked >= 9  # the allowed states of eta 0; more for eta 1
 
 
+def staleness_rule_by_every_k(
+    b: int, eta: int, complete: list[int | None], incomplete: list[int | None], v: int
+) -> bool:
+    """The rule as its docstring states it, checked at every k in 0..eta: the slow, obvious reference."""
+    for k in range(eta + 1):
+        n_k = sum(policy.slack(m, v, eta) <= k for m in [*complete, *incomplete])
+        c_k = sum(policy.slack(m, v, eta) <= k for m in complete)
+        if c_k < min(b, n_k - k * b):
+            return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    b=st.integers(1, 4),
+    eta=st.integers(0, 6),
+    v=st.integers(0, 8),
+    complete=st.lists(st.none() | st.integers(0, 8), max_size=10),
+    incomplete=st.lists(st.none() | st.integers(0, 8), max_size=10),
+)
+def test_keeps_staleness_bound_equals_the_rule_checked_at_every_k(
+    b: int, eta: int, v: int, complete: list[int | None], incomplete: list[int | None]
+) -> None:
+    algo = AlgoConfig(rollout_batch_size=b, over_sampling_batch_size=b, max_staleness=eta)
+    expected = staleness_rule_by_every_k(b, eta, complete, incomplete, v)
+    assert policy.keeps_staleness_bound(algo, complete, incomplete, v) is expected
+
+
+def test_keeps_staleness_bound_costs_groups_not_eta() -> None:
+    """A huge bound (a benchmark's "unbounded" 1e9) is answered from the groups alone; it used to build
+    two lists of eta + 1 counts (gigabytes) on every batch."""
+    algo = AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=2, max_staleness=10**9)
+    assert policy.keeps_staleness_bound(algo, [5, 5], [0, None], 5) is True
+    assert policy.keeps_staleness_bound(algo, [None, None], [0], 10**9 + 5) is False  # a due group runs
+
+
 NO_TOKEN = 1  # a group's oldest token version relative to the learner's: 0, -1, ...; this when it has none
 GroupState = tuple[tuple[int, bool], ...]  # sorted (relative oldest version, complete) of untrained groups
 
