@@ -12,6 +12,16 @@ from actors.engine import ENGINES, Engine, EngineError, SamplingParams
 from actors.engines.sim_engine import Identify
 from actors.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from april.config import WorkerConfig
+from april.hf import check_model_dir
+
+
+def check_worker(cfg: WorkerConfig) -> None:
+    """What would otherwise fail only once a worker holds leases, checked before it connects (or before
+    `april up` starts one): an unknown engine (EngineError), an incomplete model directory (ModelError)."""
+    if cfg.engine not in ENGINES:
+        raise EngineError(f"unknown engine {cfg.engine!r} (expected one of {', '.join(ENGINES)})")
+    if cfg.model:  # the worker's tokenizer comes from it, whatever the engine
+        check_model_dir(cfg.model)
 
 
 def make_tokenizer(cfg: WorkerConfig) -> Tokenizer:

@@ -34,7 +34,7 @@ class PromptRecord:
     prompt_index: int  # position in the dataset (not the cursor)
     prompt_ids: np.ndarray  # int32, shape (prompt_len,); empty when the dataset holds text only
     text: str
-    metadata: dict[str, str]  # "prompt_index", "answer" when the dataset has one, other scalar fields
+    metadata: dict[str, str]  # "prompt_index", "answer" when the record has one, other scalar fields
 
 
 class PromptSource(Protocol):
@@ -130,7 +130,10 @@ def _put(obj: dict[str, Any], dotted_key: str, value: Any) -> None:
 
 
 class JsonlPromptSource:
-    """A JSONL file read whole at construction; one prompt per non-blank line."""
+    """A JSONL file read whole at construction; one prompt per non-blank line.
+
+    Every line needs its `answer_key` field when `require_answer` is set (training: the reward needs it);
+    otherwise (`april generate`) a line without one gives a record without "answer" in its metadata."""
 
     def __init__(
         self,
@@ -140,8 +143,10 @@ class JsonlPromptSource:
         answer_key: str = "answer",
         seed: int = 0,
         shuffle: bool = True,
+        require_answer: bool = True,
     ) -> None:
         self.path, self.prompt_key, self.answer_key = Path(path), prompt_key, answer_key
+        self.require_answer = require_answer
         try:
             raw = self.path.read_bytes()
         except OSError as exc:
@@ -199,10 +204,10 @@ class JsonlPromptSource:
         else:
             raise fail(f"prompt {self.prompt_key!r} must be a string or a list, got {type(prompt).__name__}")
         ids.flags.writeable = False
-        if self.answer_key:
-            found, answer = _lookup(obj, self.answer_key)
-            if not found or answer is None:
-                raise fail(f"missing answer field {self.answer_key!r} (keys present: {keys})")
+        found, answer = _lookup(obj, self.answer_key) if self.answer_key else (False, None)
+        if self.answer_key and self.require_answer and (not found or answer is None):
+            raise fail(f"missing answer field {self.answer_key!r} (keys present: {keys})")
+        if found and answer is not None:
             if not isinstance(answer, str | int | float) or isinstance(answer, bool):
                 raise fail(
                     f"answer {self.answer_key!r} must be a string or number, got {type(answer).__name__}"

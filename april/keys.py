@@ -165,7 +165,11 @@ def add_client(keys_dir: Path, name: str, force: bool = False) -> Path:
     if not name or name in (".", "..") or any(c in name for c in "/\\\0") or name == BROKER:
         raise KeysError(f"client name {name!r}: expected a plain file name other than {BROKER!r}")
     broker_public = keys_dir / f"{BROKER}.key"
-    read_public(broker_public)  # the broker's keys must exist first
+    if not broker_public.is_file():
+        raise KeysError(
+            f"{broker_public}: no such file (make the broker's keys first: april keys generate DIR)"
+        )
+    read_public(broker_public)
     out = keys_dir / CLIENTS / name
     _refuse_overwrite([keys_dir / AUTHORIZED / f"{name}.key", out / f"{CLIENT}.key_secret"], force)
     with tempfile.TemporaryDirectory(dir=keys_dir, prefix=".staging-") as tmp:

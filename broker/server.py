@@ -25,7 +25,7 @@ import zmq
 from april import policy, protocol
 from april.codec import ProtocolError
 from april.config import Config, ConfigError
-from april.data import PromptRecord, open_source
+from april.data import PromptRecord, PromptSource, open_source
 from april.heldout import split_held_out
 from april.keys import server_keys
 from april.protocol import Message
@@ -60,16 +60,22 @@ class AbortRound:
     attempts: dict[str, int] = field(default_factory=dict)
 
 
+def open_prompts(config: Config) -> tuple[PromptSource, tuple[PromptRecord, ...]]:
+    """The run's training prompts and its held-out ones (none when it does not evaluate); a bad dataset
+    or held-out size raises DatasetError / ConfigError (`april up` calls this before starting anything)."""
+    source = open_source(config.data, config.run.seed)
+    if config.run.eval_every > 0 and config.data.eval_size > 0:
+        return split_held_out(source, config.data.eval_size)  # training never sees them
+    return source, ()
+
+
 class Broker:
     def __init__(self, config: Config, run_dir: Path, *, resume: bool = False) -> None:
         self.config = config
         self.cfg = config.broker
         self.run_dir = run_dir
         keys = server_keys(Path(self.cfg.curve_keys_dir)) if self.cfg.curve_keys_dir else None  # fail first
-        source = open_source(config.data, config.run.seed)
-        held_out: tuple[PromptRecord, ...] = ()
-        if config.run.eval_every > 0 and config.data.eval_size > 0:
-            source, held_out = split_held_out(source, config.data.eval_size)  # training never sees them
+        source, held_out = open_prompts(config)
         self.evals = Evaluations(
             held_out, config.run.eval_every, config.run.steps, config.algo.max_new_tokens, self._record_eval
         )

@@ -18,15 +18,13 @@ from typing import Annotated
 
 import typer
 
-from actors.lengths import EmpiricalLength, LengthSpec, LengthSpecError
+from actors.lengths import EmpiricalLength, LengthSpec
 from april.config import AlgoConfig
 from april.engine_cost import EngineCost
+from april.hf import check_model_dir
 from broker.sim.figures import Figures, with_speedups
-from broker.sim.model import SimulationError
-from cli.bench_figures import BenchRunError
 from cli.bench_plan import BenchSetting, choose_time_scale, predict
 from cli.bench_report import bench_json, bench_markdown, bench_png
-from cli.options import user_errors
 from cli.sim_options import (
     COST,
     LEARNER_STEP_S,
@@ -122,35 +120,34 @@ def bench_command(
     ] = False,
 ) -> None:
     """Run the same workload in each mode with real processes; write bench.json, bench.md, bench.png."""
-    with user_errors(SimulateError, LengthSpecError, SimulationError, BenchRunError, ValueError):
-        if engine not in DEFAULTS:
-            raise SimulateError(f"--engine: got {engine!r}, expected sim or torch")
-        d = DEFAULTS[engine]
-        algo = AlgoConfig(
-            rollout_batch_size=rollout_batch_size or int(d["rollout_batch_size"]),
-            over_sampling_batch_size=over_sampling_batch_size or int(d["over_sampling_batch_size"]),
-            n_samples_per_prompt=n_samples_per_prompt,
-            max_new_tokens=max_new_tokens or int(d["max_new_tokens"]),
-            max_staleness=max_staleness,
-        )
-        name = workload or str(d["workload"])
-        setting = BenchSetting(
-            engine=engine,
-            modes=tuple(parse_modes(modes)),
-            steps=steps or int(d["steps"]),
-            workload=name,
-            lengths=_absolute(resolve_lengths(name)),
-            algo=algo,
-            engines=engines or int(d["engines"]),
-            slots=slots or int(d["slots"]),
-            seed=seed,
-            cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token),
-            learner_step_s=learner_step_s,
-            prompt_len=prompt_len,
-            model=str(model.resolve()),
-            real_learner=real_learner,
-        )
-        run_bench(setting, out, target_s, time_scale)
+    if engine not in DEFAULTS:
+        raise SimulateError(f"--engine: got {engine!r}, expected sim or torch")
+    d = DEFAULTS[engine]
+    algo = AlgoConfig(
+        rollout_batch_size=rollout_batch_size or int(d["rollout_batch_size"]),
+        over_sampling_batch_size=over_sampling_batch_size or int(d["over_sampling_batch_size"]),
+        n_samples_per_prompt=n_samples_per_prompt,
+        max_new_tokens=max_new_tokens or int(d["max_new_tokens"]),
+        max_staleness=max_staleness,
+    )
+    name = workload or str(d["workload"])
+    setting = BenchSetting(
+        engine=engine,
+        modes=tuple(parse_modes(modes)),
+        steps=steps or int(d["steps"]),
+        workload=name,
+        lengths=_absolute(resolve_lengths(name, option="--workload")),
+        algo=algo,
+        engines=engines or int(d["engines"]),
+        slots=slots or int(d["slots"]),
+        seed=seed,
+        cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token),
+        learner_step_s=learner_step_s,
+        prompt_len=prompt_len,
+        model=str(model.resolve()),
+        real_learner=real_learner,
+    )
+    run_bench(setting, out, target_s, time_scale)
 
 
 def run_bench(
@@ -161,6 +158,8 @@ def run_bench(
 
     from cli.bench_run import run_mode  # april up's machinery: imported when a bench runs, not for --help
 
+    if setting.engine == "torch" or setting.real_learner:  # before any process starts: one ModelError line
+        check_model_dir(setting.model)
     predicted: dict[str, Figures] | None = None
     if setting.engine == "sim":
         predicted = predict(setting)

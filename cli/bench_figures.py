@@ -23,9 +23,10 @@ from typing import Any
 
 from april.files import read_jsonl
 from broker.sim.figures import Figures
+from cli.options import UserError
 
 
-class BenchRunError(RuntimeError):
+class BenchRunError(UserError):
     """A run directory without the files a finished run leaves; one readable line."""
 
 

@@ -12,10 +12,11 @@ import zmq
 from april.config import Config, write_config
 from broker.server import Broker
 from broker.snapshot import SnapshotError
+from cli.options import UserError
 from cli.process import setup_logging, stop_requested
 
 
-class BrokerStartError(Exception):
+class BrokerStartError(UserError):
     """The broker cannot start as configured (busy port, non-loopback bind without keys, ...)."""
 
 
@@ -35,11 +36,11 @@ def check_bind_host(host: str, curve_keys_dir: str) -> None:
 def run_broker(config: Config, run_dir: Path, resume: bool) -> None:
     check_bind_host(config.broker.bind_host, config.broker.curve_keys_dir)
     setup_logging()
-    run_dir.mkdir(parents=True, exist_ok=True)
     try:
-        broker = Broker(config, run_dir, resume=resume)
+        broker = Broker(config, run_dir, resume=resume)  # a bad dataset fails here, before RUN_DIR exists
     except SnapshotError as exc:
         raise BrokerStartError(str(exc)) from None
+    run_dir.mkdir(parents=True, exist_ok=True)
     try:
         broker.bind()
     except zmq.ZMQError as exc:

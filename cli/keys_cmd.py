@@ -13,9 +13,10 @@ from typing import Annotated
 import typer
 
 from april import keys
-from cli.options import user_errors
 
-keys_app = typer.Typer(help="CurveZMQ keys: needed to bind the broker on a non-loopback address.")
+keys_app = typer.Typer(
+    help="CurveZMQ keys: needed to bind the broker on a non-loopback address.", no_args_is_help=True
+)
 
 DirArg = Annotated[Path, typer.Argument(help="The key directory (broker.curve_keys_dir).", file_okay=False)]
 ForceOpt = Annotated[
@@ -26,8 +27,7 @@ ForceOpt = Annotated[
 @keys_app.command("generate")
 def generate_command(keys_dir: DirArg, force: ForceOpt = False) -> None:
     """Create DIR/broker.key[_secret], DIR/client.key[_secret] and DIR/authorized/client.key."""
-    with user_errors(OSError):
-        made = keys.generate(keys_dir, force)
+    made = keys.generate(keys_dir, force)
     for path in made:
         print(path)
     print(
@@ -43,8 +43,7 @@ def add_client_command(
     force: ForceOpt = False,
 ) -> None:
     """Mint a client pair NAME, authorise it, and put a copyable key directory in DIR/clients/NAME/."""
-    with user_errors(OSError):
-        out = keys.add_client(keys_dir, name, force)
+    out = keys.add_client(keys_dir, name, force)
     print(
         f"{out}: copy this directory to the client's host and set broker.curve_keys_dir to it there "
         "(a running broker picks up the new key by itself)"

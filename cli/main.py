@@ -12,14 +12,15 @@ import typer
 
 from april.config import Mode
 from cli.bench_cmd import bench_command
-from cli.broker_cmd import BrokerStartError, run_broker
+from cli.broker_cmd import run_broker
 from cli.keys_cmd import keys_app
-from cli.options import resolve_config, user_errors
+from cli.options import AprilGroup, resolve_config
 from cli.sft_cmd import sft_command, task_app
 from cli.simulate_cmd import simulate_command
 from cli.status_cmd import status_command
 
 app = typer.Typer(
+    cls=AprilGroup,  # user and usage errors: one line (cli.options)
     name="april",
     help="Active Partial Rollouts: RL for LLMs with over-provisioned, abortable, resumable rollouts.",
     no_args_is_help=True,
@@ -59,18 +60,17 @@ def broker(
     set_: SetOpt = None,
 ) -> None:
     """Run the broker: workers connect on 5555, the learner and `april status` on 5556, PUB on 5557."""
-    with user_errors(BrokerStartError):
-        cfg = resolve_config(
-            config,
-            set_,
-            run__mode=mode,
-            run__partial_rollout=partial_rollout,
-            algo__rollout_batch_size=rollout_batch_size,
-            algo__over_sampling_batch_size=over_sampling_batch_size,
-            algo__n_samples_per_prompt=n_samples_per_prompt,
-            broker__bind_host=bind_host,
-        )
-        run_broker(cfg, run_dir, resume)
+    cfg = resolve_config(
+        config,
+        set_,
+        run__mode=mode,
+        run__partial_rollout=partial_rollout,
+        algo__rollout_batch_size=rollout_batch_size,
+        algo__over_sampling_batch_size=over_sampling_batch_size,
+        algo__n_samples_per_prompt=n_samples_per_prompt,
+        broker__bind_host=bind_host,
+    )
+    run_broker(cfg, run_dir, resume)
 
 
 @app.command()
@@ -83,20 +83,17 @@ def worker(
     set_: SetOpt = None,
 ) -> None:
     """Run a rollout worker: lease samples from the broker, generate, stream them back."""
-    from actors.engine import EngineError
-    from actors.rewards import RewardError
     from cli.worker_cmd import run_worker
 
-    with user_errors(EngineError, RewardError):
-        cfg = resolve_config(
-            config,
-            set_,
-            worker__broker=broker_address,
-            worker__engine=engine,
-            worker__model=model,
-            worker__slots=slots,
-        )
-        run_worker(cfg)
+    cfg = resolve_config(
+        config,
+        set_,
+        worker__broker=broker_address,
+        worker__engine=engine,
+        worker__model=model,
+        worker__slots=slots,
+    )
+    run_worker(cfg)
 
 
 @app.command()
@@ -112,21 +109,19 @@ def learner(
     set_: SetOpt = None,
 ) -> None:
     """Run the learner: exactly-N batches, the configured loss, weights published as v+1 each step."""
-    from actors.engine import EngineError
     from cli.learner_cmd import run_learner_process
 
-    with user_errors(EngineError):
-        cfg = resolve_config(
-            config, set_, learner__broker=broker_address, learner__model=model, run__steps=steps
-        )
-        run_learner_process(cfg, run_dir, resume)
+    cfg = resolve_config(config, set_, learner__broker=broker_address, learner__model=model, run__steps=steps)
+    run_learner_process(cfg, run_dir, resume)
 
 
 @app.command()
 def generate(
     prompts: Annotated[
         Path,
-        typer.Option("--prompts", help="JSONL prompts (prompt/answer fields).", exists=True, dir_okay=False),
+        typer.Option(
+            "--prompts", help="JSONL prompts (prompt field; answer optional).", exists=True, dir_okay=False
+        ),
     ],
     engine: Annotated[str | None, typer.Option("--engine", help="torch | sglang | vllm | sim.")] = None,
     model: Annotated[str | None, typer.Option("--model", help="HF model directory.")] = None,
@@ -137,14 +132,12 @@ def generate(
     set_: SetOpt = None,
 ) -> None:
     """Run an engine on a prompt file without a broker and print every sample and tokens/s."""
-    from actors.engine import EngineError
     from cli.generate_cmd import generate as run_generate
 
-    with user_errors(EngineError):
-        cfg = resolve_config(
-            config, set_, worker__engine=engine, worker__model=model, algo__max_new_tokens=max_new_tokens
-        )
-        run_generate(cfg, prompts, n, as_json)
+    cfg = resolve_config(
+        config, set_, worker__engine=engine, worker__model=model, algo__max_new_tokens=max_new_tokens
+    )
+    run_generate(cfg, prompts, n, as_json)
 
 
 app.command("status")(status_command)
@@ -175,7 +168,7 @@ def up(
     ] = None,
 ) -> None:
     """Run broker, workers and learner with a live dashboard (default: built-in task, tiny model)."""
-    from cli.up_cmd import UpError, UpOptions, run_up
+    from cli.up_cmd import UpOptions, run_up
 
     opts = UpOptions(
         config=config,
@@ -189,10 +182,8 @@ def up(
         sets=tuple(set_ or ()),
         screenshot=screenshot,
     )
-    with user_errors(UpError):
-        code = run_up(opts)
-    raise typer.Exit(code)
+    raise typer.Exit(run_up(opts))
 
 
 def main() -> None:
-    app()
+    app(prog_name="april")  # also when started as `python -c "from cli.main import main; main()"`

@@ -20,12 +20,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from actors.lengths import EmpiricalLength, LengthSpec, LengthSpecError
+from actors.lengths import EmpiricalLength, LengthSpec
 from april.config import AlgoConfig, Mode
 from april.engine_cost import EngineCost
 from broker.sim.figures import Figures, with_speedups
-from broker.sim.model import SimConfig, SimulationError, simulate
-from cli.options import user_errors
+from broker.sim.model import SimConfig, simulate
+from cli.options import UserError
 from cli.sim_options import (
     COST,
     LEARNER_STEP_S,
@@ -55,37 +55,37 @@ SWEEP_KEYS = {
 }
 
 
-class SimulateError(ValueError):
+class SimulateError(UserError, ValueError):
     """A bad --lengths, --modes or --sweep value; one readable line."""
 
 
-def resolve_lengths(value: str, workloads: Path = WORKLOADS) -> LengthSpec:
+def resolve_lengths(value: str, workloads: Path = WORKLOADS, option: str = "--lengths") -> LengthSpec:
     """A workload name (workloads/NAME.toml|.txt|.jsonl), a file (.toml: a spec; any other: lengths, one
-    integer or JSON object per line), or a spec string."""
+    integer or JSON object per line), or a spec string. Errors name `option`, the flag that gave it."""
     for suffix in (".toml", ".txt", ".jsonl"):
         named = workloads / f"{value}{suffix}"
         if "/" not in value and named.is_file():
-            return _load_file(named)
+            return _load_file(named, option)
     path = Path(value)
     if ":" not in value and not path.is_file():
         names = sorted({p.stem for p in workloads.glob("*") if p.suffix in (".toml", ".txt", ".jsonl")})
         raise SimulateError(
-            f"--lengths {value!r}: no such workload or file (workloads: {', '.join(names) or 'none'}; "
+            f"{option} {value!r}: no such workload or file (workloads: {', '.join(names) or 'none'}; "
             "or a spec like lognormal:median=64,sigma=1.0,cap=512)"
         )
-    return _load_file(path) if path.is_file() else LengthSpec.parse(value)
+    return _load_file(path, option) if path.is_file() else LengthSpec.parse(value)
 
 
-def _load_file(path: Path) -> LengthSpec:
+def _load_file(path: Path, option: str) -> LengthSpec:
     if path.suffix != ".toml":
         return EmpiricalLength.load(str(path))
     try:
         doc = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SimulateError(f"--lengths {path}: cannot read the workload ({exc})") from None
+        raise SimulateError(f"{option} {path}: cannot read the workload ({exc})") from None
     spec = doc.get("lengths")
     if not isinstance(spec, str):
-        raise SimulateError(f'--lengths {path}: expected a string field "lengths" holding a length spec')
+        raise SimulateError(f'{option} {path}: expected a string field "lengths" holding a length spec')
     return LengthSpec.parse(spec)
 
 
@@ -280,32 +280,31 @@ def simulate_command(
     C 0.02 ms: ~12 ms a step at 64 sequences, ~50k prefill tokens/s), a 20 s learner step, and the
     paper's setting (32 x 8 samples, over-sampling 64, 16k tokens, 8 engines).
     """
-    with user_errors(SimulateError, LengthSpecError, SimulationError):
-        spec = resolve_lengths(lengths)
-        chosen = parse_modes(modes)
-        points = sweep_points(sweep or [])
-        algo = AlgoConfig(
-            rollout_batch_size=rollout_batch_size,
-            over_sampling_batch_size=over_sampling_batch_size,
-            n_samples_per_prompt=n_samples_per_prompt,
-            max_new_tokens=max_new_tokens,
-            max_staleness=max_staleness,
-        )
-        base = SimConfig(
-            Mode.SYNC,
-            algo,
-            engines=engines,
-            slots=slots,
-            cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token),
-            learner_step_s=learner_step_s,
-            steps=steps,
-            prompt_len=prompt_len,
-            seed=seed,
-            per_sample_lengths=per_sample_lengths,
-        )
-        started = time.perf_counter()
-        results = [(p, run_point(apply_point(base, p), spec, chosen)) for p in points]
-        elapsed = time.perf_counter() - started
+    spec = resolve_lengths(lengths)
+    chosen = parse_modes(modes)
+    points = sweep_points(sweep or [])
+    algo = AlgoConfig(
+        rollout_batch_size=rollout_batch_size,
+        over_sampling_batch_size=over_sampling_batch_size,
+        n_samples_per_prompt=n_samples_per_prompt,
+        max_new_tokens=max_new_tokens,
+        max_staleness=max_staleness,
+    )
+    base = SimConfig(
+        Mode.SYNC,
+        algo,
+        engines=engines,
+        slots=slots,
+        cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token),
+        learner_step_s=learner_step_s,
+        steps=steps,
+        prompt_len=prompt_len,
+        seed=seed,
+        per_sample_lengths=per_sample_lengths,
+    )
+    started = time.perf_counter()
+    results = [(p, run_point(apply_point(base, p), spec, chosen)) for p in points]
+    elapsed = time.perf_counter() - started
     if as_json:
         out: dict[str, Any] = {"setting": setting_json(base, spec)}
         modes_json = [{m: f.to_json() for m, f in by_mode.items()} for _, by_mode in results]

@@ -27,10 +27,10 @@ from april.status import BrokerStatus
 from april.transport import dealer, recv, send
 from cli.dashboard_feed import StatusFeed, watch
 from cli.dashboard_state import DashboardState, apply_status
-from cli.options import user_errors
+from cli.options import UserError
 
 
-class StatusError(Exception):
+class StatusError(UserError):
     """No usable answer from the broker."""
 
 
@@ -140,7 +140,9 @@ def status_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     timeout: Annotated[
         float,
-        typer.Option("--timeout", help="Seconds to wait for an answer (--watch: for the first status)."),
+        typer.Option(
+            "--timeout", help="Seconds to wait for an answer (--watch: for the first status).", min=0
+        ),
     ] = 3.0,
     watch_: Annotated[
         bool,
@@ -163,11 +165,10 @@ def status_command(
     ] = "",
 ) -> None:
     """Print a running broker's state (workers, in flight, buffers, ledger); --watch: the live dashboard."""
-    with user_errors(StatusError):
-        curve = configured_client_keys(keys)
-        if not watch_:
-            print_status(fetch_status(broker_address, timeout, curve), as_json)
-        elif as_json:
-            raise StatusError("--json prints one status; it does not go with --watch")
-        else:
-            watch_status(pub_address(broker_address, pub), timeout, wait, curve=curve)
+    curve = configured_client_keys(keys)
+    if not watch_:
+        print_status(fetch_status(broker_address, timeout, curve), as_json)
+    elif as_json:
+        raise StatusError("--json prints one status; it does not go with --watch")
+    else:
+        watch_status(pub_address(broker_address, pub), timeout, wait, curve=curve)

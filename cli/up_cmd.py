@@ -24,13 +24,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from april.config import BrokerConfig, Config, ConfigError, Mode, write_config
+from april.config import BrokerConfig, Config, Mode, write_config
 from april.files import read_jsonl
 from april.keys import configured_client_keys, server_keys
 from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
 from cli.dashboard_state import DashboardState, add_alert, add_event
-from cli.options import resolve_config
+from cli.options import UserError, resolve_config
 from cli.supervisor import ChildExit, ChildSpec, Supervisor
 from learner.checkpoint import latest as latest_checkpoint
 from learner.wandb_sink import check_wandb
@@ -44,7 +44,7 @@ LEARNER = "learner"
 BROKER = "broker"
 
 
-class UpError(Exception):
+class UpError(UserError):
     """`april up` cannot start as asked; the message is one line."""
 
 
@@ -134,24 +134,17 @@ def wire_addresses(config: Config) -> Config:
 
 
 def preflight(config: Config) -> None:
-    """Every check that can fail before a process starts, each as one UpError line."""
-    from actors.engine import ENGINES
+    """Every check that can fail before a process starts, each as one line (UpError, or the domain's
+    error: EngineError, ModelError, DatasetError, ConfigError, KeysError)."""
+    from actors.factory import check_worker
+    from april.hf import check_model_dir
+    from broker.server import open_prompts
 
-    if config.worker.engine not in ENGINES:
-        raise UpError(f"unknown engine {config.worker.engine!r} (expected one of {', '.join(ENGINES)})")
-    from april.hf import ModelError, check_model_dir
-
-    try:
-        if config.worker.engine in ("torch", "vllm"):
-            check_model_dir(config.worker.model)
-        if config.learner.backend != "sim":  # the simulated learner has no model
-            check_model_dir(config.learner.model)
-    except ModelError as exc:
-        raise UpError(str(exc)) from None
-    try:
-        check_wandb(config.learner)  # wandb_project set and wandb not installed: the learner would fail
-    except ConfigError as exc:
-        raise UpError(str(exc)) from None
+    check_worker(config.worker)
+    if config.learner.backend != "sim":  # the simulated learner has no model
+        check_model_dir(config.learner.model)
+    check_wandb(config.learner)  # wandb_project set and wandb not installed: the learner would fail
+    open_prompts(config)  # the broker's prompts (a JSONL file read whole) and held-out split
     b = config.broker
     if b.curve_keys_dir:  # the broker's and the children's CurveZMQ keys (KeysError: one line)
         server_keys(Path(b.curve_keys_dir))
@@ -307,10 +300,7 @@ class Run:
 
 def run_up(opts: UpOptions) -> int:
     """Run to the end; returns the exit code (0: every step trained; 1: a child failed; 130: stopped)."""
-    try:
-        config, run_dir, resume = resolve(opts)
-    except ConfigError as exc:
-        raise UpError(str(exc)) from None
+    config, run_dir, resume = resolve(opts)
     config = wire_addresses(config)
     preflight(config)
     run_dir.mkdir(parents=True, exist_ok=True)

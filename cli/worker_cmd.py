@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from actors.engine import Engine, SamplingParams
-from actors.factory import make_engine, make_tokenizer
+from actors.factory import check_worker, make_engine, make_tokenizer
 from actors.reward_runner import RewardRunner
 from actors.worker import Worker
 from april.config import Config
@@ -15,6 +15,7 @@ def run_worker(config: Config) -> None:
     setup_logging()
     cfg = config.worker
     curve = configured_client_keys(config.broker.curve_keys_dir)  # bad keys: one error line, before any load
+    check_worker(cfg)  # an unknown engine would only fail at the first lease
     tokenizer = make_tokenizer(cfg)
     rewards = RewardRunner(cfg.reward, cfg.reward_timeout_s)
     worker: Worker

@@ -42,6 +42,7 @@ from cli.dashboard_state import (
     apply_status,
     clear_alert,
 )
+from cli.options import AprilGroup
 from cli.status_cmd import StatusError, pub_address, status_command
 
 T0 = 1_700_000_000.0  # wall clock of the first status
@@ -459,7 +460,7 @@ def test_watch_refreshes_calls_tick_and_stops_when_tick_says_so(publisher: Any) 
 
 
 def status_app() -> typer.Typer:
-    app = typer.Typer()
+    app = typer.Typer(cls=AprilGroup)  # april's one-line errors (cli.options), as cli/main.py's app
     app.command("status")(status_command)
     app.command("other")(lambda: None)  # two commands: `status` stays a subcommand, as in cli/main.py
     return app

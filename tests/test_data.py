@@ -176,6 +176,19 @@ def test_empty_answer_key_means_no_answers(tmp_path: Path) -> None:
     assert "answer" not in JsonlPromptSource(path, answer_key="").get(0).metadata
 
 
+def test_answers_are_optional_only_when_not_required(tmp_path: Path) -> None:
+    """`april generate` reads prompts with require_answer=False; training (the default) needs every answer."""
+    rows = [{"prompt": "a"}, {"prompt": "b", "answer": 7}, {"prompt": "c", "answer": None}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    src = JsonlPromptSource(path, shuffle=False, require_answer=False)
+    assert [src.get(i).metadata.get("answer") for i in range(3)] == [None, "7", None]
+    with pytest.raises(DatasetError, match=r"d\.jsonl:1: missing answer field 'answer'"):
+        JsonlPromptSource(path)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "answer": [1]}])
+    with pytest.raises(DatasetError, match=r"bad\.jsonl:1: answer 'answer' must be a string or number"):
+        JsonlPromptSource(bad, require_answer=False)  # present answers are still checked
+
+
 # --- JSONL errors: one line naming the file, the line and the problem ---------------------------------
 
 GOOD = '{"prompt": "ok", "answer": "1"}'
