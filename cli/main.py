@@ -1,4 +1,4 @@
-"""The `april` command: one typer app whose commands compose the roles (DESIGN.md section 9).
+"""The `april` command: one typer app whose commands compose the roles (docs/design.md section 9).
 
 Thin by design: each command resolves the config, then calls a plain function of the role it runs.
 """
