@@ -1,9 +1,10 @@
 """The learner's side of the protocol: register, wait for a batch, publish weights, ack.
 
 Owns the DEALER connection to the broker's learner port, heartbeats while waiting (a batch can take
-minutes to form), reconnection with backoff when the broker goes silent (re-announcing the latest weights,
-which a restored broker may have lost), and the idempotent-ack rule: every BatchRequest names the last
-batch trained, and a batch already trained is acked again, never trained twice. Knows nothing of torch.
+minutes to form), reconnection with backoff when the broker goes silent (re-announcing the latest weights
+and phase, which a restored broker may have lost), and the idempotent-ack rule: every BatchRequest names
+the last batch trained, and a batch already trained is acked again, never trained twice. Knows nothing of
+torch.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class BrokerClient:
         self.version = version
         self.last_batch_id = last_batch_id
         self.latest_weights: protocol.WeightsReady | None = None
+        self.latest_phase: protocol.LearnerPhaseReport | None = None
         self.interval = 1.0
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.sock = self._connect()
@@ -53,9 +55,14 @@ class BrokerClient:
     def _connect(self) -> zmq.Socket[bytes]:
         sock = dealer(self.ctx, self.address, self.learner_id, curve=self.curve)
         send(sock, protocol.LearnerHello(self.learner_id, self.version, os.getpid()))
-        if self.latest_weights is not None:  # a restored broker may have lost the announcement
-            send(sock, self.latest_weights)
+        self._announce(sock)
         return sock
+
+    def _announce(self, sock: zmq.Socket[bytes]) -> None:
+        """After a hello: what a restored or restarted broker may have lost, the latest weights and phase."""
+        for msg in (self.latest_weights, self.latest_phase):
+            if msg is not None:
+                send(sock, msg)
 
     def next_batch(self, step: int, should_stop: Callable[[], bool]) -> protocol.Batch | None:
         """Block (with heartbeats and reconnects) until the batch for `step` arrives; None if stopped."""
@@ -84,8 +91,7 @@ class BrokerClient:
                     # never silent, but it knows this learner only after a new hello (docs/protocol.md)
                     log.warning("the broker does not know this learner (restarted?): saying hello again")
                     send(self.sock, protocol.LearnerHello(self.learner_id, self.version, os.getpid()))
-                    if self.latest_weights is not None:
-                        send(self.sock, self.latest_weights)
+                    self._announce(self.sock)
                     send(self.sock, protocol.BatchRequest(step, self.last_batch_id))
                 case protocol.Error(code=code, detail=detail):
                     log.warning("broker error %s: %s", code, detail)
@@ -104,6 +110,11 @@ class BrokerClient:
         self.latest_weights = protocol.WeightsReady(version, uri, sha256)
         self.version = version
         send(self.sock, self.latest_weights)
+
+    def report_phase(self, phase: protocol.LearnerPhase, detail: str) -> None:
+        """Tell the broker what the learner does from now on (shown in its status)."""
+        self.latest_phase = protocol.LearnerPhaseReport(phase, detail[: protocol.MAX_PHASE_DETAIL])
+        send(self.sock, self.latest_phase)
 
     def ack(self, batch_id: int, metrics: dict[str, float]) -> None:
         """Ack a trained batch; `metrics` (the step's figures) go to the broker's status feed."""

@@ -139,6 +139,7 @@ EXAMPLES: dict[type, Any] = {
         ),
     ),
     P.BatchAck: P.BatchAck(batch_id=9, metrics={"loss": 0.5, "reward_mean": 0.25}),
+    P.LearnerPhaseReport: P.LearnerPhaseReport(P.LearnerPhase.INITIALISING_ENGINE, "DeepSpeed ZeRO-2 on cpu"),
     P.StatusRequest: P.StatusRequest(),
     P.StatusReply: P.StatusReply(state_json='{"mode": "april", "version": 3}'),
 }
@@ -271,6 +272,7 @@ def test_registry_is_consistent() -> None:
         "BatchRequest": 31,
         "Batch": 32,
         "BatchAck": 33,
+        "LearnerPhaseReport": 34,
         "StatusRequest": 40,
         "StatusReply": 41,
     }
@@ -653,6 +655,16 @@ BODY_CASES = [
         "invalid_value",
         ["busy_slot_s 20.0"],
         id="usage_busy",
+    ),
+    pytest.param(
+        P.LearnerPhaseReport, lambda b: b.update(phase=99), "invalid_value", ["phase", "99"], id="phase_code"
+    ),
+    pytest.param(
+        P.LearnerPhaseReport,
+        lambda b: b.update(detail="x" * 201),
+        "invalid_value",
+        ["detail has 201 characters"],
+        id="phase_detail",
     ),
     pytest.param(
         P.Batch,
