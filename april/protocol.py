@@ -9,6 +9,7 @@ Directions: W = worker, B = broker, L = learner, S = any read-only client (`apri
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -288,6 +289,35 @@ class BatchAck:
                 raise ValueError(f"metrics key {key[:64]!r}... is longer than 64 characters")
 
 
+class LearnerPhase(enum.IntEnum):
+    """What the learner is doing, as it reports in `LearnerPhaseReport`. Values are the wire codes."""
+
+    LOADING_MODEL = 1  # reading the model (and the frozen reference copy when KL is on)
+    INITIALISING_ENGINE = 2  # the training engine: process group, DeepSpeed, optimizer
+    RESTORING_CHECKPOINT = 3  # loading the checkpoint it resumes from
+    WAITING_FOR_BATCH = 4  # asked for the next batch, none yet
+    TRAINING = 5  # computing the step's update
+    PUBLISHING_WEIGHTS = 6  # writing and announcing the next weights version
+    CHECKPOINTING = 7  # saving a checkpoint
+
+
+MAX_PHASE_DETAIL = 200  # characters: a model path, an engine, a step
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerPhaseReport:
+    """L->B. What the learner (rank 0) does from now on, sent at each change: while it starts (loading the
+    model, initialising its engine, restoring a checkpoint) and in each step. `detail` says which model,
+    engine or step. The broker keeps the latest for its status; nothing depends on it."""
+
+    phase: LearnerPhase
+    detail: str
+
+    def validate(self) -> None:
+        if len(self.detail) > MAX_PHASE_DETAIL:
+            raise ValueError(f"detail has {len(self.detail)} characters, at most {MAX_PHASE_DETAIL} allowed")
+
+
 @dataclass(frozen=True, slots=True)
 class StatusRequest:
     """S->B. Ask for the broker's state."""
@@ -321,6 +351,7 @@ KIND_OF: dict[type, int] = {
     BatchRequest: 31,
     Batch: 32,
     BatchAck: 33,
+    LearnerPhaseReport: 34,
     StatusRequest: 40,
     StatusReply: 41,
 }
@@ -345,6 +376,7 @@ Message = (
     | BatchRequest
     | Batch
     | BatchAck
+    | LearnerPhaseReport
     | StatusRequest
     | StatusReply
 )

@@ -57,14 +57,17 @@ class WorkerStatus:
 
 @dataclass(frozen=True, slots=True)
 class LearnerStatus:
-    """The connected learner (rank 0). `phase` says what it is doing while it starts (loading the model,
-    initialising DeepSpeed, ...); empty when it does not say."""
+    """The connected learner (rank 0). `phase` is what it last said it is doing (`LearnerPhase` in lower
+    case with spaces: "loading model", "initialising engine", ..., "training"), `phase_detail` which
+    model, engine or step, `phase_s` for how long; empty and 0 when it does not say."""
 
     EVOLVABLE: ClassVar[bool] = True
     id: str
     last_seen_s: float
     waiting_for_batch: bool
     phase: str = ""
+    phase_detail: str = ""
+    phase_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

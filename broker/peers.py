@@ -1,14 +1,17 @@
 """Who is connected to the broker: workers, the learner, and what each got rejected for.
 
 Tracks liveness (any message counts as a heartbeat; a peer silent for liveness x interval is dead),
-credit (free engine slots a worker granted), the weights version each worker acked, and bounded
-per-peer, per-reason rejection counters. Knows nothing about samples or leases.
+credit (free engine slots a worker granted), the weights version each worker acked, what the learner
+says it is doing (its latest phase), and bounded per-peer, per-reason rejection counters. Knows nothing
+about samples or leases.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+
+from april.protocol import LearnerPhase
 
 MAX_WORKERS = 4096  # bound on the registry: strangers cannot grow it without limit
 MAX_COUNTED_PEERS = 1024  # rejections past this many distinct peers are counted under "other"
@@ -32,6 +35,16 @@ class WorkerPeer(Peer):
     tokens_generated: int = 0  # new response tokens accepted from this worker (for its tokens/s)
     restored: bool = False  # known only from a snapshot's leases; has not said hello to this broker
     hello_asked: float = float("-inf")  # when a restored worker was last asked to say hello
+
+
+@dataclass(slots=True)
+class LearnerPeer(Peer):
+    phase: LearnerPhase | None = None  # its latest LearnerPhaseReport; None before the first
+    phase_detail: str = ""  # which model, engine or step (LearnerPhaseReport.detail)
+    phase_since: float = 0.0  # broker clock when that phase was reported
+
+    def enter(self, phase: LearnerPhase, detail: str, now: float) -> None:
+        self.phase, self.phase_detail, self.phase_since = phase, detail, now
 
 
 @dataclass(slots=True)

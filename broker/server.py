@@ -36,7 +36,7 @@ from april.wire_records import SampleBatch
 from broker import snapshot
 from broker.auth import CurveGate
 from broker.evaluation import EvalResult, Evaluations
-from broker.peers import Peer, Rejections, WorkerPeer, Workers
+from broker.peers import LearnerPeer, Rejections, WorkerPeer, Workers
 from broker.prometheus import PrometheusExporter
 from broker.snapshot_writer import SnapshotWriter
 from broker.state import BrokerState, PendingBatch, ResultRejected
@@ -101,7 +101,7 @@ class Broker:
         self.state.max_live_samples = self.cfg.max_buffered_samples
         self.snapshots = SnapshotWriter(run_dir / "broker")
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
-        self.learner: Peer | None = None
+        self.learner: LearnerPeer | None = None
         self.learner_identity = b""
         self.learner_waiting: int | None = None  # step of an unanswered BatchRequest
         self.learner_metrics: dict[str, float] = {}  # the learner's figures of its last acked step
@@ -483,7 +483,7 @@ class Broker:
             self._send(self.learner_sock, identity, protocol.StatusReply(self.status(now)))
             return
         if isinstance(msg, protocol.LearnerHello):
-            self.learner = Peer(msg.learner_id, last_seen=now, last_sent=now)
+            self.learner = LearnerPeer(msg.learner_id, last_seen=now, last_sent=now)
             self.learner_waiting = None  # a request of an earlier session is not this learner's
             self.learner_identity = identity
             log.info("learner %s registered (v%d)", msg.learner_id, msg.version)
@@ -510,6 +510,8 @@ class Broker:
                     )
             case protocol.WeightsReady():
                 self._on_weights(msg, now)
+            case protocol.LearnerPhaseReport(phase=phase, detail=detail):
+                self.learner.enter(phase, detail, now)
             case protocol.Disconnect():
                 self.learner = None
                 self.learner_waiting = None

@@ -164,12 +164,20 @@ def _header(state: DashboardState, now: float, wide: bool) -> Panel:
     return _panel(Text.from_markup("\n".join(lines)), "april", subtitle=source)
 
 
+STARTING = ("loading model", "initialising engine", "restoring checkpoint")  # learner phases before step 1
+
+
 def _learner_word(learner: LearnerStatus | None) -> tuple[str, str]:
+    """What the learner is doing: its start-up phase with the detail and for how long (a start can take
+    minutes), else waiting or training."""
     if learner is None:
         return "not connected", "bold red"
+    if learner.phase in STARTING:
+        detail = f" ({learner.phase_detail})" if learner.phase_detail else ""
+        return f"{learner.phase}{detail} · {learner.phase_s:.0f}s", "yellow"
     if learner.waiting_for_batch:
         return "waiting for a batch", "yellow"
-    return (learner.phase, "yellow") if learner.phase else ("training", "green")
+    return learner.phase or "training", "green"
 
 
 def _alert(role: str, tail: list[str]) -> Panel:

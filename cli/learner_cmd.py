@@ -1,5 +1,5 @@
-"""`april learner`: run the learner (real, or simulated with learner.backend = "sim") until run.steps are
-trained or SIGINT/SIGTERM arrives."""
+"""`april learner`: run the learner (a real model, or simulated with learner.backend = "sim": the same loop
+either way) until run.steps are trained or SIGINT/SIGTERM arrives."""
 
 from __future__ import annotations
 
@@ -15,11 +15,6 @@ def run_learner_process(config: Config, run_dir: Path, resume: bool) -> None:
     setup_logging()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(config, run_dir / "config.learner.toml")
-    if config.learner.backend == "sim":  # no model, no torch: a cost model's step time (april bench)
-        from learner.sim_learner import run_sim_learner
-
-        run_sim_learner(config, run_dir, resume, stop_requested())
-        return
-    from learner.loop import run_learner
+    from learner.loop import run_learner  # here: `april --help` does not load the learner
 
     run_learner(config, run_dir, resume, stop_requested())

@@ -79,14 +79,19 @@ def save(engine: TrainEngine, checkpoints_dir: Path, meta: CheckpointMeta, *, ke
     return final
 
 
+def read_meta(path: Path) -> CheckpointMeta:
+    """The metadata of checkpoint `path` (cheap: loads nothing else); ValueError if it has none."""
+    try:
+        raw = json.loads((Path(path) / META).read_text(encoding="utf-8"))
+        return CheckpointMeta(**raw)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"{path} is not a complete checkpoint ({META}: {exc})") from exc
+
+
 def load(engine: TrainEngine, path: Path) -> CheckpointMeta:
     """Restore the engine and this rank's RNG from checkpoint `path`; returns its metadata."""
     path = Path(path)
-    try:
-        raw = json.loads((path / META).read_text(encoding="utf-8"))
-        meta = CheckpointMeta(**raw)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ValueError(f"{path} is not a complete checkpoint ({META}: {exc})") from exc
+    meta = read_meta(path)
     if meta.world_size != engine.world_size:
         raise ValueError(
             f"checkpoint {path} was written by {meta.world_size} ranks; this run has {engine.world_size}"

@@ -1,8 +1,8 @@
 """The learner's side of the protocol: register, wait for a batch, publish weights, ack.
 
 Owns what the learner says to the broker and what it must say again to a broker that lost it (after a
-reconnect, or when the broker answers `not_registered`): its hello, the latest weights (which a restored
-broker may have lost) and the BatchRequest it is waiting on. Keeps the idempotent-ack rule: every
+reconnect, or when the broker answers `not_registered`): its hello, the latest weights and phase (which
+a restored broker may have lost) and the BatchRequest it is waiting on. Keeps the idempotent-ack rule: every
 BatchRequest names the last batch trained, and a batch already trained is acked again, never trained
 twice. The connection itself (heartbeats while waiting, as a batch can take minutes to form; reconnecting
 with backoff when the broker goes silent) is `april.peer_link`'s. Knows nothing of torch.
@@ -40,6 +40,7 @@ class BrokerClient:
         self.version = version
         self.last_batch_id = last_batch_id
         self.latest_weights: protocol.WeightsReady | None = None
+        self.latest_phase: protocol.LearnerPhaseReport | None = None
         self.waiting: protocol.BatchRequest | None = None  # the request next_batch waits on
         # `curve`: CurveZMQ client keys when the broker requires them
         self.link = PeerLink(address, self.learner_id, self._hello, curve)
@@ -48,8 +49,8 @@ class BrokerClient:
     def _hello(self) -> list[protocol.Message]:
         """What introduces this learner to a broker that may have lost it."""
         hello: list[protocol.Message] = [protocol.LearnerHello(self.learner_id, self.version, os.getpid())]
-        if self.latest_weights is not None:  # a restored broker may have lost the announcement
-            hello.append(self.latest_weights)
+        # a restored or restarted broker may have lost the latest announcement and phase
+        hello += [msg for msg in (self.latest_weights, self.latest_phase) if msg is not None]
         if self.waiting is not None:
             hello.append(self.waiting)
         return hello
@@ -79,6 +80,11 @@ class BrokerClient:
         self.latest_weights = protocol.WeightsReady(version, uri, sha256)
         self.version = version
         self.link.send(self.latest_weights)
+
+    def report_phase(self, phase: protocol.LearnerPhase, detail: str) -> None:
+        """Tell the broker what the learner does from now on (shown in its status)."""
+        self.latest_phase = protocol.LearnerPhaseReport(phase, detail[: protocol.MAX_PHASE_DETAIL])
+        self.link.send(self.latest_phase)
 
     def ack(self, batch_id: int, metrics: dict[str, float]) -> None:
         """Ack a trained batch; `metrics` (the step's figures) go to the broker's status feed."""

@@ -1,8 +1,9 @@
 """The training engine: one small API over plain torch or DeepSpeed (ZeRO 0-3, CPU gloo or GPU NCCL).
 
 Owns the optimizer (AdamW), gradient clipping, gradient accumulation, the optional linear LR warm-up,
-the process group DeepSpeed needs, gathering full weights for publishing, and saving/loading the
-engine's own state (model, optimizer, scheduler, step count) into a directory.
+the process group DeepSpeed needs (and which of DeepSpeed's compiled ops it may build, where), gathering
+full weights for publishing, and saving/loading the engine's own state (model, optimizer, scheduler, step
+count) into a directory.
 
 Knows nothing of RL, samples or tokenization: the caller gives a loss function
 `(model, micro_batch) -> scalar loss tensor` and calls `forward_backward` once per micro-batch, then
@@ -15,7 +16,9 @@ Heavy imports (torch, deepspeed, safetensors) happen inside functions.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +82,49 @@ def init_process_group(device: str) -> None:
             os.environ.setdefault(name, value)
         os.environ.setdefault("MASTER_PORT", str(free_ports(1)[0]))
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    use_environment_extensions_dir()
+    skip_shared_memory_comm_op()
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", verbose=False)
+
+
+def skip_shared_memory_comm_op() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory communication op, which training never uses.
+
+    DeepSpeed's communication backend (`deepspeed.comm.torch.TorchBackend`) builds the `deepspeed_shm_comm`
+    C++ op whenever it is created, at any world size: a JIT compile of 30 s to minutes on a small machine,
+    repeated whenever another environment compiled it last. The op serves only `inference_all_reduce`
+    (tensor-parallel inference); ZeRO's collectives go through torch.distributed (gloo, NCCL). DeepSpeed
+    skips the build for an op its compatibility table marks unusable, so we mark this one. A DeepSpeed
+    without that table (or that op) is left alone: it builds as before.
+    """
+    import deepspeed.ops  # type: ignore[import-untyped]
+    from deepspeed.accelerator import get_accelerator  # type: ignore[import-untyped]
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if builder is not None and isinstance(compatible, dict):
+        compatible[builder.NAME] = False
+
+
+def extensions_dir(prefix: str, cache_root: Path) -> Path:
+    """This Python environment's own directory for compiled torch extensions, under `cache_root`.
+
+    torch keeps one directory per op for every environment of a user; an op compiled by another
+    environment has other include paths, so each environment rebuilds what the last one built. One
+    directory per environment (named by its `sys.prefix`) builds each op once per environment.
+    """
+    digest = hashlib.sha256(os.path.realpath(prefix).encode()).hexdigest()[:12]
+    return cache_root / f"{Path(prefix).name.lstrip('.') or 'env'}-{digest}"
+
+
+def use_environment_extensions_dir() -> None:
+    """Compile DeepSpeed's ops (e.g. FusedAdam on CUDA) into this environment's own directory, unless
+    TORCH_EXTENSIONS_DIR already names one."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        return
+    from torch.utils.cpp_extension import get_default_build_root
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(sys.prefix, Path(get_default_build_root())))
 
 
 def _warmup_factor(warmup_steps: int) -> Callable[[int], float]:

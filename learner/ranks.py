@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from april import protocol
-from learner.losses import LossStats
 
 if TYPE_CHECKING:
     import torch
+
+    from learner.losses import LossStats  # imports torch: the simulated learner's loop must not
 
 MAX_FRAMES = 1024  # a Batch message has a header and one frame per SampleBatch column: far fewer
 
@@ -92,7 +93,7 @@ def reduce_stats(stats: LossStats) -> LossStats:
     _, world = _world()
     if world == 1:
         return stats
-    names = [f.name for f in dataclasses.fields(LossStats)]
+    names = [f.name for f in dataclasses.fields(stats)]
     maxima = [n for n in names if n.endswith("_max")]
     sums = [n for n in names if n not in maxima]
     device = _device()
@@ -102,4 +103,4 @@ def reduce_stats(stats: LossStats) -> LossStats:
     dist.all_reduce(peaked, op=dist.ReduceOp.MAX)
     values = dict(zip(sums, summed.tolist(), strict=True)) | dict(zip(maxima, peaked.tolist(), strict=True))
     typed = {n: type(getattr(stats, n))(values[n]) for n in names}  # ints stay ints
-    return LossStats(**typed)
+    return dataclasses.replace(stats, **typed)

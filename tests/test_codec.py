@@ -177,6 +177,7 @@ EXAMPLES: dict[type, Any] = {
         ),
     ),
     P.BatchAck: P.BatchAck(batch_id=9, metrics={"loss": 0.5, "reward_mean": 0.25}),
+    P.LearnerPhaseReport: P.LearnerPhaseReport(P.LearnerPhase.INITIALISING_ENGINE, "DeepSpeed ZeRO-2 on cpu"),
     P.StatusRequest: P.StatusRequest(),
     P.StatusReply: P.StatusReply(status=_broker_status()),
 }
@@ -309,6 +310,7 @@ def test_registry_is_consistent() -> None:
         "BatchRequest": 31,
         "Batch": 32,
         "BatchAck": 33,
+        "LearnerPhaseReport": 34,
         "StatusRequest": 40,
         "StatusReply": 41,
     }
@@ -719,6 +721,16 @@ BODY_CASES = [
         "invalid_value",
         ["busy_slot_s 20.0"],
         id="usage_busy",
+    ),
+    pytest.param(
+        P.LearnerPhaseReport, lambda b: b.update(phase=99), "invalid_value", ["phase", "99"], id="phase_code"
+    ),
+    pytest.param(
+        P.LearnerPhaseReport,
+        lambda b: b.update(detail="x" * 201),
+        "invalid_value",
+        ["detail has 201 characters"],
+        id="phase_detail",
     ),
     pytest.param(
         P.Batch,

@@ -360,11 +360,24 @@ def test_progress_line_has_the_step_figures() -> None:
 
 
 def test_learner_phase_shows_while_it_starts() -> None:
-    learner = LearnerStatus(id="learner-0", last_seen_s=0.1, waiting_for_batch=False, phase="loading model")
+    learner = LearnerStatus(
+        id="learner-0",
+        last_seen_s=0.1,
+        waiting_for_batch=False,
+        phase="loading model",
+        phase_detail="models/tiny",
+        phase_s=4.2,
+    )
     out = text(fed(status(learner=learner, learner_metrics={})))
-    assert "learner loading model" in out
-    waiting = dataclasses.replace(learner, phase="", waiting_for_batch=True)
+    assert "learner loading model (models/tiny) · 4s" in out
+    engine = dataclasses.replace(learner, phase="initialising engine", phase_detail="deepspeed zero 0")
+    assert "initialising engine (deepspeed zero 0) · 4s" in text(fed(status(learner=engine)))
+    waiting = dataclasses.replace(learner, phase="waiting for batch", waiting_for_batch=True)
     assert "learner waiting for a batch" in text(fed(status(learner=waiting)))
+    training = dataclasses.replace(learner, phase="training", waiting_for_batch=False)
+    assert "learner training" in text(fed(status(learner=training)))
+    silent = dataclasses.replace(learner, phase="", phase_detail="", waiting_for_batch=False)
+    assert "learner training" in text(fed(status(learner=silent)))  # a learner that reports no phase
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ in another order: 1e-5 absolute. Resume vs uninterrupted is exact (same process 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -32,7 +33,12 @@ from april.files import sha256_file  # noqa: E402
 from april.hf import load_model, make_tiny_model  # noqa: E402
 from learner import checkpoint, weights  # noqa: E402
 from learner.ds_config import deepspeed_config  # noqa: E402
-from learner.engine import TrainEngine, TrainSettings  # noqa: E402
+from learner.engine import (  # noqa: E402
+    TrainEngine,
+    TrainSettings,
+    extensions_dir,
+    use_environment_extensions_dir,
+)
 
 SEQ_LEN = 32
 BASE = {"micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-3, "weight_decay": 0.01, "grad_clip": 1.0}
@@ -201,8 +207,12 @@ def test_deepspeed_steps_match_torch(model_dir: Path, tmp_path: Path, zero_stage
 
 @needs_deepspeed
 @pytest.mark.parametrize("zero_stage", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path, zero_stage: int) -> None:
-    """2 gloo ranks x (2 samples, 1 micro-batch) == 1 rank x (2 samples x 2 micro-batches)."""
+def test_two_ranks_match_one_rank(
+    model_dir: Path, tmp_path: Path, zero_stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 gloo ranks x (2 samples, 1 micro-batch) == 1 rank x (2 samples x 2 micro-batches); and two ranks
+    compile no DeepSpeed op either (ZeRO's collectives are torch.distributed's)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     ref_w, ref_m = result(torch_reference(model_dir, tmp_path / "torch", 2, backend="torch", **BASE))
     out = tmp_path / "ds"
     settings = {**BASE, "backend": "deepspeed", "zero_stage": zero_stage, "grad_accum_steps": 1}
@@ -212,6 +222,52 @@ def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path, zero_stage: i
     assert max_diff(ds_w, ref_w) <= 1e-5
     for got, want in zip(ds_m, ref_m, strict=True):
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert compiled_ops(tmp_path / "extensions") == []
+
+
+# ---------------------------------------------------------------------- DeepSpeed's compiled ops
+
+
+def compiled_ops(extensions: Path) -> list[str]:
+    """The ops torch's JIT built (or started to build) under TORCH_EXTENSIONS_DIR `extensions`."""
+    return sorted(p.name for p in extensions.iterdir()) if extensions.is_dir() else []
+
+
+@needs_deepspeed
+def test_a_one_rank_deepspeed_engine_compiles_no_op(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSpeed's communication backend compiles its shared-memory op at any world size unless told the
+    op is unusable; on 2 cores that took 30 s to minutes before the first step. Training never uses it."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    settings = {"backend": "deepspeed", "zero_stage": 0, **BASE}
+    run_children(
+        [{"model_dir": str(model_dir), "out": str(tmp_path / "ds"), "steps": 1, "settings": settings}],
+        tmp_path,
+    )
+    _, metrics = result(tmp_path / "ds")
+    assert [m["step"] for m in metrics] == [1]  # it trained
+    assert compiled_ops(tmp_path / "extensions") == []
+
+
+def test_each_environment_compiles_ops_into_its_own_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An op compiled by one virtual environment has other include paths than another's: sharing one
+    directory made each environment rebuild what the other built last."""
+    root = tmp_path / "cache"
+    one, other = extensions_dir("/work/a/.venv", root), extensions_dir("/work/b/.venv", root)
+    assert one.parent == root == other.parent and one != other
+    assert extensions_dir("/work/a/.venv", root) == one and one.name.startswith("venv-")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    use_environment_extensions_dir()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine")  # a directory the user named stays
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    use_environment_extensions_dir()
+    from torch.utils.cpp_extension import get_default_build_root
+
+    chosen = os.environ["TORCH_EXTENSIONS_DIR"]
+    assert chosen == str(extensions_dir(sys.prefix, Path(get_default_build_root())))
 
 
 # ---------------------------------------------------------------------- checkpoint and resume

@@ -1,6 +1,7 @@
 """The learner process against the real broker and a real torch worker (tiny model made here): it trains
 exactly N samples per step, publishes versions 1..K that the worker verifies and loads, writes one
-metrics.jsonl line per step with every field of docs/design.md section 7, and its weights files load back into the model."""
+metrics.jsonl line per step with every field of docs/design.md section 7, and its weights files load back
+into the model."""
 
 from __future__ import annotations
 

@@ -187,6 +187,27 @@ def test_offline_run_holds_every_metrics_line_and_the_config(tmp_path: Path) -> 
 
 
 @pytest.mark.usefixtures("offline")
+def test_a_run_of_april_up_logs_every_step_to_wandb(tmp_path: Path) -> None:
+    """The whole path: `april up` (sim engine, the learner loop with the simulated trainer) with
+    learner.wandb_project set leaves one offline wandb run holding every metrics.jsonl line."""
+    run_dir = tmp_path / "r"
+    sets = ["worker.engine=sim", "learner.backend=sim", "learner.sim_step_s=0", "learner.wandb_project=e2e"]
+    args = ["up", "--headless", "--steps", "2", "--workers", "1", "--run-dir", str(run_dir)]
+    done = subprocess.run(
+        [sys.executable, "-c", "from cli.main import main; main()", *args, *(f"--set={x}" for x in sets)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S * 3,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (wandb_file,) = offline_files(run_dir)
+    assert [line["step"] for line in lines] == [0, 1]
+    assert history(wandb_file) == {line["step"]: expected_fields(line) for line in lines}
+
+
+@pytest.mark.usefixtures("offline")
 def test_resume_continues_the_run_and_logs_no_step_twice(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

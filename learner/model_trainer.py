@@ -1,0 +1,154 @@
+"""The trainer of a real model (`learner.backend = "torch"` or `"deepspeed"`): the `learner.trainer.Trainer`
+the learner loop drives in a training run.
+
+Loads `learner.model` (and a frozen reference copy when `kl_coef` > 0), wraps it in the training engine
+(`learner.engine`), turns each batch into one `learner.step.train_step`, publishes weights as safetensors
+(`learner.weights`) and saves/restores checkpoints (`learner.checkpoint`: `checkpoints/step_*/`). Every
+rank holds one; gathering weights and checkpointing are collectives, rank 0 alone writes the files.
+Composes those pieces; owns none of their logic, and knows nothing of the broker.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from april import protocol
+from april.config import Config
+from learner import checkpoint, weights
+from learner.losses import LossConfig
+from learner.trainer import PhaseReport, ResumePoint, launched_rank
+
+if TYPE_CHECKING:
+    from learner.engine import TrainEngine
+
+
+def loss_config(config: Config) -> LossConfig:
+    lc = config.learner
+    return LossConfig.from_algo(
+        config.algo,
+        eps_low=None if lc.eps_low < 0 else lc.eps_low,
+        eps_high=None if lc.eps_high < 0 else lc.eps_high,
+        kl_coef=lc.kl_coef,
+        entropy_coef=lc.entropy_coef,
+    )
+
+
+def engine_summary(config: Config, world_size: int) -> str:
+    """What `start` builds, for the phase report: 'DeepSpeed ZeRO-2 on cpu, 2 ranks'."""
+    lc = config.learner
+    engine = f"DeepSpeed ZeRO-{lc.zero_stage}" if lc.backend == "deepspeed" else "torch AdamW"
+    return f"{engine} on {lc.device}, {world_size} rank{'s' if world_size > 1 else ''}"
+
+
+class ModelTrainer:
+    def __init__(self, config: Config, run_dir: Path) -> None:
+        lc = config.learner
+        if lc.backend == "torch" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("learner.backend = 'torch' runs one process; use 'deepspeed' for several ranks")
+        self.config = config
+        self.checkpoints = run_dir / "checkpoints"
+        self.loss = loss_config(config)
+        self._engine: TrainEngine | None = None
+        self._reference: Any = None  # the frozen initial model when KL is on
+        self._vocab = 0
+
+    @property
+    def engine(self) -> TrainEngine:
+        if self._engine is None:
+            raise RuntimeError("ModelTrainer.start() was not called")
+        return self._engine
+
+    @property
+    def rank(self) -> int:
+        return self._engine.rank if self._engine is not None else launched_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def checkpoint_every(self) -> int:
+        return self.config.learner.checkpoint_every
+
+    def resume_point(self) -> ResumePoint | None:
+        latest = checkpoint.latest(self.checkpoints)
+        if latest is None:
+            return None
+        meta = checkpoint.read_meta(latest)
+        return ResumePoint(meta.step, meta.version, meta.last_batch_id, source=str(latest))
+
+    def start(self, report: PhaseReport) -> None:
+        from april.hf import load_model, set_torch_threads
+        from learner.engine import TrainEngine, TrainSettings
+
+        lc = self.config.learner
+        report(protocol.LearnerPhase.LOADING_MODEL, lc.model)
+        set_torch_threads(lc.torch_threads)
+        model = load_model(lc.model, device=lc.device, dtype="float32" if lc.device == "cpu" else "auto")
+        if lc.kl_coef > 0:
+            self._reference = load_model(lc.model, device=lc.device)
+            self._reference.train(False)
+            self._reference.requires_grad_(False)
+        report(
+            protocol.LearnerPhase.INITIALISING_ENGINE,
+            engine_summary(self.config, int(os.environ.get("WORLD_SIZE", "1"))),
+        )
+        settings = TrainSettings(
+            backend=lc.backend,  # type: ignore[arg-type]
+            zero_stage=lc.zero_stage,
+            micro_batch_size=1,
+            grad_accum_steps=lc.micro_batches,
+            lr=lc.lr,
+            weight_decay=lc.weight_decay,
+            betas=(lc.beta1, lc.beta2),
+            eps=lc.adam_eps,
+            grad_clip=lc.grad_clip,
+            warmup_steps=lc.warmup_steps,
+            device=lc.device,
+        )
+        self._engine = TrainEngine(model, settings)
+        hf_model: Any = self._engine.module
+        self._vocab = int(hf_model.get_input_embeddings().num_embeddings)
+
+    def restore(self, point: ResumePoint) -> None:
+        checkpoint.load(self.engine, checkpoint.step_dir(self.checkpoints, point.step))
+
+    def train(self, batch: protocol.Batch, version: int) -> dict[str, float]:
+        from learner.batching import build_train_batch
+        from learner.step import train_step
+
+        algo = self.config.algo
+        return train_step(
+            self.engine,
+            build_train_batch(batch.samples.to_samples(), n_samples_per_prompt=algo.n_samples_per_prompt),
+            self.loss,
+            version=version,
+            temperature=algo.temperature,
+            group_size=algo.n_samples_per_prompt,
+            updates=self.config.learner.updates_per_batch,
+            reference=self._reference,
+        )
+
+    def publish(self, weights_dir: Path, version: int) -> tuple[Path, str] | None:
+        state = self.engine.state_dict_for_publish()  # a collective under ZeRO-3: every rank calls it
+        if self.engine.rank != 0:
+            return None
+        return weights.publish(state, weights_dir, version, keep=self.config.learner.keep_weights)
+
+    def save(self, point: ResumePoint) -> None:
+        lc = self.config.learner
+        meta = checkpoint.CheckpointMeta(
+            step=point.step,
+            version=point.version,
+            last_batch_id=point.last_batch_id,
+            world_size=self.engine.world_size,
+            backend=lc.backend,
+            zero_stage=lc.zero_stage,
+        )
+        checkpoint.save(self.engine, self.checkpoints, meta, keep=lc.keep_checkpoints)
