@@ -33,7 +33,6 @@ from cli.sim_options import (
     DecodeMs,
     DecodeMsPerSeq,
     LearnerStepS,
-    MaxStaleness,
     Modes,
     PrefillMsPerToken,
     PromptLen,
@@ -58,6 +57,17 @@ def _absolute(spec: LengthSpec) -> LengthSpec:
     if isinstance(spec, EmpiricalLength):
         return EmpiricalLength.load(str(Path(spec.path).resolve()))
     return spec
+
+
+def parse_staleness(text: str) -> tuple[int, ...]:
+    """--max-staleness: one bound, or a comma list of distinct bounds >= 0."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise SimulateError(f"--max-staleness: got {text!r}, expected integers >= 0, e.g. 1 or 1,2") from None
+    if not values or min(values) < 0 or len(set(values)) != len(values):
+        raise SimulateError(f"--max-staleness: got {text!r}, expected distinct integers >= 0, e.g. 1 or 1,2")
+    return values
 
 
 def bench_command(
@@ -93,7 +103,13 @@ def bench_command(
     max_new_tokens: Annotated[
         int | None, typer.Option(help="Response budget (sim 16384, torch 256).")
     ] = None,
-    max_staleness: MaxStaleness = 1,
+    max_staleness: Annotated[
+        str,
+        typer.Option(
+            help="async: versions a sample may lag (eta). A comma list (1,2) runs async once per value "
+            "(async-eta1, async-eta2), each against the same sync run."
+        ),
+    ] = "1",
     decode_ms: DecodeMs = COST.decode_ms,
     decode_ms_per_seq: DecodeMsPerSeq = COST.decode_ms_per_seq,
     prefill_ms_per_token: PrefillMsPerToken = COST.prefill_ms_per_token,
@@ -123,12 +139,13 @@ def bench_command(
     if engine not in DEFAULTS:
         raise SimulateError(f"--engine: got {engine!r}, expected sim or torch")
     d = DEFAULTS[engine]
+    staleness = parse_staleness(max_staleness)
     algo = AlgoConfig(
         rollout_batch_size=rollout_batch_size or int(d["rollout_batch_size"]),
         over_sampling_batch_size=over_sampling_batch_size or int(d["over_sampling_batch_size"]),
         n_samples_per_prompt=n_samples_per_prompt,
         max_new_tokens=max_new_tokens or int(d["max_new_tokens"]),
-        max_staleness=max_staleness,
+        max_staleness=staleness[0],
     )
     name = workload or str(d["workload"])
     setting = BenchSetting(
@@ -146,6 +163,7 @@ def bench_command(
         prompt_len=prompt_len,
         model=str(model.resolve()),
         real_learner=real_learner,
+        async_staleness=staleness,
     )
     run_bench(setting, out, target_s, time_scale)
 
@@ -167,11 +185,11 @@ def run_bench(
         setting = dataclasses.replace(setting, time_scale=scale)
     out.mkdir(parents=True, exist_ok=True)
     measured: dict[str, Figures] = {}
-    for mode in setting.modes:
-        figures, took = run_mode(setting, mode, out)
-        measured[mode.value] = figures
+    for bench_run in setting.runs():
+        figures, took = run_mode(setting, bench_run, out)
+        measured[bench_run.label] = figures
         print(
-            f"april bench: {mode.value}: {figures.samples_per_s:.3f} samples/s, slot utilisation "
+            f"april bench: {bench_run.label}: {figures.samples_per_s:.3f} samples/s, slot utilisation "
             f"{figures.slot_utilization:.3f} ({took:.0f} s with start-up)",
             file=sys.stderr,
         )

@@ -34,6 +34,15 @@ ENGINES = ("sim", "torch")
 
 
 @dataclass(frozen=True, slots=True)
+class BenchRun:
+    """One run of a bench: its label in bench.json (the mode's name, or async-etaN), mode and settings."""
+
+    label: str
+    mode: Mode
+    algo: AlgoConfig
+
+
+@dataclass(frozen=True, slots=True)
 class BenchSetting:
     engine: str  # sim | torch
     modes: tuple[Mode, ...]
@@ -50,6 +59,22 @@ class BenchSetting:
     time_scale: float = 1.0  # sim: wall seconds per simulated second
     model: str = ""  # torch, or sim with real_learner: the model directory (workers and learner)
     real_learner: bool = False  # sim: train the model for real (DeepSpeed) instead of the simulated learner
+    async_staleness: tuple[int, ...] = ()  # async once per bound (eta), labelled async-etaN; () = algo's
+
+    def runs(self) -> list[BenchRun]:
+        """The runs, in order: one per mode, and async once per bound of `async_staleness` when it names
+        more than one (so every ratio to sync is taken in one bench, against one sync run)."""
+        out = []
+        for mode in self.modes:
+            if mode is Mode.ASYNC and len(self.async_staleness) > 1:
+                out += [
+                    BenchRun(f"async-eta{eta}", mode, dataclasses.replace(self.algo, max_staleness=eta))
+                    for eta in self.async_staleness
+                ]
+            else:
+                eta = self.async_staleness[0] if self.async_staleness else self.algo.max_staleness
+                out.append(BenchRun(mode.value, mode, dataclasses.replace(self.algo, max_staleness=eta)))
+        return out
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -66,6 +91,7 @@ class BenchSetting:
             "n_samples_per_prompt": a.n_samples_per_prompt,
             "max_new_tokens": a.max_new_tokens,
             "max_staleness": a.max_staleness,
+            "async_staleness": list(self.async_staleness) or [a.max_staleness],
             "steps": self.steps,
             "seed": self.seed,
             "engines": self.engines,
@@ -86,10 +112,10 @@ class BenchSetting:
         return out
 
 
-def sim_config(setting: BenchSetting, mode: Mode) -> SimConfig:
+def sim_config(setting: BenchSetting, run: BenchRun) -> SimConfig:
     return SimConfig(
-        mode,
-        setting.algo,
+        run.mode,
+        run.algo,
         engines=setting.engines,
         slots=setting.slots,
         cost=setting.cost,
@@ -103,7 +129,7 @@ def sim_config(setting: BenchSetting, mode: Mode) -> SimConfig:
 
 def predict(setting: BenchSetting) -> dict[str, Figures]:
     """`april simulate`'s figures of the same runs, in simulated seconds (the same samples)."""
-    by_mode = {m.value: simulate(sim_config(setting, m), setting.lengths).figures for m in setting.modes}
+    by_mode = {r.label: simulate(sim_config(setting, r), setting.lengths).figures for r in setting.runs()}
     return with_speedups(by_mode)
 
 
@@ -113,9 +139,9 @@ def choose_time_scale(predicted: dict[str, Figures], target_s: float) -> float:
     return target_s / longest if longest > 0 else 1.0
 
 
-def run_config(setting: BenchSetting, mode: Mode, name: str) -> Config:
-    """The `april up` config of one mode's run (ports are the runner's)."""
-    run = RunConfig(name=name, seed=setting.seed, steps=setting.steps, mode=mode)
+def run_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
+    """The `april up` config of one run (ports are the runner's)."""
+    run = RunConfig(name=name, seed=setting.seed, steps=setting.steps, mode=bench_run.mode)
     broker = BrokerConfig(min_workers=setting.engines)  # every engine starts together, as simulated
     learner = LearnerConfig(checkpoint_every=0, tensorboard=False)
     if setting.engine == "sim":
@@ -143,7 +169,7 @@ def run_config(setting: BenchSetting, mode: Mode, name: str) -> Config:
             learner = dataclasses.replace(
                 learner, model=setting.model, backend="deepspeed", lr=1e-4, torch_threads=2
             )
-        return Config(run=run, algo=setting.algo, data=data, broker=broker, worker=worker, learner=learner)
+        return Config(run=run, algo=bench_run.algo, data=data, broker=broker, worker=worker, learner=learner)
     # torch: the built-in task on the model, everything real; one evaluation at the end (and the
     # broker's baseline at v0, the same work in every mode) gives accuracy_final
     run = dataclasses.replace(run, eval_every=setting.steps)
@@ -152,4 +178,4 @@ def run_config(setting: BenchSetting, mode: Mode, name: str) -> Config:
         engine="torch", slots=setting.slots, model=setting.model, reward="exact", torch_threads=1
     )
     learner = dataclasses.replace(learner, model=setting.model, backend="deepspeed", lr=1e-4, torch_threads=2)
-    return Config(run=run, algo=setting.algo, data=data, broker=broker, worker=worker, learner=learner)
+    return Config(run=run, algo=bench_run.algo, data=data, broker=broker, worker=worker, learner=learner)

@@ -11,18 +11,14 @@ histogram (matplotlib, imported here only). Computes no figure.
 from __future__ import annotations
 
 import math
-import os
-import platform
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from april import provenance
 from broker.sim.figures import Figures
 
-REPO = Path(__file__).resolve().parents[1]
 HISTOGRAM_SAMPLES = 20000  # lengths drawn from the workload for its histogram
 
 # (bench.md column, figure name, format)
@@ -46,26 +42,16 @@ COLUMNS = (
 
 
 def machine() -> dict[str, Any]:
-    """Where the numbers were measured."""
-    try:
-        import torch
-
-        torch_version: str | None = torch.__version__
-    except ImportError:
-        torch_version = None
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    """Where the numbers were measured (bench.json's `machine`, the schema's names)."""
+    here = provenance.machine()
+    head, _ = provenance.commit()
     return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0],
-        "torch": torch_version,
-        "git_commit": commit or None,
+        "cpu_count": here["cpus"],
+        "platform": here["platform"],
+        "processor": here["processor"],
+        "python": here["python"],
+        "torch": here["torch"],
+        "git_commit": None if head == "unknown" else head,
     }
 
 
@@ -90,6 +76,7 @@ def bench_json(
         "speedup": {m: f.speedup for m, f in measured.items()},
         "workload": workload,
         "machine": machine(),
+        "provenance": provenance.provenance(),
     }
     if predicted is not None:
         out["predicted"] = {m: _clean(f.to_json()) for m, f in predicted.items()}
@@ -126,7 +113,7 @@ def bench_markdown(
         "",
         f"Workload `{w['workload']}` (lengths `{w['lengths']}`); {w['rollout_batch_size']} x "
         f"{w['n_samples_per_prompt']} samples a step, over-sampling {w['over_sampling_batch_size']} groups, "
-        f"{w['max_new_tokens']} tokens max, eta {w['max_staleness']}, {w['engines']} engines x {w['slots']} "
+        f"{w['max_new_tokens']} tokens max, eta {', '.join(map(str, w['async_staleness']))}, {w['engines']} engines x {w['slots']} "
         f"slots, {w['steps']} steps, seed {w['seed']}.",
     ]
     if w["engine"] == "sim":

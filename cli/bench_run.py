@@ -12,37 +12,36 @@ import sys
 import time
 from pathlib import Path
 
-from april.config import Mode, write_config
+from april.config import write_config
 from april.ports import free_ports
 from broker.sim.figures import Figures
 from cli.bench_figures import BenchRunError, run_figures
-from cli.bench_plan import BenchSetting, run_config
+from cli.bench_plan import BenchRun, BenchSetting, run_config
 from cli.up_cmd import UpOptions, run_up
 
 
-def run_mode(setting: BenchSetting, mode: Mode, out: Path) -> tuple[Figures, float]:
-    """Run `mode` to its last step; returns its figures and the seconds the whole run took (start-up and
-    stop included)."""
-    config = run_config(setting, mode, f"bench-{mode.value}")
+def run_mode(setting: BenchSetting, bench_run: BenchRun, out: Path) -> tuple[Figures, float]:
+    """Run one mode to its last step; returns its figures and the seconds the whole run took (start-up
+    and stop included)."""
+    label = bench_run.label
+    config = run_config(setting, bench_run, f"bench-{label}")
     worker_port, learner_port, pub_port = free_ports(3)
     broker = dataclasses.replace(
         config.broker, worker_port=worker_port, learner_port=learner_port, pub_port=pub_port
     )
     config = dataclasses.replace(config, broker=broker)
     runs = out / "runs"
-    run_dir = runs / mode.value
+    run_dir = runs / label
     if run_dir.exists() and any(run_dir.iterdir()):
         raise BenchRunError(f"{run_dir} already holds a run: choose another --out")
-    path = runs / f"{mode.value}.toml"
+    path = runs / f"{label}.toml"
     write_config(config, path)
-    print(
-        f"april bench: {mode.value}: {setting.engines} x `april worker` + broker + learner", file=sys.stderr
-    )
+    print(f"april bench: {label}: {setting.engines} x `april worker` + broker + learner", file=sys.stderr)
     started = time.monotonic()
     code = run_up(
         UpOptions(config=path, workers=setting.engines, run_dir=run_dir, headless=True, steps=setting.steps)
     )
     took = time.monotonic() - started
     if code != 0:
-        raise BenchRunError(f"{mode.value}: april up exited {code} (logs in {run_dir / 'logs'})")
+        raise BenchRunError(f"{label}: april up exited {code} (logs in {run_dir / 'logs'})")
     return run_figures(run_dir), took

@@ -115,7 +115,7 @@ def test_each_mode_gets_the_same_config_but_its_mode_and_the_sim_learner_unless_
     from actors.lengths import LengthSpec
     from april.config import AlgoConfig, Mode, config_to_dict
     from cli.bench_cmd import TINY_MODEL
-    from cli.bench_plan import BenchSetting, run_config
+    from cli.bench_plan import BenchRun, BenchSetting, run_config
 
     setting = BenchSetting(
         "sim",
@@ -128,7 +128,7 @@ def test_each_mode_gets_the_same_config_but_its_mode_and_the_sim_learner_unless_
         4,
         time_scale=0.5,
     )
-    sync, asyn = (config_to_dict(run_config(setting, m, "b")) for m in (Mode.SYNC, Mode.ASYNC))
+    sync, asyn = (config_to_dict(run_config(setting, r, "b")) for r in setting.runs())
     assert sync["run"].pop("mode") == "sync" and asyn["run"].pop("mode") == "async"
     assert sync == asyn
     assert sync["learner"]["backend"] == "sim" and sync["worker"]["sim_time_scale"] == 0.5
@@ -138,8 +138,46 @@ def test_each_mode_gets_the_same_config_but_its_mode_and_the_sim_learner_unless_
             "sim", (Mode.SYNC,), 3, "w", LengthSpec.parse("fixed:8"), AlgoConfig(), 2, 4,
             model=str(TINY_MODEL), real_learner=True,
         ),
-        Mode.SYNC,
+        BenchRun("sync", Mode.SYNC, AlgoConfig()),
         "b",
     )  # fmt: skip
     assert real.learner.backend == "deepspeed" and real.learner.model == real.worker.model == str(TINY_MODEL)
     assert real.data.synthetic_vocab_size == 320  # the tiny model's vocabulary: sim tokens it can train on
+
+
+def test_several_staleness_bounds_run_async_once_each_against_one_sync_run() -> None:
+    """`--max-staleness 1,2`: the ratios of both async runs are taken against the same sync run of the
+    same bench; the runs differ only in mode and bound."""
+    from actors.lengths import LengthSpec
+    from april.config import AlgoConfig, Mode, config_to_dict
+    from cli.bench_plan import BenchSetting, predict, run_config
+
+    setting = BenchSetting(
+        "sim", (Mode.SYNC, Mode.APRIL, Mode.ASYNC), 2, "w", LengthSpec.parse("fixed:8"),
+        AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2), 2, 4,
+        async_staleness=(1, 2),
+    )  # fmt: skip
+    runs = setting.runs()
+    assert [(r.label, r.mode, r.algo.max_staleness) for r in runs] == [
+        ("sync", Mode.SYNC, 1),
+        ("april", Mode.APRIL, 1),
+        ("async-eta1", Mode.ASYNC, 1),
+        ("async-eta2", Mode.ASYNC, 2),
+    ]
+    eta1, eta2 = (config_to_dict(run_config(setting, r, "b")) for r in runs[2:])
+    assert eta1["algo"].pop("max_staleness") == 1 and eta2["algo"].pop("max_staleness") == 2
+    assert eta1 == eta2
+    predicted = predict(setting)
+    assert list(predicted) == ["sync", "april", "async-eta1", "async-eta2"]
+    assert predicted["sync"].speedup == 1.0 and predicted["async-eta2"].speedup is not None
+    assert setting.to_json()["async_staleness"] == [1, 2]
+
+
+@pytest.mark.parametrize("text", ["", "x", "1,1", "-1", "1,,-2"])
+def test_a_bad_staleness_list_is_one_error(text: str) -> None:
+    from cli.bench_cmd import parse_staleness
+    from cli.simulate_cmd import SimulateError
+
+    with pytest.raises(SimulateError, match="--max-staleness"):
+        parse_staleness(text)
+    assert parse_staleness("2") == (2,) and parse_staleness("1, 2") == (1, 2)

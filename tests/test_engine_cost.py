@@ -92,7 +92,7 @@ def test_a_chosen_cost_reaches_the_simulator_and_the_bench_workers_alike() -> No
     bench = BenchSetting(
         "sim", (Mode.SYNC,), 1, "w", LengthSpec.parse("fixed:4"), AlgoConfig(), 1, 2, cost=cost
     )
-    assert run_config(bench, Mode.SYNC, "run").worker.sim_cost == cost
+    assert run_config(bench, bench.runs()[0], "run").worker.sim_cost == cost
 
 
 # ------------------------------------------------------------------ one machine, step by step
