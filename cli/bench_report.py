@@ -113,8 +113,8 @@ def bench_markdown(
         "",
         f"Workload `{w['workload']}` (lengths `{w['lengths']}`); {w['rollout_batch_size']} x "
         f"{w['n_samples_per_prompt']} samples a step, over-sampling {w['over_sampling_batch_size']} groups, "
-        f"{w['max_new_tokens']} tokens max, eta {', '.join(map(str, w['async_staleness']))}, {w['engines']} engines x {w['slots']} "
-        f"slots, {w['steps']} steps, seed {w['seed']}.",
+        f"{w['max_new_tokens']} tokens max, eta {', '.join(map(str, w['async_staleness']))}, "
+        f"{w['engines']} engines x {w['slots']} slots, {w['steps']} steps, seed {w['seed']}.",
     ]
     if w["engine"] == "sim":
         lines.append(
