@@ -10,6 +10,8 @@ generates them. `evaluate` is also usable on its own (any HF model directory).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,8 @@ import typer
 
 from actors.engine import GenerationRequest, SamplingParams
 from april.data import export_jsonl
+from april.files import write_text_atomic
+from april.provenance import provenance
 from april.records import FinishReason
 from april.task import MAX_NEW_TOKENS, TaskPromptSource
 from learner.sft import DEFAULT_LR, DEFAULT_STEPS, DEFAULT_THREADS, SftResult, SftSettings, train_sft
@@ -84,8 +88,9 @@ def evaluate(
     )
 
 
-def run_sft(out_dir: Path, settings: SftSettings, eval_prompts: int) -> SftResult:
-    """Train, then print held-out accuracy (greedy and sampled) and the model's size."""
+def run_sft(out_dir: Path, settings: SftSettings, eval_prompts: int, report: Path | None = None) -> SftResult:
+    """Train, then print held-out accuracy (greedy and sampled) and the model's size; with `report`, also
+    write them as JSON (with the provenance stamp), the artifact the README's sft figures come from."""
     result = train_sft(out_dir, settings)
     size_mb = sum(f.stat().st_size for f in Path(out_dir).iterdir() if f.is_file()) / 2**20
     print(
@@ -93,14 +98,29 @@ def run_sft(out_dir: Path, settings: SftSettings, eval_prompts: int) -> SftResul
         f"{result.final_loss:.4f}, {result.train_tokens} tokens in {result.wall_s:.0f}s; "
         f"{out_dir} is {size_mb:.1f} MiB"
     )
+    evals: dict[str, dict[str, float | int]] = {}
     if eval_prompts > 0:
         for greedy in (True, False):
             ev = evaluate(out_dir, eval_prompts, greedy=greedy, samples_per_prompt=1 if greedy else 4)
+            evals["greedy" if greedy else "sampled"] = dataclasses.asdict(ev)
             print(
                 f"sft eval ({'greedy' if greedy else 'temperature 1.0'}, {ev.samples} samples, "
                 f"max_new_tokens {MAX_NEW_TOKENS}): accuracy {ev.accuracy:.3f}, mean length "
                 f"{ev.mean_tokens:.1f} tokens, truncated {ev.truncated:.3f}, {ev.tokens_per_s:.0f} tokens/s"
             )
+    if report is not None:
+        figures = {
+            "parameters": result.parameters,
+            "steps": result.steps,
+            "final_loss": result.final_loss,
+            "train_tokens": result.train_tokens,
+            "wall_s": result.wall_s,
+            "size_mib": size_mb,
+            "eval": evals,
+            "settings": dataclasses.asdict(settings),
+            "provenance": provenance(),
+        }
+        write_text_atomic(report, json.dumps(figures, indent=2) + "\n")
     return result
 
 
@@ -126,9 +146,12 @@ def sft_command(
     eval_prompts: Annotated[
         int, typer.Option("--eval-prompts", help="Held-out prompts to score afterwards; 0: skip.", min=0)
     ] = 200,
+    report: Annotated[
+        Path | None, typer.Option("--report", help="Also write the figures as JSON here.", dir_okay=False)
+    ] = None,
 ) -> None:
     """Warm-start the tiny model on the built-in task; the defaults rebuild models/tiny (~5 min, 2 cores)."""
-    run_sft(out, SftSettings(seed=seed, steps=steps, lr=lr, threads=threads), eval_prompts)
+    run_sft(out, SftSettings(seed=seed, steps=steps, lr=lr, threads=threads), eval_prompts, report)
 
 
 task_app = typer.Typer(

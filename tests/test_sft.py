@@ -89,12 +89,17 @@ def _fields(settings: SftSettings) -> dict[str, object]:
 def test_sft_command_trains_and_export_command_writes_jsonl(tmp_path: Path) -> None:
     runner = CliRunner()
     out = tmp_path / "model"
-    result = runner.invoke(
-        app, ["sft", "--out", str(out), "--steps", "1", "--threads", "1", "--eval-prompts", "0"]
-    )
+    report = tmp_path / "sft.json"
+    args = ["sft", "--out", str(out), "--steps", "1", "--threads", "1", "--eval-prompts", "2"]
+    result = runner.invoke(app, [*args, "--report", str(report)])
     assert result.exit_code == 0, result.output
     assert "1 steps" in result.output
     load_model(out)
+    figures = json.loads(report.read_text())  # the artifact the README's sft figures come from
+    assert figures["steps"] == 1 and figures["parameters"] > 0 and figures["wall_s"] > 0
+    assert figures["eval"]["greedy"]["samples"] == 2 and figures["eval"]["sampled"]["samples"] == 8
+    assert 0.0 <= figures["eval"]["sampled"]["accuracy"] <= 1.0
+    assert figures["provenance"]["command"] and {"commit", "dirty", "machine"} <= set(figures["provenance"])
     path = tmp_path / "task.jsonl"
     result = runner.invoke(app, ["task", "export", "--out", str(path), "--count", "5", "--seed", "2"])
     assert result.exit_code == 0, result.output
