@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install up test test-vllm lint bench docs clean
+.PHONY: install up test test-vllm lint bench results docs clean
 
 install: $(STAMP)
 
@@ -58,6 +58,12 @@ lint: install
 bench: install
 	$(BIN)/python benchmarks/broker_throughput.py
 	$(BIN)/april bench --engine sim --out runs/bench-sim
+
+# Every figure README.md and docs/ quote, measured again into docs/ with its provenance, then the docs'
+# tables rendered from those files (about 2 hours on a quiet 2-core machine; `--only STEP,...` for some).
+results: install
+	$(BIN)/python benchmarks/results.py run
+	$(BIN)/python benchmarks/results.py render
 
 # The configuration reference is generated from april/config.py; tests/test_config_doc.py fails when stale.
 docs: install

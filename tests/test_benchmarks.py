@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,14 +22,15 @@ BENCHMARKS = REPO / "benchmarks"
 DEADLINE_S = 300  # "did not hang", not "was fast": the smoke sizes take seconds to a minute or two
 
 
-def run_smoke(script: str, out: Path, cwd: Path) -> str:
-    """`python benchmarks/SCRIPT --smoke --out OUT` with this tree's april first on the path; its output."""
+def run_smoke(script: str, out: Path, cwd: Path, verb: str = "") -> str:
+    """`python benchmarks/SCRIPT [VERB] --smoke --out OUT` with this tree's april first on the path; its
+    output."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
     }
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
+        [sys.executable, str(BENCHMARKS / script), *([verb] if verb else []), "--smoke", "--out", str(out)],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -193,12 +195,28 @@ def check_soak(tmp_path: Path) -> None:
     assert len(summary["kill_moments"]) == sum(summary["kills"].values())
 
 
+def check_results(tmp_path: Path) -> None:
+    """`make results`'s orchestrator: its cheap steps at tiny sizes, into a folder of the test's own."""
+    out = tmp_path / "docs"
+    before = {f: f.stat().st_mtime_ns for f in (REPO / "docs").rglob("*") if f.is_file()}
+    run_smoke("results.py", out, tmp_path, verb="run")
+    assert {f: f.stat().st_mtime_ns for f in (REPO / "docs").rglob("*") if f.is_file()} == before
+    for step, artifact in (("simulate", "simulate.json"), ("fuzz", "fuzz.json")):
+        folder = out / "results" / step
+        doc = json.loads((folder / artifact).read_text())
+        assert doc["modes"] if step == "simulate" else doc["only_protocol_error"] is True
+        stamp = json.loads((folder / "provenance.json").read_text())
+        assert stamp["command"].startswith(("april simulate", "python tests/codec_fuzz.py")), stamp
+        assert {"commit", "dirty", "date", "machine", "wall_s"} <= set(stamp) and positive(stamp["wall_s"])
+
+
 CHECKS: dict[str, Callable[[Path], None]] = {
     "broker_throughput.py": check_broker_throughput,
     "engine_throughput.py": check_engine_throughput,
     "learner_step.py": check_learner_step,
     "accuracy.py": check_accuracy,
     "soak.py": check_soak,
+    "results.py": check_results,
 }
 
 
@@ -211,9 +229,33 @@ def test_the_benchmarks_readme_gives_each_smoke_and_full_command() -> None:
     readme = (BENCHMARKS / "README.md").read_text()
     for script in CHECKS:
         assert f"## `{script}`" in readme, script
-        assert f"benchmarks/{script} --smoke" in readme, script
+        assert re.search(rf"benchmarks/{re.escape(script)}( [a-z]+)? --smoke", readme), script
 
 
 @pytest.mark.parametrize("script", sorted(CHECKS))
 def test_smoke_run(script: str, tmp_path: Path) -> None:
     CHECKS[script](tmp_path)
+
+
+def test_every_measured_block_in_the_docs_is_rendered_from_its_artifact() -> None:
+    """README.md and docs/*.md quote measurements only inside `<!-- measured:NAME -->` blocks, rendered by
+    `benchmarks/results.py render` from the artifacts committed under docs/: a block edited by hand, or an
+    artifact rerun without rendering, fails here."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "results.py"), "render", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_artifact_folder_says_how_it_was_made() -> None:
+    """Each folder of measurements under docs/ carries its provenance: the command and the commit."""
+    folders = sorted({p.parent for p in (REPO / "docs").rglob("*.json")} - {REPO / "docs"})
+    assert folders, "no artifacts under docs/"
+    for folder in folders:
+        stamp = json.loads((folder / "provenance.json").read_text())
+        assert stamp["command"] and len(stamp["commit"]) == 40, folder

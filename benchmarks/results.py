@@ -1,0 +1,470 @@
+"""`make results`: rerun every measurement that README.md and docs/ quote, then render their tables.
+
+    python benchmarks/results.py run [--only up-run,fuzz] [--list]   # every step, one after another
+    python benchmarks/results.py render [--check]                   # README.md and docs/*.md blocks
+
+`run` executes each step's command (the very command a reader would type) in a scratch directory and
+copies the step's artifact files into docs/ (`docs/results/STEP/`, or `docs/bench/STEP/` for the `april
+bench` runs), with `provenance.json` beside them: the command, the commit it ran (and whether the tree was
+dirty), the date, the machine and its load, and the step's wall seconds. Steps run one at a time: the
+machine is the instrument, and two at once would measure each other. `--list` prints the plan with each
+step's expected minutes on a quiet 2-core machine; the whole plan takes about two hours there.
+
+`render` rewrites every block between `<!-- measured:NAME -->` and `<!-- /measured:NAME -->` in
+README.md and docs/*.md from those artifacts alone (`--check`: exit 1 naming each stale block, which the
+suite runs), so no figure in the docs can drift from its artifact, and each block names its source, command
+and commit. Prose around a block may say what a figure means; it quotes no number of its own.
+
+`--smoke` (with `run`) runs the two cheapest steps at tiny sizes into `--out` instead of docs/: the
+orchestration and the provenance, checked in seconds by tests/test_benchmarks.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from april.provenance import provenance  # noqa: E402
+
+DOCS = REPO / "docs"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One measurement: its command line (`{out}`: the artifact folder, `{work}`: a scratch folder), the
+    files it leaves in the scratch folder to copy into `dest` (or `stdout`: the file its standard output
+    goes to), and its expected minutes on a quiet 2-core machine."""
+
+    name: str
+    dest: str  # relative to docs/
+    command: str
+    collect: tuple[str, ...] = ()  # paths relative to {work}, copied into dest
+    stdout: str = ""  # file in dest that receives the command's standard output
+    minutes: float = 1.0
+    smoke: str = ""  # the command at tiny sizes (run --smoke); empty: not run by --smoke
+
+
+BENCH_FILES = ("bench/bench.json", "bench/bench.md", "bench/bench.png")
+PAPER = "april bench --engine sim --workload math-long-tail --steps 5 --max-staleness 1,2 --slots 64"
+STEPS: tuple[Step, ...] = (
+    Step(
+        "up-run",
+        "results/up-run",
+        "april up --headless --steps 100 --run-dir {work}/run",
+        collect=("run/metrics.jsonl", "run/eval.jsonl", "run/summary.json", "run/config.toml"),
+        minutes=7,
+    ),
+    Step(
+        "simulate",
+        "results/simulate",
+        "april simulate --lengths math-long-tail --engines 8 --slots 64 --max-staleness 1 --json",
+        stdout="simulate.json",
+        minutes=1,
+        smoke="april simulate --lengths fixed:8 --engines 1 --slots 4 --rollout-batch-size 2 "
+        "--over-sampling-batch-size 4 --n-samples-per-prompt 2 --steps 2 --json",
+    ),
+    Step(
+        "paper-sim",
+        "bench/paper-sim",
+        f"{PAPER} --engines 8 --target-s 150 --out {{work}}/bench",
+        collect=BENCH_FILES,
+        minutes=14,
+    ),
+    Step(
+        "saturated-sim",
+        "bench/saturated-sim",
+        f"{PAPER} --engines 2 --target-s 90 --out {{work}}/bench",
+        collect=BENCH_FILES,
+        minutes=9,
+    ),
+    Step(
+        "torch-tiny",
+        "bench/torch-tiny",
+        "april bench --engine torch --steps 20 --out {work}/bench",
+        collect=BENCH_FILES,
+        minutes=6,
+    ),
+    Step(
+        "broker-throughput",
+        "results/broker-throughput",
+        "python benchmarks/broker_throughput.py --out {out}/broker_throughput.json",
+        minutes=2,
+    ),
+    Step(
+        "engine-throughput",
+        "results/engine-throughput",
+        "python benchmarks/engine_throughput.py --out {out}/engine_throughput.json",
+        minutes=6,
+    ),
+    Step(
+        "learner-step",
+        "results/learner-step",
+        "python benchmarks/learner_step.py --out {out}/learner_step.json",
+        minutes=6,
+    ),
+    Step("sft", "results/sft", "april sft --out {work}/tiny --report {out}/sft.json", minutes=6),
+    Step(
+        "accuracy",
+        "results/accuracy",
+        "python benchmarks/accuracy.py --modes sync,april,async --seeds 0,1,2 --steps 80 --target 0.55 "
+        "--eval-prompts 400 --eval-samples 4 --out {work}/accuracy",
+        collect=("accuracy/accuracy.json", "accuracy/accuracy.md", "accuracy/accuracy.png"),
+        minutes=55,
+    ),
+    Step(
+        "soak",
+        "results/soak",
+        "python benchmarks/soak.py --duration-s 600 --worker-every 30 --learner-every 200 "
+        "--broker-every 200 --out {work}/soak/run",
+        collect=("soak/soak.json",),
+        minutes=14,
+    ),
+    Step(
+        "fuzz",
+        "results/fuzz",
+        "python tests/codec_fuzz.py --inputs 1000000 --seed 1",
+        stdout="fuzz.json",
+        minutes=3,
+        smoke="python tests/codec_fuzz.py --inputs 2000 --seed 1",
+    ),
+)
+
+
+def argv(command: list[str]) -> list[str]:
+    """What actually runs: `april` through this interpreter and this tree, `python` as this interpreter."""
+    if command[0] == "april":
+        return [sys.executable, "-c", "from cli.main import main; main()", *command[1:]]
+    if command[0] == "python":
+        return [sys.executable, *command[1:]]
+    return command
+
+
+def run_step(step: Step, docs: Path, smoke: bool = False) -> Path:
+    """Run `step`, copy its artifacts into docs/DEST with provenance.json; returns DEST."""
+    dest = docs / step.dest
+    with tempfile.TemporaryDirectory(prefix=f"april-results-{step.name}-") as scratch:
+        work = Path(scratch)
+        staged = work / "artifact"
+        staged.mkdir()
+        template = shlex.split(step.smoke if smoke else step.command)
+        command = [part.format(out=staged, work=work) for part in template]
+        shown = [part.format(out=f"docs/{step.dest}", work="WORK") for part in template]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+        }
+        stamp = provenance(shown)  # the commit and machine as the step starts
+        print(f"results: {step.name}: {shlex.join(shown)}", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        proc = subprocess.run(argv(command), cwd=REPO, env=env, stdout=subprocess.PIPE, check=False)
+        wall_s = time.monotonic() - started
+        if proc.returncode != 0:
+            raise SystemExit(
+                f"results: {step.name} failed (exit {proc.returncode}); docs/{step.dest} unchanged"
+            )
+        if step.stdout:
+            (staged / step.stdout).write_bytes(proc.stdout)
+        else:
+            sys.stdout.buffer.write(proc.stdout)
+        for rel in step.collect:
+            shutil.copy2(work / rel, staged / Path(rel).name)
+        stamp["wall_s"] = round(wall_s, 1)
+        stamp["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+        (staged / "provenance.json").write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(staged, dest)
+    print(f"results: {step.name}: {wall_s / 60:.1f} min -> {dest}", file=sys.stderr, flush=True)
+    return dest
+
+
+# ------------------------------------------------------------------------------------------- rendering
+
+
+def load(rel: str) -> Any:
+    path = DOCS / rel
+    return (
+        [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        if rel.endswith(".jsonl")
+        else (json.loads(path.read_text()))
+    )
+
+
+def source(step: str) -> str:
+    """The line under every block: which artifact, which command, which commit, how busy the machine was."""
+    by_name = {s.name: s for s in STEPS}
+    p = load(f"{by_name[step].dest}/provenance.json")
+    dirty = " (with uncommitted changes)" if p["dirty"] else ""
+    return (
+        f"Source: [`docs/{by_name[step].dest}/`]({{root}}{by_name[step].dest}/), made by `{p['command']}` at "
+        f"commit `{p['commit'][:10]}`{dirty} on {p['date'][:10]}, {p['machine']['cpus']} CPUs, load average "
+        f"{p['machine']['load_avg_1m']:.1f} at the start, {p['wall_s'] / 60:.0f} min."
+    )
+
+
+def x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def num(value: Any, fmt: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, fmt)
+
+
+def block_up_run() -> str:
+    lines = load("results/up-run/metrics.jsonl")
+    evals = load("results/up-run/eval.jsonl")
+    t0 = lines[0]["time"] - lines[0]["step_time_s"]
+    windows = [lines[i : i + 10] for i in range(0, len(lines), 10)]
+    head = "| steps | " + " | ".join(f"{w[0]['step']}-{w[-1]['step']}" for w in windows) + " |"
+    acc = (
+        "| training accuracy (sampled at T=1) | "
+        + " | ".join(num(statistics.fmean(r["accuracy"] for r in w), ".2f") for w in windows)
+        + " |"
+    )
+    elapsed = (
+        "| elapsed at the window's end (s) | "
+        + " | ".join(f"{w[-1]['time'] - t0:.0f}" for w in windows)
+        + " |"
+    )
+    aborted = statistics.fmean(r["aborted"] for r in lines)
+    off = [r["offpolicy_token_frac"] for r in lines[1:]]
+    greedy = [e["accuracy"] for e in evals]
+    return "\n".join(
+        [
+            head,
+            "|---" * (len(windows) + 1) + "|",
+            acc,
+            elapsed,
+            "",
+            f"{len(lines)} steps in {lines[-1]['time'] - t0:.0f} s; per step the broker aborted "
+            f"{aborted:.1f} samples on average (N = {lines[0]['samples']}), and "
+            f"{min(off):.0%}-{max(off):.0%} "
+            f"of the trained tokens were off-policy (steps 2-{len(lines)}); held-out greedy accuracy "
+            f"(`eval.jsonl`, {evals[0]['n']} prompts) {min(greedy):.2f}-{max(greedy):.2f} over "
+            f"{len(evals)} evaluations.",
+            "",
+            source("up-run"),
+        ]
+    )
+
+
+def block_simulate() -> str:
+    doc = load("results/simulate/simulate.json")
+    rows = ["| mode | trained samples/s | vs sync |", "|---|---|---|"]
+    for mode, fig in doc["modes"].items():
+        rows.append(f"| {mode} | {fig['samples_per_s']:.3f} | {x(fig['speedup'])} |")
+    return "\n".join([*rows, "", source("simulate")])
+
+
+def bench_table(step: str) -> str:
+    doc = load(f"bench/{step}/bench.json")
+    has_error = "prediction_error" in doc
+    head = "| run | samples/s | vs sync | slot util | bubble | wasted tok | off-policy | stale mean/max |"
+    head += " aborted |"
+    head += " predicted samples/s error |" if has_error else " accuracy |"
+    rows = [head, "|---" * (head.count("|") - 1) + "|"]
+    for label, f in doc["modes"].items():
+        last = f"{doc['prediction_error'][label]:+.1%}" if has_error else num(f["accuracy_final"])
+        rows.append(
+            f"| {label} | {f['samples_per_s']:.3f} | {x(f['speedup'])} | {num(f['slot_utilization'])} | "
+            f"{num(f['bubble_frac'])} | {f['wasted_tokens']} | {num(f['offpolicy_token_frac'])} | "
+            f"{f['staleness_mean']:.2f}/{f['staleness_max']} | {f['aborted']} | {last} |"
+        )
+    return "\n".join([*rows, "", source(step)])
+
+
+def block_components() -> str:
+    broker = load("results/broker-throughput/broker_throughput.json")
+    bounded = next(r for r in broker["results"] if r["scenario"] == "bounded")
+    engine = load("results/engine-throughput/engine_throughput.json")
+    step = load("results/learner-step/learner_step.json")
+    sft = load("results/sft/sft.json")
+    gains = ", ".join(f"{x(r['ratio'])} at {r['slots']} slots" for r in engine["throughput"])
+    sweep = {r["active"]: r["ms_per_step"] for r in engine["step_sweep"]}
+    shown = [a for a in (1, 16, 64) if a in sweep] or sorted(sweep)[:3]
+    steps_ms = " / ".join(f"{sweep[a]:.1f}" for a in shown)
+    others = [b for b in step["results"] if b != "torch"]
+    ratios = " / ".join(x(step["results"][b]["ratio_vs_torch"]) for b in others)
+    args = step["args"]
+    rows = [
+        "| what | figure | source |",
+        "|---|---|---|",
+        f"| broker, async with a staleness bound, {broker['params']['workers']} workers x "
+        f"{broker['params']['slots']} slots, {broker['params']['tokens']}-token samples | "
+        f"{bounded['samples_per_s']:,.0f} samples/s trained, {bounded['broker_cpu_us_per_sample']:.0f} us of "
+        f"broker CPU per sample, p50 {bounded['latency_ms_p50']:.0f} ms from result to next lease | "
+        f"[broker-throughput]({{root}}results/broker-throughput/) |",
+        f"| torch engine, long-tailed lengths: continuous batching over static `generate`, useful tokens/s | "
+        f"{gains} | [engine-throughput]({{root}}results/engine-throughput/) |",
+        f"| torch engine on CPU, one decode step at {' / '.join(map(str, shown))} active sequences (ms) | "
+        f"{steps_ms} | [engine-throughput]({{root}}results/engine-throughput/) |",
+        f"| learner step, {args['n']} samples x {args['seq']} tokens: DeepSpeed {'/'.join(others)} over "
+        "plain "
+        f"torch, median step time | {ratios} | [learner-step]({{root}}results/learner-step/) |",
+        f"| `april sft` (the tiny model: {sft['parameters'] / 1e6:.2f}M parameters, {sft['steps']} steps) | "
+        f"{sft['wall_s']:.0f} s; held-out accuracy greedy {sft['eval']['greedy']['accuracy']:.3f}, sampled "
+        f"{sft['eval']['sampled']['accuracy']:.3f} | [sft]({{root}}results/sft/) |",
+    ]
+    commands = "; ".join(
+        f"`{load(f'results/{n}/provenance.json')['command']}`"
+        for n in ("broker-throughput", "engine-throughput", "learner-step", "sft")
+    )
+    return "\n".join(
+        [*rows, "", f"Commands: {commands}; each folder's `provenance.json` has its commit and load."]
+    )
+
+
+def block_accuracy() -> str:
+    text = (DOCS / "results/accuracy/accuracy.md").read_text()
+    body = re.sub(r"^# .*\n+", "", text)  # the file's own title: the doc has its heading
+    return "\n".join([body.strip(), "", source("accuracy")])
+
+
+def block_accuracy_summary() -> str:
+    doc = load("results/accuracy/accuracy.json")
+    parts = []
+    for mode, s in doc["modes"].items():
+        final = s["final_train_accuracy"]
+        parts.append(f"{mode} {final['mean']:.3f} ± {final['std']:.3f}")
+    ratios = ", ".join(f"{m} {r:.2f}x" for m, r in doc["ratios_to_sync"].items() if r is not None)
+    return (
+        f"training accuracy over the last {doc['final_window']} of {doc['steps']} steps, mean ± std over "
+        f"{len(next(iter(doc['modes'].values()))['seeds'])} seeds: {'; '.join(parts)}; wall time to "
+        f"{doc['target']} relative to sync: {ratios}. {source('accuracy')}"
+    )
+
+
+def block_soak() -> str:
+    s = load("results/soak/soak.json")
+    kills = ", ".join(f"{n} {role}" for role, n in s["kills"].items())
+    return (
+        f"{s['duration_s'] / 60:.0f}-minute soak (sim workers, the real tiny learner): "
+        f"{sum(s['kills'].values())} "
+        f"SIGKILLs ({kills}), {s['steps']:,} steps trained once each, {s['trained_samples']:,} samples, "
+        f"{s['samples_lost']} lost, every check held: {', '.join(k for k, ok in s['checks'].items() if ok)}. "
+        + source("soak")
+    )
+
+
+def block_fuzz() -> str:
+    f = load("results/fuzz/fuzz.json")
+    top = ", ".join(f"{k} {v:,}" for k, v in list(f["outcomes"].items())[:6])
+    return (
+        f"{f['inputs']:,} mutated inputs (seed {f['seed']}) in {f['wall_s']:.0f} s, only `ProtocolError` "
+        "raised; "
+        f"outcomes {top}, ... " + source("fuzz")
+    )
+
+
+BLOCKS: dict[str, Callable[[], str]] = {
+    "up-run": block_up_run,
+    "simulate": block_simulate,
+    "paper-sim": lambda: bench_table("paper-sim"),
+    "saturated-sim": lambda: bench_table("saturated-sim"),
+    "torch-tiny": lambda: bench_table("torch-tiny"),
+    "components": block_components,
+    "accuracy": block_accuracy,
+    "accuracy-summary": block_accuracy_summary,
+    "soak": block_soak,
+    "fuzz": block_fuzz,
+}
+MARKER = re.compile(r"<!-- measured:([\w-]+) -->(.*?)<!-- /measured:\1 -->", re.S)
+
+
+def render_text(text: str, root: str) -> tuple[str, list[str]]:
+    """`text` with every measured block rendered afresh (links relative to the page: `root` is the path
+    from the page to docs/); the names of the blocks whose text changed."""
+    changed: list[str] = []
+
+    def fill(match: re.Match[str]) -> str:
+        name, old = match.group(1), match.group(2)
+        if name not in BLOCKS:
+            raise SystemExit(f"results: unknown measured block {name!r} (known: {', '.join(BLOCKS)})")
+        inline = "\n" not in old
+        body = BLOCKS[name]().replace("{root}", root)
+        new = f" {body} " if inline else f"\n{body}\n"
+        if new != old:
+            changed.append(name)
+        return f"<!-- measured:{name} -->{new}<!-- /measured:{name} -->"
+
+    return MARKER.sub(fill, text), changed
+
+
+def pages() -> list[tuple[Path, str]]:
+    return [(REPO / "README.md", "docs/"), *((p, "") for p in sorted(DOCS.glob("*.md")))]
+
+
+def render(check: bool) -> int:
+    stale = []
+    for page, root in pages():
+        text = page.read_text(encoding="utf-8")
+        new, changed = render_text(text, root)
+        if changed and check:
+            stale += [f"{page.relative_to(REPO)}: {name}" for name in changed]
+        elif changed:
+            page.write_text(new, encoding="utf-8")
+            print(f"results: rendered {', '.join(changed)} in {page.relative_to(REPO)}", file=sys.stderr)
+    if stale:
+        print(
+            "stale measured blocks (python benchmarks/results.py render):\n" + "\n".join(stale),
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def main(argv_: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="verb", required=True)
+    r = sub.add_parser("run", help="rerun the measurements into docs/")
+    r.add_argument("--only", default="", help="comma-separated step names (default: all)")
+    r.add_argument("--list", action="store_true", help="print the plan and exit")
+    r.add_argument("--smoke", action="store_true", help="the cheap steps at tiny sizes, into --out")
+    r.add_argument("--out", type=Path, default=None, help="with --smoke: where the artifacts go")
+    g = sub.add_parser("render", help="render the measured blocks of README.md and docs/*.md")
+    g.add_argument("--check", action="store_true", help="exit 1 if a block is stale; write nothing")
+    args = p.parse_args(argv_)
+    if args.verb == "render":
+        return render(args.check)
+    steps = [s for s in STEPS if s.smoke] if args.smoke else list(STEPS)
+    if args.only:
+        wanted = {n.strip() for n in args.only.split(",") if n.strip()}
+        unknown = wanted - {s.name for s in STEPS}
+        if unknown:
+            p.error(f"--only: unknown step(s) {', '.join(sorted(unknown))}")
+        steps = [s for s in steps if s.name in wanted]
+    if args.list:
+        for s in steps:
+            print(f"{s.name:18} {s.minutes:5.0f} min  docs/{s.dest}/  {s.command}")
+        print(f"{'total':18} {sum(s.minutes for s in steps):5.0f} min")
+        return 0
+    if args.smoke and args.out is None:
+        p.error("--smoke needs --out (the smoke run never writes docs/)")
+    docs = args.out if args.smoke else DOCS
+    for s in steps:
+        run_step(s, docs, smoke=args.smoke)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
