@@ -183,14 +183,22 @@ def check_contract(body: dict[str, Any]) -> None:
     """0.5.23's contract gate for /generate (entrypoints/api_contract.py -> sglang/api/v1/api_types.py:
     decode_GenerateRequest, decode_SamplingParams): the sampling keys and the JSON types of the fields the
     adapter sends. Raises RequestError(400, kind="contract") with serde's message text."""
-    for key, kind in (("rid", "str_or_list"), ("stream", "bool"), ("return_logprob", "bool_or_list")):
+    top_level = {  # field: (accepts, expected text); lists are decoded element-wise by SGLang
+        "rid": (lambda v: isinstance(v, (str, list)), "a value or an array of values for StringOrList"),
+        "input_ids": (lambda v: isinstance(v, list), "a value or an array of values for TokenIdsOrList"),
+        "stream": (lambda v: isinstance(v, bool), "a boolean"),
+        "return_logprob": (
+            lambda v: isinstance(v, (bool, list)),
+            "a value or an array of values for BoolOrList",
+        ),
+        "logprob_start_len": (
+            lambda v: isinstance(v, list) or (isinstance(v, int) and not isinstance(v, bool)),
+            "a value or an array of values for Int64OrList",
+        ),
+    }
+    for key, (accepts, expected) in top_level.items():
         value = body.get(key)
-        if value is None:
-            continue
-        if kind == "bool" and not isinstance(value, bool):
-            raise RequestError(400, f"invalid type: {_unexpected(value)}, expected a boolean", "contract")
-        if kind == "bool_or_list" and not isinstance(value, (bool, list)):
-            expected = "a value or an array of values for BoolOrList"
+        if value is not None and not accepts(value):
             raise RequestError(400, f"invalid type: {_unexpected(value)}, expected {expected}", "contract")
     sps = body.get("sampling_params")
     for sp in sps if isinstance(sps, list) else [sps] if sps is not None else []:

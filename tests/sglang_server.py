@@ -33,14 +33,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 import uvicorn
-
-from tests.sglang_runtime import (
+from sglang_runtime import (
+    Features,
     InjectedAbort,
     ReqState,
     RequestError,
     Runtime,
     RuntimeConfig,
     ToyModel,
+    check_contract,
+    parse_version,
     weights_dir_error,
 )
 
@@ -251,7 +253,8 @@ class FakeSGLangServer:
             if failure.path == path and failure.times > 0:
                 failure.times -= 1
                 if failure.status is None:
-                    raise ConnectionAbortedError("scripted: connection dropped")  # uvicorn closes it
+                    self._drop(scope)
+                    return
                 await _respond(send, Answer(failure.status, failure.body))
                 return
         route = self._routes.get(path)
@@ -267,10 +270,16 @@ class FakeSGLangServer:
         if answer is not None:
             await _respond(send, answer)
 
+    def _drop(self, scope: Scope) -> None:
+        """Reset the connection `scope` arrived on, without an answer."""
+        assert self._uvicorn is not None
+        for conn in list(self._uvicorn.server_state.connections):
+            cycle = getattr(conn, "cycle", None)
+            if cycle is not None and cycle.scope is scope:
+                conn.transport.abort()
+
     def _build_routes(self) -> None:
         f = self.cfg
-        from tests.sglang_runtime import Features, parse_version
-
         feats = Features(parse_version(f.version))
         get, post, both = frozenset({"GET"}), frozenset({"POST"}), frozenset({"GET", "POST"})
         r = self._routes
@@ -311,8 +320,6 @@ class FakeSGLangServer:
         try:
             obj = parse_json_object(body)
             if rt.features.contract_check:
-                from tests.sglang_runtime import check_contract
-
                 check_contract(obj)
         except RequestError as e:
             return error_answer(e)
