@@ -493,6 +493,7 @@ class Runtime:
         self.rng = random.Random(cfg.random_seed)
         self.injected_aborts: list[InjectedAbort] = []
         self.generate_bodies: list[dict[str, Any]] = []  # every /generate body accepted so far
+        self.loaded_weight_files: list[list[str]] = []  # the files of each successful disk update
         self.aborts_lost = 0  # abort_request calls that reached the scheduler before their request
         self.aborts_ignored = 0  # dropped by the TokenizerManager (unknown rid, or repeated from 0.5.20)
         self._wakeup = asyncio.Event()
@@ -642,10 +643,18 @@ class Runtime:
 
     # -- Scheduler ------------------------------------------------------------------------------------
 
+    @property
+    def max_req_len(self) -> int:
+        """tp_worker.py: min(context_len - 1, KV capacity - 1)."""
+        return min(self.cfg.context_length - 1, self.cfg.kv_capacity - 1)
+
+    @property
+    def max_req_input_len(self) -> int:
+        return self.max_req_len - 5
+
     def _handle_generate_request(self, req: Req) -> None:
         """scheduler.py: handle_generate_request -> init_req_max_new_tokens, validate_input_length."""
-        max_req_len = min(self.cfg.context_length - 1, self.cfg.kv_capacity - 1)  # tp_worker.py
-        max_req_input_len = max_req_len - 5
+        max_req_len, max_req_input_len = self.max_req_len, self.max_req_input_len
         n_in = len(req.input_ids)
         req.sampling.max_new_tokens = max(
             0, min(req.sampling.max_new_tokens, max_req_len - n_in - 1, self.cfg.kv_capacity - n_in - 2)
@@ -918,19 +927,22 @@ class Runtime:
             state.event.set()
 
 
-def weights_dir_error(model_path: str) -> str | None:
-    """model_loader/loader.py: DefaultModelLoader._prepare_weights (via the model runner's
-    update_weights_from_disk): the message of a model_path that cannot be loaded, None when it can.
-    Anything os.path.isdir rejects is taken for a Hugging Face repo id and goes to
-    weight_utils.py: download_weights_from_hf, which fails for a local file path (the hub's exact text
-    depends on huggingface_hub and the network; the fake gives the repo-id one). A directory without
-    *.safetensors / *.bin files: "Cannot find any model weights with `path`"."""
+def weight_files(model_path: str) -> list[str]:
+    """The files /update_weights_from_disk would load from `model_path` (model_loader/loader.py:
+    DefaultModelLoader._prepare_weights): every *.safetensors in the directory (else every *.bin), sorted,
+    all of them (weight_utils.py: filter_duplicate_safetensors_files keeps them all without an index
+    file), so a directory holding several versions loads them all in turn. ValueError with SGLang's
+    message when it cannot: anything os.path.isdir rejects is taken for a Hugging Face repo id and goes to
+    weight_utils.py: download_weights_from_hf, whose HFValidationError text for a local path is given here
+    (checked by running that function with HF_HUB_OFFLINE=1); a directory without weight files is
+    "Cannot find any model weights with `path`"."""
     if not os.path.isdir(model_path):
-        return (
+        raise ValueError(
             f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{model_path}'. "
             "Use `repo_type` argument if needed."
         )
-    names = os.listdir(model_path)
-    if not any(n.endswith((".safetensors", ".bin")) for n in names):
-        return f"Cannot find any model weights with `{model_path}`"
-    return None
+    for suffix in (".safetensors", ".bin"):
+        files = sorted(os.path.join(model_path, n) for n in os.listdir(model_path) if n.endswith(suffix))
+        if files:
+            return files
+    raise ValueError(f"Cannot find any model weights with `{model_path}`")

@@ -27,6 +27,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -43,7 +44,7 @@ from sglang_runtime import (
     ToyModel,
     check_contract,
     parse_version,
-    weights_dir_error,
+    weight_files,
 )
 
 Scope = dict[str, Any]
@@ -343,6 +344,7 @@ class FakeSGLangServer:
             if status == 400:
                 return error_answer(RequestError(400, fr.get("message", "")))
             return error_answer(RequestError(status, fr.get("message", ""), "http_exception"))
+        out["meta_info"].setdefault("response_sent_to_client_ts", time.time())  # _stream_one_response
         return json_answer(200, out)
 
     def _is_error_status(self, status: int) -> bool:
@@ -397,6 +399,7 @@ class FakeSGLangServer:
                 }
             )
 
+        sent_ts = 0.0
         try:
             state = rt.admit(obj)
             await rt.wait_unpaused()
@@ -414,6 +417,10 @@ class FakeSGLangServer:
                         raise ConnectionAbortedError("server killed")
                     if state.out_list:
                         out, state.out_list = state.out_list[-1], []
+                        # _stream_one_response: stamped once, on the first chunk sent
+                        if not sent_ts:
+                            sent_ts = time.time()
+                            out["meta_info"]["response_sent_to_client_ts"] = sent_ts
                         await chunk(out)
                     if state.finished:
                         break
@@ -516,9 +523,11 @@ class FakeSGLangServer:
         async def update() -> Answer:
             if rt.cfg.weights_load_s > 0:
                 await asyncio.sleep(rt.cfg.weights_load_s)
-            error = weights_dir_error(obj["model_path"])
-            if error is not None:
-                return _weights_answer(False, f"Failed to get weights iterator: {error}.", paused=True)
+            try:
+                files = weight_files(obj["model_path"])
+            except ValueError as e:
+                return _weights_answer(False, f"Failed to get weights iterator: {e}.", paused=True)
+            rt.loaded_weight_files.append(files)
             success, message = True, "Succeeded to update model weights."
             if not paused_056:
                 rt._record_scheduler_version(obj["weight_version"])
@@ -680,7 +689,8 @@ class FakeSGLangServer:
         return json_answer(200, info)
 
     async def _server_info(self, **_: Any) -> Answer:
-        """http_server.py: server_info: the launch arguments, scheduler state and `version`."""
+        """http_server.py: server_info: the launch arguments (server_args.resolved_dict()), the scheduler's
+        handshake (scheduler.py: get_init_info: max_total_num_tokens, max_req_input_len) and `version`."""
         rt = self.rt
         c = rt.cfg
         return json_answer(200, {
@@ -688,6 +698,7 @@ class FakeSGLangServer:
             "skip_tokenizer_init": c.skip_tokenizer_init,
             "max_running_requests": c.max_running_requests, "weight_version": c.weight_version,
             "enable_deterministic_inference": c.enable_deterministic_inference, "random_seed": c.random_seed,
+            "max_total_num_tokens": c.kv_capacity, "max_req_input_len": rt.max_req_input_len,
             "internal_states": [{"max_total_num_tokens": c.kv_capacity}], "version": c.version,
             "frontend": "python",
         })  # fmt: skip

@@ -436,8 +436,9 @@ def test_flush_cache_is_refused_while_requests_run(make_server: Any) -> None:
 
 @pytest.mark.parametrize("version", ["0.5.6", "0.5.20", "0.5.21", "0.5.23"])
 def test_server_info_version_and_the_load_endpoints(make_server: Any, version: str) -> None:
-    server = make_server(version=version)
-    assert get(server, "/server_info")[1]["version"] == version
+    server = make_server(version=version, context_length=512)
+    info = get(server, "/server_info")[1]
+    assert info["version"] == version and info["max_req_input_len"] == 512 - 1 - 5
     status, loads = get(server, "/v1/loads?include=core")
     if version == "0.5.6":
         assert (status, loads) == (404, {"detail": "Not Found"})
@@ -506,6 +507,10 @@ def test_update_weights_from_disk_takes_a_directory_only(make_server: Any, tmp_p
     assert answer["message"] == "Succeeded to update model weights. Weight version updated to 1."
     info = get(server, "/model_info")[1]
     assert info["weight_version"] == "1" and info["model_path"] == str(tmp_path)
+    assert server.rt.loaded_weight_files == [[str(weights_file)]]
+    (tmp_path / "v000002.safetensors").write_bytes(b"")
+    assert post(server, "/update_weights_from_disk", {"model_path": str(tmp_path)})[0] == 200
+    assert server.rt.loaded_weight_files[-1] == [str(weights_file), str(tmp_path / "v000002.safetensors")]
     after = post(server, "/generate", gen_body(PROMPT, max_new_tokens=5, temperature=0.0))[1]
     assert after["meta_info"]["weight_version"] == "1"
     assert before["output_ids"] != after["output_ids"]  # new weights, new tokens
