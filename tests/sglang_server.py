@@ -155,7 +155,7 @@ class FakeSGLangServer:
 
         async def main() -> None:
             self.runtime = Runtime(self.cfg)
-            self.runtime.on_crash = lambda: loop.call_soon(self._kill)
+            self.runtime.on_crash = self._kill  # called in the loop: reset the connections at once
             serve = asyncio.ensure_future(server.serve(sockets=[sock]))
             while not server.started and not serve.done():
                 await asyncio.sleep(0.01)

@@ -233,6 +233,21 @@ def test_prompt_plus_budget_over_the_context_is_400_and_the_scheduler_clips_two_
     assert finish(answer) == {"type": "length", "length": 21} and len(answer["output_ids"]) == 21
 
 
+def test_an_input_within_six_tokens_of_the_context_is_refused_by_the_scheduler(make_server: Any) -> None:
+    server = make_server(context_length=32)
+    status, answer = post(server, "/generate", gen_body(list(range(3, 29)), max_new_tokens=1))
+    assert (status, answer) == (
+        400,
+        {
+            "error": {
+                "message": "Input length (26 tokens) exceeds the maximum allowed length (26 tokens). Use a "
+                "shorter input or enable --allow-auto-truncate."
+            }
+        },
+    )
+    assert post(server, "/generate", gen_body(list(range(3, 28)), max_new_tokens=1))[0] == 200
+
+
 def test_0_5_6_rejects_a_budget_that_exactly_fills_the_context(make_server: Any) -> None:
     server = make_server(version="0.5.6", context_length=32)
     assert post(server, "/generate", gen_body(PROMPT * 3, max_new_tokens=23))[0] == 400
@@ -527,6 +542,33 @@ def test_update_weights_from_disk_waits_for_running_requests(make_server: Any, t
     assert status == 200
     assert not bg.thread.is_alive()  # the writer lock waited for the running /generate
     assert finish(bg.result()[1]) == {"type": "length", "length": 40}
+
+
+@pytest.mark.parametrize("version", ["0.5.21", "0.5.23"])
+def test_a_refused_flush_after_a_weight_update(make_server: Any, version: str, tmp_path: Path) -> None:
+    """Paused in place with a request running, the update loads but the cache cannot be flushed: 0.5.23
+    answers 400 (the weights did change); before, an assert kills the scheduler and the server with it."""
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    server = make_server(version=version, token_delay_s=0.005)
+    bg = Background(server, gen_body(PROMPT, max_new_tokens=4000, ignore_eos=True))
+    wait_for(lambda: running(server) == 1, "the request to run")
+    assert post(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+    body = {"model_path": str(tmp_path), "weight_version": "2", "flush_cache": True}
+    if version == "0.5.23":
+        status, answer = post(server, "/update_weights_from_disk", body)
+        assert status == 400 and answer["message"].startswith(
+            "Weights were updated, but the cache was not flushed"
+        )
+        assert get(server, "/model_info")[1]["weight_version"] == "default"
+        post(server, "/continue_generation", {})
+        post(server, "/abort_request", {"abort_all": True})
+        assert bg.result()[1]["meta_info"]["weight_versions"][-1]["version"] == "2"
+    else:
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            post(server, "/update_weights_from_disk", body)
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            bg.result()
+        wait_for(lambda: not server.running, "the server to die")
 
 
 @pytest.mark.parametrize("version", ["0.5.21", "0.5.23"])
