@@ -34,18 +34,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import uvicorn
-from sglang_runtime import (
-    Features,
-    InjectedAbort,
-    ReqState,
-    RequestError,
-    Runtime,
-    RuntimeConfig,
-    ToyModel,
-    check_contract,
-    parse_version,
-    weight_files,
-)
+from sglang_contract import Features, RequestError, check_contract, parse_version
+from sglang_runtime import InjectedAbort, ReqState, Runtime, RuntimeConfig, ToyModel, weight_files
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
