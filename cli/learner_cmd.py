@@ -6,12 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from april.config import Config, write_config
+from april.hf import check_model_dir
 from cli.process import setup_logging, stop_requested
 from learner.wandb_sink import check_wandb
 
 
 def run_learner_process(config: Config, run_dir: Path, resume: bool) -> None:
-    check_wandb(config.learner)  # before the model loads: a missing wandb is one line, not a late trace
+    # what can fail before anything starts, as one line: a missing wandb, an incomplete model directory
+    check_wandb(config.learner)
+    if config.learner.backend != "sim":
+        check_model_dir(config.learner.model, tokenizer=False)  # the learner trains on ids: no tokenizer
     setup_logging()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(config, run_dir / "config.learner.toml")
