@@ -63,7 +63,7 @@ def test_sync_rounds_are_spread_over_the_workers(cluster: Callable[..., Cluster]
     c.start_peer("worker", "w0", slots=8)
     c.start_peer("worker", "w1", slots=8)
     workers = ("w0", "w1")
-    wait_for(lambda: all(any(e["kind"] == "welcome" for e in c.read(w)) for w in workers), 10, "welcomes")
+    wait_for(lambda: all(any(e["kind"] == "welcome" for e in c.read(w)) for w in workers), 60, "welcomes")
     c.start_learner(steps=3)
     c.wait_exit("learner", 60)
     assert_books(c, 3)
@@ -83,7 +83,7 @@ def test_april_round_aborts_and_resumes_partials_on_another_worker(cluster: Call
     # the partial can only be resumed by w1 (the resume hand-off).
     c.start_peer("worker", "w0", slots=16, tail_every=2, retire_after_aborts=1, step_s=0.01)
     c.start_learner(steps=3)
-    wait_for(lambda: any(e["kind"] == "retired" for e in c.read("w0")), 30, "the first abort")
+    wait_for(lambda: any(e["kind"] == "retired" for e in c.read("w0")), 60, "the first abort")
     c.start_peer("worker", "w1", slots=16, tail_every=2, step_s=0.01)
     c.wait_exit("learner", 90)
     batches = assert_books(c, 3)
@@ -122,7 +122,7 @@ def test_worker_killed_mid_round_leases_requeued_and_run_completes(cluster: Call
     c = cluster(run={"mode": "april"}, algo={"max_new_tokens": 40})
     c.start_broker()
     c.start_peer("worker", "victim", slots=8, tail_every=2, step_s=0.02)
-    wait_for(lambda: any(e["kind"] == "lease" for e in c.read("victim")), 10, "the victim to get leases")
+    wait_for(lambda: any(e["kind"] == "lease" for e in c.read("victim")), 60, "the victim to get leases")
     c.kill("victim")  # SIGKILL: no Disconnect, no partials returned
     c.start_peer("worker", "w1", slots=8, tail_every=2, step_s=0.005)
     c.start_learner(steps=3)
@@ -219,7 +219,7 @@ def throw_garbage(c: Cluster) -> dict[str, int]:
     for address in (c.worker_address, c.learner_address):
         for i, frames in enumerate(frame_sets):
             sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 2000)  # deliver everything before closing
+            sock.setsockopt(zmq.LINGER, 60_000)  # deliver everything before closing (ctx.term waits)
             sock.setsockopt(zmq.IDENTITY, f"stranger-{i}".encode())
             sock.connect(address)
             for _ in range(3):  # replayed and duplicated
@@ -232,7 +232,7 @@ def throw_garbage(c: Cluster) -> dict[str, int]:
         big.send_multipart([b"\x92\x01\x01", b"x" * (2 << 20)])
         big.close()
     for port in c.ports:  # not even ZMTP
-        with socket.create_connection(("127.0.0.1", port), timeout=2) as raw:
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as raw:
             raw.sendall(os.urandom(4096))
     time.sleep(1.0)
     ctx.term()

@@ -38,6 +38,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def wait_all_exited(pids: list[int], within_s: float = 60.0) -> list[int]:
+    """Wait until none of `pids` is alive (a killed process takes a moment to go); returns those left."""
+    deadline = time.monotonic() + within_s
+    while (left := [pid for pid in pids if alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 # ---------------------------------------------------------------------- the supervisor
 
 
@@ -81,15 +89,14 @@ def test_stop_kills_the_child_and_its_own_children(tmp_path: Path) -> None:
     child.proc.wait(60)
     # swap in the stubborn process through the same spawn path (own session, parent-death signal)
     child.proc = subprocess.Popen([sys.executable, str(script)], preexec_fn=own_session_dying_with_parent)
-    deadline = time.monotonic() + 30
-    while not pid_file.exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     grandchild = int(pid_file.read_text())
     started = time.monotonic()
     sup.stop([["worker-0"]], grace_s=0.5)
-    assert time.monotonic() - started < 5
-    time.sleep(0.2)
-    assert not alive(child.proc.pid) and not alive(grandchild)
+    assert time.monotonic() - started < 60  # did not wait for the child that ignores SIGTERM (600 s)
+    assert not wait_all_exited([child.proc.pid, grandchild])
 
 
 def test_log_tail_reads_the_last_lines(tmp_path: Path) -> None:
@@ -200,7 +207,7 @@ def run_up(args: list[str], timeout: float) -> tuple[int, str, list[int]]:
         time.sleep(0.2)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    out, _ = proc.communicate(timeout=120)
     return proc.returncode, out.decode(errors="replace"), sorted(children)
 
 
@@ -258,13 +265,10 @@ def test_sigterm_stops_every_child_and_the_run_resumes_where_it_stopped(tmp_path
         children |= set(child_pids(proc.pid))
         time.sleep(0.2)
     assert len(children) == 4, children  # broker, 2 workers, learner
-    stopped = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
-    assert time.monotonic() - stopped < 15, out
+    out, _ = proc.communicate(timeout=120)  # it stops (a generous "did not hang", not a speed)
     assert proc.returncode == 130, out
-    time.sleep(0.3)
-    assert not [pid for pid in children if alive(pid)], out
+    assert not wait_all_exited(sorted(children)), out
     done = len(metrics.read_text().splitlines())
     code, out, _ = run_up(["--resume", str(run_dir), "--steps", str(done + 3)], timeout=120)
     assert code == 0, out
@@ -283,7 +287,7 @@ def test_a_headless_run_in_each_mode(tmp_path: Path, mode: str) -> None:
     assert all(x["mode"] == mode for x in lines)
     if mode == "sync":
         assert all(x["aborted"] == 0 and x["resumed"] == 0 for x in lines)
-    assert len(children) == 4 and not [pid for pid in children if alive(pid)]
+    assert len(children) == 4 and not wait_all_exited(children)
 
 
 def test_the_default_run_on_the_tiny_model(tmp_path: Path) -> None:
@@ -303,7 +307,7 @@ def test_the_default_run_on_the_tiny_model(tmp_path: Path) -> None:
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["version"] for e in evals] == [0, 3]  # the baseline and the final evaluation
     assert "held-out accuracy" in out
-    assert len(children) == 4 and not [pid for pid in children if alive(pid)]
+    assert len(children) == 4 and not wait_all_exited(children)
 
 
 def test_a_killed_worker_is_restarted_and_the_run_carries_on(tmp_path: Path) -> None:
