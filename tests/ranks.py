@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CHILD_TIMEOUT_S = 240  # the first DeepSpeed run on a machine builds a small C++ op (~35-60 s, then cached)
+CHILD_TIMEOUT_S = 600  # the first DeepSpeed run on a machine builds a small C++ op (~35-60 s, then cached)
 
 
 def launch_ranks(script: str, spec_files: list[Path], logs: list[Path]) -> None:

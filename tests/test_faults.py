@@ -262,18 +262,18 @@ def test_learner_sigkilled_after_receiving_a_batch_and_during_a_weight_publish(
     c.start_worker("w1")
     c.start_learner_process("learner")
     before_ack = training(c, min_step=2)
-    kill_inside(c, "learner", before_ack, 120, "between a batch and its ack")
+    kill_inside(c, "learner", before_ack, 300, "between a batch and its ack")
     held, first_step = before_ack.held  # type: ignore[attr-defined]
     assert c.status()["unacked_batch"]["batch_id"] == held  # still held for the next learner
     c.start_learner_process("learner", resume=True)
-    kill_inside(c, "learner", publishing(c, min_step=first_step + 2), 120, "writing weights")
+    kill_inside(c, "learner", publishing(c, min_step=first_step + 2), 300, "writing weights")
     leftovers = [p.name for p in (c.run_dir / "weights").iterdir() if p.name.endswith(".tmp")]
     assert leftovers, "the kill did not land inside a weights publish"
     c.start_learner_process("learner", resume=True)
     # right after an ack: the step is in the checkpoint already (the learner acks last), not trained again
-    kill_inside(c, "learner", just_acked(c), 120, "just after an ack")
+    kill_inside(c, "learner", just_acked(c), 300, "just after an ack")
     c.start_learner_process("learner", resume=True)
-    assert c.wait_exit("learner", 180) == 0, (c.tmp / "learner.log").read_text()[-3000:]
+    assert c.wait_exit("learner", 600) == 0, (c.tmp / "learner.log").read_text()[-3000:]
     assert_learner_books(c, 12)
     broker_log = (c.tmp / "broker.log").read_text()
     assert re.search(rf"batch {held} for step {first_step} sent \(\d+ samples\), 2 times", broker_log), (

@@ -36,7 +36,7 @@ def test_torch_worker_runs_april_rounds_and_verifies_weights(
     c.start_broker()
     c.start_worker("tw0")
     c.start_learner(steps=3, train_s=0.05, weights_file=str(weights), bad_sha_at_step=1)
-    c.wait_exit("learner", 120)
+    c.wait_exit("learner", 300)
     batches = c.batches()
     assert len(batches) == 3 and all(b["ok"] for b in batches)
     status = c.status()
