@@ -99,6 +99,35 @@ def test_stop_kills_the_child_and_its_own_children(tmp_path: Path) -> None:
     assert not wait_all_exited([child.proc.pid, grandchild])
 
 
+def test_stop_ends_each_wave_before_signalling_the_next(tmp_path: Path) -> None:
+    """`april up` stops the learner and workers, then the broker: the broker gets SIGTERM only once the
+    first wave has exited (an order, not a speed: the grace is a "did not hang" 60 s)."""
+    script, order = tmp_path / "child.py", tmp_path / "order.txt"
+    script.write_text(
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        f"    open({str(order)!r}, 'a').write(sys.argv[1] + '\\n')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"open({str(tmp_path)!r} + '/' + sys.argv[1] + '.ready', 'w').close()\n"
+        "time.sleep(600)\n"
+    )
+    sup = Supervisor()
+    names = ("broker", "worker-0", "learner")
+    for name in names:
+        child = sup.start(ChildSpec(name, ("--help",), ("--help",), tmp_path / f"{name}.log"))
+        child.proc.wait(60)
+        child.proc = subprocess.Popen(
+            [sys.executable, str(script), name], preexec_fn=own_session_dying_with_parent
+        )
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"{n}.ready").exists() for n in names) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sup.stop([["learner", "worker-0"], ["broker"]], grace_s=60)
+    stopped = order.read_text().split()
+    assert sorted(stopped[:2]) == ["learner", "worker-0"] and stopped[2:] == ["broker"], stopped
+
+
 def test_log_tail_reads_the_last_lines(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
     log.write_text("".join(f"line {i}\n" for i in range(100)))
