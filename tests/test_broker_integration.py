@@ -58,7 +58,8 @@ def test_sync_round_runs_exactly_the_batch_with_no_aborts(cluster: Callable[...,
 def test_sync_rounds_are_spread_over_the_workers(cluster: Callable[..., Cluster]) -> None:
     """8 samples a round, two workers of 8 slots: once both are registered each round gets 4 on each (one
     Lease each), not all 8 on the first to register."""
-    c = cluster(run={"mode": "sync"})
+    # no kills here: a liveness window (60 s) that no busy machine outstays, so no worker is declared dead
+    c = cluster(run={"mode": "sync"}, broker={"liveness": 300})
     c.start_broker()
     c.start_peer("worker", "w0", slots=8)
     c.start_peer("worker", "w1", slots=8)
@@ -77,7 +78,8 @@ def test_sync_rounds_are_spread_over_the_workers(cluster: Callable[..., Cluster]
 
 
 def test_april_round_aborts_and_resumes_partials_on_another_worker(cluster: Callable[..., Cluster]) -> None:
-    c = cluster(run={"mode": "april"}, algo={"max_new_tokens": 60})
+    # no kills here: a liveness window (60 s) that no busy machine outstays, so no worker is declared dead
+    c = cluster(run={"mode": "april"}, algo={"max_new_tokens": 60}, broker={"liveness": 300})
     c.start_broker()
     # w0 holds a long-tail sample when the first round ends, returns it as a partial, then retires:
     # the partial can only be resumed by w1 (the resume hand-off).

@@ -85,6 +85,7 @@ def test_a_request_the_engine_rejects_fails_one_sample_not_the_worker(
         },
         worker={"engine": "torch", "model": str(model), "slots": 4},
         data={"synthetic_vocab_size": 1000},  # most prompts hold ids the model does not have
+        broker={"liveness": 300},  # no kills here: a liveness window (60 s) no busy machine outstays
     )
     c.start_broker()
     c.start_worker("tw0")
