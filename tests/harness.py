@@ -108,7 +108,7 @@ class Cluster:
             self.procs["broker"] = subprocess.Popen(
                 [*cmd, "--resume"] if resume else cmd, stdout=log, stderr=subprocess.STDOUT
             )
-        wait_for(self.try_status, 20, "the broker to answer status")
+        wait_for(self.try_status, 60, "the broker to answer status")
 
     def start_worker(self, name: str, *sets: str) -> Path:
         """A real `april worker` process (engine and settings from the [worker] section)."""
@@ -187,7 +187,7 @@ class Cluster:
             return None
 
     def status(self) -> BrokerStatus:
-        status: BrokerStatus = wait_for(self.try_status, 10, "broker status")
+        status: BrokerStatus = wait_for(self.try_status, 60, "broker status")
         return status
 
     def wait_exit(self, name: str, timeout: float) -> int:
@@ -199,13 +199,13 @@ class Cluster:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]
         proc.send_signal(sig)
-        proc.wait(10)
+        proc.wait(60)
 
     def close(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
-                proc.wait(10)
+                proc.wait(60)
 
     def batches(self, learner: str = "learner") -> list[dict[str, Any]]:
         return [e for e in self.read(learner) if e["kind"] == "batch"]

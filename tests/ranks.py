@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CHILD_TIMEOUT_S = 240  # "did not hang": a rank loads torch, DeepSpeed and a model on a loaded machine
+CHILD_TIMEOUT_S = 600  # "did not hang": a rank loads torch, DeepSpeed and a model on a loaded machine
 
 
 def launch_ranks(script: str, spec_files: list[Path], logs: list[Path]) -> None:

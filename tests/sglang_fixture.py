@@ -17,6 +17,10 @@ What it reproduces, because the adapter must survive it:
     /flush_cache (400 while requests run), /health, and the NCCL endpoints (recorded; from 0.5.21
     /update_weights_from_distributed outside begin/end -> 400).
 
+Two test hooks make the races above certain rather than likely on a busy machine (never a sleep and a
+hope): `stall_at` stops a running request at that many tokens until an abort reaches it, and
+`lose_aborts` keeps requests on their way to the scheduler until that many aborts have missed them.
+
 Tokens are a deterministic function of the previous token, so resuming `prompt + partial` continues
 exactly the sequence an uninterrupted request would have produced. Token = 10 + (31 * prev + 7) % 5000,
 log-prob = -0.1 - (token % 10) / 100. Not an SGLang implementation: only its observable contract.
@@ -97,6 +101,8 @@ class FakeSGLangServer:
         weight_version: str = "0",
         model_path: str = "fake-model",
         has_loads: bool = True,
+        stall_at: int = 0,
+        lose_aborts: int = 0,
     ) -> None:
         self.version = version
         self.max_running = max_running
@@ -106,6 +112,11 @@ class FakeSGLangServer:
         self.weight_version = weight_version
         self.model_path = model_path
         self.has_loads = has_loads
+        # test hooks: a running request with `stall_at` (> 0) tokens decodes no more until an abort
+        # reaches a running request, which also clears `stall_at` (so parked and resumed requests run
+        # on); requests leave "arriving" only once `lose_aborts` aborts have been lost
+        self.stall_at = stall_at
+        self.lose_aborts = lose_aborts
         # observations for tests
         self.calls: list[tuple[str, dict[str, Any]]] = []  # (path, body) of every POST
         self.lost_aborts = 0
@@ -144,6 +155,11 @@ class FakeSGLangServer:
     def posts(self, path: str) -> list[dict[str, Any]]:
         return [body for p, body in self.calls if p == path]
 
+    def running_tokens(self) -> list[int]:
+        """How many tokens each running request has decoded so far (for tests to wait on)."""
+        with self._lock:
+            return sorted(len(r.out) for r in self._live("running"))
+
     # -- the scheduler ---------------------------------------------------------------------------
 
     def _live(self, state: str) -> list[_Request]:
@@ -154,13 +170,14 @@ class FakeSGLangServer:
             with self._lock:
                 now = time.monotonic()
                 for r in self._live("arriving"):
-                    if now - r.arrived >= self.schedule_delay_s:
+                    if now - r.arrived >= self.schedule_delay_s and self.lost_aborts >= self.lose_aborts:
                         r.state = "waiting"
                 waiting = self._live("waiting")
                 for r in waiting[: max(0, self.max_running - len(self._live("running")))]:
                     r.state = "running"
                 for r in self._live("running"):
-                    self._decode(r)
+                    if r.abort or not self.stall_at or len(r.out) < self.stall_at:
+                        self._decode(r)
                 self._lock.notify_all()
             time.sleep(self.token_delay_s)
 
@@ -246,6 +263,7 @@ class FakeSGLangServer:
                     self._finish(r, {"type": "abort", "message": "Abort in waiting queue"}, queued=True)
                 else:
                     r.abort = True
+                    self.stall_at = 0
 
     def loads(self) -> dict[str, Any]:
         with self._lock:
@@ -264,7 +282,7 @@ class FakeSGLangServer:
 
     def update_weights_from_disk(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         with self._lock:  # waits for in-flight requests (no pause in this fixture)
-            self._lock.wait_for(lambda: not self._reqs or self._stop.is_set(), timeout=10)
+            self._lock.wait_for(lambda: not self._reqs or self._stop.is_set(), timeout=60)
             path = str(body.get("model_path", ""))
             if not Path(path).exists():
                 message = f"Failed to get weights iterator: {path} (repository not found)."

@@ -150,13 +150,13 @@ def test_second_broker_on_busy_ports(tmp_path: Path, cluster: Callable[..., Clus
     line = error_line(invoke("broker", "--run-dir", str(other), "--config", str(c.config_path)))
     assert "busy" in line
     assert str(c.ports[0]) in line
-    assert c.try_status() is not None  # the first broker is unharmed
+    assert c.status().mode == "april"  # the first broker is unharmed (answers within 60 s)
 
 
 def test_status_json_and_table_of_a_running_broker(cluster: Callable[..., Cluster]) -> None:
     c = cluster()
     c.start_broker()
-    result = invoke("status", "--broker", c.learner_address, "--json", "--timeout", "5")
+    result = invoke("status", "--broker", c.learner_address, "--json", "--timeout", "60")
     assert result.exit_code == 0, result.output
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1
@@ -172,7 +172,7 @@ def test_status_json_and_table_of_a_running_broker(cluster: Callable[..., Cluste
     assert "april" in text
     assert f"issued {state['ledger']['issued']}" in text
 
-    table = invoke("status", "--broker", c.learner_address, "--timeout", "5")
+    table = invoke("status", "--broker", c.learner_address, "--timeout", "60")
     assert table.exit_code == 0, table.output
     assert "ledger" in table.stdout and "workers" in table.stdout
 

@@ -401,13 +401,13 @@ def publish(sock: zmq.Socket[bytes], state: BrokerStatus) -> None:
 
 def first_status(sock: zmq.Socket[bytes], feed: StatusFeed, state: BrokerStatus) -> BrokerStatus:
     """Publish until the subscription is up (a SUB misses what is sent before it joins)."""
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         publish(sock, state)
         got = feed.poll(50)
         if got is not None:
             return got
-    raise AssertionError("the feed received nothing in 3 s")
+    raise AssertionError("the feed received nothing in 60 s")
 
 
 def test_status_feed_receives_the_newest_status_and_skips_junk(publisher: Any) -> None:
@@ -422,7 +422,7 @@ def test_status_feed_receives_the_newest_status_and_skips_junk(publisher: Any) -
         sock.send_multipart([b"status", header, msgpack.packb(junk)])
         publish(sock, status(2.0))
         publish(sock, status(3.0))
-        deadline, got = time.monotonic() + 2.0, None
+        deadline, got = time.monotonic() + 60, None
         while got is None or (got.uptime_s < 3.0 and time.monotonic() < deadline):
             got = feed.poll(200) or got
         assert got.uptime_s == 3.0  # the newest; the older one queued with it is skipped
@@ -439,7 +439,7 @@ def test_headless_prints_events_and_one_line_per_learner_step(publisher: Any) ->
         calls += 1
         if calls == 1:
             publish(sock, status(2.0, version=4))
-        return state.last_step != 3 and calls < 200
+        return state.last_step != 3 and calls < 1200  # a cap against hanging: 60 s of 50 ms ticks
 
     with StatusFeed(address) as feed:
         first_status(sock, feed, status(1.0, version=3))  # warms the subscription up
@@ -460,7 +460,7 @@ def test_watch_refreshes_calls_tick_and_stops_when_tick_says_so(publisher: Any) 
         if state.statuses == 0:
             publish(sock, status(1.0))
         seen.append(state.statuses)
-        return len(seen) < 200 and (state.statuses == 0 or len(seen) < 10)
+        return len(seen) < 3000 and (state.statuses == 0 or len(seen) < 10)  # cap: 60 s at 50 Hz
 
     with StatusFeed(address) as feed:
         watch(feed, DashboardState(source=address), tick, refresh_per_second=50, console=console)
@@ -485,7 +485,7 @@ def test_status_watch_without_a_broker_exits_with_one_line() -> None:
     result = CliRunner().invoke(
         status_app(), ["status", "--watch", "--pub", f"tcp://127.0.0.1:{port}", "--timeout", "0.3"]
     )
-    assert time.monotonic() - started < 3.0
+    assert time.monotonic() - started < 60  # gave up (after its 0.3 s) rather than waiting on forever
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
         f"april: error: no status from tcp://127.0.0.1:{port} within 0.3s: is the broker running?"

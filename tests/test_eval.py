@@ -169,7 +169,7 @@ def test_eval_leases_are_greedy_held_out_and_reported(cluster: Callable[..., Clu
     c.start_peer("worker", "w1", slots=6, tail_every=3)
     c.start_learner(steps=3, train_s=0.1)
     c.wait_exit("learner", 90)
-    done = wait_for(lambda: eval_version(c) == 3, 30, "the final evaluation")
+    done = wait_for(lambda: eval_version(c) == 3, 60, "the final evaluation")
     assert done
     status = _check_books(c, 3)
     leases = _leases(c, ["w0", "w1"])
@@ -201,7 +201,7 @@ def test_eval_with_real_workers_and_the_sim_engine(cluster: Callable[..., Cluste
     c.start_worker("w1")
     c.start_learner(steps=4, train_s=0.05)
     c.wait_exit("learner", 90)
-    wait_for(lambda: eval_version(c) == 4, 30, "the evaluation at v4")
+    wait_for(lambda: eval_version(c) == 4, 60, "the evaluation at v4")
     status = _check_books(c, 4)
     evaluation = status.eval
     assert evaluation is not None and evaluation.accuracy is not None
@@ -229,7 +229,7 @@ def test_greedy_flag_reaches_the_engine_through_a_real_worker(cluster: Callable[
         c.start_worker("sw0")
         c.start_learner(steps=2, train_s=0.05)
         c.wait_exit("learner", 90)
-        wait_for(lambda: eval_version(c) == 2, 30, "the evaluation at v2")
+        wait_for(lambda: eval_version(c) == 2, 60, "the evaluation at v2")
         _check_books(c, 2)
         posts = server.posts("/generate")
     data = c.config["data"]

@@ -45,7 +45,7 @@ def test_learner_trains_exactly_n_and_publishes_versions(
     c.start_broker()
     c.start_worker("tw0")
     c.start_learner_process("learner")
-    assert c.wait_exit("learner", 180) == 0, (c.tmp / "learner.log").read_text()[-2000:]
+    assert c.wait_exit("learner", 600) == 0, (c.tmp / "learner.log").read_text()[-2000:]
     lines = [json.loads(x) for x in (c.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2] and [x["version"] for x in lines] == [1, 2, 3]
     for line in lines:
@@ -96,7 +96,7 @@ def test_two_rank_learner_trains_exactly_n_through_rank_zero(
                "MASTER_PORT": port}  # fmt: skip
         c.start_learner_process(f"learner{rank}", env=env)
     for rank in (0, 1):
-        assert c.wait_exit(f"learner{rank}", 300) == 0, (c.tmp / f"learner{rank}.log").read_text()[-2000:]
+        assert c.wait_exit(f"learner{rank}", 600) == 0, (c.tmp / f"learner{rank}.log").read_text()[-2000:]
     lines = [json.loads(x) for x in (c.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["version"] for x in lines] == [1, 2] and all(x["samples"] == 4 for x in lines)
     assert c.status().ledger.trained == 4

@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from april import policy
@@ -508,7 +508,7 @@ def test_spread_leases(available: int, free: list[int], slots: list[int], expect
     st.integers(0, 300),
     st.lists(st.tuples(st.integers(1, 64), st.integers(0, 64)), max_size=12),
 )
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # no clock
 def test_spread_leases_levels_free_fractions(available: int, workers: list[tuple[int, int]]) -> None:
     """Every sample that can be leased is, within each worker's free slots, and no single sample moved
     from one worker to another would leave the receiver freer than the giver was before it."""

@@ -20,7 +20,7 @@ pytest.importorskip("prometheus_client")
 
 def scrape(port: int) -> dict[str, float]:
     """Samples of the text exposition as {"name{labels}": value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as reply:
         text = reply.read().decode()
     samples: dict[str, float] = {}
     for line in text.splitlines():
@@ -34,11 +34,11 @@ def test_metrics_endpoint_serves_live_gauges_and_counters(cluster: Callable[...,
     (port,) = free_ports(1)
     c = cluster(run={"mode": "april", "eval_every": 2}, data={"eval_size": 4}, broker={"metrics_port": port})
     c.start_broker()
-    first = wait_for(lambda: scrape(port), 10, "the metrics endpoint")
+    first = wait_for(lambda: scrape(port), 60, "the metrics endpoint")
     assert first["april_broker_version"] == 0 and first["april_broker_workers_alive"] == 0
     assert first["april_broker_eval_version"] == -1 and "april_broker_eval_accuracy" in first
     c.start_peer("worker", "w0", slots=8)
-    wait_for(lambda: scrape(port)["april_broker_workers_alive"] == 1, 10, "the worker in the gauges")
+    wait_for(lambda: scrape(port)["april_broker_workers_alive"] == 1, 60, "the worker in the gauges")
     c.start_learner(steps=2, train_s=0.05)
     c.wait_exit("learner", 60)
     done = wait_for(
@@ -46,7 +46,7 @@ def test_metrics_endpoint_serves_live_gauges_and_counters(cluster: Callable[...,
             (m := scrape(port))["april_broker_batches_acked_total"] == 2
             and m["april_broker_eval_version"] == 2
         ),
-        10,
+        60,
         "two acked batches and the evaluation at v2",
     )
     assert done

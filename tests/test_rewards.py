@@ -30,6 +30,10 @@ from actors.rewards import (
 
 HAS_MATH_VERIFY = importlib.util.find_spec("math_verify") is not None
 needs_math_verify = pytest.mark.skipif(not HAS_MATH_VERIFY, reason="math-verify not installed")
+# A reward timeout no well-behaved reward in these tests comes near, however loaded the machine; the test
+# of the timeout itself uses a short one, on a reward that hangs for an hour.
+RUNNER_TIMEOUT_S = 60.0
+HANG_TIMEOUT_S = 2.0
 
 MODULE = "april_test_user_rewards"
 MODULE_SOURCE = '''
@@ -42,7 +46,9 @@ def scripted(response_text, answer, metadata):
     if response_text == "raise":
         raise ValueError("bad\\nthing")
     if response_text == "hang":
-        time.sleep(60)
+        time.sleep(3600)  # longer than any test: only a kill ends it
+    if response_text == "pid":
+        return float(os.getpid())
     if response_text == "crash":
         os._exit(3)
     if response_text == "print":
@@ -109,12 +115,12 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str
 
 @pytest.fixture
 def runner(user_module: str) -> Iterator[RewardRunner]:
-    r = RewardRunner(f"{user_module}:scripted", timeout_s=1.0)
+    r = RewardRunner(f"{user_module}:scripted", timeout_s=RUNNER_TIMEOUT_S)
     yield r
     r.close()
 
 
-def collect(runner: RewardRunner, n: int, within_s: float = 15.0) -> dict[int, RewardResult]:
+def collect(runner: RewardRunner, n: int, within_s: float = 120.0) -> dict[int, RewardResult]:
     """Poll until `n` results arrived; fail the test (not hang) otherwise."""
     out: dict[int, RewardResult] = {}
     deadline = time.monotonic() + within_s
@@ -126,10 +132,23 @@ def collect(runner: RewardRunner, n: int, within_s: float = 15.0) -> dict[int, R
     return out
 
 
-def warm(runner: RewardRunner) -> None:
-    """Score one sample so the child is up: later timings exclude the child's start-up."""
-    runner.submit(-1, "ok", "0", {})
-    assert collect(runner, 1)[-1].reward == 0.0
+def child_pid(runner: RewardRunner) -> int:
+    """The pid of the runner's scoring child, as the child reports it (and the child is up after this)."""
+    runner.submit(-1, "pid", "0", {})
+    return int(collect(runner, 1)[-1].reward or 0)
+
+
+def wait_exited(pid: int, within_s: float = 60.0) -> None:
+    """Wait until process `pid` has exited (gone, or a zombie not yet reaped); fail if it never does."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return
+        except OSError:
+            return
+        assert time.monotonic() < deadline, f"process {pid} still running after {within_s}s"
+        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -186,7 +205,7 @@ def test_math(response: str, answer: str, expected: float) -> None:
 
 @needs_math_verify
 def test_math_unparseable_gold_is_an_error_not_zero() -> None:
-    result = score_now("math", "\\boxed{3}", "not math at all", {}, timeout_s=10.0)
+    result = score_now("math", "\\boxed{3}", "not math at all", {}, timeout_s=RUNNER_TIMEOUT_S)
     assert result.reward is None and "cannot parse the gold answer" in result.error
 
 
@@ -251,7 +270,9 @@ def test_check_reward_value_rejects(value: object) -> None:
 
 
 def test_score_now_exact() -> None:
-    assert score_now("exact", "\\boxed{Paris}", "paris", {}, timeout_s=5.0) == RewardResult(0, 1.0, "")
+    assert score_now("exact", "\\boxed{Paris}", "paris", {}, timeout_s=RUNNER_TIMEOUT_S) == RewardResult(
+        0, 1.0, ""
+    )
 
 
 def test_results_keyed_when_several_in_flight(runner: RewardRunner) -> None:
@@ -284,28 +305,30 @@ def test_stdout_noise_does_not_corrupt_the_protocol(runner: RewardRunner) -> Non
     assert collect(runner, 1) == {1: RewardResult(1, 0.5, "")}
 
 
-def test_hanging_reward_times_out_and_runner_recovers(runner: RewardRunner) -> None:
-    warm(runner)
-    start = time.monotonic()
-    runner.submit(1, "hang", "0", {})
-    runner.submit(2, "ok", "0.5", {})  # queued behind the hung one: re-submitted to the new child
-    results = collect(runner, 2)
-    assert results[1] == RewardResult(1, None, "reward timed out after 1s")
-    assert results[2].reward == 0.5
-    assert time.monotonic() - start < 1.0 + 1.0 + 1.0  # timeout + 1 s slack + the new child's start-up
-    runner.submit(3, "ok", "0.25", {})
-    assert collect(runner, 1)[3].reward == 0.25
+def test_hanging_reward_times_out_and_runner_recovers(user_module: str) -> None:
+    with RewardRunner(f"{user_module}:scripted", timeout_s=HANG_TIMEOUT_S) as runner:
+        hung = child_pid(runner)
+        runner.submit(1, "hang", "0", {})
+        runner.submit(2, "ok", "0.5", {})  # queued behind the hung one: re-submitted to the new child
+        results = collect(runner, 2)  # well before the hour the hang would take
+        assert results[1] == RewardResult(1, None, "reward timed out after 2s")
+        assert results[2].reward == 0.5
+        assert child_pid(runner) != hung  # a new child scores now ...
+        wait_exited(hung)  # ... and the hung one was killed
+        runner.submit(3, "ok", "0.25", {})
+        assert collect(runner, 1)[3].reward == 0.25
 
 
 def test_cancel_all_while_hung_returns_at_once(runner: RewardRunner) -> None:
-    warm(runner)
+    hung = child_pid(runner)
     runner.submit(1, "hang", "0", {})
     runner.submit(2, "ok", "0.5", {})
     assert runner.poll(wait_s=0.3) == []  # the hang has started
     start = time.monotonic()
     runner.cancel_all()
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 60  # did not wait on the hung reward (an hour) nor its timeout
     assert runner.pending == 0 and runner.poll() == []
+    wait_exited(hung)  # the busy child was killed, not waited on
     runner.submit(1, "ok", "0.125", {})  # a cancelled key may be used again
     assert collect(runner, 1) == {1: RewardResult(1, 0.125, "")}
 

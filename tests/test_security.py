@@ -135,7 +135,7 @@ def _serve(tmp_path: Path, bind_host: str, keys_dir: Path, **broker: object) -> 
         yield CurveBroker(b, keys_dir, *(f"tcp://127.0.0.1:{p}" for p in ports))
     finally:
         stop.set()
-        thread.join(10)
+        thread.join(60)
         b.close()
 
 
@@ -152,18 +152,18 @@ def stranger_keys(server_public: bytes) -> ClientKeys:
 
 def test_a_client_with_the_keys_is_served_on_every_socket(curve_broker: CurveBroker) -> None:
     client = keys.client_keys(curve_broker.keys_dir)
-    status = fetch_status(curve_broker.learner, 10, client)
+    status = fetch_status(curve_broker.learner, 60, client)
     assert status.rejected.total == 0
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = dealer(ctx, curve_broker.worker, "w0", curve=client)
     try:
         send(sock, protocol.WorkerHello("w0", "sim", 2, 0, 1, "h", np.zeros(0, np.int64)))
-        assert isinstance(recv(sock, 10_000), protocol.Welcome)
+        assert isinstance(recv(sock, 60_000), protocol.Welcome)
     finally:
         sock.close(linger=0)
         ctx.term()
     with StatusFeed(curve_broker.pub, client) as feed:
-        published = feed.wait(10)
+        published = feed.wait(60)
     assert published is not None and published.mode == "april"
     assert curve_broker.broker.gate is not None and curve_broker.broker.gate.zap.accepted >= 3
 
@@ -184,8 +184,9 @@ def test_a_stranger_with_its_own_keys_gets_nothing_and_is_counted(curve_broker: 
     with StatusFeed(curve_broker.pub, stranger) as feed:
         assert feed.wait(SILENCE_S) is None  # the status feed is closed to it too
     assert "intruder" not in curve_broker.broker.workers
-    assert curve_broker.rejected("auth_refused") >= 3  # learner, worker and PUB ports, retried
-    status = fetch_status(curve_broker.learner, 10, keys.client_keys(curve_broker.keys_dir))
+    # learner, worker and PUB ports, retried (counted by the broker's thread, which may lag on a busy machine)
+    wait_for(lambda: curve_broker.rejected("auth_refused") >= 3, 60, "three refusals counted")
+    status = fetch_status(curve_broker.learner, 60, keys.client_keys(curve_broker.keys_dir))
     assert status.rejected.by_reason["auth_refused"] >= 3
     assert status.rejected.by_peer["127.0.0.1"]["auth_refused"] >= 3
 
@@ -196,20 +197,21 @@ def test_a_client_without_curve_gets_nothing(curve_broker: CurveBroker) -> None:
     with StatusFeed(curve_broker.pub) as feed:
         assert feed.wait(SILENCE_S) is None
     assert curve_broker.broker.learner is None and len(curve_broker.broker.workers) == 0
-    assert curve_broker.rejected("handshake_failed") >= 2  # counted from the sockets' monitor events
+    # counted from the sockets' monitor events
+    wait_for(lambda: curve_broker.rejected("handshake_failed") >= 2, 60, "two failed handshakes counted")
 
 
 def test_a_client_that_does_not_know_the_broker_key_gets_nothing(curve_broker: CurveBroker) -> None:
     impostor = stranger_keys(zmq.curve_keypair()[0])  # talks CURVE to a broker key it made up
     with pytest.raises(StatusError, match="no broker answered"):
         fetch_status(curve_broker.learner, SILENCE_S, impostor)
-    assert curve_broker.rejected("handshake_failed") >= 1
+    wait_for(lambda: curve_broker.rejected("handshake_failed") >= 1, 60, "the failed handshake counted")
     assert curve_broker.rejected("auth_refused") == 0  # it never got as far as ZAP
 
 
 def test_a_key_added_while_running_is_accepted_without_restart(curve_broker: CurveBroker) -> None:
     newcomer = keys.client_keys(keys.add_client(curve_broker.keys_dir, "late"))
-    assert fetch_status(curve_broker.learner, 10, newcomer).rejected.total == 0
+    assert fetch_status(curve_broker.learner, 60, newcomer).rejected.total == 0
     (curve_broker.keys_dir / "authorized" / "late.key").unlink()  # revoked: new connections are refused
     with pytest.raises(StatusError, match="no broker answered"):
         fetch_status(curve_broker.learner, SILENCE_S, newcomer)
@@ -226,7 +228,7 @@ def test_an_oversized_frame_is_dropped_and_the_broker_serves_on(curve_broker: Cu
         big.close(linger=0)
         ctx.term()
     assert curve_broker.broker.learner_sock.getsockopt(zmq.MAXMSGSIZE) == 1 << 20
-    assert fetch_status(curve_broker.learner, 10, client).ledger_balanced
+    assert fetch_status(curve_broker.learner, 60, client).ledger_balanced
 
 
 # ---------------------------------------------------------------------------------------- binding
@@ -247,11 +249,11 @@ def test_non_loopback_bind_needs_keys(tmp_path: Path) -> None:
 def test_a_broker_with_keys_binds_every_interface_and_serves_authorised_clients(tmp_path: Path) -> None:
     keys.generate(tmp_path / "keys")
     for served in _serve(tmp_path, "0.0.0.0", tmp_path / "keys"):
-        assert fetch_status(served.learner, 10, keys.client_keys(served.keys_dir)).rejected.total == 0
+        assert fetch_status(served.learner, 60, keys.client_keys(served.keys_dir)).rejected.total == 0
         stranger = stranger_keys(keys.server_keys(served.keys_dir).public)
         with pytest.raises(StatusError):
             fetch_status(served.learner, SILENCE_S, stranger)
-        wait_for(lambda s=served: s.rejected("auth_refused"), 5, "the refusal to be counted")
+        wait_for(lambda s=served: s.rejected("auth_refused"), 60, "the refusal to be counted")
 
 
 def test_a_broker_with_a_corrupt_authorised_key_does_not_start(tmp_path: Path) -> None:
@@ -293,18 +295,18 @@ def test_weights_with_a_wrong_sha256_are_refused_counted_and_the_old_ones_kept(
     learner = dealer(ctx, curve_broker.learner, "l0", curve=client)
     try:
         peers = curve_broker.broker.workers.peers
-        wait_for(lambda: "w-sha" in peers and worker.engine is not None, 20, "the worker to register")
+        wait_for(lambda: "w-sha" in peers and worker.engine is not None, 60, "the worker to register")
         weights = tmp_path / "weights-v1.bin"
         weights.write_bytes(b"version one")
         send(learner, protocol.LearnerHello("l0", 0, 1))
         send(learner, protocol.WeightsReady(1, str(weights), "0" * 64))
-        wait_for(lambda: curve_broker.rejected("weights_not_loaded") == 1, 10, "the refused load")
+        wait_for(lambda: curve_broker.rejected("weights_not_loaded") == 1, 60, "the refused load")
         assert worker.engine is not None and worker.engine.version == 0 and peers["w-sha"].version == 0
         send(learner, protocol.WeightsReady(2, str(weights), sha256_file(weights)))
-        wait_for(lambda: peers["w-sha"].version == 2, 10, "the matching weights to load")
+        wait_for(lambda: peers["w-sha"].version == 2, 60, "the matching weights to load")
         assert thread.is_alive() and curve_broker.rejected("weights_not_loaded") == 1
     finally:
         learner.close(linger=0)
         ctx.term()
         stop.set()
-        thread.join(20)
+        thread.join(60)

@@ -24,7 +24,7 @@ def req(rid: int, input_ids: list[int], budget: int) -> GenerationRequest:
     return GenerationRequest(rid, np.asarray(input_ids, dtype=np.int32), budget)
 
 
-def drain(engine: SGLangEngine, timeout: float = 10.0) -> dict[int, GenerationOutput]:
+def drain(engine: SGLangEngine, timeout: float = 60.0) -> dict[int, GenerationOutput]:
     done: dict[int, GenerationOutput] = {}
     deadline = time.monotonic() + timeout
     while engine.active:
@@ -33,7 +33,7 @@ def drain(engine: SGLangEngine, timeout: float = 10.0) -> dict[int, GenerationOu
     return done
 
 
-def wait_until(predicate: object, timeout: float = 5.0) -> None:
+def wait_until(predicate: object, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition not reached"
@@ -89,11 +89,11 @@ def test_greedy_request_asks_for_top_k_1_without_a_seed(
 
 
 def test_abort_returns_running_partials_and_queued_empties() -> None:
-    with FakeSGLangServer(max_running=2, token_delay_s=0.003) as server:
+    with FakeSGLangServer(max_running=2, token_delay_s=0.003, stall_at=3) as server:
         engine = SGLangEngine([server.url], slots=4)
         engine.add([req(i, PROMPT, 1000) for i in range(4)])
         wait_until(lambda: server.loads()["loads"][0]["num_waiting_reqs"] == 2)
-        time.sleep(0.03)
+        wait_until(lambda: server.running_tokens() == [3, 3])  # both running ones mid-generation
         outs = {o.request_id: o for o in engine.abort()}
         assert engine.active == 0 and server.loads()["loads"][0]["num_running_reqs"] == 0
         assert all(o.finish_reason == FinishReason.ABORT for o in outs.values())
@@ -105,7 +105,7 @@ def test_abort_returns_running_partials_and_queued_empties() -> None:
 
 
 def test_abort_lost_before_scheduling_is_retried_until_idle() -> None:
-    with FakeSGLangServer(schedule_delay_s=0.15, token_delay_s=0.002) as server:
+    with FakeSGLangServer(lose_aborts=2, token_delay_s=0.002) as server:
         engine = SGLangEngine([server.url], slots=4, poll_s=0.01)
         engine.add([req(1, PROMPT, 1000), req(2, PROMPT, 1000)])
         wait_until(lambda: len(server.posts("/generate")) == 2)
@@ -130,9 +130,9 @@ def test_abort_without_loads_endpoint_waits_for_calls() -> None:
 def test_resume_by_token_ids_with_reduced_budget(server: FakeSGLangServer, engine: SGLangEngine) -> None:
     max_new = 200
     sample = Sample(group_id=0, index=0, prompt_ids=np.asarray(PROMPT, dtype=np.int32))
+    server.stall_at = 5
     engine.add([req(1, PROMPT, max_new)])
-    wait_until(lambda: server.loads()["loads"][0]["num_running_reqs"] == 1)
-    time.sleep(0.02)
+    wait_until(lambda: server.running_tokens() == [5])  # mid-generation
     (part,) = engine.abort()
     assert part.finish_reason == FinishReason.ABORT and 0 < len(part.token_ids) < max_new
     sample = sample.extend(part.token_ids, part.logprobs, 0, part.finish_reason)
@@ -171,9 +171,9 @@ def test_weights_update_sets_version_of_later_tokens(
     engine.add([req(1, PROMPT, 4)])
     assert drain(engine)[1].versions.tolist() == [1, 1, 1, 1]
     # with a request in flight: parked, loaded, resumed; its response spans two versions
+    server.stall_at = 5
     engine.add([req(2, PROMPT, 300)])
-    wait_until(lambda: server.loads()["loads"][0]["num_running_reqs"] == 1)
-    time.sleep(0.02)
+    wait_until(lambda: server.running_tokens() == [5])  # mid-generation
     engine.load_weights(tmp_path, 2)
     out = drain(engine)[2]
     assert out.finish_reason == FinishReason.LENGTH and out.token_ids.tolist() == expected_tokens(PROMPT, 300)
@@ -184,8 +184,9 @@ def test_weights_update_sets_version_of_later_tokens(
 def test_failed_weights_update_keeps_old_version(
     server: FakeSGLangServer, engine: SGLangEngine, tmp_path: Path
 ) -> None:
+    server.stall_at = 5
     engine.add([req(1, PROMPT, 200)])
-    wait_until(lambda: server.loads()["loads"][0]["num_running_reqs"] == 1)
+    wait_until(lambda: server.running_tokens() == [5])  # mid-generation: parked by the load
     with pytest.raises(WeightLoadError, match="repository not found"):
         engine.load_weights(tmp_path / "missing", 1)
     assert engine.version == 0 and server.weight_version == "0"
@@ -209,6 +210,7 @@ def test_nccl_weights_path(version: str, bracket: bool) -> None:
 
 
 def test_flush_refused_while_busy(server: FakeSGLangServer, engine: SGLangEngine) -> None:
+    server.stall_at = 1  # running until the abort below, however long the machine takes
     engine.add([req(1, PROMPT, 500)])
     wait_until(lambda: server.loads()["loads"][0]["num_running_reqs"] == 1)
     with pytest.raises(EngineError, match="HTTP 400: Cache not flushed"):

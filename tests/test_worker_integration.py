@@ -40,7 +40,7 @@ def test_worker_sigterm_returns_leases_and_sigkill_is_survived(cluster: Callable
         leases = {w.id: w.leases for w in c.status().workers}
         return leases.get("leaver", 0) > 0 and leases.get("victim", 0) > 0
 
-    wait_for(both_hold_leases, 30, "both workers to hold leases")
+    wait_for(both_hold_leases, 60, "both workers to hold leases")
     c.kill("leaver", signal.SIGTERM)  # clean exit: partials returned, Disconnect
     c.kill("victim")  # SIGKILL: leases re-queued after the liveness window
     c.start_worker("w2")
