@@ -40,7 +40,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import msgpack
@@ -64,6 +62,7 @@ from april.ports import free_ports  # noqa: E402
 from april.records import FinishReason, Sample, SampleStatus  # noqa: E402
 from april.transport import dealer  # noqa: E402
 from april.wire_records import SampleBatch  # noqa: E402
+from cli.process import stop_requested  # noqa: E402
 
 SCENARIOS = ("steady", "weights", "bounded")
 # steady and weights: a staleness bound so far off that admission never blocks and no group falls due
@@ -280,17 +279,10 @@ class ScriptedWorker:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    stopping = False
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    should_stop = stop_requested()  # SIGTERM/SIGINT end the loop, as they end a real worker's
     worker = ScriptedWorker(args)
     try:
-        worker.run(lambda: stopping)
+        worker.run(should_stop)
     finally:
         worker.close()
 
