@@ -3,8 +3,9 @@
 Every artifact committed under docs/ (bench.json, accuracy.json, soak.json, ...) carries a `provenance`
 object made here, so any number in README.md or docs/ can be traced to the command that produced it and
 the code it ran: `{"command", "commit", "dirty", "date", "machine": {"cpus", "platform", "python",
-"load_avg_1m"}}`. `dirty` says the working tree had uncommitted changes when it ran (such a figure is not
-reproducible from the commit alone). Knows nothing of what was measured; never fails for lack of git.
+"load_avg_1m"}}`. `dirty` says the code had uncommitted changes when it ran (such a figure is not
+reproducible from the commit alone; edits to README.md and docs/ do not count). Knows nothing of what
+was measured; never fails for lack of git.
 """
 
 from __future__ import annotations
@@ -32,10 +33,14 @@ def _git(*args: str) -> str:
 
 
 def commit() -> tuple[str, bool]:
-    """(HEAD's full hash or "unknown", whether tracked files differ from it)."""
+    """(HEAD's full hash or "unknown", whether tracked code differs from it). Documentation and the
+    committed measurements (README.md, docs/) do not count: rerunning one measurement rewrites docs/,
+    which says nothing about the code the next one runs."""
     head = _git("rev-parse", "HEAD") or "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) if head != "unknown" else False
-    return head, dirty
+    if head == "unknown":
+        return head, False
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs", ":!README.md")
+    return head, bool(changed)
 
 
 def package_version(name: str) -> str | None:
