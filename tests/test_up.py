@@ -213,9 +213,9 @@ def port_in_time_wait() -> int:
         accepted, _ = server.accept()
         accepted.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
         client.close()
-    with socket.socket() as probe:  # the old check's bind fails here: the port is "busy" without a listener
-        with pytest.raises(OSError):
-            probe.bind(("127.0.0.1", port))
+    # the old check's plain bind fails here: the port was "busy" without a listener
+    with socket.socket() as probe, pytest.raises(OSError):
+        probe.bind(("127.0.0.1", port))
     return port
 
 
