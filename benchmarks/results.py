@@ -22,6 +22,7 @@ orchestration and the provenance, checked in seconds by tests/test_benchmarks.py
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -230,10 +231,17 @@ def num(value: Any, fmt: str = ".3f") -> str:
     return format(value, fmt)
 
 
+def started_at(step: str) -> float:
+    """When a step's command started (epoch seconds, to the second): its provenance date."""
+    by_name = {s.name: s for s in STEPS}
+    date = load(f"{by_name[step].dest}/provenance.json")["date"]
+    return datetime.datetime.strptime(date, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
 def block_up_run() -> str:
     lines = load("results/up-run/metrics.jsonl")
     evals = load("results/up-run/eval.jsonl")
-    t0 = lines[0]["time"] - lines[0]["step_time_s"]
+    t0 = started_at("up-run")  # `april up` launched
     windows = [lines[i : i + 10] for i in range(0, len(lines), 10)]
     head = "| steps | " + " | ".join(f"{w[0]['step']}-{w[-1]['step']}" for w in windows) + " |"
     acc = (
@@ -242,7 +250,7 @@ def block_up_run() -> str:
         + " |"
     )
     elapsed = (
-        "| elapsed at the window's end (s) | "
+        "| seconds since `april up` started, at the window's end | "
         + " | ".join(f"{w[-1]['time'] - t0:.0f}" for w in windows)
         + " |"
     )
@@ -256,7 +264,8 @@ def block_up_run() -> str:
             acc,
             elapsed,
             "",
-            f"{len(lines)} steps in {lines[-1]['time'] - t0:.0f} s; per step the broker aborted "
+            f"{len(lines)} steps in {lines[-1]['time'] - t0:.0f} s; the first trained step came "
+            f"{lines[0]['time'] - t0:.0f} s after `april up` started; per step the broker aborted "
             f"{aborted:.1f} samples on average (N = {lines[0]['samples']}), and "
             f"{min(off):.0%}-{max(off):.0%} "
             f"of the trained tokens were off-policy (steps 2-{len(lines)}); held-out greedy accuracy "
@@ -413,7 +422,7 @@ def block_fuzz() -> str:
 def block_headline() -> str:
     """The README's summary paragraph: one sentence per artifact, each figure from it."""
     lines = load("results/up-run/metrics.jsonl")
-    t0 = lines[0]["time"] - lines[0]["step_time_s"]
+    t0 = started_at("up-run")
     first = statistics.fmean(r["accuracy"] for r in lines[:10])
     last = statistics.fmean(r["accuracy"] for r in lines[-10:])
     off = statistics.fmean(r["offpolicy_token_frac"] for r in lines[1:])
