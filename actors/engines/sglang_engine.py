@@ -45,7 +45,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from actors.engine import EngineError, GenerationOutput, GenerationRequest, SamplingParams, WeightLoadError
+from actors.engine import (
+    EngineError,
+    EngineUnavailable,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    WeightLoadError,
+)
 from actors.engines.inflight import FINISH_REASONS, Flight, InFlight, Segment
 
 MIN_VERSION = (0, 5, 6)
@@ -236,6 +243,14 @@ class SGLangEngine:
             self.version = version
         finally:
             self._flights.resubmit(parked, self.version)
+
+    def probe(self) -> None:
+        """Every server answers /server_info, or EngineUnavailable."""
+        for url in self.urls:
+            try:
+                self._call(url, "GET", "/server_info")
+            except EngineError as e:
+                raise EngineUnavailable(f"sglang {url} does not answer: {e}") from None
 
     def close(self) -> None:
         try:

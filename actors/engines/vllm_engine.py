@@ -178,6 +178,9 @@ class VLLMEngine:
             else:
                 self._flights.resubmit(parked, self.version)
 
+    def probe(self) -> None:
+        """In-process: it serves as long as this process runs."""
+
     def close(self) -> None:
         try:
             self._flights.close()
