@@ -228,6 +228,33 @@ class EngineUsage:
             )
 
 
+MAX_ENGINE_DETAIL = 500  # characters: why an engine is down, one line
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """W->B. Whether the worker's engine can serve, and what engine errors cost so far. Sent when either
+    changes, and right after every WorkerHello once one is not at its start (down, or a count above 0).
+
+    `ok` false: the engine as a whole cannot serve (its server is down or restarting); the worker has
+    returned every sample it was generating, and the broker sets its credit to 0 and leases nothing to it
+    (credit it grants meanwhile is ignored) until `ok` true, after which the worker grants its free slots
+    again with a LeaseRequest. `detail` says why, for people. `failed_by_engine` / `returned_by_engine`
+    count, since the worker started, the samples it failed because the engine failed their request and
+    those it returned as partials because of an engine error or an engine down (cumulative: a lost report
+    loses nothing)."""
+
+    ok: bool
+    detail: str
+    failed_by_engine: int
+    returned_by_engine: int
+
+    def validate(self) -> None:
+        _check_non_negative(self, "failed_by_engine", "returned_by_engine")
+        if len(self.detail) > MAX_ENGINE_DETAIL:
+            raise ValueError(f"detail has {len(self.detail)} characters, at most {MAX_ENGINE_DETAIL} allowed")
+
+
 @dataclass(frozen=True, slots=True)
 class LearnerHello:
     """L->B. Register the learner (rank 0). `version` is the weights version it holds."""
@@ -347,6 +374,7 @@ KIND_OF: dict[type, int] = {
     WeightsLoaded: 18,
     Disconnect: 19,
     EngineUsage: 20,
+    EngineHealth: 21,
     LearnerHello: 30,
     BatchRequest: 31,
     Batch: 32,
@@ -372,6 +400,7 @@ Message = (
     | WeightsLoaded
     | Disconnect
     | EngineUsage
+    | EngineHealth
     | LearnerHello
     | BatchRequest
     | Batch
