@@ -132,8 +132,8 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class SampleResult:
-    """W->B. Samples that left the engine: FINISHED (scored), FAILED, or INTERRUPTED (after an Abort),
-    streamed as they leave. `credit` adds free slots, like a LeaseRequest."""
+    """W->B. Samples that left the engine: FINISHED (scored), FAILED, or INTERRUPTED (after an Abort, or
+    an engine failure), streamed as they leave. `credit` adds free slots, like a LeaseRequest."""
 
     lease_ids: Int64Array  # [S], as received in the Lease
     samples: SampleBatch

@@ -208,6 +208,11 @@ def _worker_events(prev: BrokerStatus, new: BrokerStatus) -> Iterator[tuple[str,
             yield f"worker {wid} died: silent for {w.last_seen_s:.1f}s", "bold red"
         elif not old.alive and w.alive:
             yield f"worker {wid} is back", "green"
+        was_ok = old.engine_ok if old is not None else True
+        if was_ok and not w.engine_ok:
+            yield f"worker {wid}: engine down: {w.engine_detail or 'no reason given'}", "bold red"
+        elif not was_ok and w.engine_ok:
+            yield f"worker {wid}: engine back", "green"
     for wid in before.keys() - after.keys():
         yield f"worker {wid} left", "red"
 

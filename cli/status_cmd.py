@@ -74,8 +74,19 @@ def render_status(status: BrokerStatus) -> Group:
         f"  rejected messages: {status.rejected.total}"
     )
     workers = Table(
-        "worker", "engine", "slots", "credit", "leases", "version", "last seen", "alive", title="workers"
+        "worker",
+        "engine",
+        "slots",
+        "credit",
+        "leases",
+        "version",
+        "last seen",
+        "engine ok",
+        "failed / returned",
+        "alive",
+        title="workers",
     )
+    workers.columns[0].no_wrap = True  # ids must stay whole: other columns give way
     for w in status.workers:
         workers.add_row(
             Text(w.id),  # Text, not markup: names come from the peers
@@ -85,12 +96,19 @@ def render_status(status: BrokerStatus) -> Group:
             str(w.leases),
             str(w.version),
             f"{w.last_seen_s:.1f}s",
+            Text("yes") if w.engine_ok else Text("DOWN", "bold red"),  # why: below the table
+            f"{w.failed_by_engine}/{w.returned_by_engine}",  # samples engine errors failed / returned
             "yes" if w.alive else "no",
         )
+    down = [
+        Text.assemble((f"{w.id}: engine down: ", "bold red"), w.engine_detail or "no reason given")
+        for w in status.workers
+        if not w.engine_ok
+    ]
     staleness = Table("staleness", "partial samples", title="partial buffer staleness")
     for k, v in status.partial_staleness.items():
         staleness.add_row(Text(k), str(v))
-    return Group(head, ledger_line, workers, staleness)
+    return Group(head, ledger_line, workers, *down, staleness)
 
 
 def print_status(status: BrokerStatus, as_json: bool) -> None:
