@@ -19,9 +19,9 @@ frees its slot and is counted. An engine that cannot serve at all (EngineUnavail
 EngineError no request was blamed for) is down: every sample it held goes back as a partial, the broker
 hears EngineHealth(ok=False) and leases nothing more, and the engine is probed with the peer link's
 backoff (on a helper thread, so that heartbeats go on while a probe waits on a hung server) until it
-serves; then the worker says so, loads the newest weights it was told of, and grants its slots again.
-Samples being scored are not the engine's and are unaffected. `actors.engine_health` keeps the schedule
-and the counts.
+serves; then the worker says so, loads the newest weights it was told of (again: a restarted server holds
+its launch weights), and grants its slots again. Samples being scored are not the engine's and are
+unaffected. `actors.engine_health` keeps the schedule and the counts.
 """
 
 from __future__ import annotations
@@ -215,7 +215,8 @@ class Worker:
             except (EngineError, ValueError) as exc:  # one bad request fails one sample, not the worker
                 self.held.pop(lease_id, None)
                 log.warning("sample %s cannot be generated: %s", sample.key, exc)
-                self.health.failed += isinstance(exc, EngineError)
+                if isinstance(exc, EngineError):  # (a ValueError is the tokenizer's)
+                    self.health.failed += 1
                 failed.append((lease_id, sample.failed(f"engine rejected the request: {exc}"[:500])))
         if failed:
             self._send_results(failed, credit=0 if self.health.down else len(failed))
@@ -252,9 +253,9 @@ class Worker:
                 continue
             if out.finish_reason == FinishReason.ABORT:
                 done.append((out.request_id, apply_output(held.sample, out)))
-                self.health.returned += out.error != "" or not asked
-                if out.error:
-                    log.warning("sample %s back as a partial: %s", held.sample.key, out.error)
+                if out.error or not asked:  # not the broker's Abort: the engine's doing
+                    self.health.returned += 1
+                    log.warning("sample %s back as a partial: %s", held.sample.key, out.error or "aborted")
             elif out.error:
                 log.warning("sample %s failed by the engine: %s", held.sample.key, out.error)
                 reason = f"engine failed the request: {one_line(out.error)}"[:500]
@@ -424,14 +425,18 @@ class Worker:
 
     def _recover(self) -> None:
         """The engine answers again: drop requests of leases already returned, say so, load the newest
-        weights announced meanwhile, and grant the free slots. Raises EngineError when it fails again."""
+        weights announced, and grant the free slots. Raises EngineError when it fails again.
+
+        The weights are loaded even when the engine reports that version already: what answers may be a
+        restarted server holding its launch weights, which the engine object cannot always tell, and a
+        token tagged with a version that did not make it would be trained as on-policy when it is not."""
         assert self.engine is not None
         if self.engine.active:  # left behind by a failure that was not EngineUnavailable
             self._on_outputs(self.engine.abort(), asked=True)
         self.health.come_up()
         log.info("engine serves again: leasing resumes")
         self._report_health()
-        if self.weights is not None and self.weights.version > self.engine.version:
+        if self.weights is not None and self.weights.version >= self.engine.version:
             self._load(self.weights.version, self.weights.uri, self.weights.sha256)
         if not self.health.down:
             self._send(protocol.LeaseRequest(max(0, self.cfg.slots - len(self.held))))
