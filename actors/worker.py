@@ -124,10 +124,13 @@ class Worker:
         self.meter: SlotMeter | None = None  # slot usage, reported as EngineUsage (from the engine's start)
         self.held: dict[int, Held] = {}  # lease id -> sample in the engine
         self.scoring: dict[int, Sample] = {}  # lease id -> finished sample waiting for its reward
-        self.health = EngineHealth()
+        # the engine is built on a thread after the first Welcome (a vLLM or SGLang start can outlast the
+        # broker's liveness window): until then it is "starting", and the broker leases it nothing
+        self.health = EngineHealth(down=True, detail=protocol.ENGINE_STARTING)
         self.weights: protocol.WeightsReady | None = None  # the newest weights the broker announced
         self.prober: ThreadPoolExecutor | None = None  # runs Engine.probe while the engine is down
-        self.probing: Future[None] | None = None
+        self.probing: Future[Engine | None] | None = None
+        self.sampling: SamplingParams | None = None  # from the first Welcome: how engines are built
         # the broker connection; `curve`: CurveZMQ client keys when the broker requires them
         self.link = PeerLink(cfg.broker, self.worker_id, self._hello, curve, MAX_MESSAGE_BYTES)
 
@@ -172,24 +175,24 @@ class Worker:
     # ------------------------------------------------------------------ broker messages
 
     def _on_welcome(self, msg: protocol.Welcome) -> None:
-        if self.engine is None:
-            sampling = SamplingParams(
+        if self.sampling is None:  # the first Welcome: the run's sampling settings; build the engine now
+            self.sampling = SamplingParams(
                 temperature=msg.temperature,
                 top_p=msg.top_p,
                 top_k=msg.top_k,
                 stop_token_ids=self.tokenizer.eos_token_ids,
                 seed=self.seed,
             )
-            self.engine = self.make_engine(sampling, 0)
-            self.meter = SlotMeter(self.engine.slots, time.monotonic())
-            log.info(
-                "worker %s: engine %s ready (%d slots)", self.worker_id, self.engine.name, self.engine.slots
-            )
+            self.health.next_probe = time.monotonic()
         if msg.weights_uri:
             self._on_weights(protocol.WeightsReady(msg.version, msg.weights_uri, msg.weights_sha256))
 
+    def _engine_built(self, engine: Engine) -> None:
+        self.engine = engine
+        self.meter = SlotMeter(engine.slots, time.monotonic())
+        log.info("worker %s: engine %s ready (%d slots)", self.worker_id, engine.name, engine.slots)
+
     def _on_lease(self, msg: protocol.Lease) -> None:
-        assert self.engine is not None, "a Lease before Welcome"
         leased = list(
             zip(
                 msg.lease_ids.tolist(),
@@ -201,7 +204,7 @@ class Worker:
         )
         failed: list[tuple[int, Sample]] = []
         for i, (lease_id, budget, greedy, sample) in enumerate(leased):
-            if self.health.down:  # leased before the broker heard: straight back, as leased
+            if self.health.down or self.engine is None:  # leased before the broker heard: back, as leased
                 self._return_unstarted([(lid, s) for lid, _, _, s in leased[i:]])
                 break
             try:
@@ -400,21 +403,26 @@ class Worker:
         self.health.returned += len(items)
 
     def _probe(self, now: float) -> None:
-        """While down: start a probe when due; when one ends, come back up or wait longer."""
-        assert self.engine is not None
+        """While down (or starting): start a probe when due, which builds the engine if there is none yet;
+        when one ends, come up, or wait longer. An engine that cannot be built at all (not merely not yet
+        reachable) stops the worker with its reason, as a bad configuration should."""
         if self.probing is None:
             if self.health.probe_due(now):
                 if self.prober is None:
                     self.prober = ThreadPoolExecutor(1, thread_name_prefix="engine-probe")
-                self.probing = self.prober.submit(self.engine.probe)
+                self.probing = self.prober.submit(self._probe_engine)
             return
         if not self.probing.done():
             return
         probe, self.probing = self.probing, None
         try:
-            probe.result()  # anything but an EngineError is a bug in the engine: it surfaces here
+            built = probe.result()  # anything but an EngineError is a bug in the engine: it surfaces here
+            if built is not None:
+                self._engine_built(built)
             self._recover()
         except EngineError as exc:
+            if self.engine is None and not isinstance(exc, EngineUnavailable):
+                raise
             self.health.probe_failed(str(exc), now)
             log.warning(
                 "engine still down (probe %d): %s; next probe in %.0fs",
@@ -422,6 +430,14 @@ class Worker:
                 self.health.detail,
                 self.health.wait_s,
             )
+
+    def _probe_engine(self) -> Engine | None:
+        """On the probe thread: the engine answers (None), or a first engine is built (it)."""
+        if self.engine is not None:
+            self.engine.probe()
+            return None
+        assert self.sampling is not None, "probing before Welcome"
+        return self.make_engine(self.sampling, 0)
 
     def _recover(self) -> None:
         """The engine answers again: drop requests of leases already returned, say so, load the newest

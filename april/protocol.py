@@ -231,6 +231,9 @@ class EngineUsage:
 MAX_ENGINE_DETAIL = 500  # characters: why an engine is down, one line
 
 
+ENGINE_STARTING = "starting"  # EngineHealth.detail of an engine still being built
+
+
 @dataclass(frozen=True, slots=True)
 class EngineHealth:
     """W->B. Whether the worker's engine can serve, and what engine errors cost so far. Sent when either
@@ -239,7 +242,9 @@ class EngineHealth:
     `ok` false: the engine as a whole cannot serve (its server is down or restarting); the worker has
     returned every sample it was generating, and the broker sets its credit to 0 and leases nothing to it
     (credit it grants meanwhile is ignored) until `ok` true, after which the worker grants its free slots
-    again with a LeaseRequest. `detail` says why, for people. `failed_by_engine` / `returned_by_engine`
+    again with a LeaseRequest. `detail` says why, for people; `ENGINE_STARTING` means the engine is being
+    built (a worker starts so, until its first Welcome gave it the run's sampling settings and the engine
+    came up: a vLLM or SGLang start can take minutes). `failed_by_engine` / `returned_by_engine`
     count, since the worker started, the samples it failed because the engine failed their request and
     those it returned as partials because of an engine error or an engine down (cumulative: a lost report
     loses nothing)."""

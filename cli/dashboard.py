@@ -22,6 +22,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from april import protocol
 from april.status import BrokerStatus, LearnerStatus, StepFigures, WorkerStatus
 from cli.dashboard_state import DASH, DashboardState, fmt, fmt_int, num
 
@@ -218,14 +219,15 @@ def _worker_state(w: WorkerStatus) -> Text:
     if not w.alive:
         return Text("dead", "bold red")
     if not w.engine_ok:
-        return Text("engine down", "bold red")
+        starting = w.engine_detail == protocol.ENGINE_STARTING
+        return Text("starting", "yellow") if starting else Text("engine down", "bold red")
     return Text("restored", "yellow") if w.restored else Text("up", "green")
 
 
 def _engine_notes(workers: list[WorkerStatus], rows: int) -> list[Text]:
     """Under the table: why each down engine is down (a server's error is long: lines of its own, wrapped),
     and what engine errors cost so far over all workers."""
-    down = [w for w in workers if w.alive and not w.engine_ok]
+    down = [w for w in workers if w.alive and not w.engine_ok and w.engine_detail != protocol.ENGINE_STARTING]
     notes = [
         Text.assemble((f"{w.id}: ", "bold"), ("engine down: ", "bold red"), (w.engine_detail or DASH, "red"))
         for w in down[:rows]

@@ -23,7 +23,7 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import BrokerConfig
 from april.keys import ClientKeys, configured_client_keys
-from april.status import BrokerStatus
+from april.status import BrokerStatus, WorkerStatus
 from april.transport import dealer, recv, send
 from cli.dashboard_feed import StatusFeed, watch
 from cli.dashboard_state import DashboardState, apply_status
@@ -51,6 +51,14 @@ def fetch_status(address: str, timeout_s: float, curve: ClientKeys | None = None
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def engine_state(w: WorkerStatus) -> Text:
+    if w.engine_ok:
+        return Text("yes")
+    if w.engine_detail == protocol.ENGINE_STARTING:
+        return Text("starting", "yellow")
+    return Text("DOWN", "bold red")
 
 
 def render_status(status: BrokerStatus) -> Group:
@@ -96,14 +104,14 @@ def render_status(status: BrokerStatus) -> Group:
             str(w.leases),
             str(w.version),
             f"{w.last_seen_s:.1f}s",
-            Text("yes") if w.engine_ok else Text("DOWN", "bold red"),  # why: below the table
+            engine_state(w),  # why it is down: below the table
             f"{w.failed_by_engine}/{w.returned_by_engine}",  # samples engine errors failed / returned
             "yes" if w.alive else "no",
         )
     down = [
         Text.assemble((f"{w.id}: engine down: ", "bold red"), w.engine_detail or "no reason given")
         for w in status.workers
-        if not w.engine_ok
+        if not w.engine_ok and w.engine_detail != protocol.ENGINE_STARTING
     ]
     staleness = Table("staleness", "partial samples", title="partial buffer staleness")
     for k, v in status.partial_staleness.items():

@@ -4,15 +4,14 @@ Two levels. First the worker loop in this process, its broker played by a bare R
 so that the exact messages and their order are asserted: a request the engine fails fails its sample, a
 transient failure returns a partial, both free the slot and are counted; an engine that cannot serve
 (EngineUnavailable from step, add, abort or load_weights, or an EngineError no request is blamed for)
-makes the worker say so before it returns every sample, lease nothing, keep heartbeating, answer an
-Abort with credit 0, probe with the peer link's backoff, then say it serves, load the newest weights
-announced (again, even those it has) and grant its slots again; samples being scored are unaffected. Then real processes: the
-broker, the scripted learner and a worker process that is `april worker`'s code with the scripted engine
-of tests/scripted_engine.py (the only difference from a real engine): the ledger balances, nothing is
-trained twice, no failed sample is trained, the broker leases nothing to a down engine and shows it in
-its status, a lease that meets a down engine in `add` comes back whole, and SIGTERM while the engine is
-down still shuts down cleanly.
-"""
+makes the worker say so before it returns every sample, lease nothing, keep heartbeating, answer an Abort
+with credit 0, probe with the peer link's backoff, then say it serves, load the newest weights announced
+(again, even those it has) and grant its slots again; samples being scored are unaffected. Then real
+processes: the broker, the scripted learner and a worker process that is `april worker`'s code with the
+scripted engine of tests/scripted_engine.py (the only difference from a real engine): the ledger
+balances, nothing is trained twice, no failed sample is trained, the broker leases nothing to a down
+engine and shows it in its status, a lease that meets a down engine in `add` comes back whole, and
+SIGTERM while the engine is down still shuts down cleanly."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ import zmq
 from harness import Cluster, wait_for
 from scripted_engine import EngineScript, ScriptedEngine, fails, response_length
 
-from actors.engine import SamplingParams
+from actors.engine import EngineError, EngineUnavailable, SamplingParams
 from actors.reward_runner import RewardResult
 from actors.tokenizer import ByteTokenizer
 from actors.worker import Worker
@@ -163,8 +162,13 @@ def running_worker(script: EngineScript) -> Iterator[Running]:
     try:
         hello = broker.expect(protocol.WorkerHello)
         assert hello.worker_id == "w0" and hello.slots == SLOTS
+        # no engine before the run's sampling settings: it says so with its hello, and is leased nothing
+        assert broker.expect(protocol.EngineHealth) == protocol.EngineHealth(False, "starting", 0, 0)
         broker.send(welcome())
-        wait_for(lambda: engines, DEADLINE_S, "the worker to start its engine")
+        # the engine is built on the probe thread (the connection stays alive meanwhile), then serves
+        assert broker.expect(protocol.EngineHealth) == protocol.EngineHealth(True, "", 0, 0)
+        assert broker.expect(protocol.LeaseRequest).credit == SLOTS
+        assert len(engines) == 1
         yield Running(worker, broker, engines, rewards)
         assert not died, f"the worker died: {died[0]!r}"
         stop.set()
@@ -370,6 +374,79 @@ def test_a_weight_load_that_finds_the_engine_down_keeps_the_old_weights_and_load
         assert w.engine.version == 1
 
 
+def test_an_engine_whose_server_is_not_up_yet_is_built_when_it_answers_and_the_link_stays_alive() -> None:
+    """Building the engine (a vLLM or SGLang start can take minutes) runs on the probe thread: the worker
+    keeps heartbeating, stays "starting" and is leased nothing, retries a build that finds no server
+    (EngineUnavailable) with backoff, and grants its slots once the engine is built."""
+    broker = BareBroker()
+    built: list[ScriptedEngine] = []
+    attempts: list[float] = []
+    cfg = WorkerConfig(broker=broker.address, engine="sim", slots=SLOTS, worker_id="w0")
+    worker: Worker
+
+    def make(sampling: SamplingParams, version: int) -> ScriptedEngine:
+        attempts.append(time.monotonic())
+        if len(attempts) <= 2:
+            raise EngineUnavailable("scripted: connection refused (the server is starting)")
+        built.append(ScriptedEngine(EngineScript(), SLOTS, sampling, worker.identify, version))
+        return built[-1]
+
+    worker = Worker(cfg, ByteTokenizer(), HeldRewards(), make, seed=0)  # type: ignore[arg-type]
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: worker.run(stop.is_set), daemon=True)
+    thread.start()
+    try:
+        broker.expect(protocol.WorkerHello)
+        assert broker.expect(protocol.EngineHealth) == protocol.EngineHealth(False, "starting", 0, 0)
+        broker.send(welcome())
+        down = broker.expect(protocol.EngineHealth)  # the first build found no server
+        assert not down.ok and down.detail == "scripted: connection refused (the server is starting)"
+        broker.send(lease([(7, 0)]))  # a lease that crosses the report on the wire comes straight back
+        back = broker.expect(protocol.SampleResult)
+        assert back.credit == 0 and results(back)[7].status == SampleStatus.INTERRUPTED
+        assert broker.expect(protocol.EngineHealth).returned_by_engine == 1
+        assert broker.expect(protocol.EngineHealth) == protocol.EngineHealth(True, "", 0, 1)
+        assert broker.expect(protocol.LeaseRequest).credit == SLOTS
+        assert len(attempts) == 3 and len(built) == 1
+        assert attempts[2] - attempts[1] >= 2 * BACKOFF_MIN_S - 0.05  # backoff doubled after a failed probe
+        assert broker.keepalives > 0  # heartbeats went on while the engine was being built
+    finally:
+        stop.set()
+        thread.join(DEADLINE_S)
+        broker.close()
+    assert not thread.is_alive()
+
+
+def test_an_engine_that_cannot_be_built_at_all_stops_the_worker_with_its_reason() -> None:
+    """Not "not up yet" but wrong (a bad model directory, an engine that refuses its settings): the worker
+    stops with that one error instead of retrying forever."""
+    broker = BareBroker()
+    cfg = WorkerConfig(broker=broker.address, engine="sim", slots=SLOTS, worker_id="w0")
+
+    def make(sampling: SamplingParams, version: int) -> ScriptedEngine:
+        raise EngineError("scripted: model directory 'm' has no config.json")
+
+    worker = Worker(cfg, ByteTokenizer(), HeldRewards(), make, seed=0)  # type: ignore[arg-type]
+    died: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run(lambda: False)
+        except BaseException as exc:
+            died.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        broker.expect(protocol.WorkerHello)
+        broker.send(welcome())
+        thread.join(DEADLINE_S)
+        assert not thread.is_alive() and len(died) == 1
+        assert isinstance(died[0], EngineError) and "no config.json" in str(died[0])
+    finally:
+        broker.close()
+
+
 def test_the_hello_of_a_worker_whose_engine_is_down_says_so() -> None:
     worker = Worker(
         WorkerConfig(worker_id="w0", slots=SLOTS),
@@ -379,6 +456,9 @@ def test_the_hello_of_a_worker_whose_engine_is_down_says_so() -> None:
         seed=0,  # type: ignore[arg-type]
     )
     try:
+        hello, health = worker._hello()  # before its engine is built: starting, leased nothing
+        assert health == protocol.EngineHealth(False, "starting", 0, 0)
+        worker.health.come_up()
         assert [type(m) for m in worker._hello()] == [protocol.WorkerHello]  # up, nothing lost: the default
         worker.health.returned = 2
         worker.health.go_down("scripted: connection refused", time.monotonic())
