@@ -68,6 +68,11 @@ def bodies(server: FakeSGLangServer) -> list[dict[str, Any]]:
     return list(server.rt.generate_bodies)
 
 
+def weights_dir(parent: Path, version: int) -> Path:
+    """A model directory holding one version's weights (what the server loads)."""
+    return weights_file(parent / f"dir{version}", version).parent
+
+
 def weights_file(directory: Path, version: int) -> Path:
     """A weights file as the learner publishes it (the fake does not read its bytes)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -267,7 +272,6 @@ def test_budgets_are_clipped_to_the_servers_context(make_server: Any, make_engin
     input + output within 57 so that every partial can be resumed there."""
     server = make_server(context_length=64)
     engine = make_engine(server)
-    assert engine.context == 57
     long, full, over = list(range(100, 157)), list(range(100, 157)), list(range(100, 158))
     engine.add([req(1, PROMPT * 3, 1000, greedy=True), req(2, long[:50], 100, greedy=True)])
     engine.add([req(3, full, 5), req(4, over, 5)])
@@ -278,6 +282,7 @@ def test_budgets_are_clipped_to_the_servers_context(make_server: Any, make_engin
     assert done[4].finish_reason == FinishReason.NONE and len(done[4].token_ids) == 0  # over it: fails
     assert "input of 58 tokens" in done[4].error
     assert sorted(b["sampling_params"]["max_new_tokens"] for b in bodies(server)) == [7, 48]
+    assert engine.context == 57
 
 
 def test_a_partial_near_the_context_end_can_be_resumed(make_server: Any, make_engine: Any) -> None:
@@ -366,14 +371,15 @@ def test_a_greedy_request_asks_for_top_k_1_without_a_seed(make_server: Any, make
 def test_launch_refuses_an_environment_with_original_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
     from actors.engines.sglang_launch import server_command
 
-    cmd = server_command("/m", port=31000, slots=16, deterministic=True)
-    assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in cmd
-    assert cmd[cmd.index("--max-running-requests") + 1] == "16"
-    assert "--enable-deterministic-inference" in cmd
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "True")
     with pytest.raises(EngineError, match="SGLANG_RETURN_ORIGINAL_LOGPROB=True is set") as err:
         server_command("/m", port=31000)
     assert "\n" not in str(err.value)
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "0")
+    cmd = server_command("/m", port=31000, slots=16, deterministic=True)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"] and "--skip-tokenizer-init" in cmd
+    assert cmd[cmd.index("--max-running-requests") + 1] == "16"
+    assert "--enable-deterministic-inference" in cmd
 
 
 # -- aborts -------------------------------------------------------------------------------------------------
@@ -471,7 +477,7 @@ def test_a_5xx_comes_back_as_abort_with_the_earlier_tokens(
     engine.add([req(1, PROMPT, 4000, greedy=True)])
     wait_until(lambda: tokens_running(server) and tokens_running(server)[0] >= 5, "some tokens")
     server.fail_next("/generate", 503, {"error": "overloaded"})
-    engine.load_weights(weights_file(tmp_path, 1), 1)  # the resubmission gets the 503
+    engine.load_weights(weights_dir(tmp_path, 1), 1)  # the resubmission gets the 503
     out = drain(engine)[1]
     assert out.finish_reason == FinishReason.ABORT and "HTTP 503: overloaded" in out.error
     k = len(out.token_ids)
@@ -519,10 +525,10 @@ def test_a_server_killed_and_restarted_mid_request(
     raises until the server is back; then it is reloaded with the adapter's version and serves."""
     server = make_server(token_delay_s=0.005)
     engine = make_engine(server)
-    engine.load_weights(weights_file(tmp_path / "w", 1), 1)
+    engine.load_weights(weights_dir(tmp_path, 1), 1)
     engine.add([req(1, PROMPT, 4000, greedy=True)])
     wait_until(lambda: tokens_running(server) and tokens_running(server)[0] >= 5, "some tokens")
-    engine.load_weights(weights_file(tmp_path / "w", 2), 2)  # request 1: parked with its v1 tokens
+    engine.load_weights(weights_dir(tmp_path, 2), 2)  # request 1: parked with its v1 tokens
     wait_until(lambda: tokens_running(server) and tokens_running(server)[0] >= 3, "more tokens")
     k = len(server.rt.generate_bodies[-1]["input_ids"]) - len(PROMPT)  # the resubmission's input
     assert k >= 5
@@ -552,7 +558,7 @@ def test_a_server_restarted_between_requests_is_noticed_by_its_weight_version(
 ) -> None:
     server = make_server()
     engine = make_engine(server)
-    engine.load_weights(weights_file(tmp_path, 1), 1)
+    engine.load_weights(weights_dir(tmp_path, 1), 1)
     server.stop()
     server.start()
     engine.add([req(1, PROMPT, 4, greedy=True)])
