@@ -57,10 +57,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -83,11 +80,13 @@ from actors.engines.sglang_http import (
     HTTPStatusError,
     ServerInfo,
     ServerUnreachable,
+    generate_body,
     http_call,
     parse_generate,
     parse_server_info,
     transient,
 )
+from actors.engines.weight_dirs import VersionDirs
 from april.records import FinishReason
 
 log = logging.getLogger(__name__)
@@ -95,38 +94,6 @@ log = logging.getLogger(__name__)
 REACH_TRIES = 3  # /server_info tries before a server counts as unreachable
 REACH_GAP_S = 0.2
 ABORT_RESEND_S = 0.2  # how often an abort by rid is re-sent while its /generate is still out
-
-
-def request_seed(seed: int, request_id: int, tokens_done: int) -> int:
-    """The sampling_seed of one submission: its own per request and resubmission, reproducible per run."""
-    return (seed * 1_000_003 + request_id * 7919 + tokens_done) % (1 << 31)
-
-
-def generate_body(
-    flight: Flight, sampling: SamplingParams, extra: Mapping[str, Any], seeded: bool
-) -> dict[str, Any]:
-    """The /generate body of `flight`'s next submission (token ids in, log-probs out, no streaming).
-    `seeded`: the server honours sampling_seed (--enable-deterministic-inference)."""
-    top_k = sampling.top_k if sampling.top_k > 0 else -1  # SGLang: -1 = off
-    params: dict[str, Any] = {
-        **extra,
-        "max_new_tokens": flight.left,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": 1 if flight.greedy else top_k,  # top_k 1: SGLang's greedy path
-    }
-    if sampling.stop_token_ids:
-        params["stop_token_ids"] = list(sampling.stop_token_ids)
-    if seeded and not flight.greedy:  # every request its own, or a group's samples would be identical
-        params["sampling_seed"] = request_seed(sampling.seed, flight.request_id, len(flight.done_ids))
-    return {
-        "rid": flight.rid,
-        "input_ids": flight.resume_input(),
-        "sampling_params": params,
-        "return_logprob": True,
-        "logprob_start_len": -1,
-        "stream": False,
-    }
 
 
 class SGLangEngine:
@@ -171,9 +138,7 @@ class SGLangEngine:
         self.abort_all_after_s = abort_all_after_s
         self.weights_timeout_s = weights_timeout_s
         self._processes = list(processes)
-        self._weights_dir = Path(weights_dir) if weights_dir is not None else None
-        self._own_weights_dir = weights_dir is None
-        self._staged: dict[int, Path] = {}  # version -> the directory made for it
+        self._dirs = VersionDirs(weights_dir)
         self._loaded: Path | None = None  # what self.version was loaded from (None: the launch weights)
         self._exchanges: dict[str, tuple[int, Exchange]] = {}  # rid -> (server index, its /generate)
         self._next_server = 0
@@ -216,7 +181,7 @@ class SGLangEngine:
         cannot be reached."""
         parked = self._flights.park()
         try:
-            model_path = self._stage(Path(path), version)
+            model_path = self._dirs.make(Path(path), version)
         except OSError as e:
             self._flights.resubmit(parked, self.version)
             raise WeightLoadError(f"sglang: cannot put {path} in a directory for the server: {e}") from None
@@ -225,10 +190,10 @@ class SGLangEngine:
                 self._update(i, url, "/update_weights_from_disk", self._disk_body(model_path, version))
             self._check_version(version)
         except ServerUnreachable as e:
-            self._drop_staged(version)
+            self._dirs.drop(version)
             raise self._flights.unavailable(str(e), parked) from None
         except BaseException:
-            self._drop_staged(version)
+            self._dirs.drop(version)
             self._flights.resubmit(parked, self.version)
             raise
         self._loaded_version(version, model_path)
@@ -252,10 +217,7 @@ class SGLangEngine:
             self._flights.close()
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
-            for version in list(self._staged):
-                self._drop_staged(version)
-            if self._own_weights_dir and self._weights_dir is not None:
-                shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._dirs.close()
             for proc in self._processes:
                 stop_server(proc)
             self._processes.clear()
@@ -471,36 +433,12 @@ class SGLangEngine:
     def _disk_body(self, model_path: Path, version: int) -> dict[str, Any]:
         return {"model_path": str(model_path), "weight_version": str(version), "flush_cache": True}
 
-    def _stage(self, path: Path, version: int) -> Path:
-        """The directory the servers load `version` from: `path` itself if it is a directory (or not a
-        local file: the server resolves it), else a new directory holding only that file."""
-        if not path.is_file():
-            return path
-        if self._weights_dir is None:
-            self._weights_dir = Path(tempfile.mkdtemp(prefix="april-sglang-weights-"))
-        self._drop_staged(version)
-        target = self._weights_dir / f"v{version:06d}"
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir(parents=True)
-        self._staged[version] = target
-        try:
-            os.link(path, target / path.name)
-        except OSError:  # another filesystem, or links not allowed
-            shutil.copyfile(path, target / path.name)
-        return target
-
-    def _drop_staged(self, version: int) -> None:
-        target = self._staged.pop(version, None)
-        if target is not None:
-            shutil.rmtree(target, ignore_errors=True)
-
     def _loaded_version(self, version: int, model_path: Path | None) -> None:
         """Every server now serves `version` (from `model_path`); the older directories go."""
         self.version = version
         self._loaded = model_path
         self._expected = [str(version)] * len(self.urls)
-        for old in [v for v in self._staged if v != version]:
-            self._drop_staged(old)
+        self._dirs.keep_only(version)
 
     def _restore(self, index: int, url: str, live: str) -> None:
         """A server that answers with another weight_version than expected (it restarted): reload the

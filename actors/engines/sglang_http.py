@@ -1,4 +1,5 @@
-"""The HTTP side of the SGLang adapter: one exchange with an SGLang server, and what its answers mean.
+"""The HTTP side of the SGLang adapter: one exchange with an SGLang server, what a /generate body holds,
+and what the answers mean.
 
 Owns how a call travels (standard library `http.client`, a fresh connection per call, an origin-form
 request target: SGLang serves with uvicorn, whose h11 parser takes an absolute-form target
@@ -17,12 +18,13 @@ import json
 import re
 import socket
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from actors.engine import EngineError
-from actors.engines.inflight import FINISH_REASONS, Segment
+from actors.engine import EngineError, SamplingParams
+from actors.engines.inflight import FINISH_REASONS, Flight, Segment
 from april.records import FinishReason
 
 MIN_VERSION = (0, 5, 6)
@@ -127,6 +129,38 @@ def http_call(base: str, method: str, path: str, body: Any = None, timeout_s: fl
         return json.loads(raw)
     except json.JSONDecodeError:
         return raw
+
+
+def request_seed(seed: int, request_id: int, tokens_done: int) -> int:
+    """The sampling_seed of one submission: its own per request and resubmission, reproducible per run."""
+    return (seed * 1_000_003 + request_id * 7919 + tokens_done) % (1 << 31)
+
+
+def generate_body(
+    flight: Flight, sampling: SamplingParams, extra: Mapping[str, Any], seeded: bool
+) -> dict[str, Any]:
+    """The /generate body of `flight`'s next submission (token ids in, log-probs out, no streaming).
+    `seeded`: the server honours sampling_seed (--enable-deterministic-inference)."""
+    top_k = sampling.top_k if sampling.top_k > 0 else -1  # SGLang: -1 = off
+    params: dict[str, Any] = {
+        **extra,
+        "max_new_tokens": flight.left,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": 1 if flight.greedy else top_k,  # top_k 1: SGLang's greedy path
+    }
+    if sampling.stop_token_ids:
+        params["stop_token_ids"] = list(sampling.stop_token_ids)
+    if seeded and not flight.greedy:  # every request its own, or a group's samples would be identical
+        params["sampling_seed"] = request_seed(sampling.seed, flight.request_id, len(flight.done_ids))
+    return {
+        "rid": flight.rid,
+        "input_ids": flight.resume_input(),
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": False,
+    }
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
