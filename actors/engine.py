@@ -54,8 +54,10 @@ class WeightLoadError(EngineError):
 class EngineUnavailable(EngineError):
     """The engine as a whole cannot serve now (its server is down, restarting or unreachable).
 
-    `partials` are every request it held, each with the tokens it still knows (finish reason ABORT); the
-    engine holds none after raising this. `probe` says when it serves again."""
+    `partials` are every request it held, each with the tokens it still knows: finish reason ABORT, except
+    a request that had finished before the failure and was not yet returned, which keeps its reason (STOP,
+    LENGTH, or NONE with its error), as `abort` would return it; the engine holds none after raising this.
+    `probe` says when it serves again."""
 
     def __init__(self, message: str, partials: Sequence[GenerationOutput] = ()) -> None:
         super().__init__(message)
