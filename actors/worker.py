@@ -104,6 +104,11 @@ def interrupted(sample: Sample, out: GenerationOutput | None) -> Sample:
     return apply_output(sample, dataclasses.replace(out, finish_reason=FinishReason.ABORT))
 
 
+def failed_by_engine(sample: Sample, error: str) -> Sample:
+    """The sample FAILED because the engine failed its request (the request itself was at fault)."""
+    return sample.failed(f"engine failed the request: {one_line(error)}"[:500])
+
+
 class Worker:
     def __init__(
         self,
@@ -261,8 +266,7 @@ class Worker:
                     log.warning("sample %s back as a partial: %s", held.sample.key, out.error or "aborted")
             elif out.error:
                 log.warning("sample %s failed by the engine: %s", held.sample.key, out.error)
-                reason = f"engine failed the request: {one_line(out.error)}"[:500]
-                done.append((out.request_id, apply_output(held.sample, out).failed(reason)))
+                done.append((out.request_id, failed_by_engine(apply_output(held.sample, out), out.error)))
                 self.health.failed += 1
             else:
                 self._score(out.request_id, apply_output(held.sample, out))
@@ -373,9 +377,13 @@ class Worker:
         bring (one that finished is scored), and probing starts."""
         outputs = {o.request_id: o for o in partials}
         back: list[tuple[int, Sample]] = []
+        failed: list[tuple[int, Sample]] = []
         for lease_id, held in self.held.items():
             out = outputs.get(lease_id)
-            if (
+            if out is not None and out.error and out.finish_reason == FinishReason.NONE:
+                # refused before the engine went down: the request is at fault, a retry would fail again
+                failed.append((lease_id, failed_by_engine(held.sample, out.error)))
+            elif (
                 out is not None
                 and not out.error
                 and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
@@ -386,10 +394,11 @@ class Worker:
         self.held.clear()
         was_down = self.health.down
         self.health.returned += len(back)
+        self.health.failed += len(failed)
         self.health.go_down(str(exc), time.monotonic())
         self._report_health()
-        if back:
-            self._send_results(back)  # credit 0: nothing more until the engine serves
+        if back or failed:
+            self._send_results(failed + back)  # credit 0: nothing more until the engine serves
         if not was_down:
             log.error(
                 "engine down (%s): %d samples returned, leasing nothing until it serves again",

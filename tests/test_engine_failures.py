@@ -30,10 +30,10 @@ import zmq
 from harness import Cluster, wait_for
 from scripted_engine import EngineScript, ScriptedEngine, fails, response_length
 
-from actors.engine import EngineError, EngineUnavailable, SamplingParams
+from actors.engine import EngineError, EngineUnavailable, GenerationOutput, SamplingParams
 from actors.reward_runner import RewardResult
 from actors.tokenizer import ByteTokenizer
-from actors.worker import Worker
+from actors.worker import Held, Worker
 from april import protocol
 from april.config import WorkerConfig
 from april.peer_link import BACKOFF_MIN_S
@@ -445,6 +445,40 @@ def test_an_engine_that_cannot_be_built_at_all_stops_the_worker_with_its_reason(
         assert isinstance(died[0], EngineError) and "no config.json" in str(died[0])
     finally:
         broker.close()
+
+
+def test_an_engine_down_fails_a_request_it_had_refused_and_returns_the_others() -> None:
+    """EngineUnavailable's partials keep the outcome a request had before the server went: one the server
+    refused (NONE with its error) fails, since a retry would fail again; one cut short goes back as a
+    partial with its tokens; one the engine never mentions goes back as leased."""
+    worker = Worker(
+        WorkerConfig(worker_id="w0", slots=SLOTS),
+        ByteTokenizer(),
+        HeldRewards(),
+        None,
+        seed=0,  # type: ignore[arg-type]
+    )
+    sent: list[tuple[list[tuple[int, Sample]], int]] = []
+    worker._send_results = lambda items, credit=0: sent.append((items, credit))  # type: ignore[method-assign]
+    worker._report_health = lambda: None  # type: ignore[method-assign]
+    fresh = {
+        lid: Sample(group_id=lid, index=0, prompt_ids=PROMPT, status=SampleStatus.RUNNING)
+        for lid in (1, 2, 3)
+    }
+    worker.held = {lid: Held(lid, s) for lid, s in fresh.items()}
+    refused = GenerationOutput.of(1, [], [], [], FinishReason.NONE, error="HTTP 400: input is too long")
+    cut = GenerationOutput.of(2, [5, 6], [-0.1, -0.2], [0, 0], FinishReason.ABORT)
+    try:
+        worker._engine_down(EngineUnavailable("connection refused", [refused, cut]), [refused, cut])
+        ((items, credit),) = sent
+        back = dict(items)
+        assert credit == 0 and not worker.held and worker.health.down
+        assert back[1].status == SampleStatus.FAILED and "input is too long" in back[1].error
+        assert back[2].status == SampleStatus.INTERRUPTED and back[2].response_ids.tolist() == [5, 6]
+        assert back[3].status == SampleStatus.INTERRUPTED and back[3].response_len == 0
+        assert (worker.health.failed, worker.health.returned) == (1, 2)
+    finally:
+        worker.link.close(linger_ms=0)
 
 
 def test_the_hello_of_a_worker_whose_engine_is_down_says_so() -> None:
