@@ -133,7 +133,7 @@ STEPS: tuple[Step, ...] = (
         "soak",
         "results/soak",
         "python benchmarks/soak.py --duration-s 600 --worker-every 30 --learner-every 200 "
-        "--broker-every 200 --out {work}/soak/run",
+        "--broker-every 200 --out {work}/soak",
         collect=("soak/soak.json",),
         minutes=14,
     ),
