@@ -10,7 +10,17 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install up test test-vllm lint bench results docs clean
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_TORCH_SPEC ?= torch==2.13.0+cpu
+# What importing SGLang's request types needs (sglang.api.v1.api_types, sglang.srt.sampling.sampling_params),
+# not sglang's own requirement list, which pulls a CUDA torch and GBs more.
+# io_struct is out of reach: it imports torchvision, whose only Linux wheel is built for a CUDA torch.
+SGLANG_IMPORTS := numpy triton transformers==5.19.0 aiohttp IPython tqdm pillow starlette pydantic pybase64 \
+	orjson psutil requests msgspec xxhash zstandard pyzmq
+
+.PHONY: install up test test-vllm test-sglang lint bench results docs clean
 
 install: $(STAMP)
 
@@ -49,6 +59,24 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest -m vllm $(PYTEST_ARGS)
 
+# SGLang's own code judging the bodies the adapter and the fake exchange (tests marked `sglang`, see
+# tests/test_sglang_server.py): the sglang wheel without its dependencies, over a CPU torch, in a venv of
+# its own. The recipe stops if the torch it got is a CUDA build.
+$(SGLANG_STAMP): Makefile
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install --quiet '$(SGLANG_TORCH_SPEC)'
+	$(SGLANG_VENV)/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None and \
+		'error: $(SGLANG_VENV) got a CUDA torch ' + torch.__version__ + '; set SGLANG_TORCH_SPEC to a CPU build')"
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps '$(SGLANG_SPEC)'
+	$(SGLANG_VENV)/bin/python -m pip install --quiet $(SGLANG_IMPORTS)
+	$(SGLANG_VENV)/bin/python -c "import sglang.api.v1.api_types, sglang.srt.sampling.sampling_params"
+	@touch $(SGLANG_STAMP)
+
+test-sglang: install $(SGLANG_STAMP)
+	APRIL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -m sglang \
+		tests/test_sglang_server.py $(PYTEST_ARGS)
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -70,4 +98,4 @@ docs: install
 	$(BIN)/python -m april.config_doc > docs/configuration.md.tmp && mv docs/configuration.md.tmp docs/configuration.md
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -13,6 +13,17 @@ returning only once the engine is really idle. `load_weights` runs between steps
 `WeightLoadError` and leaves the old weights serving. Each generated token carries the weights version
 that produced it, so a load between decode steps splits a response into two segments.
 
+When an engine fails (a remote server can), the failure is as small as it can be:
+  - one request fails: `step` returns it with `error` set. With finish reason ABORT the failure was
+    transient (the server ran out of memory, restarted, dropped the connection): the output carries the
+    tokens generated before it, and the worker returns the sample as a partial that resumes later. With
+    finish reason NONE the request itself is at fault (a prompt over the context, a parameter the server
+    refuses): retrying would fail again, so the worker fails the sample with that reason.
+  - the whole engine cannot serve (its server is down or restarting): any method raises
+    `EngineUnavailable` carrying every request the engine held, each with the tokens it still knows, and
+    the engine is left empty. The worker returns them as partials, tells the broker its engine is down,
+    leases nothing, and calls `probe` with backoff until the engine serves again.
+
 Heavy imports (torch, transformers, HTTP clients) live in the engine modules under actors/engines/, never
 here, and `make_engine` imports only the one asked for.
 """
@@ -38,6 +49,19 @@ class EngineError(Exception):
 
 class WeightLoadError(EngineError):
     """A new weights version could not be loaded; the engine keeps serving the old one."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine as a whole cannot serve now (its server is down, restarting or unreachable).
+
+    `partials` are every request it held, each with the tokens it still knows: finish reason ABORT, except
+    a request that had finished before the failure and was not yet returned, which keeps its reason (STOP,
+    LENGTH, or NONE with its error), as `abort` would return it; the engine holds none after raising this.
+    `probe` says when it serves again."""
+
+    def __init__(self, message: str, partials: Sequence[GenerationOutput] = ()) -> None:
+        super().__init__(message)
+        self.partials = list(partials)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +92,9 @@ class GenerationOutput:
     token_ids: npt.NDArray[np.int32]
     logprobs: npt.NDArray[np.float32]
     versions: npt.NDArray[np.int32]  # weights version that produced each token
-    finish_reason: FinishReason  # STOP, LENGTH, or ABORT (from `abort`)
+    finish_reason: FinishReason  # STOP, LENGTH, ABORT (from `abort`, or a transient failure), NONE (failed)
     stats: dict[str, float] = field(default_factory=dict)  # engine-specific timings, optional
+    error: str = ""  # why the engine could not finish this request (one line); "" when it did
 
     @classmethod
     def of(
@@ -80,6 +105,7 @@ class GenerationOutput:
         versions: Sequence[int],
         finish_reason: FinishReason,
         stats: dict[str, float] | None = None,
+        error: str = "",
     ) -> GenerationOutput:
         """From plain lists, as engines accumulate them."""
         return cls(
@@ -89,6 +115,7 @@ class GenerationOutput:
             np.asarray(versions, dtype=np.int32),
             finish_reason,
             dict(stats or {}),
+            error,
         )
 
 
@@ -118,6 +145,11 @@ class Engine(Protocol):
 
     def load_weights(self, path: Path, version: int) -> None:
         """Swap in weights `version` from `path` (a verified safetensors file or HF directory)."""
+        ...
+
+    def probe(self) -> None:
+        """Return if the engine can serve now; raise EngineUnavailable (holding nothing) if it cannot.
+        In-process engines always can."""
         ...
 
     def close(self) -> None: ...

@@ -6,10 +6,10 @@ import dataclasses
 import json
 import zlib
 from pathlib import Path
-from typing import Any
 
 from actors.engine import ENGINES, Engine, EngineError, SamplingParams
 from actors.engines.sim_engine import Identify
+from actors.engines.vllm_engine import VLLMSettings
 from actors.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from april.config import WorkerConfig
 from april.hf import check_model_dir
@@ -22,6 +22,20 @@ def check_worker(cfg: WorkerConfig) -> None:
         raise EngineError(f"unknown engine {cfg.engine!r} (expected one of {', '.join(ENGINES)})")
     if cfg.model:  # the worker's tokenizer comes from it, whatever the engine
         check_model_dir(cfg.model)
+    if cfg.engine == "vllm":  # a device vLLM cannot run on (EngineError)
+        vllm_settings(cfg)
+
+
+def vllm_settings(cfg: WorkerConfig) -> VLLMSettings:
+    """The vLLM engine's device settings from the worker's (no vllm import)."""
+    return VLLMSettings(
+        device=cfg.device,
+        kv_cache_gib=cfg.vllm_kv_cache_gib,
+        gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        dtype=cfg.vllm_dtype,
+        enforce_eager=cfg.vllm_enforce_eager,
+        max_model_len=cfg.vllm_max_model_len,
+    )
 
 
 def make_tokenizer(cfg: WorkerConfig) -> Tokenizer:
@@ -88,10 +102,5 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
     if cfg.engine == "vllm":
         from actors.engines.vllm_engine import VLLMEngine
 
-        args: dict[str, Any] = {"kv_cache_memory_bytes": int(cfg.vllm_kv_cache_gib * (1 << 30))}
-        if cfg.vllm_max_model_len:
-            args["max_model_len"] = cfg.vllm_max_model_len
-        if cfg.device == "cpu":  # fp32 and no torch.compile warm-up: start-up in seconds on a CPU
-            args.update(dtype="float32", enforce_eager=True)
-        return VLLMEngine(cfg.model, cfg.slots, sampling, version=version, **args)
+        return VLLMEngine(cfg.model, cfg.slots, sampling, version=version, settings=vllm_settings(cfg))
     raise EngineError(f"unknown engine {cfg.engine!r} (expected one of {', '.join(ENGINES)})")

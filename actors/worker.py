@@ -12,6 +12,16 @@ with its tokens and log-probs, and AbortDone is sent only once the engine is idl
 still being scored; weights are verified by sha256 before loading and a failed load keeps the old ones;
 after every (re)connect and whenever the broker says it does not know this worker, the WorkerHello
 names the leases still held. Heartbeats, liveness and reconnecting with backoff are `april.peer_link`'s.
+
+The engine may fail (actors/engine.py says how) and the worker outlives it. A request the engine failed
+fails its sample (with the reason) or, when the failure was transient, returns it as a partial; either
+frees its slot and is counted. An engine that cannot serve at all (EngineUnavailable from any call, or an
+EngineError no request was blamed for) is down: every sample it held goes back as a partial, the broker
+hears EngineHealth(ok=False) and leases nothing more, and the engine is probed with the peer link's
+backoff (on a helper thread, so that heartbeats go on while a probe waits on a hung server) until it
+serves; then the worker says so, loads the newest weights it was told of (again: a restarted server holds
+its launch weights), and grants its slots again. Samples being scored are not the engine's and are
+unaffected. `actors.engine_health` keeps the schedule and the counts.
 """
 
 from __future__ import annotations
@@ -21,14 +31,23 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
 
-from actors.engine import Engine, EngineError, GenerationOutput, GenerationRequest, SamplingParams
+from actors.engine import (
+    Engine,
+    EngineError,
+    EngineUnavailable,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+)
+from actors.engine_health import EngineHealth, one_line
 from actors.engines.sim_engine import SampleIdentity
 from actors.reward_runner import RewardRunner
 from actors.slot_meter import SlotMeter
@@ -78,6 +97,18 @@ def apply_output(sample: Sample, out: GenerationOutput) -> Sample:
     return s.extend([], [], last_version, out.finish_reason)
 
 
+def interrupted(sample: Sample, out: GenerationOutput | None) -> Sample:
+    """The sample going back unfinished (INTERRUPTED): with the tokens `out` brings, or as leased."""
+    if out is None:
+        return apply_output(sample, GenerationOutput.of(0, [], [], [], FinishReason.ABORT))
+    return apply_output(sample, dataclasses.replace(out, finish_reason=FinishReason.ABORT))
+
+
+def failed_by_engine(sample: Sample, error: str) -> Sample:
+    """The sample FAILED because the engine failed its request (the request itself was at fault)."""
+    return sample.failed(f"engine failed the request: {one_line(error)}"[:500])
+
+
 class Worker:
     def __init__(
         self,
@@ -98,6 +129,13 @@ class Worker:
         self.meter: SlotMeter | None = None  # slot usage, reported as EngineUsage (from the engine's start)
         self.held: dict[int, Held] = {}  # lease id -> sample in the engine
         self.scoring: dict[int, Sample] = {}  # lease id -> finished sample waiting for its reward
+        # the engine is built on a thread after the first Welcome (a vLLM or SGLang start can outlast the
+        # broker's liveness window): until then it is "starting", and the broker leases it nothing
+        self.health = EngineHealth(down=True, detail=protocol.ENGINE_STARTING)
+        self.weights: protocol.WeightsReady | None = None  # the newest weights the broker announced
+        self.prober: ThreadPoolExecutor | None = None  # runs Engine.probe while the engine is down
+        self.probing: Future[Engine | None] | None = None
+        self.sampling: SamplingParams | None = None  # from the first Welcome: how engines are built
         # the broker connection; `curve`: CurveZMQ client keys when the broker requires them
         self.link = PeerLink(cfg.broker, self.worker_id, self._hello, curve, MAX_MESSAGE_BYTES)
 
@@ -106,13 +144,16 @@ class Worker:
     def run(self, should_stop: Callable[[], bool]) -> None:
         self.link.connect()
         while not should_stop():
-            busy = self.engine is not None and self.engine.active > 0
+            busy = self.engine is not None and not self.health.down and self.engine.active > 0
             self._read_broker(0 if busy else 50)
             self._meter_usage()
-            if busy and self.engine is not None:
-                self._on_outputs(self.engine.step())
+            if self.health.down:
+                self._probe(time.monotonic())
+            elif busy:
+                self._step()
                 self._meter_usage()
             self._send_scored()
+            self._report_health()
             self.link.keep_alive()
         self._shutdown()
 
@@ -139,63 +180,106 @@ class Worker:
     # ------------------------------------------------------------------ broker messages
 
     def _on_welcome(self, msg: protocol.Welcome) -> None:
-        if self.engine is None:
-            sampling = SamplingParams(
+        if self.sampling is None:  # the first Welcome: the run's sampling settings; build the engine now
+            self.sampling = SamplingParams(
                 temperature=msg.temperature,
                 top_p=msg.top_p,
                 top_k=msg.top_k,
                 stop_token_ids=self.tokenizer.eos_token_ids,
                 seed=self.seed,
             )
-            self.engine = self.make_engine(sampling, 0)
-            self.meter = SlotMeter(self.engine.slots, time.monotonic())
-            log.info(
-                "worker %s: engine %s ready (%d slots)", self.worker_id, self.engine.name, self.engine.slots
-            )
-        if msg.version > self.engine.version and msg.weights_uri:
-            self._load(msg.version, msg.weights_uri, msg.weights_sha256)
+            self.health.next_probe = time.monotonic()
+        if msg.weights_uri:
+            self._on_weights(protocol.WeightsReady(msg.version, msg.weights_uri, msg.weights_sha256))
+
+    def _engine_built(self, engine: Engine) -> None:
+        self.engine = engine
+        self.meter = SlotMeter(engine.slots, time.monotonic())
+        log.info("worker %s: engine %s ready (%d slots)", self.worker_id, engine.name, engine.slots)
 
     def _on_lease(self, msg: protocol.Lease) -> None:
-        assert self.engine is not None, "a Lease before Welcome"
+        leased = list(
+            zip(
+                msg.lease_ids.tolist(),
+                msg.budgets.tolist(),
+                msg.greedy.tolist(),
+                msg.samples.to_samples(),
+                strict=True,
+            )
+        )
         failed: list[tuple[int, Sample]] = []
-        for lease_id, budget, greedy, sample in zip(
-            msg.lease_ids.tolist(),
-            msg.budgets.tolist(),
-            msg.greedy.tolist(),
-            msg.samples.to_samples(),
-            strict=True,
-        ):
+        for i, (lease_id, budget, greedy, sample) in enumerate(leased):
+            if self.health.down or self.engine is None:  # leased before the broker heard: back, as leased
+                self._return_unstarted([(lid, s) for lid, _, _, s in leased[i:]])
+                break
             try:
                 if sample.prompt_ids.shape[0] == 0:  # text-only prompt: tokenize once, resumes reuse the ids
                     ids = self.tokenizer.encode_prompt(sample.prompt_text, sample.metadata)
                     sample = dataclasses.replace(sample, prompt_ids=ids)
                 self.held[lease_id] = Held(lease_id, sample)
                 self.engine.add([GenerationRequest(lease_id, sample.resume_input(), budget, bool(greedy))])
+            except EngineUnavailable as exc:  # this sample is held: it goes back with the others
+                self._engine_down(exc, exc.partials)
             except (EngineError, ValueError) as exc:  # one bad request fails one sample, not the worker
                 self.held.pop(lease_id, None)
                 log.warning("sample %s cannot be generated: %s", sample.key, exc)
+                if isinstance(exc, EngineError):  # (a ValueError is the tokenizer's)
+                    self.health.failed += 1
                 failed.append((lease_id, sample.failed(f"engine rejected the request: {exc}"[:500])))
         if failed:
-            self._send_results(failed, credit=len(failed))
+            self._send_results(failed, credit=0 if self.health.down else len(failed))
 
-    def _on_outputs(self, outputs: list[GenerationOutput]) -> None:
-        """Finished samples leave the engine: free their slots now, score them, stream them when scored."""
-        partials = [
-            (o.request_id, apply_output(self.held.pop(o.request_id).sample, o))
-            for o in outputs
-            if o.finish_reason == FinishReason.ABORT
-        ]
-        if partials:  # aborted behind our back (a shared server): back to the broker as partials
-            self._send_results(partials, credit=len(partials))
-        outputs = [o for o in outputs if o.finish_reason != FinishReason.ABORT]
+    def _step(self) -> None:
+        """One engine step. An EngineError no request was blamed for leaves the engine in a state the
+        worker cannot know: it takes back what it can (abort) and treats the engine as down."""
+        assert self.engine is not None
+        try:
+            outputs = self.engine.step()
+        except EngineUnavailable as exc:
+            self._engine_down(exc, exc.partials)
+            return
+        except EngineError as exc:
+            log.error("engine step failed, no request blamed: treating the engine as down: %s", exc)
+            try:
+                partials = self.engine.abort()
+            except EngineError as again:
+                partials = again.partials if isinstance(again, EngineUnavailable) else []
+            self._engine_down(exc, partials)
+            return
+        self._on_outputs(outputs, asked=False)
+
+    def _on_outputs(self, outputs: Sequence[GenerationOutput], asked: bool) -> None:
+        """Samples leave the engine, each freeing its slot: finished ones are scored (and streamed when
+        scored); ABORT ones go back as partials (an engine error, or an abort behind our back on a shared
+        server, when not `asked` by an Abort); failed requests fail their sample."""
+        done: list[tuple[int, Sample]] = []
+        finished = 0
         for out in outputs:
-            held = self.held.pop(out.request_id)
-            sample = apply_output(held.sample, out)
-            self.scoring[out.request_id] = sample
-            text = self.tokenizer.decode(sample.response_ids)
-            self.rewards.submit(out.request_id, text, sample.metadata.get("answer", ""), sample.metadata)
-        if outputs:
-            self._send(protocol.LeaseRequest(len(outputs)))
+            held = self.held.pop(out.request_id, None)
+            if held is None:  # a request of a lease already returned (after an engine failure)
+                log.warning("engine returned request %d, which this worker no longer holds", out.request_id)
+                continue
+            if out.finish_reason == FinishReason.ABORT:
+                done.append((out.request_id, apply_output(held.sample, out)))
+                if out.error or not asked:  # not the broker's Abort: the engine's doing
+                    self.health.returned += 1
+                    log.warning("sample %s back as a partial: %s", held.sample.key, out.error or "aborted")
+            elif out.error:
+                log.warning("sample %s failed by the engine: %s", held.sample.key, out.error)
+                done.append((out.request_id, failed_by_engine(apply_output(held.sample, out), out.error)))
+                self.health.failed += 1
+            else:
+                self._score(out.request_id, apply_output(held.sample, out))
+                finished += 1
+        if done:
+            self._send_results(done, credit=0 if asked else len(done))
+        if finished:
+            self._send(protocol.LeaseRequest(finished))
+
+    def _score(self, lease_id: int, sample: Sample) -> None:
+        self.scoring[lease_id] = sample
+        text = self.tokenizer.decode(sample.response_ids)
+        self.rewards.submit(lease_id, text, sample.metadata.get("answer", ""), sample.metadata)
 
     def _send_scored(self) -> None:
         done: list[tuple[int, Sample]] = []
@@ -221,10 +305,11 @@ class Worker:
         )
 
     def _on_abort(self, round_id: int) -> None:
-        """Return every unfinished sample as a partial; confirm once the engine is idle."""
+        """Return every unfinished sample as a partial; confirm once the engine is idle (a down engine
+        is: it holds nothing, and grants no credit)."""
         returned = self._drain_engine()
         scoring = np.array(sorted(self.scoring), dtype=np.int64)
-        self._send(protocol.AbortDone(round_id, self.cfg.slots, scoring))
+        self._send(protocol.AbortDone(round_id, 0 if self.health.down else self.cfg.slots, scoring))
         log.info(
             "abort %d: engine idle, %d partials returned, %d still scoring",
             round_id,
@@ -234,23 +319,23 @@ class Worker:
 
     def _drain_engine(self) -> int:
         """Abort the engine: finished samples go to scoring, partials back to the broker. Returns how
-        many partials were sent."""
-        if self.engine is None:
+        many samples went back."""
+        if self.engine is None or self.health.down:
             return 0
-        outputs = self.engine.abort()
-        self._on_outputs([o for o in outputs if o.finish_reason != FinishReason.ABORT])
-        items = [
-            (o.request_id, apply_output(self.held.pop(o.request_id).sample, o))
-            for o in outputs
-            if o.finish_reason == FinishReason.ABORT
-        ]
-        if items:
-            self._send_results(items)
-        return len(items)
+        held = len(self.held)
+        try:
+            outputs = self.engine.abort()
+        except EngineError as exc:  # the samples still go back, as far as the engine told us
+            self._engine_down(exc, exc.partials if isinstance(exc, EngineUnavailable) else [])
+            return held
+        self._on_outputs(outputs, asked=True)
+        return sum(1 for o in outputs if o.finish_reason == FinishReason.ABORT)
 
     def _on_weights(self, msg: protocol.WeightsReady) -> None:
-        if self.engine is None or msg.version <= self.engine.version:
-            return
+        if self.weights is None or msg.version > self.weights.version:
+            self.weights = msg
+        if self.engine is None or self.health.down or msg.version <= self.engine.version:
+            return  # a down engine loads the newest announced version once it serves again
         self._load(msg.version, msg.uri, msg.sha256)
 
     def _load(self, version: int, uri: str, sha256: str) -> None:
@@ -269,6 +354,8 @@ class Worker:
         except (EngineError, OSError) as exc:
             log.error("weights v%d not loaded, still serving v%d: %s", version, self.engine.version, exc)
             self._send(protocol.WeightsLoaded(version, False, str(exc)[:500]))
+            if isinstance(exc, EngineUnavailable):
+                self._engine_down(exc, exc.partials)
             return
         log.info("weights v%d loaded in %.3fs", version, time.monotonic() - started)
         self._send(protocol.WeightsLoaded(version, True, ""))
@@ -278,20 +365,124 @@ class Worker:
         if self.engine is None or self.meter is None:
             return
         now = time.monotonic()
-        self.meter.observe(now, self.engine.active)
+        self.meter.observe(now, 0 if self.health.down else self.engine.active)
         if self.meter.due(now, self.link.interval):
             self._send(self.meter.report(now))
+
+    # ------------------------------------------------------------------ engine down and back
+
+    def _engine_down(self, exc: EngineError, partials: Sequence[GenerationOutput]) -> None:
+        """The engine cannot serve: the broker hears it first (so that it leases nothing more when the
+        samples come back), then every sample the engine held goes back, with the tokens `partials`
+        bring (one that finished is scored), and probing starts."""
+        outputs = {o.request_id: o for o in partials}
+        back: list[tuple[int, Sample]] = []
+        failed: list[tuple[int, Sample]] = []
+        for lease_id, held in self.held.items():
+            out = outputs.get(lease_id)
+            if out is not None and out.error and out.finish_reason == FinishReason.NONE:
+                # refused before the engine went down: the request is at fault, a retry would fail again
+                failed.append((lease_id, failed_by_engine(held.sample, out.error)))
+            elif (
+                out is not None
+                and not out.error
+                and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+            ):
+                self._score(lease_id, apply_output(held.sample, out))
+            else:
+                back.append((lease_id, interrupted(held.sample, out)))
+        self.held.clear()
+        was_down = self.health.down
+        self.health.returned += len(back)
+        self.health.failed += len(failed)
+        self.health.go_down(str(exc), time.monotonic())
+        self._report_health()
+        if back or failed:
+            self._send_results(failed + back)  # credit 0: nothing more until the engine serves
+        if not was_down:
+            log.error(
+                "engine down (%s): %d samples returned, leasing nothing until it serves again",
+                self.health.detail,
+                len(back),
+            )
+
+    def _return_unstarted(self, items: list[tuple[int, Sample]]) -> None:
+        """Leases that reached a down engine's worker: back as leased, no credit."""
+        self._send_results([(lease_id, interrupted(sample, None)) for lease_id, sample in items])
+        self.health.returned += len(items)
+
+    def _probe(self, now: float) -> None:
+        """While down (or starting): start a probe when due, which builds the engine if there is none yet;
+        when one ends, come up, or wait longer. An engine that cannot be built at all (not merely not yet
+        reachable) stops the worker with its reason, as a bad configuration should."""
+        if self.probing is None:
+            if self.health.probe_due(now):
+                if self.prober is None:
+                    self.prober = ThreadPoolExecutor(1, thread_name_prefix="engine-probe")
+                self.probing = self.prober.submit(self._probe_engine)
+            return
+        if not self.probing.done():
+            return
+        probe, self.probing = self.probing, None
+        try:
+            built = probe.result()  # anything but an EngineError is a bug in the engine: it surfaces here
+            if built is not None:
+                self._engine_built(built)
+            self._recover()
+        except EngineError as exc:
+            if self.engine is None and not isinstance(exc, EngineUnavailable):
+                raise
+            self.health.probe_failed(str(exc), now)
+            log.warning(
+                "engine still down (probe %d): %s; next probe in %.0fs",
+                self.health.probes_failed,
+                self.health.detail,
+                self.health.wait_s,
+            )
+
+    def _probe_engine(self) -> Engine | None:
+        """On the probe thread: the engine answers (None), or a first engine is built (it)."""
+        if self.engine is not None:
+            self.engine.probe()
+            return None
+        assert self.sampling is not None, "probing before Welcome"
+        return self.make_engine(self.sampling, 0)
+
+    def _recover(self) -> None:
+        """The engine answers again: drop requests of leases already returned, say so, load the newest
+        weights announced, and grant the free slots. Raises EngineError when it fails again.
+
+        The weights are loaded even when the engine reports that version already: what answers may be a
+        restarted server holding its launch weights, which the engine object cannot always tell, and a
+        token tagged with a version that did not make it would be trained as on-policy when it is not."""
+        assert self.engine is not None
+        if self.engine.active:  # left behind by a failure that was not EngineUnavailable
+            self._on_outputs(self.engine.abort(), asked=True)
+        self.health.come_up()
+        log.info("engine serves again: leasing resumes")
+        self._report_health()
+        if self.weights is not None and self.weights.version >= self.engine.version:
+            self._load(self.weights.version, self.weights.uri, self.weights.sha256)
+        if not self.health.down:
+            self._send(protocol.LeaseRequest(max(0, self.cfg.slots - len(self.held))))
+
+    def _report_health(self) -> None:
+        report = self.health.unsent()
+        if report is not None:
+            self._send(report)
 
     # ------------------------------------------------------------------ connection
 
     def _hello(self) -> list[protocol.Message]:
-        """What introduces this worker to a broker that may have lost it: the leases it still holds."""
+        """What introduces this worker to a broker that may have lost it: the leases it still holds, and
+        its engine's health when that is not the broker's default (up, nothing lost)."""
         held = np.array(sorted([*self.held, *self.scoring]), dtype=np.int64)
         version = self.engine.version if self.engine is not None else 0
         hello = protocol.WorkerHello(
             self.worker_id, self.cfg.engine, self.cfg.slots, version, os.getpid(), socket.gethostname(), held
         )
-        return [hello]
+        self.health.sent = self.health.report()  # what the broker knows once it read the hello
+        return [hello] if self.health.pristine else [hello, self.health.sent]
 
     def _send(self, msg: protocol.Message) -> None:
         self.link.send(msg)
@@ -305,8 +496,13 @@ class Worker:
             self._send_scored()
         self._send(protocol.Disconnect("shutdown"))
         self.rewards.close()
+        if self.prober is not None:
+            self.prober.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
-            self.engine.close()
+            try:
+                self.engine.close()
+            except EngineError as exc:  # a server that is gone: nothing left to release
+                log.warning("engine close failed: %s", exc)
         self.link.close(linger_ms=1000)
 
     def identify(self, request: GenerationRequest) -> SampleIdentity:

@@ -169,6 +169,10 @@ class BrokerConfig:
             seen[port] = n
 
 
+# worker.vllm_dtype: empty (the device's default) or a dtype vLLM's `--dtype` takes (vllm/config/model.py)
+VLLM_DTYPES = ("", "auto", "float32", "float", "bfloat16", "float16", "half")
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     broker: str = "tcp://127.0.0.1:5555"  # the broker's worker port
@@ -178,7 +182,7 @@ class WorkerConfig:
     reward: str = "exact"  # built-in name or "module:function"
     reward_timeout_s: float = 10.0  # seconds one reward call may take before it scores as failed
     worker_id: str = ""  # empty: <hostname>-<pid>
-    device: str = "cpu"  # torch engine: cpu, cuda, cuda:1, ...
+    device: str = "cpu"  # torch and vllm engines: cpu, cuda, cuda:1, ...
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
     sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
     sim_lengths: str = "lognormal:median=64,sigma=1.0,cap=512"  # sim engine: response-length spec
@@ -187,7 +191,10 @@ class WorkerConfig:
     sim_decode_ms: float = SIM_COST.decode_ms  # sim engine: A, ms a step (A + B x active + C x prefilled)
     sim_decode_ms_per_seq: float = SIM_COST.decode_ms_per_seq  # sim engine: B, ms per active sequence
     sim_prefill_ms_per_token: float = SIM_COST.prefill_ms_per_token  # sim engine: C, ms per prefilled token
-    vllm_kv_cache_gib: float = 1.0  # vllm engine: KV cache size (its CPU default takes most of host memory)
+    vllm_kv_cache_gib: float = 1.0  # vllm on CPU: KV cache GiB; 0 = vLLM's default (most of host memory)
+    vllm_gpu_memory_utilization: float = 0.0  # vllm on CUDA: GPU memory share (weights, KV); 0 = vLLM's own
+    vllm_dtype: str = ""  # vllm engine: empty = float32 on CPU, vLLM's "auto" on CUDA; or bfloat16, ...
+    vllm_enforce_eager: bool = False  # vllm on CUDA: no CUDA graphs or torch.compile (always so on CPU)
     vllm_max_model_len: int = 0  # vllm engine: context length; 0 = the model's
 
     def __post_init__(self) -> None:
@@ -195,7 +202,21 @@ class WorkerConfig:
         _check(self.sim_time_scale >= 0, "worker.sim_time_scale", self.sim_time_scale, "must be >= 0")
         for name in ("sim_decode_ms", "sim_decode_ms_per_seq", "sim_prefill_ms_per_token"):
             _check(getattr(self, name) >= 0, f"worker.{name}", getattr(self, name), "must be >= 0")
-        _check(self.vllm_kv_cache_gib > 0, "worker.vllm_kv_cache_gib", self.vllm_kv_cache_gib, "must be > 0")
+        _check(
+            self.vllm_kv_cache_gib >= 0, "worker.vllm_kv_cache_gib", self.vllm_kv_cache_gib, "must be >= 0"
+        )
+        _check(
+            0 <= self.vllm_gpu_memory_utilization <= 1,
+            "worker.vllm_gpu_memory_utilization",
+            self.vllm_gpu_memory_utilization,
+            "must be in [0, 1] (0 = vLLM's default)",
+        )
+        _check(
+            self.vllm_dtype in VLLM_DTYPES,
+            "worker.vllm_dtype",
+            self.vllm_dtype,
+            "one of " + ", ".join(repr(d) for d in VLLM_DTYPES),
+        )
         _check(
             self.vllm_max_model_len >= 0, "worker.vllm_max_model_len", self.vllm_max_model_len, "must be >= 0"
         )

@@ -132,8 +132,8 @@ class Lease:
 
 @dataclass(frozen=True, slots=True)
 class SampleResult:
-    """W->B. Samples that left the engine: FINISHED (scored), FAILED, or INTERRUPTED (after an Abort),
-    streamed as they leave. `credit` adds free slots, like a LeaseRequest."""
+    """W->B. Samples that left the engine: FINISHED (scored), FAILED, or INTERRUPTED (after an Abort, or
+    an engine failure), streamed as they leave. `credit` adds free slots, like a LeaseRequest."""
 
     lease_ids: Int64Array  # [S], as received in the Lease
     samples: SampleBatch
@@ -226,6 +226,38 @@ class EngineUsage:
                 f"busy_slot_s {self.busy_slot_s} > slot_s {self.slot_s} or free_slot_s {self.free_slot_s} "
                 f"> elapsed_s {self.elapsed_s}"
             )
+
+
+MAX_ENGINE_DETAIL = 500  # characters: why an engine is down, one line
+
+
+ENGINE_STARTING = "starting"  # EngineHealth.detail of an engine still being built
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """W->B. Whether the worker's engine can serve, and what engine errors cost so far. Sent when either
+    changes, and right after every WorkerHello once one is not at its start (down, or a count above 0).
+
+    `ok` false: the engine as a whole cannot serve (its server is down or restarting); the worker has
+    returned every sample it was generating, and the broker sets its credit to 0 and leases nothing to it
+    (credit it grants meanwhile is ignored) until `ok` true, after which the worker grants its free slots
+    again with a LeaseRequest. `detail` says why, for people; `ENGINE_STARTING` means the engine is being
+    built (a worker starts so, until its first Welcome gave it the run's sampling settings and the engine
+    came up: a vLLM or SGLang start can take minutes). `failed_by_engine` / `returned_by_engine`
+    count, since the worker started, the samples it failed because the engine failed their request and
+    those it returned as partials because of an engine error or an engine down (cumulative: a lost report
+    loses nothing)."""
+
+    ok: bool
+    detail: str
+    failed_by_engine: int
+    returned_by_engine: int
+
+    def validate(self) -> None:
+        _check_non_negative(self, "failed_by_engine", "returned_by_engine")
+        if len(self.detail) > MAX_ENGINE_DETAIL:
+            raise ValueError(f"detail has {len(self.detail)} characters, at most {MAX_ENGINE_DETAIL} allowed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +379,7 @@ KIND_OF: dict[type, int] = {
     WeightsLoaded: 18,
     Disconnect: 19,
     EngineUsage: 20,
+    EngineHealth: 21,
     LearnerHello: 30,
     BatchRequest: 31,
     Batch: 32,
@@ -372,6 +405,7 @@ Message = (
     | WeightsLoaded
     | Disconnect
     | EngineUsage
+    | EngineHealth
     | LearnerHello
     | BatchRequest
     | Batch

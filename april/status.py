@@ -53,6 +53,10 @@ class WorkerStatus:
     last_seen_s: float  # seconds since the broker last heard from it
     restored: bool  # known only from a snapshot's leases; has not said hello to this broker
     alive: bool  # heard from within the liveness window
+    engine_ok: bool = True  # its engine can serve (EngineHealth); False: leased nothing until it can
+    engine_detail: str = ""  # why its engine is down ("" when up)
+    failed_by_engine: int = 0  # samples it failed because the engine failed their request (since it started)
+    returned_by_engine: int = 0  # samples it returned as partials because of engine errors or an engine down
 
 
 @dataclass(frozen=True, slots=True)

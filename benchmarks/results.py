@@ -22,6 +22,7 @@ orchestration and the provenance, checked in seconds by tests/test_benchmarks.py
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -132,7 +133,7 @@ STEPS: tuple[Step, ...] = (
         "soak",
         "results/soak",
         "python benchmarks/soak.py --duration-s 600 --worker-every 30 --learner-every 200 "
-        "--broker-every 200 --out {work}/soak/run",
+        "--broker-every 200 --out {work}/soak",
         collect=("soak/soak.json",),
         minutes=14,
     ),
@@ -230,10 +231,17 @@ def num(value: Any, fmt: str = ".3f") -> str:
     return format(value, fmt)
 
 
+def started_at(step: str) -> float:
+    """When a step's command started (epoch seconds, to the second): its provenance date."""
+    by_name = {s.name: s for s in STEPS}
+    date = load(f"{by_name[step].dest}/provenance.json")["date"]
+    return datetime.datetime.strptime(date, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
 def block_up_run() -> str:
     lines = load("results/up-run/metrics.jsonl")
     evals = load("results/up-run/eval.jsonl")
-    t0 = lines[0]["time"] - lines[0]["step_time_s"]
+    t0 = started_at("up-run")  # `april up` launched
     windows = [lines[i : i + 10] for i in range(0, len(lines), 10)]
     head = "| steps | " + " | ".join(f"{w[0]['step']}-{w[-1]['step']}" for w in windows) + " |"
     acc = (
@@ -242,7 +250,7 @@ def block_up_run() -> str:
         + " |"
     )
     elapsed = (
-        "| elapsed at the window's end (s) | "
+        "| seconds since `april up` started, at the window's end | "
         + " | ".join(f"{w[-1]['time'] - t0:.0f}" for w in windows)
         + " |"
     )
@@ -256,7 +264,8 @@ def block_up_run() -> str:
             acc,
             elapsed,
             "",
-            f"{len(lines)} steps in {lines[-1]['time'] - t0:.0f} s; per step the broker aborted "
+            f"{len(lines)} steps in {lines[-1]['time'] - t0:.0f} s; the first trained step came "
+            f"{lines[0]['time'] - t0:.0f} s after `april up` started; per step the broker aborted "
             f"{aborted:.1f} samples on average (N = {lines[0]['samples']}), and "
             f"{min(off):.0%}-{max(off):.0%} "
             f"of the trained tokens were off-policy (steps 2-{len(lines)}); held-out greedy accuracy "
@@ -366,6 +375,40 @@ def block_soak() -> str:
     )
 
 
+def block_soak_table() -> str:
+    s = load("results/soak/soak.json")
+    moments: dict[str, list[str]] = {}  # where each learner and broker kill landed
+    for event in s["kill_moments"]:
+        if event["killed"] in ("learner", "broker"):
+            where = (
+                "with a batch unacked" if event["unacked_batch"] else
+                "while the learner waited for a batch" if event["learner_waiting"] else "between steps"
+            )  # fmt: skip
+            moments.setdefault(event["killed"], []).append(
+                f"at {event['t']:.0f} s {where}" + (" during an abort round" if event["aborting"] else "")
+            )
+    ledger = s["ledger"]
+    dropped = sum(ledger["dropped"].values())
+    rows = [
+        "| figure | value |",
+        "|---|---|",
+        f"| kills survived | {sum(s['kills'].values())}: "
+        + ", ".join(f"{role} {n}" for role, n in s["kills"].items())
+        + f" (restarts: {', '.join(f'{k} {v}' for k, v in s['restarts'].items())}) |",
+        *(f"| {role} kills landed | {'; '.join(m)} |" for role, m in moments.items()),
+        f"| steps trained | {s['steps']:,} (metrics.jsonl steps 0..{s['steps'] - 1} once each) |",
+        f"| samples trained (broker's count) | {s['trained_samples']:,} of {s['expected_samples']:,} "
+        f"expected: {s['samples_lost']} lost |",
+        f"| final ledger | issued {ledger['issued']:,} = trained {ledger['trained']:,} + complete_waiting "
+        f"{ledger['complete_waiting']} + in_flight {ledger['in_flight']} + partial {ledger['partial']} + "
+        f"dropped {dropped} |",
+        f"| rejections | {sum((s['rejected'] or {}).values())} {s['rejected'] or ''} |",
+        f"| checks | {', '.join(f'{k}: {ok}' for k, ok in s['checks'].items())} |",
+        f"| wall time | {s['wall_s']:,.0f} s |",
+    ]
+    return "\n".join([*rows, "", source("soak")])
+
+
 def block_fuzz() -> str:
     f = load("results/fuzz/fuzz.json")
     top = ", ".join(f"{k} {v:,}" for k, v in list(f["outcomes"].items())[:6])
@@ -376,7 +419,40 @@ def block_fuzz() -> str:
     )
 
 
+def block_headline() -> str:
+    """The README's summary paragraph: one sentence per artifact, each figure from it."""
+    lines = load("results/up-run/metrics.jsonl")
+    t0 = started_at("up-run")
+    first = statistics.fmean(r["accuracy"] for r in lines[:10])
+    last = statistics.fmean(r["accuracy"] for r in lines[-10:])
+    off = statistics.fmean(r["offpolicy_token_frac"] for r in lines[1:])
+    paper = load("bench/paper-sim/bench.json")
+    speed = {label: f["speedup"] for label, f in paper["modes"].items()}
+    wasted = sum(f["wasted_tokens"] for f in paper["modes"].values())
+    error = max(abs(e) for e in paper["prediction_error"].values())
+    acc = load("results/accuracy/accuracy.json")
+    finals = ", ".join(f"{m} {s['final_train_accuracy']['mean']:.3f}" for m, s in acc["modes"].items())
+    soak = load("results/soak/soak.json")
+    minutes = (lines[-1]["time"] - t0) / 60
+    aborted = statistics.fmean(r["aborted"] for r in lines)
+    seeds = len(next(iter(acc["modes"].values()))["seeds"])
+    return (
+        f"`make up` lifts the tiny model's sampled training accuracy from {first:.2f} (steps 0-9) to "
+        f"{last:.2f} (the last 10 of {len(lines)} steps) in {minutes:.1f} minutes, with {aborted:.0f} "
+        f"samples aborted and resumed per step on average and {off:.0%} of the trained tokens off-policy. "
+        "`april bench` with real broker, worker and learner processes on the sim engine at paper scale "
+        f"(GPU-like cost, 8 engines): april trains {x(speed['april'])} and async {x(speed['async-eta1'])} "
+        f"({x(speed['async-eta2'])} at `max_staleness` 2) the samples/s of sync, with {wasted} tokens "
+        f"wasted; the simulator predicted those runs within {error:.1%}. Over {seeds} seeds x "
+        f"{acc['steps']} steps on the built-in task, mean training accuracy over the last "
+        f"{acc['final_window']} steps: {finals}. A {soak['duration_s'] / 60:.0f}-minute soak with "
+        f"{sum(soak['kills'].values())} random SIGKILLs of workers, learner and broker lost "
+        f"{soak['samples_lost']} samples."
+    )
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "headline": block_headline,
     "up-run": block_up_run,
     "simulate": block_simulate,
     "paper-sim": lambda: bench_table("paper-sim"),
@@ -386,6 +462,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "accuracy": block_accuracy,
     "accuracy-summary": block_accuracy_summary,
     "soak": block_soak,
+    "soak-table": block_soak_table,
     "fuzz": block_fuzz,
 }
 MARKER = re.compile(r"<!-- measured:([\w-]+) -->(.*?)<!-- /measured:\1 -->", re.S)

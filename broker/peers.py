@@ -1,7 +1,8 @@
 """Who is connected to the broker: workers, the learner, and what each got rejected for.
 
 Tracks liveness (any message counts as a heartbeat; a peer silent for liveness x interval is dead),
-credit (free engine slots a worker granted), the weights version each worker acked, what the learner
+credit (free engine slots a worker granted; none while its engine is down), each worker's engine health
+and engine-error counts (its EngineHealth), the weights version each worker acked, what the learner
 says it is doing (its latest phase), and bounded per-peer, per-reason rejection counters. Knows nothing
 about samples or leases.
 """
@@ -35,6 +36,15 @@ class WorkerPeer(Peer):
     tokens_generated: int = 0  # new response tokens accepted from this worker (for its tokens/s)
     restored: bool = False  # known only from a snapshot's leases; has not said hello to this broker
     hello_asked: float = float("-inf")  # when a restored worker was last asked to say hello
+    engine_ok: bool = True  # its latest EngineHealth: False while its engine cannot serve
+    engine_detail: str = ""
+    failed_by_engine: int = 0  # cumulative counts from its latest EngineHealth
+    returned_by_engine: int = 0
+
+    @property
+    def leasable(self) -> bool:
+        """May be leased to: has said hello to this broker and its engine can serve."""
+        return self.engine_ok and not self.restored
 
 
 @dataclass(slots=True)
@@ -99,4 +109,5 @@ class Workers:
         return [p for p in self.peers.values() if now - p.last_sent >= self.interval]
 
     def with_credit(self) -> list[WorkerPeer]:
-        return [p for p in self.peers.values() if p.credit > 0]
+        """Workers that may be leased to now: credit left, said hello, engine up."""
+        return [p for p in self.peers.values() if p.credit > 0 and p.leasable]

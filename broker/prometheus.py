@@ -37,6 +37,11 @@ GAUGES: tuple[tuple[str, str, Callable[[BrokerStatus], float]], ...] = (
     ("queued_samples", "samples waiting in the dispatch queue", lambda s: s.queued_samples),
     ("workers", "registered workers", lambda s: len(s.workers)),
     ("workers_alive", "workers heard from within the liveness window", lambda s: s.workers_alive),
+    (
+        "workers_engine_down",
+        "workers whose engine cannot serve (leased nothing until it does)",
+        lambda s: sum(1 for w in s.workers if not w.engine_ok),
+    ),
 )
 # (metric name without _total, help, figure): the status `totals`
 COUNTERS: tuple[tuple[str, str, Callable[[Totals], int]], ...] = (

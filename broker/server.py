@@ -260,6 +260,8 @@ class Broker:
                 self._on_abort_done(worker_id, msg, now)
             case protocol.EngineUsage():
                 self.usage.report(worker_id, msg, now)
+            case protocol.EngineHealth():
+                self._on_engine_health(peer, msg)
             case protocol.WeightsLoaded(version=version, ok=ok, error=error):
                 if ok:
                     peer.version = max(peer.version, version)
@@ -330,9 +332,22 @@ class Broker:
 
     def _grant(self, worker_id: str, credit: int) -> None:
         peer = self.workers.peers[worker_id]
-        if peer.restored:  # slots unknown until it says hello: it finishes its leases, gets nothing new
+        # restored: slots unknown until it says hello, it finishes its leases and gets nothing new;
+        # engine down: nothing until its EngineHealth says it serves again (then it grants its slots)
+        if not peer.leasable:
             return
         peer.credit = max(0, min(peer.credit + credit, peer.slots))
+
+    def _on_engine_health(self, peer: WorkerPeer, msg: protocol.EngineHealth) -> None:
+        if msg.ok != peer.engine_ok:
+            if msg.ok:
+                log.info("worker %s: engine serves again", peer.peer_id)
+            else:
+                log.warning("worker %s: engine down, leasing it nothing: %s", peer.peer_id, msg.detail)
+        peer.engine_ok, peer.engine_detail = msg.ok, msg.detail
+        peer.failed_by_engine, peer.returned_by_engine = msg.failed_by_engine, msg.returned_by_engine
+        if not msg.ok:
+            peer.credit = 0
 
     def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
         peer = self.workers.peers[worker_id]
@@ -376,7 +391,7 @@ class Broker:
         Samples leave the dispatch queue in its order whoever gets them."""
         if self.abort is not None or len(self.workers) < self.cfg.min_workers:
             return
-        peers = [p for p in self.workers.with_credit() if not p.restored]
+        peers = self.workers.with_credit()
         if not peers:
             return
         work = [self.evals.take_work(p.peer_id, p.credit, self.state.new_lease_id) for p in peers]
@@ -446,7 +461,8 @@ class Broker:
 
     def _on_abort_done(self, worker_id: str, msg: protocol.AbortDone, now: float) -> None:
         peer = self.workers.peers[worker_id]
-        peer.credit = min(msg.credit, peer.slots) if peer.slots else msg.credit
+        if peer.engine_ok:
+            peer.credit = min(msg.credit, peer.slots) if peer.slots else msg.credit
         if self.abort is None or msg.round_id != self.abort.round_id:
             return  # a late confirmation of an earlier round: credit reset is all it means
         scoring = set(msg.scoring.tolist())

@@ -102,6 +102,10 @@ def _workers(broker: Broker, now: float) -> list[WorkerStatus]:
             last_seen_s=round(now - p.last_seen, 3),
             restored=p.restored,
             alive=now - p.last_seen <= window,
+            engine_ok=p.engine_ok,
+            engine_detail=p.engine_detail,
+            failed_by_engine=p.failed_by_engine,
+            returned_by_engine=p.returned_by_engine,
         )
         for p in broker.workers.peers.values()
     ]

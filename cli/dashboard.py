@@ -22,6 +22,7 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from april import protocol
 from april.status import BrokerStatus, LearnerStatus, StepFigures, WorkerStatus
 from cli.dashboard_state import DASH, DashboardState, fmt, fmt_int, num
 
@@ -210,13 +211,36 @@ def _workers_panel(state: DashboardState, status: BrokerStatus, wide: bool) -> P
         table.add_row(f"... {len(workers) - state.worker_rows} more")
     if not workers:
         table.add_row(Text("no workers connected", "yellow"))
-    return _panel(table, "workers")
+    notes = _engine_notes(workers, state.worker_rows)
+    return _panel(Group(table, *notes) if notes else table, "workers")
 
 
 def _worker_state(w: WorkerStatus) -> Text:
     if not w.alive:
         return Text("dead", "bold red")
+    if not w.engine_ok:
+        starting = w.engine_detail == protocol.ENGINE_STARTING
+        return Text("starting", "yellow") if starting else Text("engine down", "bold red")
     return Text("restored", "yellow") if w.restored else Text("up", "green")
+
+
+def _engine_notes(workers: list[WorkerStatus], rows: int) -> list[Text]:
+    """Under the table: why each down engine is down (a server's error is long: lines of its own, wrapped),
+    and what engine errors cost so far over all workers."""
+    down = [w for w in workers if w.alive and not w.engine_ok and w.engine_detail != protocol.ENGINE_STARTING]
+    notes = [
+        Text.assemble((f"{w.id}: ", "bold"), ("engine down: ", "bold red"), (w.engine_detail or DASH, "red"))
+        for w in down[:rows]
+    ]
+    if len(down) > rows:
+        notes.append(Text(f"... {len(down) - rows} more engines down", "red"))
+    failed = sum(w.failed_by_engine for w in workers)
+    returned = sum(w.returned_by_engine for w in workers)
+    if failed or returned:
+        notes.append(
+            Text(f"engine errors: {failed} samples failed · {returned} returned as partials", "yellow")
+        )
+    return notes
 
 
 def _rollout_panel(state: DashboardState, s: BrokerStatus, m: StepFigures) -> Panel:

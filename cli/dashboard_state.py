@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from april import protocol
 from april.status import BrokerStatus
 
 DASH = "\u2013"  # en dash: a figure the feed lacks
@@ -208,6 +209,13 @@ def _worker_events(prev: BrokerStatus, new: BrokerStatus) -> Iterator[tuple[str,
             yield f"worker {wid} died: silent for {w.last_seen_s:.1f}s", "bold red"
         elif not old.alive and w.alive:
             yield f"worker {wid} is back", "green"
+        if w.engine_detail == protocol.ENGINE_STARTING:
+            continue  # a worker's engine being built is not news, nor is its coming up
+        was_ok = old is None or old.engine_ok or old.engine_detail == protocol.ENGINE_STARTING
+        if was_ok and not w.engine_ok:
+            yield f"worker {wid}: engine down: {w.engine_detail or 'no reason given'}", "bold red"
+        elif not was_ok and w.engine_ok:
+            yield f"worker {wid}: engine back", "green"
     for wid in before.keys() - after.keys():
         yield f"worker {wid} left", "red"
 

@@ -23,7 +23,7 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import BrokerConfig
 from april.keys import ClientKeys, configured_client_keys
-from april.status import BrokerStatus
+from april.status import BrokerStatus, WorkerStatus
 from april.transport import dealer, recv, send
 from cli.dashboard_feed import StatusFeed, watch
 from cli.dashboard_state import DashboardState, apply_status
@@ -53,6 +53,14 @@ def fetch_status(address: str, timeout_s: float, curve: ClientKeys | None = None
         ctx.term()
 
 
+def engine_state(w: WorkerStatus) -> Text:
+    if w.engine_ok:
+        return Text("yes")
+    if w.engine_detail == protocol.ENGINE_STARTING:
+        return Text("starting", "yellow")
+    return Text("DOWN", "bold red")
+
+
 def render_status(status: BrokerStatus) -> Group:
     """The status as rich renderables (pure: tested against a capture console)."""
     ledger = status.ledger
@@ -74,8 +82,19 @@ def render_status(status: BrokerStatus) -> Group:
         f"  rejected messages: {status.rejected.total}"
     )
     workers = Table(
-        "worker", "engine", "slots", "credit", "leases", "version", "last seen", "alive", title="workers"
+        "worker",
+        "engine",
+        "slots",
+        "credit",
+        "leases",
+        "version",
+        "last seen",
+        "engine ok",
+        "failed / returned",
+        "alive",
+        title="workers",
     )
+    workers.columns[0].no_wrap = True  # ids must stay whole: other columns give way
     for w in status.workers:
         workers.add_row(
             Text(w.id),  # Text, not markup: names come from the peers
@@ -85,12 +104,19 @@ def render_status(status: BrokerStatus) -> Group:
             str(w.leases),
             str(w.version),
             f"{w.last_seen_s:.1f}s",
+            engine_state(w),  # why it is down: below the table
+            f"{w.failed_by_engine}/{w.returned_by_engine}",  # samples engine errors failed / returned
             "yes" if w.alive else "no",
         )
+    down = [
+        Text.assemble((f"{w.id}: engine down: ", "bold red"), w.engine_detail or "no reason given")
+        for w in status.workers
+        if not w.engine_ok and w.engine_detail != protocol.ENGINE_STARTING
+    ]
     staleness = Table("staleness", "partial samples", title="partial buffer staleness")
     for k, v in status.partial_staleness.items():
         staleness.add_row(Text(k), str(v))
-    return Group(head, ledger_line, workers, staleness)
+    return Group(head, ledger_line, workers, *down, staleness)
 
 
 def print_status(status: BrokerStatus, as_json: bool) -> None:

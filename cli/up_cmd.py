@@ -152,8 +152,12 @@ def preflight(config: Config) -> None:
     for name in ("worker_port", "learner_port", "pub_port"):
         port = getattr(b, name)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # as ZeroMQ binds: connections of a run that just ended, still in TIME_WAIT on the port, do not
+            # make it busy (without this, `april up` right after another run refused for a minute)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((b.bind_host, port))
+                s.listen()  # only a socket listening on the port makes it busy
             except OSError as exc:
                 busy = exc.errno == errno.EADDRINUSE
                 raise UpError(

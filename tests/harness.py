@@ -21,6 +21,7 @@ from april.status import BrokerStatus
 from cli.status_cmd import StatusError, fetch_status
 
 PEERS = str(Path(__file__).with_name("peers.py"))
+SCRIPTED_ENGINE = str(Path(__file__).with_name("scripted_engine.py"))
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
@@ -125,6 +126,15 @@ class Cluster:
         ]
         for item in sets:
             cmd += ["--set", item]
+        with open(log, "ab") as out:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        return log
+
+    def start_scripted_worker(self, name: str, **script: Any) -> Path:
+        """A real worker process, `april worker`'s own code with tests/scripted_engine.py's engine
+        (`script`: an EngineScript's fields) in place of the configured one."""
+        log = self.tmp / f"{name}.log"
+        cmd = [sys.executable, SCRIPTED_ENGINE, str(self.config_path), name, json.dumps(script)]
         with open(log, "ab") as out:  # the child keeps its own descriptor
             self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         return log

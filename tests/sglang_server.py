@@ -167,6 +167,10 @@ class FakeSGLangServer:
             return
         server.should_exit = True
         server.force_exit = True
+        # A dying process loses its listening socket with its connections (the kernel closes every fd at
+        # exit); uvicorn would keep accepting until its next 0.1 s tick and answer from the dead state.
+        for listener in getattr(server, "servers", []):
+            listener.close()
         for conn in list(server.server_state.connections):
             transport = getattr(conn, "transport", None)
             if transport is not None:

@@ -247,6 +247,25 @@ def test_render_status_shows_mode_ledger_and_workers() -> None:
     assert any(line.startswith("│ 1 ") and "│ 2 " in line for line in lines), text  # staleness 1: 2
 
 
+def test_render_status_shows_a_down_engine_with_its_reason_and_the_engine_error_counts() -> None:
+    state = hand_state()
+    row = next(line for line in render(state).splitlines() if "gpu-node-7" in line)
+    assert "│ yes " in row and "0/0" in row and "engine down" not in render(state)
+    down = dataclasses.replace(
+        state.workers[0],
+        engine_ok=False,
+        engine_detail="sglang http://node7:30000 does not answer",
+        credit=0,
+        leases=0,
+        failed_by_engine=2,
+        returned_by_engine=9,
+    )
+    text = render(dataclasses.replace(state, workers=[down]))
+    row = next(line for line in text.splitlines() if "gpu-node-7" in line)
+    assert "DOWN" in row and "2/9" in row and row.rstrip("│ ").endswith("yes")  # down, yet alive
+    assert "gpu-node-7: engine down: sglang http://node7:30000 does not answer" in text
+
+
 def test_render_status_flags_an_unbalanced_ledger_and_a_dead_worker() -> None:
     state = hand_state()
     state = dataclasses.replace(

@@ -104,7 +104,13 @@ def _broker_status() -> BrokerStatus:
             WorkerStatus(
                 id="worker-0", engine="sglang", slots=8, credit=2, leases=6, tokens_generated=900, version=3,
                 pid=4242, host="node-1", last_seen_s=0.25, restored=False, alive=True,
-            )
+            ),
+            WorkerStatus(
+                id="worker-1", engine="sglang", slots=8, credit=0, leases=0, tokens_generated=40, version=3,
+                pid=4243, host="node-2", last_seen_s=0.5, restored=False, alive=True, engine_ok=False,
+                engine_detail="sglang http://node-2:30000 does not answer", failed_by_engine=1,
+                returned_by_engine=6,
+            ),
         ],
         learner=LearnerStatus(id="learner-0", last_seen_s=0.5, waiting_for_batch=True, phase="training"),
         learner_metrics={"step": 2.0, "loss": 0.5, "learner/clip_frac": 0.125, "eval_accuracy": math.nan},
@@ -125,6 +131,12 @@ def _broker_status() -> BrokerStatus:
 EXAMPLES: dict[type, Any] = {
     P.Heartbeat: P.Heartbeat(),
     P.EngineUsage: P.EngineUsage(busy_slot_s=12.5, slot_s=16.0, free_slot_s=1.25, elapsed_s=2.0),
+    P.EngineHealth: P.EngineHealth(
+        ok=False,
+        detail="sglang http://gpu-1:30000 does not answer: connection refused",
+        failed_by_engine=2,
+        returned_by_engine=7,
+    ),
     P.Error: P.Error(code="not_leased", detail="lease 12 is not held by worker-0"),
     P.WorkerHello: P.WorkerHello(
         worker_id="worker-0",
@@ -306,6 +318,7 @@ def test_registry_is_consistent() -> None:
         "WeightsLoaded": 18,
         "Disconnect": 19,
         "EngineUsage": 20,
+        "EngineHealth": 21,
         "LearnerHello": 30,
         "BatchRequest": 31,
         "Batch": 32,
@@ -721,6 +734,20 @@ BODY_CASES = [
         "invalid_value",
         ["busy_slot_s 20.0"],
         id="usage_busy",
+    ),
+    pytest.param(
+        P.EngineHealth,
+        lambda b: b.update(returned_by_engine=-1),
+        "invalid_value",
+        ["returned_by_engine = -1"],
+        id="health_negative",
+    ),
+    pytest.param(
+        P.EngineHealth,
+        lambda b: b.update(detail="x" * 501),
+        "invalid_value",
+        ["detail has 501 characters"],
+        id="health_detail",
     ),
     pytest.param(
         P.LearnerPhaseReport, lambda b: b.update(phase=99), "invalid_value", ["phase", "99"], id="phase_code"

@@ -150,6 +150,34 @@ def test_worker_rows_show_busy_slots_tokens_per_second_version_and_liveness(widt
     assert "workers 1/2 alive" in out
 
 
+def styles_of(state: DashboardState, needle: str, width: int = 120) -> set[str]:
+    """The styles of the rendered segments whose text holds `needle`."""
+    console = Console(width=width, file=io.StringIO(), force_terminal=True)
+    lines = console.render_lines(render(state, T0), console.options, pad=False)
+    return {str(seg.style) for line in lines for seg in line if needle in seg.text}
+
+
+@pytest.mark.parametrize("width", [120, 80])
+def test_a_down_engine_shows_in_red_with_its_reason_and_what_engine_errors_cost(width: int) -> None:
+    detail = "sglang http://gpu-1:30000 does not answer: connection refused"
+    down = with_worker(
+        status(), 1, engine_ok=False, engine_detail=detail, credit=0, leases=0, failed_by_engine=2,
+        returned_by_engine=9,
+    )  # fmt: skip
+    state = fed(status(), down)
+    out = text(state, width)
+    assert "engine down" in line_with(out, "w-b") and " up " in line_with(out, "w-a")
+    assert "0/16" in line_with(out, "w-b")  # it holds nothing
+    assert any("red" in style for style in styles_of(state, "engine down", width))
+    reason = line_with(out, "w-b: engine down: ")  # the reason, on a line of its own (wrapped when long)
+    assert ("w-b: engine down: " + detail in reason) == (width >= 110)
+    assert "sglang http://gpu-1:30000" in reason
+    assert "engine errors: 2 samples failed · 9 returned as partials" in out
+    assert "engine down" not in text(fed(status()), width) and "engine errors" not in text(
+        fed(status()), width
+    )
+
+
 def test_rollout_panel_shows_buffers_aborts_histogram_and_offpolicy_share() -> None:
     start = status(10.0, version=3)
     totals = Totals(aborted=34, resumed=26, tokens_generated=0, samples_finished=100, batches_acked=3)
@@ -305,6 +333,21 @@ def test_events_for_workers_joining_dying_coming_back_restarting_and_leaving() -
     assert events_between(before, restarted) == ["worker w-b restarted (pid 200 → 201)"]
     left = dataclasses.replace(before, workers=before.workers[1:])
     assert events_between(before, left) == ["worker w-a left"]
+
+
+def test_events_for_an_engine_going_down_and_coming_back() -> None:
+    before = status()
+    down = with_worker(before, 1, engine_ok=False, engine_detail="sglang http://gpu-1:30000 does not answer")
+    assert events_between(before, down) == [
+        "worker w-b: engine down: sglang http://gpu-1:30000 does not answer"
+    ]
+    assert events_between(down, down) == []
+    assert events_between(down, before) == ["worker w-b: engine back"]
+    joined_down = dataclasses.replace(before, workers=[*before.workers, worker("w-c", engine_ok=False)])
+    assert events_between(before, joined_down) == [
+        "worker w-c joined (sim, 8 slots, node1 pid 100)",
+        "worker w-c: engine down: no reason given",
+    ]
 
 
 def test_events_for_weights_abort_rounds_learner_ledger_and_rejections() -> None:

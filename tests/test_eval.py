@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from harness import Cluster, wait_for
-from sglang_fixture import FakeSGLangServer
+from sglang_server import FakeSGLangServer
 
 from april.config import ConfigError
 from april.data import JsonlPromptSource, PromptSource, SyntheticPromptSource
@@ -215,10 +215,14 @@ def test_eval_with_real_workers_and_the_sim_engine(cluster: Callable[..., Cluste
     assert Counter(w.id for w in status.workers) == {"w0": 1, "w1": 1}
 
 
-def test_greedy_flag_reaches_the_engine_through_a_real_worker(cluster: Callable[..., Cluster]) -> None:
-    """A real `april worker` on the SGLang adapter (against the contract fixture): the held-out prompts,
+def test_greedy_flag_reaches_the_engine_through_a_real_worker(
+    cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """A real `april worker` on the SGLang adapter (against the fake SGLang server): the held-out prompts,
     and only they, are generated with SGLang's greedy setting (top_k 1)."""
-    with FakeSGLangServer(max_running=8, token_delay_s=0.001) as server:
+    weights = tmp_path / "v000001.safetensors"
+    weights.write_bytes(b"weights")
+    with FakeSGLangServer(max_running_requests=8, token_delay_s=0.001) as server:
         c = cluster(
             run={"mode": "april", "eval_every": 1, "steps": 2},
             algo={"max_new_tokens": 8},
@@ -227,11 +231,11 @@ def test_greedy_flag_reaches_the_engine_through_a_real_worker(cluster: Callable[
         )
         c.start_broker()
         c.start_worker("sw0")
-        c.start_learner(steps=2, train_s=0.05)
+        c.start_learner(steps=2, train_s=0.05, weights_file=str(weights))
         c.wait_exit("learner", 90)
         wait_for(lambda: eval_version(c) == 2, 60, "the evaluation at v2")
         _check_books(c, 2)
-        posts = server.posts("/generate")
+        posts = list(server.rt.generate_bodies)
     data = c.config["data"]
     source = SyntheticPromptSource(
         seed=0,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from actors.engine import EngineError, GenerationOutput, GenerationRequest
+from actors.engine import EngineError, EngineUnavailable, GenerationOutput, GenerationRequest
 from actors.engines.inflight import Flight, InFlight, Segment
 from april.records import FinishReason
 
@@ -123,12 +123,58 @@ def test_a_failed_submission_fails_its_request_only() -> None:
     flights.add([req(1, [5], 4), req(2, [6], 4), req(3, [7], 4)], slots=4, version=0)
     far.last(1).future.set_result(segment([8], FinishReason.LENGTH))
     far.last(2).future.set_exception(RuntimeError("HTTP 400: too long\nsecond line"))
-    with pytest.raises(EngineError, match=r"^test engine: request 2: HTTP 400: too long$"):
-        flights.step(0.0)
-    assert flights.active == 2  # request 2 left the table; 1 is ready, 3 still runs
-    assert [o.request_id for o in flights.step(0.0)] == [1]
+    outs = by_id(flights.step(0.0))
+    assert outs[1].finish_reason == FinishReason.LENGTH and outs[1].error == ""
+    assert outs[2].finish_reason == FinishReason.NONE  # an unknown failure: the request is failed
+    assert outs[2].error == "test engine: request 2: HTTP 400: too long"
+    assert flights.active == 1  # 3 still runs
     far.last(3).future.set_result(segment([9], FinishReason.STOP))
     assert [o.request_id for o in flights.step(0.0)] == [3] and flights.active == 0
+
+
+def test_a_transient_failure_returns_the_tokens_of_earlier_submissions() -> None:
+    far = FarSide(partials={1: [8, 9]})
+    flights = table(far)
+    flights.add([req(1, [5], 10)], slots=4, version=0)
+    flights.resubmit(flights.park(), version=1)
+    far.last(1).future.set_result(Segment([], [], FinishReason.ABORT, error="HTTP 503: overloaded"))
+    (out,) = flights.step(0.0)
+    assert (
+        out.finish_reason == FinishReason.ABORT
+        and out.error == "test engine: request 1: HTTP 503: overloaded"
+    )
+    assert out.token_ids.tolist() == [8, 9] and out.versions.tolist() == [0, 0]
+
+
+def test_an_input_longer_than_the_context_fails_without_a_submission() -> None:
+    far = FarSide()
+    flights = table(far)
+    flights.add([req(1, [5, 6, 7, 8], 10), req(2, [5, 6, 7, 8], 0)], slots=4, version=0, context=3)
+    outs = by_id(flights.step(0.0))
+    assert far.submissions == []
+    assert outs[1].finish_reason == FinishReason.NONE and "input of 4 tokens" in outs[1].error
+    assert outs[2].finish_reason == FinishReason.LENGTH  # no budget asked: nothing to fail
+
+
+@pytest.mark.parametrize("where", ["step", "abort", "park"])
+def test_an_abort_on_a_stop_token_is_stop_and_one_at_full_budget_is_length(where: str) -> None:
+    """The one place where an answer becomes an outcome: whichever call collects it."""
+    far = FarSide(partials={1: [8, 2], 2: [8, 9, 10]})
+    flights = InFlight("test engine", submit=far.submit, halt=far.halt, resume=far.resume, stop_token_ids=[2])
+    flights.add([req(1, [5], 10), req(2, [6], 3), req(3, [7], 10)], slots=4, version=0)
+    if where == "step":
+        far.last(1).future.set_result(segment([8, 2], FinishReason.ABORT))
+        far.last(2).future.set_result(segment([8, 9, 10], FinishReason.ABORT))
+        outs = by_id(flights.step(0.0))
+    elif where == "abort":
+        outs = by_id(flights.abort())
+    else:
+        parked = flights.park()
+        assert [f.request_id for f in parked] == [3]  # only the one with budget left and no stop
+        outs = by_id(flights.step(0.0))
+    assert outs[1].finish_reason == FinishReason.STOP and outs[1].token_ids.tolist() == [8, 2]
+    assert outs[2].finish_reason == FinishReason.LENGTH and outs[2].token_ids.tolist() == [8, 9, 10]
+    assert outs[1].error == outs[2].error == ""
 
 
 def test_abort_halts_resumes_and_returns_partials() -> None:
@@ -143,15 +189,55 @@ def test_abort_halts_resumes_and_returns_partials() -> None:
     assert flights.abort() == [] and far.log[-1] == "resume"  # nothing running: the far side is left alone
 
 
-def test_abort_resumes_the_far_side_when_halt_fails() -> None:
+def test_a_failed_halt_empties_the_table_into_engine_unavailable() -> None:
     far = FarSide(halt_fails=True)
+    cut: list[int] = []
+    flights = InFlight(
+        "test engine",
+        submit=far.submit,
+        halt=far.halt,
+        resume=far.resume,
+        cut=lambda stuck: cut.extend(f.request_id for f in stuck),
+    )
+    flights.add([req(1, [5], 10), req(2, [6], 10)], slots=4, version=0)
+    far.last(2).future.set_result(segment([7], FinishReason.STOP))
+    with pytest.raises(EngineUnavailable, match="abort failed: far side did not go idle") as err:
+        flights.abort()
+    assert far.log[-1] == "resume" and flights.active == 0 and cut == [1]  # nothing lost, nothing left
+    outs = by_id(err.value.partials)
+    assert outs[1].finish_reason == FinishReason.ABORT and "did not go idle" in outs[1].error
+    assert outs[2].finish_reason == FinishReason.STOP  # it had finished: it keeps its reason
+
+
+def test_a_far_side_that_is_down_empties_the_table_with_every_partial() -> None:
+    far = FarSide(partials={2: [9]})
+    flights = table(far)
+    flights.add([req(1, [5], 10), req(2, [6], 10), req(3, [7], 10)], slots=4, version=0)
+    flights.resubmit(flights.park(), version=1)  # request 2 now holds [9] from its first submission
+    far.partials.clear()  # its second submission has generated nothing when the far side goes down
+    far.last(3).future.set_result(segment([4], FinishReason.STOP))
+    far.last(1).future.set_exception(EngineUnavailable("server gone"))
+    with pytest.raises(EngineUnavailable, match=r"^test engine: server gone$") as err:
+        flights.step(0.0)
+    assert flights.active == 0 and far.log[-2:] == ["halt [2]", "resume"]  # the rest halted for partials
+    outs = by_id(err.value.partials)
+    assert set(outs) == {1, 2, 3}
+    assert outs[1].finish_reason == FinishReason.ABORT and outs[1].error.endswith("server gone")
+    assert outs[2].finish_reason == FinishReason.ABORT and outs[2].token_ids.tolist() == [9]
+    assert outs[3].finish_reason == FinishReason.STOP
+    assert flights.step(0.0) == []  # and it serves again
+
+
+def test_unavailable_during_a_load_carries_the_parked_requests() -> None:
+    far = FarSide(partials={1: [8]})
     flights = table(far)
     flights.add([req(1, [5], 10)], slots=4, version=0)
-    with pytest.raises(EngineError, match="did not go idle"):
-        flights.abort()
-    assert far.log[-1] == "resume" and flights.running == 1
-    flights.close()  # the engine is going away: the same failure is not raised again
-    assert flights.running == 1
+    parked = flights.park()
+    with pytest.raises(EngineUnavailable) as err:
+        raise flights.unavailable("server gone", parked)
+    (out,) = err.value.partials
+    assert out.request_id == 1 and out.token_ids.tolist() == [8] and out.finish_reason == FinishReason.ABORT
+    assert flights.active == 0
 
 
 def test_park_and_resubmit_split_a_response_into_versions() -> None:
@@ -191,15 +277,18 @@ def test_park_with_nothing_running_still_halts() -> None:
     assert far.log == ["halt []", "resume"]
 
 
-def test_park_with_a_failed_submission_resubmits_the_others_and_raises() -> None:
+def test_park_with_a_failed_submission_parks_the_others() -> None:
     far = FarSide(partials={1: [8]})
     flights = table(far)
     flights.add([req(1, [5], 6), req(2, [6], 6)], slots=4, version=2)
     far.last(2).future.set_exception(EngineError("server said no"))
-    with pytest.raises(EngineError, match="test engine: request 2: server said no"):
-        flights.park()
-    assert far.log[-2:] == ["resume", "submit 1"] and flights.running == 1
-    assert far.last(1).version == 2 and far.last(1).input_ids == [5, 8]  # nothing was loaded
+    parked = flights.park()
+    assert [f.request_id for f in parked] == [1]
+    (failed,) = flights.step(0.0)
+    assert failed.request_id == 2 and failed.finish_reason == FinishReason.NONE
+    assert failed.error == "test engine: request 2: server said no"
+    flights.resubmit(parked, version=3)
+    assert far.last(1).version == 3 and far.last(1).input_ids == [5, 8]
 
 
 def test_hand_back_returns_parked_requests_as_partials() -> None:

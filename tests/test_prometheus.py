@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from harness import Cluster, free_ports, wait_for
 
+from april import protocol
 from april.config import Config, ConfigError, load_config
 from broker.server import Broker
 
@@ -90,3 +91,13 @@ def test_missing_prometheus_client_is_one_config_error(
     monkeypatch.setitem(sys.modules, "prometheus_client.registry", None)  # import fails as if not installed
     with pytest.raises(ConfigError, match=r"broker.metrics_port = 9464: .* needs prometheus-client"):
         Broker(_config(9464), tmp_path / "run")
+
+
+def test_workers_whose_engine_is_down_are_a_gauge() -> None:
+    from test_codec import EXAMPLES
+
+    from broker.prometheus import status_metrics
+
+    status = EXAMPLES[protocol.StatusReply].status  # worker-1's engine is down, worker-0's serves
+    gauges = {m.name: m.samples[0].value for m in status_metrics(status) if m.samples}
+    assert gauges["april_broker_workers_engine_down"] == 1 and gauges["april_broker_workers"] == 2

@@ -17,9 +17,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from sglang_runtime import ToyModel
 from sglang_server import FakeSGLangServer
@@ -119,6 +121,12 @@ def wait_for(predicate: Callable[[], bool], what: str) -> None:
 
 def running(server: FakeSGLangServer) -> int:
     return len(server.rt.running)
+
+
+def generating(server: FakeSGLangServer, n: int) -> bool:
+    """`n` requests running, each with a few tokens out."""
+    reqs = list(server.rt.running)
+    return len(reqs) == n and min(len(r.output_ids) for r in reqs) >= 2
 
 
 def finish(answer: Any) -> dict[str, Any]:
@@ -742,25 +750,46 @@ def judge(items: list[dict[str, Any]], vocab_size: int = 1000) -> dict[str, Any]
     return result
 
 
-def adapter_bodies() -> list[dict[str, Any]]:
-    """The bodies the adapter builds (actors/engines/sglang_engine.py), from its own code."""
-    from actors.engine import SamplingParams
-    from actors.engines.inflight import Flight
+def adapter_calls(
+    make_server: Callable[..., FakeSGLangServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
+    """Every POST body the adapter (actors/engines/sglang_engine.py) sends in a session that uses each of
+    its calls (generate sampled, greedy, seeded and not, abort by rid, a weights load from a directory
+    with a resubmission, the NCCL path), recorded on the wire; and the /generate bodies the fakes accepted."""
+    from actors.engine import GenerationRequest, SamplingParams
+    from actors.engines import sglang_http
     from actors.engines.sglang_engine import SGLangEngine
 
-    out = []
-    for sampling, greedy in [
-        (SamplingParams(), False),
-        (SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3, stop_token_ids=(2, 5)), False),
-        (SamplingParams(temperature=0.7, seed=3), True),
+    sent: list[tuple[str, dict[str, Any]]] = []
+    send = sglang_http.Exchange.send
+
+    def record(self: sglang_http.Exchange, method: str, path: str, body: Any, timeout_s: float) -> Any:
+        if method == "POST":
+            sent.append((path, body))
+        return send(self, method, path, body, timeout_s)
+
+    monkeypatch.setattr(sglang_http.Exchange, "send", record)
+    weights = tmp_path / "v000001.safetensors"
+    weights.write_bytes(b"")
+    accepted: list[dict[str, Any]] = []
+    for deterministic, sampling in [
+        (True, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=0, stop_token_ids=(2, 5))),
+        (False, SamplingParams()),
     ]:
-        engine = object.__new__(SGLangEngine)
-        engine.sampling = sampling
-        engine.extra_sampling_params = {}
-        flight = Flight(request_id=4, input_ids=list(PROMPT), max_new_tokens=16, greedy=greedy)
-        flight.rid = uuid.uuid4().hex
-        out.append(engine._payload(flight))
-    return out
+        server = make_server(enable_deterministic_inference=deterministic, token_delay_s=0.005)
+        engine = SGLangEngine([server.url], slots=4, sampling=sampling)
+        try:
+            prompt = np.asarray(PROMPT, dtype=np.int32)
+            engine.add([GenerationRequest(1, prompt, 4000), GenerationRequest(2, prompt, 4000, greedy=True)])
+            wait_for(partial(generating, server, 2), "both requests to generate")
+            engine.load_weights(weights, 1)  # parked by rid, loaded from a directory, resubmitted
+            assert len(engine.abort()) == 2
+            engine.init_weight_group("127.0.0.1", 1, world_size=2)
+            engine.load_weights_distributed(["w"], ["bfloat16"], [[2]], version=2)
+        finally:
+            engine.close()
+        accepted += server.rt.generate_bodies
+    return sent, accepted
 
 
 CONTROL_BODIES = [
@@ -791,16 +820,26 @@ REJECTED_BODIES = [
 
 
 @pytest.mark.sglang
-def test_bodies_the_fake_accepts_pass_sglangs_own_validation(make_server: Any) -> None:
+def test_bodies_the_fake_accepts_pass_sglangs_own_validation(
+    make_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sglang_validation import CONTROL_TYPES
+
+    sent, accepted = adapter_calls(make_server, tmp_path, monkeypatch)
+    generated = [b for p, b in sent if p == "/generate"]
+    assert generated and all(b in accepted for b in generated)  # the fake took every one
+    assert any("sampling_seed" in b["sampling_params"] for b in generated)  # seeded where honoured
+    assert any(b["sampling_params"]["top_k"] == 1 for b in generated)  # greedy
+    assert {p for p, _ in sent} >= {"/abort_request", "/update_weights_from_disk", "/begin_weight_update",
+                                    "/update_weights_from_distributed", "/end_weight_update"}  # fmt: skip
     server = make_server()
-    bodies = [*adapter_bodies(), gen_body(PROMPT, temperature=0.0, stop_token_ids=[2], ignore_eos=False)]
-    for body in bodies:
-        assert post(server, "/generate", body)[0] == 200, body
+    extra = gen_body(PROMPT, temperature=0.0, stop_token_ids=[2], ignore_eos=False)
+    assert post(server, "/generate", extra)[0] == 200
     for path, body in CONTROL_BODIES:
         if path != "/update_weights_from_disk":
             assert post(server, path, body)[0] == 200, path
-    items = [{"path": "/generate", "body": b} for b in server.rt.generate_bodies]
-    items += [{"path": p, "body": b} for p, b in CONTROL_BODIES]
+    items = [{"path": p, "body": b} for p, b in sent if p == "/generate" or p in CONTROL_TYPES]
+    items += [{"path": "/generate", "body": extra}] + [{"path": p, "body": b} for p, b in CONTROL_BODIES]
     result = judge(items)
     print("sglang", result["sglang_version"], "unavailable:", result["unavailable"])
     assert "sampling_params" in result["verdicts"][0], result["unavailable"]

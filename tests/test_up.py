@@ -201,6 +201,38 @@ def test_busy_port(sim_config: Path, tmp_path: Path) -> None:
     assert f"broker.pub_port = {port}" in line and "busy" in line
 
 
+def port_in_time_wait() -> int:
+    """A loopback port with no listener whose last connection is in TIME_WAIT, as a run that just ended
+    leaves its ports (the side that closes first keeps TIME_WAIT: here the accepting one)."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port), timeout=60)
+        accepted, _ = server.accept()
+        accepted.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
+        client.close()
+    # the old check's plain bind fails here: the port was "busy" without a listener
+    with socket.socket() as probe, pytest.raises(OSError):
+        probe.bind(("127.0.0.1", port))
+    return port
+
+
+def test_a_port_whose_last_run_just_ended_is_not_busy() -> None:
+    from april.config import BrokerConfig, Config, LearnerConfig, WorkerConfig
+    from cli.up_cmd import preflight
+
+    port = port_in_time_wait()
+    others = free_ports(2)
+    config = Config(
+        broker=BrokerConfig(pub_port=port, worker_port=others[0], learner_port=others[1]),
+        worker=WorkerConfig(engine="sim"),
+        learner=LearnerConfig(backend="sim"),
+    )
+    preflight(config)  # raised "broker.pub_port = P on 127.0.0.1 is busy" before
+
+
 def test_resume_of_a_directory_that_is_not_a_run(tmp_path: Path) -> None:
     assert "no config.toml" in one_line_error(["--resume", str(tmp_path)])
 

@@ -26,7 +26,7 @@ from actors.engine import (  # noqa: E402
     WeightLoadError,
 )
 from actors.engines import vllm_engine  # noqa: E402
-from actors.engines.vllm_engine import VLLMEngine  # noqa: E402
+from actors.engines.vllm_engine import VLLMEngine, VLLMSettings  # noqa: E402
 from april.hf import load_model, make_tiny_model  # noqa: E402
 from april.records import FinishReason  # noqa: E402
 
@@ -55,11 +55,11 @@ def models(model_dir: Path, other_file: Path) -> dict[str, torch.nn.Module]:
 
 @pytest.fixture(scope="module")
 def shared_engine(model_dir: Path) -> Iterator[VLLMEngine]:
+    # the CPU settings: float32, eager (no torch.compile at start-up), a 1 GiB KV cache
     engine = VLLMEngine(
-        model_dir, slots=4, sampling=BASE, greedy=True, dtype="float32", max_model_len=1024,
-        enforce_eager=True,  # no torch.compile at start-up
-        kv_cache_memory_bytes=1 << 30,  # vLLM's CPU default takes a share of host memory
-    )  # fmt: skip
+        model_dir, slots=4, sampling=BASE, greedy=True, settings=VLLMSettings(max_model_len=1024)
+    )
+    assert engine.context == 1024
     yield engine
     engine.close()
 
@@ -139,6 +139,46 @@ def test_sampled_logprobs_are_temperature_scaled(
         assert float(np.abs(out.logprobs - raw).max()) > 100 * LOGPROB_ATOL  # not pre-temperature
     again = run(engine, inputs, budget=32)  # per-request seeds: same tokens for the same seed and ids
     assert [o.token_ids.tolist() for o in again] == [o.token_ids.tolist() for o in first]
+
+
+def nucleus_size(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Per position, how many of the most likely tokens vLLM's top-k then top-p keep: top-k first, then
+    top-p over the renormalised top-k distribution (vllm/v1/sample/ops/topk_topp_sampler.py)."""
+    probs = torch.softmax(logits.double(), dim=-1).sort(dim=-1, descending=True).values
+    if top_k > 0:
+        probs = probs[:, :top_k]
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+    return (before < top_p + 1e-6).sum(dim=-1)  # a token is kept while the mass before it is < top_p
+
+
+def test_truncated_sampling_reports_untruncated_logprobs(
+    model_dir: Path, models: dict[str, torch.nn.Module]
+) -> None:
+    """top_p < 1 and top_k > 0 at temperature 1: the tokens come from the truncated distribution, the
+    log-probs are the full one's, as the learner recomputes them (vLLM's "raw_logprobs" mode), not
+    those renormalised over the kept tokens ("processed_logprobs", larger by -log(kept mass))."""
+    sampling = SamplingParams(temperature=1.0, top_p=0.75, top_k=200, seed=11)
+    engine = VLLMEngine(
+        model_dir, slots=2, sampling=sampling, settings=VLLMSettings(max_model_len=1024, kv_cache_gib=0.25)
+    )
+    try:
+        inputs = [prompt(50, 6), prompt(51, 9)]
+        outs = run(engine, inputs, budget=32)
+    finally:
+        engine.close()
+    for p, out in zip(inputs, outs, strict=True):
+        tokens = out.token_ids.tolist()
+        ref = reference_logprobs(models["base"], p, tokens, 1.0)
+        err = float(np.abs(out.logprobs - ref).max())
+        assert err < LOGPROB_ATOL, f"max |vllm - full-distribution log-probs| = {err}"
+        seq = torch.tensor([*p.tolist(), *tokens], dtype=torch.long)[None]
+        with torch.no_grad():
+            logits = models["base"](seq).logits[0, len(p) - 1 : -1].float()
+        ranks = (logits > logits.gather(1, torch.tensor(tokens)[:, None])).sum(dim=-1)
+        limit = nucleus_size(logits, sampling.top_p, sampling.top_k)
+        assert bool((ranks < limit).all()), "a sampled token lies outside the top-p / top-k set"
+        assert bool((limit < logits.shape[-1]).all())  # truncation really removed tokens
 
 
 def test_stop_token_is_kept_and_ends_with_stop(

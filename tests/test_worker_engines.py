@@ -1,7 +1,7 @@
 """A real `april worker` with the torch engine (tiny model made here) and with the SGLang adapter
-(against the contract fixture) runs against a real broker: samples come back with consistent tokens,
-log-probs and versions, weights are verified by sha256 before loading, and a bad announcement is
-refused while the worker keeps serving its old weights."""
+(against the fake rebuilt from SGLang's source, tests/sglang_server.py) runs against a real broker:
+samples come back with consistent tokens, log-probs and versions, weights are verified by sha256 before
+loading, and a bad announcement is refused while the worker keeps serving its old weights."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from harness import Cluster, wait_for
-from sglang_fixture import FakeSGLangServer
+from sglang_server import FakeSGLangServer
 
 pytest.importorskip("torch")
 
@@ -47,8 +47,12 @@ def test_torch_worker_runs_april_rounds_and_verifies_weights(
     assert status.workers[0].version == 3
 
 
-def test_sglang_worker_against_the_contract_fixture(cluster: Callable[..., Cluster]) -> None:
-    with FakeSGLangServer(max_running=4, token_delay_s=0.002) as server:
+def test_sglang_worker_against_the_fake_server(cluster: Callable[..., Cluster], tmp_path: Path) -> None:
+    """Every published version reaches the server as a directory holding only that version's file."""
+    weights = tmp_path / "weights" / "v000001.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(b"weights")
+    with FakeSGLangServer(max_running_requests=4, token_delay_s=0.002) as server:
         c = cluster(
             run={"mode": "april"},
             algo={
@@ -61,12 +65,17 @@ def test_sglang_worker_against_the_contract_fixture(cluster: Callable[..., Clust
         )
         c.start_broker()
         c.start_worker("sw0")
-        c.start_learner(steps=2, train_s=0.05)
+        c.start_learner(steps=2, train_s=0.05, weights_file=str(weights))
         c.wait_exit("learner", 90)
         batches = c.batches()
         assert len(batches) == 2 and all(b["ok"] for b in batches)
         assert c.status().ledger_balanced
-        assert any(path == "/generate" for path, _ in server.calls)
+        assert server.rt.generate_bodies
+        wait_for(lambda: server.rt.weight_version == "2", 60, "the server to serve v2")
+        loaded = server.rt.loaded_weight_files
+    assert [len(files) for files in loaded] == [1, 1] and loaded[0][0] != loaded[1][0]
+    assert all(Path(files[0]).parent != weights.parent for files in loaded)
+    assert "weights v2 loaded" in (c.tmp / "sw0.log").read_text()
 
 
 def test_a_request_the_engine_rejects_fails_one_sample_not_the_worker(

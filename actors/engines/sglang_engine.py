@@ -1,154 +1,99 @@
 """The SGLang adapter: drives one or more real SGLang servers over their HTTP API, token ids only.
 
-Owns the HTTP contract with a real SGLang server: how a request becomes a `/generate` call,
-how its answer becomes a `GenerationOutput`, how to abort so that no partial output is lost, and how
-weights are swapped. Does not import sglang (the server is another process, started here with
-`python -m sglang.launch_server` or given as URLs) and uses only the standard library for HTTP: one
-blocking `/generate` per in-flight request, each on its own thread (a pool sized to `slots`). The
-request table (what was submitted, what came back, park and resubmit around a weights load) is
-`actors.engines.inflight.InFlight`'s; this module is the transport under it.
+Owns the contract with real SGLang servers: how a request becomes a `/generate` call and its answer a
+`GenerationOutput`, how to abort without losing partial output, how weights are swapped, and how a
+failing server shows through the `Engine` failure contract. Does not import sglang (the server is
+another process, started by actors/engines/sglang_launch.py or given as URLs); one blocking `/generate`
+per in-flight request, each on its own thread (a pool sized to `slots`). The request table is
+`actors.engines.inflight.InFlight`'s and the HTTP exchange actors/engines/sglang_http.py's.
 
-Decisions that follow from the server's behaviour:
-  - rids are uuid4 hex (fixed length), because abort matches rids by prefix.
-  - A request is never aborted by closing its connection (that loses the partial output).
-    `abort` sends `abort_all` to every server, then polls `/v1/loads` and re-sends `abort_all` until
-    every server reports no running or waiting request *and* every in-flight `/generate` has returned:
-    an abort that reaches the server before the request reaches its scheduler is silently lost, and
-    from 0.5.21 a repeated abort of the same rid is ignored, so per-rid aborts are never used.
-  - Every token of one `/generate` call carries the version loaded when the call started: weights are
-    only swapped while nothing runs. `load_weights` called with requests in flight parks them
-    (abort), loads, and resubmits them as `input + partial` with the reduced budget, so a response
-    spans two versions exactly as with an engine that swaps between decode steps.
-  - Weights: `/update_weights_from_disk` with `flush_cache`, checked against `/model_info`'s
-    `weight_version`; the NCCL path (`init_weight_group` + `load_weights_distributed`) brackets the
-    update with begin/end_weight_update from 0.5.21, as `/server_info`'s version says.
-  - Several servers (one per GPU or TP group): requests are spread round-robin.
-  - A `greedy` request is sent with `top_k` 1 (SGLang's greedy path) and no sampling seed; the
-    temperature stays, so its log-probs are on the same scale as the others.
-  - An answer ending in ABORT that we did not ask for (someone else aborted the server) is returned
-    by `step` as ABORT: the sample is resumed like any interrupted one.
+Checked against SGLang 0.5.6, 0.5.20, 0.5.21 and 0.5.23 (docs/engines.md says how); decisions that follow
+from the server's behaviour (paths inside the wheel, `sglang/srt/...`):
+  - The server runs on the worker's host: weights are handed over as a local directory. The learner
+    publishes one file per version; SGLang loads every *.safetensors of a directory (model_loader/
+    loader.py) and takes anything else for a Hugging Face repo id, so `load_weights` puts the verified
+    file in a directory of its own (a hard link where the cache is on the same filesystem, else a copy)
+    under the adapter's cache (`weights_dir`, default a temporary directory), loads that with
+    `/update_weights_from_disk`, checks `/model_info`'s `weight_version`, and deletes the older versions'
+    directories. The current one is kept: a server that restarted is reloaded from it by `probe`.
+  - Budgets are clipped so that input + output stays one token short of the server's `max_req_input_len`
+    (from /server_info): inside the tokenizer manager's context check and the scheduler's own cap, and
+    every partial can be resumed there. An input too long for that fails its request (NONE).
+  - Abort by rid, exactly (the tokenizer manager forwards only a rid it holds, tokenizer_manager.py:
+    abort_request), re-sent while a /generate is still out: an abort that arrives before its request
+    is dropped. From 0.5.20 a rid is forwarded only once, and an abort forwarded before the request
+    reached the scheduler is lost there (scheduler.py: abort_request finds nothing); after
+    `abort_all_after_s` the adapter falls back to `abort_all` on that server, which aborts other
+    clients' requests too. A request is never aborted by closing its connection (that loses its partial)
+    except when it cannot be stopped otherwise (`cut`).
+  - Every token of one `/generate` carries the version loaded when the call started: weights are swapped
+    only while nothing runs. `load_weights` parks in-flight requests (abort), loads, and resubmits them
+    as `input + partial` with the rest of the budget, so a response spans two versions as with an engine
+    that swaps between decode steps. Every answer must name the weight_version the adapter expects: one
+    that does not (the server restarted with its launch weights, or another client changed them) makes
+    the engine unavailable, and `probe` reloads the adapter's version.
+  - Log-probs are `log_softmax(logits / temperature)` of the full distribution, except in a batch where
+    every request is greedy (layers/sampler.py: is_all_greedy), where they are at temperature 1. A
+    `greedy` request (an evaluation sample) is sent with top_k 1, SGLang's greedy path, and no seed; when
+    only evaluation samples run, their log-probs are at temperature 1. They are never trained on.
+    A server started with SGLANG_RETURN_ORIGINAL_LOGPROB=1 reports every log-prob at temperature 1; its
+    environment is not visible over HTTP, so the adapter warns at start (launch refuses it).
+  - `sampling_seed` is honoured only with --enable-deterministic-inference (/server_info says), where an
+    unseeded request samples with seed 42: there every sampled request gets its own seed from
+    (sampling.seed, request id, tokens done); elsewhere none is sent and the adapter warns at start.
+  - Failures (actors/engine.py): a 4xx, or an abort the server gives a non-transient status, fails its
+    request (NONE); a 5xx, a transient status-coded abort, or a dropped connection while the server still
+    answers /server_info comes back as ABORT with the tokens known; a server that cannot be reached
+    (/server_info refused or timing out on every try) makes every method raise EngineUnavailable with
+    every request's partial, and `probe` raises until every server answers again. Every call has a timeout.
+  - Several servers (one per GPU or TP group): requests are spread round-robin; the clip is the
+    smallest server's.
+  - Shared servers: see docs/engines.md (abort_all fallback, /update_weights_from_disk waiting for every
+    client's requests, weight versions).
 """
 
 from __future__ import annotations
 
-import http.client
+import contextlib
 import json
-import re
+import logging
 import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from actors.engine import EngineError, GenerationOutput, GenerationRequest, SamplingParams, WeightLoadError
-from actors.engines.inflight import FINISH_REASONS, Flight, InFlight, Segment
+from actors.engine import (
+    EngineError,
+    EngineUnavailable,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    WeightLoadError,
+)
+from actors.engines.inflight import Flight, InFlight, Segment
+from actors.engines.sglang_http import (
+    Exchange,
+    HTTPStatusError,
+    ServerInfo,
+    ServerUnreachable,
+    generate_body,
+    http_call,
+    parse_generate,
+    parse_server_info,
+    transient,
+)
+from actors.engines.weight_dirs import VersionDirs
+from april.records import FinishReason
 
-MIN_VERSION = (0, 5, 6)
+log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class ServerFeatures:
-    """Behaviour chosen from the server's version (`/server_info`)."""
-
-    version: tuple[int, int, int]
-
-    @property
-    def weight_update_bracket(self) -> bool:
-        """Distributed weight updates must sit between begin/end_weight_update (0.5.21+)."""
-        return self.version >= (0, 5, 21)
-
-    @property
-    def repeated_rid_abort_ignored(self) -> bool:
-        return self.version >= (0, 5, 21)
-
-
-def parse_version(text: str) -> tuple[int, int, int]:
-    m = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if not m:
-        raise EngineError(f"sglang: cannot read server version {text!r} (expected like 0.5.23)")
-    return int(m[1]), int(m[2]), int(m[3] or 0)
-
-
-class HTTPStatusError(EngineError):
-    def __init__(self, url: str, status: int, body: str) -> None:
-        super().__init__(f"sglang {url}: HTTP {status}: {_error_text(body)}")
-        self.status = status
-
-
-def _error_text(body: str) -> str:
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError:
-        return body.strip()[:300] or "(empty body)"
-    if isinstance(data, dict):
-        err = data.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        for key in ("message", "detail"):
-            if key in data:
-                return str(data[key])
-    return body.strip()[:300]
-
-
-def http_call(base: str, method: str, path: str, body: Any = None, timeout_s: float = 10.0) -> Any:
-    """One HTTP exchange on a fresh connection; the decoded JSON body (None when empty).
-    Raises HTTPStatusError on a non-200 answer, EngineError when the server cannot be reached."""
-    parts = urlsplit(base)
-    conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = conn_type(parts.hostname or "127.0.0.1", parts.port, timeout=timeout_s)
-    url = base.rstrip("/") + path
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        conn.request(method, url, body=data, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read().decode(errors="replace")
-    except (OSError, http.client.HTTPException) as e:
-        raise EngineError(f"sglang {url}: {type(e).__name__}: {e}") from None
-    finally:
-        conn.close()
-    if resp.status != 200:
-        raise HTTPStatusError(url, resp.status, raw)
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def parse_generate(url: str, answer: Any) -> Segment:
-    """The `Segment` a /generate answer reports; EngineError if malformed."""
-    meta = answer.get("meta_info") if isinstance(answer, dict) else None
-    if not isinstance(meta, dict):
-        raise EngineError(f"sglang {url}/generate: answer without meta_info: {str(answer)[:200]}")
-    fr = meta.get("finish_reason") or {}
-    kind = fr.get("type") if isinstance(fr, dict) else None
-    reason = FINISH_REASONS.get(kind) if isinstance(kind, str) else None
-    if reason is None:
-        raise EngineError(f"sglang {url}/generate: finish_reason {fr!r}, expected stop, length or abort")
-    status = fr.get("status_code")
-    if isinstance(status, int) and status >= 400:  # the scheduler rejected it (e.g. too long)
-        raise EngineError(f"sglang {url}/generate: rejected ({status}): {fr.get('message', '')}")
-    entries = meta.get("output_token_logprobs") or []
-    try:
-        ids = [int(e[1]) for e in entries]
-        lps = [float(e[0]) for e in entries]
-    except (TypeError, ValueError, IndexError):
-        raise EngineError(f"sglang {url}/generate: malformed output_token_logprobs") from None
-    n_out = len(answer.get("output_ids", ids))
-    if n_out != len(ids):
-        raise EngineError(f"sglang {url}/generate: {n_out} output ids but {len(ids)} log-probs")
-    stats = {
-        "e2e_latency_s": float(meta.get("e2e_latency", 0.0)),
-        "cached_tokens": float(meta.get("cached_tokens", 0)),
-    }
-    return Segment(ids, lps, reason, stats)
+REACH_TRIES = 3  # /server_info tries before a server counts as unreachable
+REACH_GAP_S = 0.2
+ABORT_RESEND_S = 0.2  # how often an abort by rid is re-sent while its /generate is still out
 
 
 class SGLangEngine:
@@ -167,12 +112,16 @@ class SGLangEngine:
         request_timeout_s: float = 3600.0,
         control_timeout_s: float = 10.0,
         abort_timeout_s: float = 60.0,
+        abort_all_after_s: float = 5.0,
         weights_timeout_s: float = 900.0,
+        weights_dir: Path | str | None = None,
         extra_sampling_params: Mapping[str, Any] | None = None,
         processes: Sequence[subprocess.Popen[bytes]] = (),
     ) -> None:
         """`extra_sampling_params`: more SGLang sampling keys sent as given (e.g. min_p,
-        repetition_penalty); the server rejects unknown keys with 400, surfaced as EngineError."""
+        repetition_penalty); the server refuses unknown keys, which fails each request (NONE).
+        `weights_dir`: where the per-version weight directories go (default: a temporary directory,
+        removed on close); on the weights' filesystem they are hard links, elsewhere copies."""
         if not urls:
             raise EngineError("sglang: no server URLs given")
         if slots < 1:
@@ -186,30 +135,24 @@ class SGLangEngine:
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
         self.abort_timeout_s = abort_timeout_s
+        self.abort_all_after_s = abort_all_after_s
         self.weights_timeout_s = weights_timeout_s
         self._processes = list(processes)
-        self._flights = InFlight("sglang", submit=self._submit, halt=self._abort_until_idle)
+        self._dirs = VersionDirs(weights_dir)
+        self._loaded: Path | None = None  # what self.version was loaded from (None: the launch weights)
+        self._exchanges: dict[str, tuple[int, Exchange]] = {}  # rid -> (server index, its /generate)
         self._next_server = 0
-        self._loads_supported = True
-        self.server_versions = [self._server_version(u) for u in self.urls]
-        self.features = ServerFeatures(min(self.server_versions))
+        self.servers = [self._server_info(u) for u in self.urls]
+        self._expected = [self._weight_version(u) for u in self.urls]  # what each server's answers name
+        self._flights = InFlight(
+            "sglang",
+            submit=self._submit,
+            halt=self._halt,
+            cut=self._cut,
+            stop_token_ids=self.sampling.stop_token_ids,
+        )
         self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="sglang-generate")
-
-    def _server_version(self, url: str) -> tuple[int, int, int]:
-        info = self._call(url, "GET", "/server_info")
-        text = info.get("version") if isinstance(info, dict) else None
-        if not isinstance(text, str):
-            raise EngineError(f"sglang {url}/server_info: no version field")
-        version = parse_version(text)
-        if version < MIN_VERSION:
-            need = ".".join(map(str, MIN_VERSION))
-            raise EngineError(f"sglang {url}: server version {text}, expected >= {need}")
-        return version
-
-    def _call(
-        self, url: str, method: str, path: str, body: Any = None, timeout_s: float | None = None
-    ) -> Any:
-        return http_call(url, method, path, body, timeout_s or self.control_timeout_s)
+        self._warn_at_start()
 
     # -- the Engine interface ---------------------------------------------------------------------
 
@@ -217,8 +160,14 @@ class SGLangEngine:
     def active(self) -> int:
         return self._flights.active
 
+    @property
+    def context(self) -> int | None:
+        """The longest input + output a request may reach on every server (None: a server did not say)."""
+        limits = [s.longest_sequence for s in self.servers]
+        return None if any(x is None for x in limits) else min(x for x in limits if x is not None)
+
     def add(self, requests: Sequence[GenerationRequest]) -> None:
-        self._flights.add(requests, self.slots, self.version)
+        self._flights.add(requests, self.slots, self.version, context=self.context)
 
     def step(self) -> list[GenerationOutput]:
         return self._flights.step(self.poll_s)
@@ -227,21 +176,48 @@ class SGLangEngine:
         return self._flights.abort()
 
     def load_weights(self, path: Path | str, version: int) -> None:
+        """Load `version` from `path` (a verified .safetensors file, or a directory the server can read)
+        into every server. WeightLoadError leaves the old weights serving; EngineUnavailable if a server
+        cannot be reached."""
         parked = self._flights.park()
         try:
-            for i, url in enumerate(self.urls):
-                body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
-                self._update(i, url, "/update_weights_from_disk", body)
-            self._check_version(version)
-            self.version = version
-        finally:
+            model_path = self._dirs.make(Path(path), version)
+        except OSError as e:
             self._flights.resubmit(parked, self.version)
+            raise WeightLoadError(f"sglang: cannot put {path} in a directory for the server: {e}") from None
+        try:
+            for i, url in enumerate(self.urls):
+                self._update(i, url, "/update_weights_from_disk", self._disk_body(model_path, version))
+            self._check_version(version)
+        except ServerUnreachable as e:
+            self._dirs.drop(version)
+            raise self._flights.unavailable(str(e), parked) from None
+        except BaseException:
+            self._dirs.drop(version)
+            self._flights.resubmit(parked, self.version)
+            raise
+        self._loaded_version(version, model_path)
+        self._flights.resubmit(parked, self.version)
+
+    def probe(self) -> None:
+        """Return once every server answers /server_info (re-read: a server may have come back with other
+        settings) and serves the adapter's weights version (a restarted server is reloaded from the
+        current version's directory); EngineUnavailable otherwise."""
+        for i, url in enumerate(self.urls):
+            try:
+                self.servers[i] = self._server_info(url)
+                live = self._weight_version(url)
+            except EngineError as e:
+                raise self._flights.unavailable(f"sglang {url} does not answer: {e}") from None
+            if live != self._expected[i]:
+                self._restore(i, url, live)
 
     def close(self) -> None:
         try:
             self._flights.close()
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._dirs.close()
             for proc in self._processes:
                 stop_server(proc)
             self._processes.clear()
@@ -282,7 +258,9 @@ class SGLangEngine:
         version: int,
         group_name: str = "april",
     ) -> None:
-        """Receive `version` by NCCL broadcast from the trainer, which broadcasts while this runs."""
+        """Receive `version` by NCCL broadcast from the trainer, which broadcasts while this runs. From
+        0.5.21 the update sits in a weight-update session, closed whatever happens (an open session makes
+        every later begin a 400)."""
         parked = self._flights.park()
         body = {
             "names": list(names),
@@ -294,15 +272,21 @@ class SGLangEngine:
         }
 
         def update(i: int, url: str) -> None:
-            if self.features.weight_update_bracket:
+            bracket = self.servers[i].weight_update_bracket
+            if bracket:
                 self._call(url, "POST", "/begin_weight_update", {"selector": "all"})
-            self._update(0, url, "/update_weights_from_distributed", body)
-            if self.features.weight_update_bracket:
-                self._call(url, "POST", "/end_weight_update", {})
+            try:
+                self._update(0, url, "/update_weights_from_distributed", body)
+            finally:
+                if bracket:
+                    self._call(url, "POST", "/end_weight_update", {})
             self._call(url, "POST", "/flush_cache", {})
 
+        errors = self._concurrently(update)
+        unreachable = [e for e in errors if isinstance(e, ServerUnreachable)]
+        if unreachable:
+            raise self._flights.unavailable(str(unreachable[0]), parked)
         try:
-            errors = self._concurrently(update)
             if errors and len(errors) < len(self.urls):  # some replicas switched, some did not
                 raise EngineError(
                     f"{errors[0]} ({len(self.urls) - len(errors)} servers loaded the new weights)"
@@ -310,90 +294,178 @@ class SGLangEngine:
             if errors:
                 raise WeightLoadError(str(errors[0]))
             self._check_version(version)
-            self.version = version
-        finally:
+        except ServerUnreachable as e:
+            raise self._flights.unavailable(str(e), parked) from None
+        except BaseException:
             self._flights.resubmit(parked, self.version)
+            raise
+        self._loaded_version(version, None)  # nothing on disk: a restarted server cannot be reloaded
+        self._flights.resubmit(parked, self.version)
 
-    # -- internals ----------------------------------------------------------------------------------
-
-    def _payload(self, flight: Flight) -> dict[str, Any]:
-        s = self.sampling
-        top_k = s.top_k if s.top_k > 0 else -1  # SGLang: -1 = off
-        params: dict[str, Any] = {
-            **self.extra_sampling_params,
-            "max_new_tokens": flight.left,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": 1 if flight.greedy else top_k,  # top_k 1: SGLang's greedy path
-        }
-        if s.stop_token_ids:
-            params["stop_token_ids"] = list(s.stop_token_ids)
-        if s.seed and not flight.greedy:  # per request, or every sample of a group would draw the same tokens
-            params["sampling_seed"] = (
-                s.seed * 1_000_003 + flight.request_id * 7919 + len(flight.done_ids)
-            ) % (1 << 31)
-        return {
-            "rid": flight.rid,
-            "input_ids": flight.resume_input(),
-            "sampling_params": params,
-            "return_logprob": True,
-            "logprob_start_len": -1,
-            "stream": False,
-        }
+    # -- requests ---------------------------------------------------------------------------------
 
     def _submit(self, flight: Flight) -> Future[Segment]:
-        """One blocking /generate on a pool thread, next server in turn; the answer parsed there."""
-        url = self.urls[self._next_server % len(self.urls)]
+        """One blocking /generate on a pool thread, next server in turn."""
+        index = self._next_server % len(self.urls)
         self._next_server += 1
         flight.rid = uuid.uuid4().hex
-        payload = self._payload(flight)
+        body = generate_body(
+            flight, self.sampling, self.extra_sampling_params, self.servers[index].deterministic
+        )
+        exchange = Exchange(self.urls[index])
+        self._exchanges[flight.rid] = (index, exchange)
+        expected = self._expected[index]
 
         def generate() -> Segment:
-            return parse_generate(url, http_call(url, "POST", "/generate", payload, self.request_timeout_s))
+            try:
+                return self._generate(exchange, body, expected)
+            finally:
+                self._exchanges.pop(body["rid"], None)
 
         return self._pool.submit(generate)
 
-    def _load(self) -> int:
-        """Requests running or waiting on all servers (0 where /v1/loads is missing)."""
-        total = 0
-        for url in self.urls:
-            if not self._loads_supported:
-                break
-            try:
-                info = self._call(url, "GET", "/v1/loads?include=core")
-            except HTTPStatusError as e:
-                if e.status != 404:
-                    raise
-                self._loads_supported = False  # older server: rely on the /generate calls returning
-                break
-            for row in info.get("loads", []) if isinstance(info, dict) else []:
-                total += int(row.get("num_running_reqs", 0)) + int(row.get("num_waiting_reqs", 0))
-        return total
+    def _generate(self, exchange: Exchange, body: dict[str, Any], expected: str) -> Segment:
+        """The Segment of one /generate (see the failure rules in the module docstring)."""
+        url = exchange.base
+        try:
+            status, raw = exchange.send("POST", "/generate", body, self.request_timeout_s)
+        except ServerUnreachable as e:
+            if exchange.cut_short:
+                return Segment([], [], FinishReason.ABORT, error="cut short")
+            self._ensure_reachable(url, str(e))
+            return Segment([], [], FinishReason.ABORT, error=f"{e} (the server still answers)")
+        if status != 200:
+            error = str(HTTPStatusError(f"sglang {url}/generate", status, raw))
+            reason = FinishReason.ABORT if transient(status) else FinishReason.NONE
+            return Segment([], [], reason, error=error)
+        segment, weight_version = parse_generate(url, http_answer(raw))
+        if weight_version is not None and weight_version != expected:
+            raise EngineUnavailable(
+                f"sglang {url} answered with weight_version {weight_version}, expected {expected} "
+                "(restarted, or changed by another client)"
+            )
+        return segment
 
-    def _abort_until_idle(self, flights: Sequence[Flight]) -> None:
-        """`abort_all` to every server, again until every call has returned and no server holds a
-        request (see the module docstring)."""
-        if not flights:
-            return
-        deadline = time.monotonic() + self.abort_timeout_s
-        while True:
-            for url in self.urls:
-                self._call(url, "POST", "/abort_request", {"abort_all": True})
-            futures = [f.future for f in flights if f.future is not None]
-            wait(futures, timeout=max(self.poll_s, 0.01))
-            pending = sum(1 for f in futures if not f.done())
-            load = self._load()
-            if pending == 0 and load == 0:
-                return
-            if time.monotonic() > deadline:
+    def _halt(self, flights: Sequence[Flight]) -> None:
+        """Abort `flights` by rid and return once each /generate has returned (see the module
+        docstring); EngineError if they do not within abort_timeout_s."""
+        pending = [f for f in flights if f.future is not None and not f.future.done()]
+        start = time.monotonic()
+        unreachable: set[int] = set()
+        while pending:
+            late = time.monotonic() - start
+            if late > self.abort_timeout_s:
                 raise EngineError(
-                    f"sglang: not idle {self.abort_timeout_s:g}s after abort_all "
-                    f"({pending} calls pending, {load} requests on the servers)"
+                    f"sglang: {len(pending)} requests still running {self.abort_timeout_s:g}s after abort"
                 )
+            abort_all: set[int] = set()
+            for flight in pending:
+                index = self._exchanges.get(flight.rid, (-1, None))[0]
+                if index < 0 or index in unreachable or index in abort_all:
+                    continue
+                body: dict[str, Any] = {"rid": flight.rid}
+                if late > self.abort_all_after_s and self.servers[index].repeated_rid_abort_ignored:
+                    log.warning(
+                        "sglang %s: an abort by rid was lost (sent before its request reached the "
+                        "scheduler); aborting every request on that server",
+                        self.urls[index],
+                    )
+                    body = {"abort_all": True}
+                    abort_all.add(index)
+                try:
+                    self._call(self.urls[index], "POST", "/abort_request", body)
+                except EngineError:  # its requests fail on their own; the caller sees them
+                    unreachable.add(index)
+            futures = [f.future for f in pending if f.future is not None]
+            wait(futures, timeout=ABORT_RESEND_S, return_when=ALL_COMPLETED)
+            pending = [f for f in pending if f.future is not None and not f.future.done()]
+
+    def _cut(self, flights: Sequence[Flight]) -> None:
+        for flight in flights:
+            entry = self._exchanges.get(flight.rid)
+            if entry is not None:
+                entry[1].cut()
+
+    # -- servers ----------------------------------------------------------------------------------
+
+    def _call(
+        self, url: str, method: str, path: str, body: Any = None, timeout_s: float | None = None
+    ) -> Any:
+        return http_call(url, method, path, body, timeout_s or self.control_timeout_s)
+
+    def _server_info(self, url: str) -> ServerInfo:
+        return parse_server_info(url, self._call(url, "GET", "/server_info"))
+
+    def _weight_version(self, url: str) -> str:
+        info = self._call(url, "GET", "/model_info")
+        live = info.get("weight_version") if isinstance(info, dict) else None
+        return str(live)
+
+    def _ensure_reachable(self, url: str, why: str) -> None:
+        """Return if the server answers /server_info within REACH_TRIES tries; else EngineUnavailable."""
+        for attempt in range(REACH_TRIES):
+            try:
+                self._call(url, "GET", "/server_info")
+                return
+            except EngineError as e:
+                last = e
+            if attempt + 1 < REACH_TRIES:
+                time.sleep(REACH_GAP_S)
+        raise EngineUnavailable(f"sglang {url} cannot be reached ({why}; then {last})")
+
+    def _warn_at_start(self) -> None:
+        plain = [u for u, s in zip(self.urls, self.servers, strict=True) if not s.deterministic]
+        if plain:
+            log.warning(
+                "sglang %s: started without --enable-deterministic-inference: sampling_seed has no effect, "
+                "so the run's seed does not make sampling reproducible",
+                ", ".join(plain),
+            )
+        if self.sampling.temperature != 1.0:
+            log.warning(
+                "sglang: make sure the servers do not run with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (not "
+                "visible over HTTP): they would report log-probs at temperature 1, not %g",
+                self.sampling.temperature,
+            )
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def _disk_body(self, model_path: Path, version: int) -> dict[str, Any]:
+        return {"model_path": str(model_path), "weight_version": str(version), "flush_cache": True}
+
+    def _loaded_version(self, version: int, model_path: Path | None) -> None:
+        """Every server now serves `version` (from `model_path`); the older directories go."""
+        self.version = version
+        self._loaded = model_path
+        self._expected = [str(version)] * len(self.urls)
+        self._dirs.keep_only(version)
+
+    def _restore(self, index: int, url: str, live: str) -> None:
+        """A server that answers with another weight_version than expected (it restarted): reload the
+        current version from its directory, or, with none, take the server's version as it is."""
+        if self._loaded is None:
+            log.warning(
+                "sglang %s: serves weight_version %s, expected %s, and there is no copy to reload",
+                url,
+                live,
+                self._expected[index],
+            )
+            self._expected[index] = live
+            self.version = int(live) if live.isdigit() else 0
+            return
+        try:
+            self._update(0, url, "/update_weights_from_disk", self._disk_body(self._loaded, self.version))
+        except EngineError as e:
+            raise self._flights.unavailable(
+                f"sglang {url} came back with weight_version {live}; reloading v{self.version} failed: {e}"
+            ) from None
+        log.warning("sglang %s: came back with weight_version %s; reloaded v%d", url, live, self.version)
 
     def _update(self, index: int, url: str, path: str, body: dict[str, Any]) -> None:
         try:
             answer = self._call(url, "POST", path, body, self.weights_timeout_s)
+        except ServerUnreachable:
+            raise
         except EngineError as e:
             raise self._weights_error(index, f"{e}") from None
         if isinstance(answer, dict) and answer.get("success") is False:
@@ -407,9 +479,8 @@ class SGLangEngine:
 
     def _check_version(self, version: int) -> None:
         for url in self.urls:
-            info = self._call(url, "GET", "/model_info")
-            live = info.get("weight_version") if isinstance(info, dict) else None
-            if live is not None and str(live) != str(version):
+            live = self._weight_version(url)
+            if live != str(version):
                 raise WeightLoadError(
                     f"sglang {url}: weight_version is {live} after loading, expected {version}"
                 )
@@ -433,6 +504,14 @@ class SGLangEngine:
         return [e for e in errors if e is not None]
 
 
+def http_answer(raw: str) -> Any:
+    """A 200 answer's JSON; EngineError when it is not JSON."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise EngineError(f"sglang /generate: answer is not JSON: {raw.strip()[:200]}") from None
+
+
 def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -440,4 +519,5 @@ def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace_s)

@@ -2,7 +2,12 @@
 
 `launch` runs `python -m sglang.launch_server` with the flags RL needs (token ids only, a weight version,
 a bound on running requests), waits until each server answers, and hands the URLs and processes to an
-`SGLangEngine`, which stops them on close. Needs a GPU machine with sglang installed; tested there only.
+`SGLangEngine`, which stops them on close. The servers run on this host, as the adapter needs: it hands
+them weights as local directories. Every flag here parses with SGLang 0.5.23's own parser
+(ServerArgs.add_cli_args). Needs a GPU machine with sglang installed to run a server.
+
+A server inherits this process's environment; one with SGLANG_RETURN_ORIGINAL_LOGPROB set would report
+log-probs before temperature (sglang/srt/layers/sampler.py), so `server_command` refuses to build it.
 """
 
 from __future__ import annotations
@@ -11,12 +16,25 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from actors.engine import EngineError
-from actors.engines.sglang_engine import SGLangEngine, http_call, stop_server
+from actors.engines.sglang_engine import SGLangEngine, stop_server
+from actors.engines.sglang_http import http_call
+
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def check_server_env(env: Mapping[str, str]) -> None:
+    """Refuse an environment that would make a server report log-probs the learner cannot match."""
+    value = env.get(ORIGINAL_LOGPROB_ENV, "")
+    if value.strip().lower() in ("1", "true"):  # sglang/srt/utils/common.py: get_bool_env_var
+        raise EngineError(
+            f"{ORIGINAL_LOGPROB_ENV}={value} is set: an SGLang server started with it reports log-probs "
+            "before temperature, which the learner does not recompute (unset it)"
+        )
 
 
 def server_command(
@@ -27,8 +45,13 @@ def server_command(
     slots: int = 8,
     version: int = 0,
     extra: Sequence[str] = (),
+    deterministic: bool = False,
 ) -> list[str]:
-    """The `python -m sglang.launch_server` command line for one server (token ids only)."""
+    """The `python -m sglang.launch_server` command line for one server (token ids only). With
+    `deterministic`, sampling_seed is honoured (--enable-deterministic-inference), so a run's seed makes
+    sampling reproducible. EngineError if this environment would spoil the server's log-probs."""
+    check_server_env(os.environ)
+    flags = ["--enable-deterministic-inference"] if deterministic else []
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", model_path,
@@ -37,6 +60,7 @@ def server_command(
         "--skip-tokenizer-init",
         "--max-running-requests", str(slots),
         "--weight-version", str(version),
+        *flags,
         *extra,
     ]  # fmt: skip
 
@@ -67,6 +91,7 @@ def launch(
     slots: int = 8,
     version: int = 0,
     extra_args: Sequence[str] = (),
+    deterministic: bool = False,
     startup_timeout_s: float = 900.0,
     log_dir: Path | None = None,
     **engine_kw: Any,
@@ -79,7 +104,14 @@ def launch(
     try:
         for i, gpu in enumerate(list(gpus) or [None]):
             env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-            cmd = server_command(model_path, port=port + i, slots=slots, version=version, extra=extra_args)
+            cmd = server_command(
+                model_path,
+                port=port + i,
+                slots=slots,
+                version=version,
+                extra=extra_args,
+                deterministic=deterministic,
+            )
             if log_dir is None:
                 procs.append(subprocess.Popen(cmd, env=env))
             else:

@@ -295,6 +295,9 @@ class SimEngine:
             else:
                 run.marks.append((run.produced, version))
 
+    def probe(self) -> None:
+        """In-process: it serves as long as this process runs."""
+
     def close(self) -> None:
         self._running.clear()
         self._ready.clear()

@@ -240,6 +240,9 @@ class TorchEngine:
             rows, self._rows, self._width = self._rows, [], 0
             self._admit(rows)
 
+    def probe(self) -> None:
+        """In-process: it serves as long as this process runs."""
+
     def close(self) -> None:
         self.abort()
         self._layers = []

