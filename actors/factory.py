@@ -98,7 +98,10 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
         urls = [u.strip() for u in cfg.sglang_urls.split(",") if u.strip()]
         if not urls:
             raise EngineError("engine sglang needs worker.sglang_urls (comma-separated server URLs)")
-        return SGLangEngine(urls, slots=cfg.slots, sampling=sampling, version=version)
+        weights_dir = cfg.sglang_weights_dir or None  # the servers must see it: on this host
+        return SGLangEngine(
+            urls, slots=cfg.slots, sampling=sampling, version=version, weights_dir=weights_dir
+        )
     if cfg.engine == "vllm":
         from actors.engines.vllm_engine import VLLMEngine
 

@@ -185,6 +185,7 @@ class WorkerConfig:
     device: str = "cpu"  # torch and vllm engines: cpu, cuda, cuda:1, ...
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
     sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
+    sglang_weights_dir: str = ""  # sglang: a directory per weights version, for its servers (empty: temp)
     sim_lengths: str = "lognormal:median=64,sigma=1.0,cap=512"  # sim engine: response-length spec
     sim_time_scale: float = 1.0  # sim engine: wall seconds per simulated second
     # one cost model with april simulate's engines: april/engine_cost.py holds the defaults and formula

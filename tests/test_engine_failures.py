@@ -557,13 +557,14 @@ def test_engine_failures_in_a_run_lose_nothing_and_train_nothing_twice(
 
 
 def engine_killed_and_restarted_mid_run(
-    c: Cluster, log: Path, kill: Callable[[], None], restart: Callable[[], None], detail: str
+    c: Cluster, log: Path, kill: Callable[[], None], restart: Callable[[], None], detail: str, **learner: Any
 ) -> None:
     """The run of `c` (broker and worker w0 started, `log` its log) with w0's engine killed once a step
     is trained and restarted ~2.5 s later: the broker shows w0 alive and down (with `detail` in the
     reason), leases it nothing, leases to it again once it serves; the run trains 3 steps with the books
-    exact. Only the engine differs between callers (the scripted one here; an SGLang server elsewhere)."""
-    c.start_learner(steps=3, train_s=0.05)
+    exact. Only the engine differs between callers (the scripted one here; an SGLang server elsewhere);
+    `learner` goes to the scripted learner (e.g. a real weights file to publish)."""
+    c.start_learner(steps=3, train_s=0.05, **learner)
     wait_for(lambda: c.batches() and worker_status(c, "w0").leases > 0, 60, "a trained step, then leases")
     kill()
     wait_for(lambda: not worker_status(c, "w0").engine_ok, 60, "the broker to hear the engine is down")

@@ -23,15 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from actors.engine import EngineError, SamplingParams
+from actors.engine import EngineError, EngineUnavailable, SamplingParams
 from actors.engines.inflight import FINISH_REASONS, Flight, Segment
 from april.records import FinishReason
 
 MIN_VERSION = (0, 5, 6)
 
 
-class ServerUnreachable(EngineError):
-    """No answer at all: the connection was refused, reset or timed out."""
+class ServerUnreachable(EngineUnavailable):
+    """No answer at all: the connection was refused, reset or timed out. Unavailable, not wrong: a server
+    that is still starting (or restarting) answers this way, so a worker building its engine retries."""
 
 
 class HTTPStatusError(EngineError):
