@@ -143,19 +143,24 @@ class Worker:
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         self.link.connect()
-        while not should_stop():
-            busy = self.engine is not None and not self.health.down and self.engine.active > 0
-            self._read_broker(0 if busy else 50)
-            self._meter_usage()
-            if self.health.down:
-                self._probe(time.monotonic())
-            elif busy:
-                self._step()
+        try:
+            while not should_stop():
+                busy = self.engine is not None and not self.health.down and self.engine.active > 0
+                self._read_broker(0 if busy else 50)
                 self._meter_usage()
-            self._send_scored()
-            self._report_health()
-            self.link.keep_alive()
-        self._shutdown()
+                if self.health.down:
+                    self._probe(time.monotonic())
+                elif busy:
+                    self._step()
+                    self._meter_usage()
+                self._send_scored()
+                self._report_health()
+                self.link.keep_alive()
+            self._shutdown()
+        finally:
+            # A worker that dies of an error must still close its socket: one left to the garbage collector
+            # can be finalised after its context, whose term() then waits on it forever.
+            self.link.close(linger_ms=0)
 
     def _read_broker(self, timeout_ms: int) -> None:
         """Handle what the broker sent, waiting at most `timeout_ms` for the first message."""

@@ -121,11 +121,13 @@ class PeerLink:
             self.backoff = min(self.backoff * 2, BACKOFF_MAX_S)
 
     def close(self, linger_ms: int = 1000) -> None:
-        """Close the socket, waiting up to `linger_ms` for what is queued (a Disconnect) to leave."""
+        """Close the socket, waiting up to `linger_ms` for what is queued (a Disconnect) to leave.
+        Closing twice is harmless."""
         if self.sock is not None:
             self.sock.close(linger=linger_ms)
             self.sock = None
-        self.ctx.term()
+        if not self.ctx.closed:
+            self.ctx.term()
 
     def _on_not_registered(self) -> None:
         # A broker that restarted (or declared us dead) answers every message with this, and is never

@@ -25,6 +25,7 @@ def test_atheris_framing_round_trips() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_a_million_mutated_inputs_raise_only_protocol_error() -> None:
     outcomes = Fuzzer(seed=1).run(1_000_000)
     assert sum(outcomes.values()) == 1_000_000

@@ -443,6 +443,7 @@ def test_an_engine_that_cannot_be_built_at_all_stops_the_worker_with_its_reason(
         thread.join(DEADLINE_S)
         assert not thread.is_alive() and len(died) == 1
         assert isinstance(died[0], EngineError) and "no config.json" in str(died[0])
+        assert worker.link.sock is None and worker.link.ctx.closed  # left to the GC, term() could hang
     finally:
         broker.close()
 

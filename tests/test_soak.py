@@ -14,6 +14,7 @@ SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(0)  # as long as APRIL_SOAK_S asks (30 minutes unless told)
 def test_soak_under_random_kills(tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("soak", SOAK)
     assert spec is not None and spec.loader is not None
