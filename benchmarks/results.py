@@ -399,9 +399,9 @@ def block_soak_table() -> str:
         f"| steps trained | {s['steps']:,} (metrics.jsonl steps 0..{s['steps'] - 1} once each) |",
         f"| samples trained (broker's count) | {s['trained_samples']:,} of {s['expected_samples']:,} "
         f"expected: {s['samples_lost']} lost |",
-        f"| final ledger (groups) | issued {ledger['issued']:,} = trained {ledger['trained']:,} + complete_waiting "
-        f"{ledger['complete_waiting']} + in_flight {ledger['in_flight']} + partial {ledger['partial']} + "
-        f"dropped {dropped} |",
+        f"| final ledger (groups) | issued {ledger['issued']:,} = trained {ledger['trained']:,} + "
+        f"complete_waiting {ledger['complete_waiting']} + in_flight {ledger['in_flight']} + "
+        f"partial {ledger['partial']} + dropped {dropped} |",
         f"| rejections | {sum((s['rejected'] or {}).values())} {s['rejected'] or ''} |",
         f"| checks | {', '.join(f'{k}: {ok}' for k, ok in s['checks'].items())} |",
         f"| wall time | {s['wall_s']:,.0f} s |",
