@@ -411,7 +411,9 @@ def _is_weights(log_w: Tensor, m: Tensor, cfg: LossConfig, *, per_sample: bool) 
     """
     if not needs_proximal(cfg.offpolicy):
         shape = m.shape[:1] if per_sample else m.shape
-        return torch.ones(shape, dtype=m.dtype, device=m.device), torch.zeros(shape, dtype=torch.bool)
+        return torch.ones(shape, dtype=m.dtype, device=m.device), torch.zeros(
+            shape, dtype=torch.bool, device=m.device
+        )
     if per_sample:
         log_w = log_w.sum(dim=1)  # [B]: log of the product
         if cfg.is_level is not ISLevel.SEQUENCE:

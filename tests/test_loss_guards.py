@@ -13,6 +13,7 @@ each with the failure it prevents.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -20,8 +21,19 @@ import torch
 from test_losses import ALGOS, CUR, TOL, random_inputs, run_both
 from torch import Tensor
 
-from april.config import AlgoConfig, Algorithm, ISLevel, KLEstimator, OffPolicy
+from april.config import (
+    AlgoConfig,
+    Algorithm,
+    Config,
+    ConfigError,
+    ISLevel,
+    KLEstimator,
+    LearnerConfig,
+    OffPolicy,
+    load_config,
+)
 from learner.losses import LossConfig, kl_estimate, policy_loss
+from learner.model_trainer import loss_config
 
 OFF: dict[str, Any] = {"log_ratio_clamp": 0.0, "clip_ratio_c": 0.0, "kl_clamp": 0.0}  # every guard off
 
@@ -251,3 +263,32 @@ def test_kl_clamp_bounds_the_estimate_and_its_gradient() -> None:
     unguarded = kl_estimate(torch.tensor([-100.0]), LossConfig(**OFF))  # float32: exp(100) = inf
     assert not math.isfinite(float(unguarded[0]))
     assert math.isfinite(float(kl_estimate(torch.tensor([-100.0]), LossConfig())[0]))
+
+
+def test_the_config_reaches_the_loss_with_the_same_defaults() -> None:
+    names = ("log_ratio_clamp", "clip_ratio_c", "kl_estimator", "kl_clamp", "is_level", "is_mask_low")
+    default = loss_config(Config())
+    assert all(getattr(default, n) == getattr(LossConfig(), n) for n in names)
+    learner = LearnerConfig(log_ratio_clamp=5.0, clip_ratio_c=2.0, kl_estimator=KLEstimator.K2, kl_clamp=0.0)
+    algo = AlgoConfig(offpolicy=OffPolicy.TIS, is_level=ISLevel.GEOMETRIC, is_mask_low=0.1, is_mask_high=4.0)
+    got = loss_config(Config(algo=algo, learner=learner))
+    assert (got.log_ratio_clamp, got.clip_ratio_c, got.kl_estimator, got.kl_clamp) == (5.0, 2.0, "k2", 0.0)
+    assert (got.is_level, got.is_mask_low, got.is_mask_high) == (ISLevel.GEOMETRIC, 0.1, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("learner.clip_ratio_c", "0.5", "learner.clip_ratio_c = 0.5: must be > 1 (0 = off)"),
+        ("learner.log_ratio_clamp", "-1", "learner.log_ratio_clamp = -1.0: must be >= 0 (0 = off)"),
+        ("learner.kl_clamp", "-2", "learner.kl_clamp = -2.0: must be >= 0 (0 = off)"),
+        ("learner.kl_estimator", "k4", "expected one of 'k1', 'k2', 'k3'"),
+        ("algo.is_level", "tokens", "expected one of 'token', 'sequence', 'geometric'"),
+        ("algo.is_mask_low", "1.5", "algo.is_mask_low = 1.5: must be in [0, 1) (0 = off)"),
+        ("algo.is_mask_high", "0.5", "algo.is_mask_high = 0.5: must be > 1"),
+    ],
+)
+def test_a_bad_guard_is_one_config_line(key: str, value: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        load_config(env={}, overrides={key: value})
+    assert "\n" not in str(err.value)
