@@ -320,8 +320,10 @@ def kl_estimate(d: Tensor, cfg: LossConfig) -> Tensor:
       as a value, but its gradient (1 - pi_ref / pi_theta) grad log pi_theta is in expectation the gradient
       of the *forward* KL(pi_ref || pi_theta); GRPO's and verl's `low_var_kl`.
 
-    Guards, as verl's core_algos.py kl_penalty: d is clamped to [-log_ratio_clamp, log_ratio_clamp] before
-    exp and the estimate to [-kl_clamp, kl_clamp]; a clamped token gets no gradient from the KL term.
+    The names are slime's (slime/utils/ppo_utils.py compute_approx_kl: k1, k2, k3, and `low_var_kl` = k3
+    clamped to [-10, 10]). Guards, as verl's core_algos.py kl_penalty: d is clamped to [-log_ratio_clamp,
+    log_ratio_clamp] before exp and the estimate to [-kl_clamp, kl_clamp]; a clamped token gets no gradient
+    from the KL term.
     """
     if cfg.log_ratio_clamp > 0:
         d = d.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
@@ -384,8 +386,8 @@ def _surrogate(log_ratio: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor,
     """The clipped surrogate of each unit, where the clip is active and where the dual clip is.
 
     r = exp(clamp(log_ratio)); s = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and for A < 0 with the
-    dual clip on, s = max(s, c A) (Ye et al. 2020; verl's compute_policy_loss `clip_ratio_c`): without it a
-    token with A < 0 and a huge ratio has an unbounded loss and gradient r |A|.
+    dual clip on, s = max(s, c A) (Ye et al. 2020; verl's core_algos.py `clip_ratio_c`, default 3; slime's
+    `eps_clip_c`): without it a token with A < 0 and a huge ratio has an unbounded loss and gradient r |A|.
     """
     if cfg.log_ratio_clamp > 0:
         log_ratio = log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
