@@ -47,6 +47,22 @@ class OffPolicy(enum.StrEnum):
     DECOUPLED = "decoupled"
 
 
+class ISLevel(enum.StrEnum):
+    """How the importance weight pi_prox / pi_beh of `tis` and `decoupled` is formed (learner.losses)."""
+
+    TOKEN = "token"  # one weight per token
+    SEQUENCE = "sequence"  # the product over the sample's tokens, one weight per sample
+    GEOMETRIC = "geometric"  # the geometric mean over the sample's tokens, one weight per sample
+
+
+class KLEstimator(enum.StrEnum):
+    """Estimator of KL to the reference model per token, d = log pi_theta - log pi_ref (learner.losses)."""
+
+    K1 = "k1"  # d
+    K2 = "k2"  # d^2 / 2
+    K3 = "k3"  # exp(-d) - 1 + d
+
+
 def _fmt(value: object) -> str:
     return repr(value.value) if isinstance(value, enum.Enum) else repr(value)
 
@@ -96,6 +112,12 @@ class AlgoConfig:
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal (not counted in N)
     offpolicy: OffPolicy = OffPolicy.NONE  # handling of tokens from older policy versions (docs/learner.md)
     tis_cap: float = 2.0  # offpolicy tis: cap C of the importance weight min(ratio, C) (>= 1)
+    is_level: ISLevel = ISLevel.TOKEN  # tis, decoupled: weight per token, sequence (product) or geometric
+    is_mask_low: float = 0.0  # tis, decoupled: a weight below this gets no loss (rejected); 0 = off
+    is_mask_high: float = -1.0  # tis, decoupled: a weight above it gets no loss; 0 = off; < 0: decoupled 5
+    overlong_buffer: int = -1  # DAPO soft overlong punishment ramp (tokens); 0 = off; < 0: dapo 1/5 of max
+    overlong_penalty: float = 1.0  # reward lost by a response at max_new_tokens (soft overlong punishment)
+    overlong_filter: bool = False  # DAPO overlong filtering: truncated samples (budget used up) get no loss
 
     def __post_init__(self) -> None:
         _positive(self, "algo", "rollout_batch_size", "over_sampling_batch_size")
@@ -110,10 +132,41 @@ class AlgoConfig:
         _check(self.top_k >= 0, "algo.top_k", self.top_k, "must be >= 0 (0 = off)")
         _check(self.max_staleness >= 0, "algo.max_staleness", self.max_staleness, "must be >= 0")
         _check(self.tis_cap >= 1, "algo.tis_cap", self.tis_cap, "must be >= 1")
+        _check(0 <= self.is_mask_low < 1, "algo.is_mask_low", self.is_mask_low, "must be in [0, 1) (0 = off)")
+        _check(
+            self.is_mask_high <= 0 or self.is_mask_high > 1,
+            "algo.is_mask_high",
+            self.is_mask_high,
+            "must be > 1, 0 (off) or < 0 (the offpolicy's default)",
+        )
+        _check(
+            self.overlong_buffer <= self.max_new_tokens,
+            "algo.overlong_buffer",
+            self.overlong_buffer,
+            f"must be <= algo.max_new_tokens ({self.max_new_tokens}); 0 = off, < 0 = the algorithm's default",
+        )
+        _check(self.overlong_penalty >= 0, "algo.overlong_penalty", self.overlong_penalty, "must be >= 0")
 
     @property
     def samples_per_batch(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def overlong_buffer_tokens(self) -> int:
+        """The soft overlong punishment's buffer in tokens, resolved: `overlong_buffer` when >= 0, else
+        DAPO's own proportion for `dapo` (its 4,096-token buffer of 20,480: max_new_tokens / 5) and 0 (off)
+        for the others, as verl's DAPO recipe turns it on and its default reward manager leaves it off."""
+        if self.overlong_buffer >= 0:
+            return self.overlong_buffer
+        return self.max_new_tokens // 5 if self.algorithm == Algorithm.DAPO else 0
+
+    @property
+    def is_mask_high_resolved(self) -> float:
+        """`is_mask_high` resolved: when < 0, 5 for `decoupled` (AReaL's examples: behav_imp_weight_cap 5.0,
+        which masks rather than truncates) and 0 (off) otherwise (`tis` already truncates at tis_cap)."""
+        if self.is_mask_high >= 0:
+            return self.is_mask_high
+        return 5.0 if self.offpolicy == OffPolicy.DECOUPLED else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +296,12 @@ class LearnerConfig:
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
     eps_low: float = -1.0  # PPO clip below 1 - eps_low; < 0: the algorithm's default (0.2; gspo 3e-4)
     eps_high: float = -1.0  # clip above 1 + eps_high; < 0: the algorithm's default (dapo 0.28)
-    kl_coef: float = 0.0  # k3 KL to the initial model (0: no reference model is kept)
+    kl_coef: float = 0.0  # weight of the KL to the initial model (0: no reference model is kept)
+    kl_estimator: KLEstimator = KLEstimator.K3  # per-token KL estimate: k1, k2 or k3 (docs/learner.md)
+    kl_clamp: float = 10.0  # each token's KL estimate is clamped to [-kl_clamp, kl_clamp]; 0 = off
     entropy_coef: float = 0.0  # weight of the entropy bonus in the loss (0: off)
+    log_ratio_clamp: float = 20.0  # log(pi / pi_ref) clamped to [-c, c] before exp (ratios, weights); 0 = off
+    clip_ratio_c: float = 3.0  # dual-clip: a negative-advantage token's loss is at most c x |A|; > 1, 0 = off
     torch_threads: int = 1  # intra-op threads of the learner process
     keep_weights: int = 3  # published versions kept on disk (>= 2)
     keep_checkpoints: int = 2  # checkpoints kept on disk (>= 1)
@@ -283,6 +340,19 @@ class LearnerConfig:
         _check(self.zero_stage in (0, 1, 2, 3), "learner.zero_stage", self.zero_stage, "0, 1, 2 or 3")
         _check(self.keep_weights >= 2, "learner.keep_weights", self.keep_weights, "must be >= 2")
         _check(self.checkpoint_every >= 0, "learner.checkpoint_every", self.checkpoint_every, "must be >= 0")
+        _check(self.kl_clamp >= 0, "learner.kl_clamp", self.kl_clamp, "must be >= 0 (0 = off)")
+        _check(
+            self.log_ratio_clamp >= 0,
+            "learner.log_ratio_clamp",
+            self.log_ratio_clamp,
+            "must be >= 0 (0 = off)",
+        )
+        _check(
+            self.clip_ratio_c == 0 or self.clip_ratio_c > 1,
+            "learner.clip_ratio_c",
+            self.clip_ratio_c,
+            "must be > 1 (0 = off)",
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The policy loss: clipped surrogate per algorithm, off-policy correction, KL and entropy terms, stats.
 
 Owns `policy_loss` (one formula per `algo.algorithm` x `algo.offpolicy`, on per-token tensors), the loss
-settings not (yet) in `AlgoConfig` (`LossConfig`: clip range, KL and entropy coefficients) and the
+settings (`LossConfig`: clip range, KL and entropy coefficients, the numerical guards) and the
 step statistics (`LossStats`, summable over micro-batches). Does not run models, build batches or step
 optimizers: inputs are log-probs already gathered at the response tokens (`learner.batching`).
 
@@ -14,25 +14,32 @@ N_tok = response tokens of the *global* batch, so micro-batch losses add up to t
 - pi_old = pi_prox: the learner's weights *before this batch's update* (version `current_version`),
   recomputed by the learner (`logp_proximal`, no grad). Needed by `tis` and `decoupled` only.
 
-Per token: ratio r_t = exp(log pi_theta - log pi_ref) with pi_ref = pi_beh (`none`, `mask`) or pi_prox
-(`tis`, `decoupled`); surrogate s_t = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A); detached weight
+Per token: ratio r_t = exp(clamp(log pi_theta - log pi_ref, +-log_ratio_clamp)) with pi_ref = pi_beh
+(`none`, `mask`) or pi_prox (`tis`, `decoupled`); surrogate s_t = min(r_t A, clip(r_t, 1 - eps_low,
+1 + eps_high) A), and for A < 0 the dual clip s_t = max(s_t, clip_ratio_c A); detached weight
 w_t = 1 (`none`), 1[version_t >= current_version] (`mask`), min(pi_prox / pi_beh, tis_cap) (`tis`,
-truncated IS as in Yao et al. 2025), pi_prox / pi_beh uncapped (`decoupled`, Hilton et al. 2022; `tis` is
-its truncated form). Per-token loss l_t = -w_t s_t m_t, aggregated by the algorithm:
+truncated IS as in Yao et al. 2025), pi_prox / pi_beh (`decoupled`, Hilton et al. 2022; `tis` is its
+truncated form). For `tis` / `decoupled`, `is_level` forms the weight per token, or per sample as the
+product (`sequence`) or geometric mean (`geometric`) of the token weights; its log is clamped like the
+ratio's, and a unit (token or sample) whose weight is outside [is_mask_low, is_mask_high] is rejected:
+it gets no loss at all, like a `mask`-ed token. Per-token loss l_t = -w_t s_t k_t (k_t = 1 on kept tokens:
+real, not `mask`-ed, not rejected), aggregated by the algorithm:
 
 - `grpo`:    (1/B) sum_i (1/L_i) sum_t l_it          (L_i = response tokens of sample i)
 - `dapo`:    (1/N_tok) sum_i sum_t l_it              (token-level over the whole global batch)
 - `dr_grpo`: (1/(B * max_new_tokens)) sum_i sum_t l_it  (a constant: no length normalisation)
-- `gspo`:    (1/B) sum_i -W_i min(s_i A_i, clip(s_i) A_i) with the sequence ratio
-             s_i = exp((1/K_i) sum_t k_it (log pi_theta - log pi_ref)) (k = kept tokens, K_i their count),
-             W_i = (K_i / L_i) w_i and w_i = the geometric mean of the token weights
-             (exp of the mean log pi_prox/pi_beh, capped at tis_cap for `tis`).
+- `gspo`:    (1/B) sum_i -W_i s_i with the sequence ratio
+             exp(clamp((1/K_i) sum_t k_it (log pi_theta - log pi_ref))) (K_i = kept tokens), clipped and
+             dual-clipped as above, W_i = (K_i / L_i) w_i and w_i the sample's weight (the geometric mean
+             of the token weights, or their product with `is_level = sequence`).
 
-`mask` zeroes the old tokens' loss but keeps them in the normalisers (L_i, N_tok, K_i / L_i), so a masked
-token is exactly a weight-0 token and the normalisers are fixed when the batch is built.
+`mask` and rejection zero the loss of a token but keep it in the normalisers (L_i, N_tok, K_i / L_i), so
+a masked token is exactly a weight-0 token and the normalisers are fixed when the batch is built. Every
+mask is applied with `torch.where` on the log-ratio before `exp`, never by multiplying by 0: a masked
+token with a huge ratio would give inf x 0 = NaN in the loss and in its gradient.
 Optional terms, aggregated the same way (sequence-mean for gspo) over kept tokens, not IS-weighted:
-`kl_coef` x k3(pi_theta || pi_ref_model) with k3 = exp(log ref - log new) - (log ref - log new) - 1, and
-`-entropy_coef` x entropy.
+`kl_coef` x the `kl_estimator` (k1, k2 or k3 of d = log pi_theta - log pi_ref_model, clamped: see
+`kl_estimate` for what each one's gradient is), and `-entropy_coef` x entropy.
 
 Several optimizer steps per batch: pi_prox stays the weights before the *first* step and the version
 advances once per batch (weights are published once), so at step j (0-based) of k a token tagged
@@ -45,13 +52,15 @@ large k or s stale tokens are mostly clipped (no gradient).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from april.config import AlgoConfig, Algorithm, OffPolicy
+from april.config import AlgoConfig, Algorithm, ISLevel, KLEstimator, OffPolicy
 
 # (eps_low, eps_high) when not given: PPO's 0.2; DAPO's clip-higher 0.28; GSPO's sequence-level 3e-4 / 4e-4.
 DEFAULT_CLIP: dict[Algorithm, tuple[float, float]] = {
@@ -64,7 +73,12 @@ DEFAULT_CLIP: dict[Algorithm, tuple[float, float]] = {
 
 @dataclass(frozen=True, slots=True)
 class LossConfig:
-    """What `policy_loss` needs. `from_algo` fills it from `[algo]` plus the fields AlgoConfig lacks."""
+    """What `policy_loss` needs. `from_algo` fills it from `[algo]` plus the fields AlgoConfig lacks.
+
+    Every guard is on by default with the peers' value and off at 0: `log_ratio_clamp` 20 (verl's
+    core_algos.py clamps log(pi/pi_old) to [-20, 20]), `clip_ratio_c` 3 (verl's dual-clip default),
+    `kl_clamp` 10 (verl's and slime's clamp of the low-variance KL).
+    """
 
     algorithm: Algorithm = Algorithm.GRPO
     offpolicy: OffPolicy = OffPolicy.NONE
@@ -72,12 +86,21 @@ class LossConfig:
     eps_low: float = 0.2  # ratio clipped below at 1 - eps_low
     eps_high: float = 0.2  # ratio clipped above at 1 + eps_high (DAPO clip-higher: > eps_low)
     max_new_tokens: int = 256  # dr_grpo's constant per-sample normaliser
-    kl_coef: float = 0.0  # weight of k3 KL to the reference model (needs logp_ref when > 0)
+    kl_coef: float = 0.0  # weight of the KL to the reference model (needs logp_ref when > 0)
     entropy_coef: float = 0.0  # weight of the entropy bonus (needs entropy when > 0)
+    is_level: ISLevel = ISLevel.TOKEN  # tis / decoupled weight per token, per sequence or geometric mean
+    is_mask_low: float = 0.0  # tis / decoupled: a unit whose weight is below this gets no loss; 0 = off
+    is_mask_high: float = 0.0  # tis / decoupled: a unit whose weight is above this gets no loss; 0 = off
+    log_ratio_clamp: float = 20.0  # every log-ratio is clamped to [-c, c] before exp; 0 = off
+    clip_ratio_c: float = 3.0  # dual-clip: for A < 0 the surrogate is at least c A; 0 = off
+    kl_estimator: KLEstimator = KLEstimator.K3
+    kl_clamp: float = 10.0  # each token's KL estimate clamped to [-kl_clamp, kl_clamp]; 0 = off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
         object.__setattr__(self, "offpolicy", OffPolicy(self.offpolicy))
+        object.__setattr__(self, "is_level", ISLevel(self.is_level))
+        object.__setattr__(self, "kl_estimator", KLEstimator(self.kl_estimator))
         checks = [
             (self.tis_cap >= 1, "tis_cap", self.tis_cap, ">= 1"),
             (0 <= self.eps_low < 1, "eps_low", self.eps_low, "in [0, 1)"),
@@ -85,6 +108,11 @@ class LossConfig:
             (self.max_new_tokens > 0, "max_new_tokens", self.max_new_tokens, "> 0"),
             (self.kl_coef >= 0, "kl_coef", self.kl_coef, ">= 0"),
             (self.entropy_coef >= 0, "entropy_coef", self.entropy_coef, ">= 0"),
+            (0 <= self.is_mask_low < 1, "is_mask_low", self.is_mask_low, "in [0, 1) (0 = off)"),
+            (self.is_mask_high == 0 or self.is_mask_high > 1, "is_mask_high", self.is_mask_high, "> 1 or 0"),
+            (self.log_ratio_clamp >= 0, "log_ratio_clamp", self.log_ratio_clamp, ">= 0 (0 = off)"),
+            (self.clip_ratio_c == 0 or self.clip_ratio_c > 1, "clip_ratio_c", self.clip_ratio_c, "> 1 or 0"),
+            (self.kl_clamp >= 0, "kl_clamp", self.kl_clamp, ">= 0 (0 = off)"),
         ]
         for ok, name, value, expected in checks:
             if not ok:
@@ -99,8 +127,11 @@ class LossConfig:
         eps_high: float | None = None,
         kl_coef: float = 0.0,
         entropy_coef: float = 0.0,
+        **guards: Any,
     ) -> LossConfig:
-        """From `[algo]`; eps_low / eps_high default per algorithm (`DEFAULT_CLIP`)."""
+        """From `[algo]`; eps_low / eps_high default per algorithm (`DEFAULT_CLIP`), `is_mask_high` per
+        offpolicy (`AlgoConfig.is_mask_high_resolved`); `guards` are the other fields (`log_ratio_clamp`,
+        `clip_ratio_c`, `kl_estimator`, `kl_clamp`), their defaults when not given."""
         low, high = DEFAULT_CLIP[algo.algorithm]
         return cls(
             algorithm=algo.algorithm,
@@ -111,6 +142,10 @@ class LossConfig:
             max_new_tokens=algo.max_new_tokens,
             kl_coef=kl_coef,
             entropy_coef=entropy_coef,
+            is_level=algo.is_level,
+            is_mask_low=algo.is_mask_low,
+            is_mask_high=algo.is_mask_high_resolved,
+            **guards,
         )
 
 
@@ -134,8 +169,10 @@ class LossStats:
     tokens: int = 0  # response tokens
     kept_tokens: int = 0  # response tokens that got loss (all but `mask`-ed ones)
     offpolicy_tokens: int = 0  # response tokens with version < current_version
-    units: int = 0
+    units: int = 0  # units that got loss
     clipped_units: int = 0
+    dual_clipped_units: int = 0  # A < 0 and ratio > clip_ratio_c: the dual clip bounds the loss
+    is_masked_units: int = 0  # units with no loss because their IS weight fell outside the mask bounds
     is_weight_sum: float = 0.0  # over units
     is_weight_max: float = 0.0
     approx_kl_sum: float = 0.0  # over response tokens: k3 of KL(pi_beh || pi_theta)
@@ -158,6 +195,8 @@ class LossStats:
             "kl_loss": self.kl_loss,
             "entropy_loss": self.entropy_loss,
             "clip_frac": ratio(self.clipped_units, self.units),
+            "dual_clip_frac": ratio(self.dual_clipped_units, self.units),
+            "is_masked_frac": ratio(self.is_masked_units, self.units + self.is_masked_units),
             "approx_kl": ratio(self.approx_kl_sum, self.tokens),
             "is_weight_mean": ratio(self.is_weight_sum, self.units),
             "is_weight_max": self.is_weight_max,
@@ -206,6 +245,7 @@ def policy_loss(
     call's), which makes micro-batch losses add up to the batch loss. Values on padding are ignored.
     `logp_proximal` (no grad) is required by `tis` / `decoupled` and ignored by `none` / `mask`;
     `current_version` is the version of the weights before this batch's update (pi_prox's version).
+    `Tr` may be 0 (every response empty): the loss is then 0, still connected to `logp_new`.
     """
     _check_inputs(logp_new, logp_behaviour, logp_proximal, advantages, token_mask, versions, cfg)
     if logp_ref is not None and logp_ref.shape != logp_new.shape:
@@ -214,33 +254,45 @@ def policy_loss(
         raise ValueError(f"policy_loss: entropy {tuple(entropy.shape)}, expected {tuple(logp_new.shape)}")
     mask = token_mask.bool()
     m = mask.to(logp_new.dtype)  # [B, Tr]
-    old = mask & (versions < current_version)
-    k = m * (~old).to(m.dtype) if cfg.offpolicy is OffPolicy.MASK else m  # kept tokens
-    ref = logp_proximal if needs_proximal(cfg.offpolicy) and logp_proximal is not None else logp_behaviour
-    log_ratio = torch.where(mask, logp_new - ref.detach(), 0.0)  # [B, Tr]
-    log_w = torch.zeros_like(m)  # log of the detached IS weight, before the cap
-    if logp_proximal is not None and needs_proximal(cfg.offpolicy):
+    candidates = mask & ~(versions < current_version) if cfg.offpolicy is OffPolicy.MASK else mask
+    proximal = logp_proximal is not None and needs_proximal(cfg.offpolicy)
+    sequence_weights = cfg.algorithm is Algorithm.GSPO or cfg.is_level is not ISLevel.TOKEN
+    log_w = torch.zeros_like(m)  # log of the detached IS weight pi_prox / pi_beh, 0 off the mask
+    if proximal:
+        assert logp_proximal is not None
         log_w = torch.where(mask, logp_proximal - logp_behaviour, 0.0).detach()
+    w, rejected = _is_weights(log_w, m, cfg, per_sample=sequence_weights)  # [B] or [B, Tr]
+    rejected_tokens = rejected[:, None] & mask if sequence_weights else rejected
+    keep = candidates & ~rejected_tokens  # tokens that get loss
+    k = keep.to(m.dtype)
+    ref = logp_proximal if proximal and logp_proximal is not None else logp_behaviour
+    # masked with where *before* exp: exp of a masked token's huge log-ratio would be inf, and inf x 0 = NaN
+    # in the forward and in the backward alike
+    log_ratio = torch.where(keep, logp_new - ref.detach(), 0.0)  # [B, Tr]
     adv = advantages.to(m.dtype)
     n_samples = num_samples if num_samples is not None else int(mask.shape[0])
     n_tokens = num_tokens if num_tokens is not None else int(mask.sum())
     agg = _aggregator(cfg, m, n_samples, n_tokens)
     if cfg.algorithm is Algorithm.GSPO:
-        pg, units, clipped, weights = _gspo(log_ratio, log_w, adv, m, k, cfg, n_samples)
+        pg, units, clipped, dual = _gspo(log_ratio, w, adv, mask, k, cfg, n_samples)
+        unit_weights = w[units]
+        rejected_units = rejected & candidates.any(dim=1)  # samples
     else:
-        pg, units, clipped, weights = _token_level(log_ratio, log_w, adv, k, cfg, agg)
+        pg, units, clipped, dual = _token_level(log_ratio, w, adv, keep, cfg, agg)
+        unit_weights = _per_token(w, m)[units]
+        rejected_units = rejected_tokens & candidates  # tokens
     loss = pg
     kl_term = ent_term = torch.zeros((), dtype=m.dtype, device=m.device)
     if cfg.kl_coef > 0:
         if logp_ref is None:
             raise ValueError(f"policy_loss: kl_coef = {cfg.kl_coef} but no logp_ref (reference log-probs)")
-        d = torch.where(mask, logp_ref.detach() - logp_new, 0.0)
-        kl_term = cfg.kl_coef * agg(k * (torch.exp(d) - d - 1))
+        kl = kl_estimate(torch.where(keep, logp_new - logp_ref.detach(), 0.0), cfg)
+        kl_term = cfg.kl_coef * agg(torch.where(keep, kl, 0.0))
         loss = loss + kl_term
     if cfg.entropy_coef > 0:
         if entropy is None:
             raise ValueError(f"policy_loss: entropy_coef = {cfg.entropy_coef} but no entropy given")
-        ent_term = -cfg.entropy_coef * agg(k * torch.where(mask, entropy, 0.0))
+        ent_term = -cfg.entropy_coef * agg(torch.where(keep, entropy, 0.0))
         loss = loss + ent_term
     with torch.no_grad():
         stats = _stats(
@@ -250,9 +302,38 @@ def policy_loss(
             logp_ref,
             entropy,
             (mask, k, versions, current_version),
-            (units, clipped, weights),
+            (units, clipped, dual, unit_weights, int(rejected_units.sum())),
+            cfg,
         )
     return loss, stats
+
+
+def kl_estimate(d: Tensor, cfg: LossConfig) -> Tensor:
+    """Per-token estimate of the KL between pi_theta and the reference model, from d = log pi_theta -
+    log pi_ref on tokens sampled from (approximately) pi_theta, with the gradient each gives the loss:
+
+    - `k1` = d: unbiased for KL(pi_theta || pi_ref), but its gradient, grad log pi_theta per token, has
+      expectation 0: as a loss term it does not pull towards the reference (use it as a reward penalty);
+    - `k2` = d^2 / 2: biased as a value, but its gradient d grad log pi_theta is in expectation the
+      gradient of KL(pi_theta || pi_ref) (the reverse KL, what a KL penalty means);
+    - `k3` = exp(-d) - 1 + d (Schulman's low-variance estimator, >= 0): unbiased for KL(pi_theta || pi_ref)
+      as a value, but its gradient (1 - pi_ref / pi_theta) grad log pi_theta is in expectation the gradient
+      of the *forward* KL(pi_ref || pi_theta); GRPO's and verl's `low_var_kl`.
+
+    The names are slime's (slime/utils/ppo_utils.py compute_approx_kl: k1, k2, k3, and `low_var_kl` = k3
+    clamped to [-10, 10]). Guards, as verl's core_algos.py kl_penalty: d is clamped to [-log_ratio_clamp,
+    log_ratio_clamp] before exp and the estimate to [-kl_clamp, kl_clamp]; a clamped token gets no gradient
+    from the KL term.
+    """
+    if cfg.log_ratio_clamp > 0:
+        d = d.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    if cfg.kl_estimator is KLEstimator.K1:
+        kl = d
+    elif cfg.kl_estimator is KLEstimator.K2:
+        kl = 0.5 * d * d
+    else:
+        kl = torch.exp(-d) - 1 + d
+    return kl.clamp(-cfg.kl_clamp, cfg.kl_clamp) if cfg.kl_clamp > 0 else kl
 
 
 def _check_inputs(
@@ -301,44 +382,88 @@ class _Agg:
         return (x.sum(dim=1) / lengths).sum() / self.denominator
 
 
-def _surrogate(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
-    """min(r A, clip(r) A) and where the clip is active (the min picks the clipped term)."""
+def _surrogate(log_ratio: Tensor, adv: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """The clipped surrogate of each unit, where the clip is active and where the dual clip is.
+
+    r = exp(clamp(log_ratio)); s = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), and for A < 0 with the
+    dual clip on, s = max(s, c A) (Ye et al. 2020; verl's core_algos.py `clip_ratio_c`, default 3; slime's
+    `eps_clip_c`): without it a token with A < 0 and a huge ratio has an unbounded loss and gradient r |A|.
+    """
+    if cfg.log_ratio_clamp > 0:
+        log_ratio = log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
     surr = torch.minimum(ratio * adv, clipped_ratio * adv)
     active = ((ratio > 1 + cfg.eps_high) & (adv > 0)) | ((ratio < 1 - cfg.eps_low) & (adv < 0))
-    return surr, active
+    dual = torch.zeros_like(active)
+    if cfg.clip_ratio_c > 0:
+        dual = (adv < 0) & (ratio > cfg.clip_ratio_c)
+        surr = torch.where(adv < 0, torch.maximum(surr, cfg.clip_ratio_c * adv), surr)
+    return surr, active, dual
 
 
-def _weight(log_w: Tensor, cfg: LossConfig) -> Tensor:
+def _is_weights(log_w: Tensor, m: Tensor, cfg: LossConfig, *, per_sample: bool) -> tuple[Tensor, Tensor]:
+    """Detached IS weights and which units are rejected: `[B, Tr]` per token, or `[B]` per sample.
+
+    Per token: w_t = pi_prox / pi_beh. Per sample (`is_level` sequence: the product over the sample's
+    tokens; geometric, or gspo with token level: the geometric mean). The log is clamped to
+    [-log_ratio_clamp, log_ratio_clamp] (verl's rollout correction bounds weights to [e^-20, e^20] too),
+    a unit outside [is_mask_low, is_mask_high] is rejected (weight 0; verl's rejection sampling, AReaL's
+    behav_imp_weight_cap), and `tis` truncates at tis_cap. `none` / `mask`: weight 1, nothing rejected.
+    """
+    if not needs_proximal(cfg.offpolicy):
+        shape = m.shape[:1] if per_sample else m.shape
+        return torch.ones(shape, dtype=m.dtype, device=m.device), torch.zeros(
+            shape, dtype=torch.bool, device=m.device
+        )
+    if per_sample:
+        log_w = log_w.sum(dim=1)  # [B]: log of the product
+        if cfg.is_level is not ISLevel.SEQUENCE:
+            log_w = log_w / m.sum(dim=1).clamp(min=1)  # log of the geometric mean
+    if cfg.log_ratio_clamp > 0:
+        log_w = log_w.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+    w = torch.exp(log_w)
+    rejected = torch.zeros_like(w, dtype=torch.bool)
+    if cfg.is_mask_low > 0:
+        rejected = rejected | (w < cfg.is_mask_low)
+    if cfg.is_mask_high > 0:
+        rejected = rejected | (w > cfg.is_mask_high)
     if cfg.offpolicy is OffPolicy.TIS:
-        return torch.exp(log_w).clamp(max=cfg.tis_cap)
-    return torch.exp(log_w)  # decoupled: uncapped; none / mask: log_w == 0, weight 1
+        w = w.clamp(max=cfg.tis_cap)
+    return torch.where(rejected, 0.0, w), rejected
+
+
+def _per_token(w: Tensor, m: Tensor) -> Tensor:
+    """A weight per token `[B, Tr]` from one per token or one per sample `[B]`."""
+    return w[:, None].expand_as(m) if w.ndim == 1 else w
 
 
 def _token_level(
-    log_ratio: Tensor, log_w: Tensor, adv: Tensor, k: Tensor, cfg: LossConfig, agg: _Agg
+    log_ratio: Tensor,
+    w: Tensor,
+    adv: Tensor,
+    keep: Tensor,
+    cfg: LossConfig,
+    agg: _Agg,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     a = adv[:, None].expand_as(log_ratio) if adv.ndim == 1 else adv  # [B, Tr]
-    surr, active = _surrogate(torch.exp(log_ratio), a, cfg)
-    w = _weight(log_w, cfg)
-    pg = agg(-(w * k) * surr)
-    units = k > 0
-    return pg, units, active & units, w[units]
+    surr, active, dual = _surrogate(log_ratio, a, cfg)
+    pg = agg(torch.where(keep, -_per_token(w, log_ratio) * surr, 0.0))
+    return pg, keep, active & keep, dual & keep
 
 
 def _gspo(
-    log_ratio: Tensor, log_w: Tensor, adv: Tensor, m: Tensor, k: Tensor, cfg: LossConfig, n_samples: int
+    log_ratio: Tensor, w: Tensor, adv: Tensor, mask: Tensor, k: Tensor, cfg: LossConfig, n_samples: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    lengths = m.sum(dim=1)  # L_i
+    lengths = mask.sum(dim=1).to(k.dtype)  # L_i
     kept = k.sum(dim=1)  # K_i
-    seq_log_ratio = (k * log_ratio).sum(dim=1) / kept.clamp(min=1)  # [B]
-    a = adv if adv.ndim == 1 else (m * adv).sum(dim=1) / lengths.clamp(min=1)
-    surr, active = _surrogate(torch.exp(seq_log_ratio), a, cfg)
-    w = _weight((m * log_w).sum(dim=1) / lengths.clamp(min=1), cfg)  # geometric mean of token weights
+    seq_log_ratio = log_ratio.sum(dim=1) / kept.clamp(min=1)  # [B]; log_ratio is 0 off the kept tokens
+    a = adv if adv.ndim == 1 else torch.where(mask, adv, 0.0).sum(dim=1) / lengths.clamp(min=1)
+    surr, active, dual = _surrogate(seq_log_ratio, a, cfg)
     seq_weight = w * kept / lengths.clamp(min=1)  # K_i / L_i: 0 for empty or fully masked samples
     pg = -(seq_weight * surr).sum() / max(n_samples, 1)
     units = kept > 0
-    return pg, units, active & units, w[units]
+    return pg, units, active & units, dual & units
 
 
 def _stats(
@@ -348,20 +473,24 @@ def _stats(
     logp_ref: Tensor | None,
     entropy: Tensor | None,
     masks: tuple[Tensor, Tensor, Tensor, int],
-    clipping: tuple[Tensor, Tensor, Tensor],
+    clipping: tuple[Tensor, Tensor, Tensor, Tensor, int],
+    cfg: LossConfig,
 ) -> LossStats:
-    """terms: (loss, pg, kl, entropy); masks: (mask, kept, versions, current_version);
-    clipping: (units, clipped units, IS weights of the units)."""
+    """terms: (loss, pg, kl, entropy); masks: (mask, kept, versions, current_version); clipping: (units,
+    clipped units, dual-clipped units, IS weights of the units, rejected units)."""
     loss, pg, kl_term, ent_term = terms
     mask, k, versions, current_version = masks
-    units, clipped, weights = clipping
-    d = torch.where(mask, logp_new - logp_behaviour, 0.0)
+    units, clipped, dual, weights, rejected = clipping
+    bound = cfg.log_ratio_clamp if cfg.log_ratio_clamp > 0 else math.inf
+    d = torch.where(mask, logp_new - logp_behaviour, 0.0).clamp(-bound, bound)
     has_tokens = mask.any(dim=1)
-    oldest = torch.where(mask, versions, torch.iinfo(torch.int64).max).min(dim=1).values
-    staleness = torch.where(has_tokens, current_version - oldest, 0)
+    staleness = torch.zeros(mask.shape[0], dtype=torch.int64, device=mask.device)
+    if mask.shape[1] > 0:  # min over an empty dimension raises: a micro-batch of empty responses has none
+        oldest = torch.where(mask, versions, torch.iinfo(torch.int64).max).min(dim=1).values
+        staleness = torch.where(has_tokens, current_version - oldest, 0)
     kl_ref_sum, kl_ref_tokens = 0.0, 0
     if logp_ref is not None:
-        r = torch.where(mask, logp_ref - logp_new, 0.0)
+        r = torch.where(mask, logp_ref - logp_new, 0.0).clamp(-bound, bound)
         kl_ref_sum, kl_ref_tokens = float((torch.exp(r) - r - 1).sum()), int(mask.sum())
     return LossStats(
         loss=float(loss),
@@ -374,6 +503,8 @@ def _stats(
         offpolicy_tokens=int((mask & (versions < current_version)).sum()),
         units=int(units.sum()),
         clipped_units=int(clipped.sum()),
+        dual_clipped_units=int(dual.sum()),
+        is_masked_units=rejected,
         is_weight_sum=float(weights.sum()),
         is_weight_max=float(weights.max()) if weights.numel() else 0.0,
         approx_kl_sum=float((torch.exp(d) - 1 - d).sum()),  # k3 of KL(pi_beh || pi_theta), sampled by pi_beh

@@ -2,8 +2,9 @@
 the learner loop drives in a training run.
 
 Loads `learner.model` (and a frozen reference copy when `kl_coef` > 0), wraps it in the training engine
-(`learner.engine`), turns each batch into one `learner.step.train_step`, publishes weights as safetensors
-(`learner.weights`) and saves/restores checkpoints (`learner.checkpoint`: `checkpoints/step_*/`). Every
+(`learner.engine`), turns each batch into one `learner.step.train_step` (after DAPO's overlong shaping,
+`learner.overlong`), publishes weights as safetensors (`learner.weights`) and saves/restores checkpoints
+(`learner.checkpoint`: `checkpoints/step_*/`). Every
 rank holds one; gathering weights and checkpointing are collectives, rank 0 alone writes the files.
 Composes those pieces; owns none of their logic, and knows nothing of the broker.
 """
@@ -32,6 +33,10 @@ def loss_config(config: Config) -> LossConfig:
         eps_high=None if lc.eps_high < 0 else lc.eps_high,
         kl_coef=lc.kl_coef,
         entropy_coef=lc.entropy_coef,
+        log_ratio_clamp=lc.log_ratio_clamp,
+        clip_ratio_c=lc.clip_ratio_c,
+        kl_estimator=lc.kl_estimator,
+        kl_clamp=lc.kl_clamp,
     )
 
 
@@ -121,12 +126,16 @@ class ModelTrainer:
 
     def train(self, batch: protocol.Batch, version: int) -> dict[str, float]:
         from learner.batching import build_train_batch
+        from learner.overlong import apply_overlong, truncated_rows
         from learner.step import train_step
 
         algo = self.config.algo
-        return train_step(
+        samples = batch.samples.to_samples()
+        built = build_train_batch(samples, n_samples_per_prompt=algo.n_samples_per_prompt)
+        shaped, overlong = apply_overlong(built, truncated_rows(samples, built), algo)
+        metrics = train_step(
             self.engine,
-            build_train_batch(batch.samples.to_samples(), n_samples_per_prompt=algo.n_samples_per_prompt),
+            shaped,
             self.loss,
             version=version,
             temperature=algo.temperature,
@@ -134,6 +143,7 @@ class ModelTrainer:
             updates=self.config.learner.updates_per_batch,
             reference=self._reference,
         )
+        return {**metrics, **overlong.metrics()}
 
     def publish(self, weights_dir: Path, version: int) -> tuple[Path, str] | None:
         state = self.engine.state_dict_for_publish()  # a collective under ZeRO-3: every rank calls it

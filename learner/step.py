@@ -59,7 +59,8 @@ def mini_batches(batch: TrainBatch, updates: int, group_size: int) -> list[Train
     for lo, hi in itertools.pairwise(bounds):
         part = select(batch, range(lo * group_size, hi * group_size))
         out.append(
-            dataclasses.replace(part, global_samples=part.size, global_tokens=int(part.response_lens.sum()))
+            # the mask, not the lengths: samples filtered out of the loss (learner.overlong) have no tokens
+            dataclasses.replace(part, global_samples=part.size, global_tokens=int(part.response_mask.sum()))
         )
     return out
 

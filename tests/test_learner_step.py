@@ -15,6 +15,7 @@ its process group. Tolerance across rank layouts: 1e-5 (the reduction order diff
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from learner.batching import build_train_batch  # noqa: E402
 from learner.engine import TrainEngine, TrainSettings  # noqa: E402
 from learner.losses import LossConfig  # noqa: E402
 from learner.ranks import share_batch  # noqa: E402
-from learner.step import mini_batches, train_step  # noqa: E402
+from learner.step import mini_batches, rank_parts, train_step  # noqa: E402
 
 GROUP = 4
 VERSION = 3
@@ -197,6 +198,31 @@ def test_resume_from_checkpoint_gives_the_same_next_step(model_dir: Path, tmp_pa
     got = step(b, second)
     assert max_diff(a.module.state_dict(), b.module.state_dict()) == 0.0
     assert got == expected  # every metric of the next step, exactly
+
+
+def empty_response(group_id: int, index: int, prompt_len: int) -> Sample:
+    """A prompt that filled the context: back finished (length) with no response token."""
+    prompt = np.arange(3, 3 + prompt_len).astype(np.int32)
+    return Sample(group_id=group_id, index=index, prompt_ids=prompt).extend(
+        [], [], VERSION, FinishReason.LENGTH
+    )
+
+
+def test_a_part_of_only_empty_responses_trains_and_adds_nothing(model_dir: Path) -> None:
+    # the longest sample (by prompt + response) has no response: token balancing puts it in a part alone,
+    # a part whose response tensors are [1, 0]; that crashed the loss's statistics, and the broker re-sent
+    # the unacked batch to the restarted learner, which crashed again
+    samples = rl_samples(6, groups=2)
+    samples[0] = empty_response(samples[0].group_id, 0, 120).scored(0.0)
+    batch = build_train_batch(samples, n_samples_per_prompt=GROUP)
+    parts = [p.response_ids.shape[1] for p in rank_parts(batch, 2, 0, 1)]
+    assert 0 in parts, parts  # the test exercises what it says
+    engine = torch_engine(model_dir)
+    got = step(engine, samples)
+    assert all(math.isfinite(v) for v in got.values()), got
+    assert max_diff(engine.module.state_dict(), load_model(model_dir).state_dict()) > 1e-4
+    # the empty sample adds no token and no sample with tokens; the others all trained
+    assert got["tokens_trained"] == float(batch.response_mask.sum())
 
 
 def test_share_batch_without_a_process_group_passes_the_batch_through() -> None:

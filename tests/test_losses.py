@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from april.config import AlgoConfig, Algorithm, OffPolicy
+from april.config import AlgoConfig, Algorithm, ISLevel, KLEstimator, OffPolicy
 from april.records import FinishReason, Sample
 from learner.advantages import group_advantages, overlong_penalty
 from learner.batching import (
@@ -82,10 +82,53 @@ def clip(x: Tensor, lo: float, hi: float) -> Tensor:
     return x
 
 
-def surrogate(r: Tensor, a: Tensor, cfg: LossConfig) -> Tensor:
+def clamp_log(d: Tensor, cfg: LossConfig) -> Tensor:
+    """The log-ratio guard: clamped to [-log_ratio_clamp, log_ratio_clamp] (no gradient outside)."""
+    return clip(d, -cfg.log_ratio_clamp, cfg.log_ratio_clamp) if cfg.log_ratio_clamp else d
+
+
+def surrogate(log_r: Tensor, a: Tensor, cfg: LossConfig) -> Tensor:
+    r = torch.exp(clamp_log(log_r, cfg))
     unclipped = r * a
     clipped = clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * a
-    return unclipped if unclipped <= clipped else clipped
+    s = unclipped if unclipped <= clipped else clipped
+    if cfg.clip_ratio_c and a < 0 and s < cfg.clip_ratio_c * a:  # dual clip: never below c A
+        return s * 0 + cfg.clip_ratio_c * a
+    return s
+
+
+def reference_weights(x: dict[str, Tensor], i: int, real: list[int], cfg: LossConfig) -> dict[int, float]:
+    """The IS weight of each real token of sample i as a plain float; 0.0 marks a rejected token."""
+    if cfg.offpolicy not in (OffPolicy.TIS, OffPolicy.DECOUPLED):
+        return {t: 1.0 for t in real}
+    logs = [float(x["prox"][i, t]) - float(x["beh"][i, t]) for t in real]
+    if cfg.algorithm == Algorithm.GSPO or cfg.is_level != ISLevel.TOKEN:
+        total = sum(logs)
+        if cfg.is_level != ISLevel.SEQUENCE:
+            total = total / max(len(real), 1)
+        logs = [total] * len(real)
+    out = {}
+    for t, lw in zip(real, logs, strict=True):
+        if cfg.log_ratio_clamp:
+            lw = max(-cfg.log_ratio_clamp, min(cfg.log_ratio_clamp, lw))
+        w = math.exp(lw)
+        if (cfg.is_mask_low and w < cfg.is_mask_low) or (cfg.is_mask_high and w > cfg.is_mask_high):
+            out[t] = 0.0
+        else:
+            out[t] = min(w, cfg.tis_cap) if cfg.offpolicy == OffPolicy.TIS else w
+    return out
+
+
+def reference_kl(d: Tensor, cfg: LossConfig) -> Tensor:
+    """One token's KL estimate from d = log pi_theta - log pi_ref, with the guards."""
+    d = clamp_log(d, cfg)
+    if cfg.kl_estimator == KLEstimator.K1:
+        kl = d
+    elif cfg.kl_estimator == KLEstimator.K2:
+        kl = d * d / 2
+    else:
+        kl = torch.exp(-d) - 1 + d
+    return clip(kl, -cfg.kl_clamp, cfg.kl_clamp) if cfg.kl_clamp else kl
 
 
 def reference_loss(
@@ -96,7 +139,12 @@ def reference_loss(
     proximal = cfg.offpolicy in (OffPolicy.TIS, OffPolicy.DECOUPLED)
     for i in range(b):
         real = [t for t in range(tr) if bool(x["mask"][i, t])]
-        kept = [t for t in real if not (cfg.offpolicy == OffPolicy.MASK and int(x["versions"][i, t]) < CUR)]
+        weights = reference_weights(x, i, real, cfg)
+        kept = [
+            t
+            for t in real
+            if not (cfg.offpolicy == OffPolicy.MASK and int(x["versions"][i, t]) < CUR) and weights[t] != 0.0
+        ]
         if adv_key == "adv":
             a = x["adv"][i]
         else:
@@ -104,8 +152,7 @@ def reference_loss(
         extra = new.new_zeros(())  # KL and entropy terms, summed over kept tokens
         for t in kept:
             if cfg.kl_coef:
-                d = x["ref"][i, t] - new[i, t]
-                extra = extra + cfg.kl_coef * (torch.exp(d) - d - 1)
+                extra = extra + cfg.kl_coef * reference_kl(new[i, t] - x["ref"][i, t], cfg)
             if cfg.entropy_coef:
                 extra = extra - cfg.entropy_coef * x["entropy"][i, t]
         if cfg.algorithm == Algorithm.GSPO:
@@ -113,28 +160,15 @@ def reference_loss(
             for t in kept:
                 log_s = log_s + new[i, t] - (x["prox"][i, t] if proximal else x["beh"][i, t])
             log_s = log_s / max(len(kept), 1)
-            log_w = new.new_zeros(())
-            if proximal:
-                for t in real:
-                    log_w = log_w + x["prox"][i, t] - x["beh"][i, t]
-                log_w = log_w / max(len(real), 1)
-            w = math.exp(float(log_w))
-            if cfg.offpolicy == OffPolicy.TIS:
-                w = min(w, cfg.tis_cap)
-            seq = -w * len(kept) / max(len(real), 1) * surrogate(torch.exp(log_s), a, cfg)
+            w = weights[kept[0]] if kept else 0.0
+            seq = -w * len(kept) / max(len(real), 1) * surrogate(log_s, a, cfg)
             total = total + (seq + extra / max(len(real), 1)) / n_samples
             continue
         s = extra
         for t in kept:
-            if proximal:
-                r = torch.exp(new[i, t] - x["prox"][i, t])
-                w = math.exp(float(x["prox"][i, t] - x["beh"][i, t]))
-                if cfg.offpolicy == OffPolicy.TIS:
-                    w = min(w, cfg.tis_cap)
-            else:
-                r, w = torch.exp(new[i, t] - x["beh"][i, t]), 1.0
+            pi_ref = x["prox"][i, t] if proximal else x["beh"][i, t]
             a_t = a if adv_key == "adv" else x["adv_tok"][i, t]
-            s = s - w * surrogate(r, a_t, cfg)
+            s = s - weights[t] * surrogate(new[i, t] - pi_ref, a_t, cfg)
         if cfg.algorithm == Algorithm.GRPO:
             total = total + s / max(len(real), 1) / n_samples
         elif cfg.algorithm == Algorithm.DAPO:
@@ -216,6 +250,40 @@ def test_default_normalisers_are_this_calls_counts() -> None:
         loss, _ = policy_loss(x["new"], x["beh"], None, x["adv"], x["mask"], x["versions"], CUR, cfg)
         ref = reference_loss(x, x["new"], cfg, 7, int(x["mask"].sum()), "adv")
         assert abs(float(loss) - float(ref)) < TOL
+
+
+@pytest.mark.parametrize("offpolicy", MODES, ids=[m.value for m in MODES])
+@pytest.mark.parametrize("algorithm", ALGOS, ids=[a.value for a in ALGOS])
+def test_a_micro_batch_of_empty_responses_adds_nothing(algorithm: Algorithm, offpolicy: OffPolicy) -> None:
+    # a prompt that filled the context comes back finished with 0 tokens; token balancing puts it alone in
+    # a micro-batch whose response tensors are [B, 0] (this raised in the statistics: min over nothing)
+    cfg = LossConfig(algorithm=algorithm, offpolicy=offpolicy, kl_coef=0.1, entropy_coef=0.01)
+    empty = torch.zeros(2, 0, dtype=torch.float64)
+    new = empty.clone().requires_grad_(True)
+    loss, stats = policy_loss(
+        new,
+        empty,
+        empty if needs_proximal(offpolicy) else None,
+        torch.tensor([0.5, -1.0], dtype=torch.float64),
+        torch.zeros(2, 0, dtype=torch.bool),
+        torch.zeros(2, 0, dtype=torch.int64),
+        CUR,
+        cfg,
+        num_samples=8,
+        num_tokens=40,
+        logp_ref=empty,
+        entropy=empty,
+    )
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and new.grad is not None and new.grad.shape == (2, 0)
+    assert (stats.samples, stats.tokens, stats.units, stats.staleness_max) == (0, 0, 0, 0)
+    x = random_inputs(2)  # merged with a real micro-batch's, its stats change nothing
+    _, real = policy_loss(x["new"], x["beh"], x["prox"], x["adv"], x["mask"], x["versions"], CUR, cfg_off())
+    assert merge_stats([real, stats]).metrics() == real.metrics()
+
+
+def cfg_off() -> LossConfig:
+    return LossConfig(offpolicy=OffPolicy.TIS)
 
 
 def test_stats_match_loop_reference() -> None:
