@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 
 from actors.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
-from april.hf import REAL_VOCAB_SIZES, load_model, make_tiny_model  # noqa: E402
+from april.hf import REAL_VOCAB_SIZES, ModelError, load_model, make_tiny_model  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from april.records import FinishReason, Sample  # noqa: E402
 from learner.batching import build_train_batch, response_logprobs  # noqa: E402
@@ -143,3 +143,10 @@ def test_april_up_trains_three_steps_on_a_qwen3_shaped_model(tmp_path: Path) -> 
     assert all(x["samples"] == 4 and x["loss"] == x["loss"] for x in lines)  # 4 samples a step, no NaN
     assert (run_dir / "weights" / "v000003.safetensors").is_file()
     assert (run_dir / "checkpoints" / "step_00000003").is_dir()
+
+
+def test_an_unknown_architecture_is_refused_with_one_line(tmp_path: Path) -> None:
+    expected = r"^make_tiny_model: architecture 'gpt2', expected one of llama, qwen2, qwen3$"
+    with pytest.raises(ModelError, match=expected):
+        make_tiny_model(tmp_path / "m", architecture="gpt2")
+    assert not (tmp_path / "m").exists()  # refused before writing anything
