@@ -2,7 +2,7 @@
 
 Owns everything that touches `transformers` model/tokenizer loading: checking that a model directory is
 complete (one readable `ModelError` line per missing piece), loading it on a device and dtype,
-`make_tiny_model` (a small random Llama-style model plus a byte-level tokenizer, written offline and
+`make_tiny_model` (a small random Llama, Qwen2 or Qwen3 model plus a byte-level tokenizer, written offline and
 deterministic by seed, for tests, benchmarks and the built-in task) and the torch thread setting. It lives
 in `april/` because workers (torch, vLLM engines, tokenizers) and the learner both load models, and roles
 never import each other.
@@ -113,6 +113,16 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerBase:
     return fast
 
 
+# The architectures `make_tiny_model` builds: name -> (transformers config class, model class).
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+# The released models' vocabularies (Llama-3: 128,256; Qwen2 and Qwen3: 151,936 incl. padding rows).
+REAL_VOCAB_SIZES = {"llama": 128_256, "qwen2": 151_936, "qwen3": 151_936}
+
+
 def make_tiny_model(
     model_dir: Path | str,
     seed: int = 0,
@@ -125,21 +135,32 @@ def make_tiny_model(
     intermediate: int | None = None,
     max_positions: int = 2048,
     init_std: float = 0.1,
+    architecture: str = "llama",
+    tie_embeddings: bool = False,
 ) -> Path:
-    """Write a random Llama-style causal LM + byte-level tokenizer to `model_dir`; return the path.
+    """Write a random causal LM + byte-level tokenizer to `model_dir`; return the path.
 
-    Same arguments and seed give the same weights. `vocab_size` must cover the tokenizer's 259 tokens;
-    ids above that are valid model outputs that decode to nothing. pad/bos/eos are ids 0/1/2.
-    `init_std` is larger than Llama's 0.02 so that a random model has peaked (not near-uniform) next-token
-    distributions, which keeps greedy comparisons away from numerical ties.
+    `architecture` is one of `ARCHITECTURES`: "llama" (Llama-3's layout), "qwen2" (biases on q/k/v) or
+    "qwen3" (RMSNorm on q and k); `tie_embeddings` shares the input embedding with the output head, as
+    the small Qwen models do. Same arguments and seed give the same weights. `vocab_size` must cover the
+    tokenizer's 259 tokens; ids above that are valid model outputs that decode to nothing (a real
+    vocabulary, e.g. `REAL_VOCAB_SIZES["qwen3"]`, gives a real model's output layer and softmax width).
+    pad/bos/eos are ids 0/1/2. `init_std` is larger than Llama's 0.02 so that a random model has peaked
+    (not near-uniform) next-token distributions, which keeps greedy comparisons away from numerical ties.
     """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     tokenizer = make_tiny_tokenizer()
     if vocab_size < len(tokenizer):
         raise ModelError(f"make_tiny_model: vocab_size {vocab_size} < tokenizer size {len(tokenizer)}")
-    config = LlamaConfig(
+    if architecture not in ARCHITECTURES:
+        raise ModelError(
+            f"make_tiny_model: architecture {architecture!r}, expected one of {', '.join(ARCHITECTURES)}"
+        )
+    config_class, model_class = ARCHITECTURES[architecture]
+    config = getattr(transformers, config_class)(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate or 4 * hidden,
@@ -151,13 +172,13 @@ def make_tiny_model(
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
     )
     path = Path(model_dir)
     path.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, model_class)(config)
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=1, eos_token_id=2, pad_token_id=0
     )

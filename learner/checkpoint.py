@@ -7,6 +7,10 @@ into `.tmp-step_*` by every rank and renamed into place by rank 0 once `meta.jso
 `latest()` only ever sees complete checkpoints; a crash leaves a temp dir that the next save removes.
 
 Resuming restores all of it, so the next step equals the one an uninterrupted run would have taken.
+A checkpoint resumes only into the layout that wrote it (same number of ranks, backend and ZeRO stage):
+DeepSpeed's engine files are one per rank and ZeRO-1..3 split the optimizer state (ZeRO-3 the weights too)
+by rank, and every rank's RNG state is its own. Any other layout is refused with one line before anything
+loads (`check_resumable`) rather than half-restored.
 Nothing here is pickled by us: metadata and RNG are JSON (DeepSpeed pickles its own engine files).
 Does not decide when to checkpoint (the learner loop does, every `checkpoint_every` steps).
 """
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from april.config import ConfigError
 from april.files import fsync_dir
 from learner.engine import TrainEngine
 
@@ -39,6 +44,11 @@ class CheckpointMeta:
     world_size: int = 1
     backend: str = "deepspeed"
     zero_stage: int = 0
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint this run's configuration cannot resume from (another number of ranks, backend or ZeRO
+    stage); a ConfigError, so the command line shows it as one line."""
 
 
 def step_dir(checkpoints_dir: Path, step: int) -> Path:
@@ -88,14 +98,36 @@ def read_meta(path: Path) -> CheckpointMeta:
         raise ValueError(f"{path} is not a complete checkpoint ({META}: {exc})") from exc
 
 
+def check_resumable(
+    path: Path, meta: CheckpointMeta, *, world_size: int, backend: str, zero_stage: int
+) -> None:
+    """Raise CheckpointError unless checkpoint `path` (with `meta`) was written by this layout: the same
+    number of ranks, backend and ZeRO stage (the torch backend has no stages)."""
+    wrote, runs = (
+        _layout(meta.world_size, meta.backend, meta.zero_stage),
+        _layout(world_size, backend, zero_stage),
+    )
+    if wrote != runs:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {wrote}; this learner runs {runs}: resume with the layout "
+            "that wrote it (its engine state is split by rank), or start a new run"
+        )
+
+
+def _layout(world_size: int, backend: str, zero_stage: int) -> str:
+    """How a layout reads in a message: '2 ranks of DeepSpeed ZeRO-3', '1 rank of plain torch'."""
+    engine = f"DeepSpeed ZeRO-{zero_stage}" if backend == "deepspeed" else f"plain {backend}"
+    return f"{world_size} rank{'s' if world_size != 1 else ''} of {engine}"
+
+
 def load(engine: TrainEngine, path: Path) -> CheckpointMeta:
     """Restore the engine and this rank's RNG from checkpoint `path`; returns its metadata."""
     path = Path(path)
     meta = read_meta(path)
-    if meta.world_size != engine.world_size:
-        raise ValueError(
-            f"checkpoint {path} was written by {meta.world_size} ranks; this run has {engine.world_size}"
-        )
+    settings = engine.settings
+    check_resumable(
+        path, meta, world_size=engine.world_size, backend=settings.backend, zero_stage=settings.zero_stage
+    )
     engine.load_checkpoint(path / "engine")
     set_rng_state(json.loads((path / f"rng_rank{engine.rank}.json").read_text(encoding="utf-8")))
     return meta

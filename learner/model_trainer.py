@@ -11,7 +11,6 @@ Composes those pieces; owns none of their logic, and knows nothing of the broker
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from april import protocol
 from april.config import Config
 from learner import checkpoint, weights
 from learner.losses import LossConfig
-from learner.trainer import PhaseReport, ResumePoint, launched_rank
+from learner.trainer import PhaseReport, ResumePoint, launched_rank, launched_world_size
 
 if TYPE_CHECKING:
     from learner.engine import TrainEngine
@@ -50,7 +49,7 @@ def engine_summary(config: Config, world_size: int) -> str:
 class ModelTrainer:
     def __init__(self, config: Config, run_dir: Path) -> None:
         lc = config.learner
-        if lc.backend == "torch" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if lc.backend == "torch" and launched_world_size() > 1:
             raise ValueError("learner.backend = 'torch' runs one process; use 'deepspeed' for several ranks")
         self.config = config
         self.checkpoints = run_dir / "checkpoints"
@@ -86,6 +85,11 @@ class ModelTrainer:
         if latest is None:
             return None
         meta = checkpoint.read_meta(latest)
+        lc = self.config.learner
+        # refused here, before the model loads or rank 0 registers with the broker
+        checkpoint.check_resumable(
+            latest, meta, world_size=launched_world_size(), backend=lc.backend, zero_stage=lc.zero_stage
+        )
         return ResumePoint(meta.step, meta.version, meta.last_batch_id, source=str(latest))
 
     def start(self, report: PhaseReport) -> None:
@@ -102,7 +106,7 @@ class ModelTrainer:
             self._reference.requires_grad_(False)
         report(
             protocol.LearnerPhase.INITIALISING_ENGINE,
-            engine_summary(self.config, int(os.environ.get("WORLD_SIZE", "1"))),
+            engine_summary(self.config, launched_world_size()),
         )
         settings = TrainSettings(
             backend=lc.backend,  # type: ignore[arg-type]

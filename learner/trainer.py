@@ -45,6 +45,12 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def launched_world_size() -> int:
+    """How many ranks a launcher started (WORLD_SIZE); 1 for a lone process. Known before any process
+    group exists, so a checkpoint of another layout is refused before the model loads."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class Trainer(Protocol):
     @property
     def rank(self) -> int:

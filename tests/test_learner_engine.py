@@ -206,7 +206,7 @@ def test_deepspeed_steps_match_torch(model_dir: Path, tmp_path: Path, zero_stage
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("zero_stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_match_one_rank(
     model_dir: Path, tmp_path: Path, zero_stage: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -307,7 +307,8 @@ def test_torch_checkpoint_resume_equals_uninterrupted(model_dir: Path, tmp_path:
 @needs_deepspeed
 @pytest.mark.parametrize(
     ("zero_stage", "ranks"),
-    [(2, 1), pytest.param(3, 1, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow)],
+    # ZeRO-3 over two ranks (weights and optimizer state split by rank) in the default suite; the others slow
+    [(2, 1), (3, 2), pytest.param(3, 1, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow)],
 )
 def test_deepspeed_checkpoint_resume_equals_uninterrupted(
     model_dir: Path, tmp_path: Path, zero_stage: int, ranks: int
@@ -321,6 +322,27 @@ def test_deepspeed_checkpoint_resume_equals_uninterrupted(
     run_children([full] * ranks, tmp_path)
     run_children([resumed] * ranks, tmp_path)
     _assert_same_next_step(tmp_path)
+
+
+def test_a_checkpoint_resumes_only_into_the_layout_that_wrote_it(tmp_path: Path) -> None:
+    """Another number of ranks, backend or ZeRO stage is refused with one line naming both layouts (the
+    whole path through `april learner --resume`: tests/test_learner_integration.py)."""
+    meta = checkpoint.CheckpointMeta(4, 4, 3, world_size=2, backend="deepspeed", zero_stage=3)
+    path = tmp_path / "step_00000004"
+    checkpoint.check_resumable(path, meta, world_size=2, backend="deepspeed", zero_stage=3)  # the same: fine
+    for world, backend, stage, runs in [
+        (1, "deepspeed", 3, "1 rank of DeepSpeed ZeRO-3"),
+        (4, "deepspeed", 3, "4 ranks of DeepSpeed ZeRO-3"),
+        (2, "deepspeed", 2, "2 ranks of DeepSpeed ZeRO-2"),
+        (1, "torch", 0, "1 rank of plain torch"),
+    ]:
+        with pytest.raises(checkpoint.CheckpointError) as info:
+            checkpoint.check_resumable(path, meta, world_size=world, backend=backend, zero_stage=stage)
+        message = str(info.value)
+        assert "\n" not in message and str(path) in message
+        assert f"written by 2 ranks of DeepSpeed ZeRO-3; this learner runs {runs}:" in message
+    torch_meta = checkpoint.CheckpointMeta(4, 4, 3, world_size=1, backend="torch", zero_stage=2)
+    checkpoint.check_resumable(path, torch_meta, world_size=1, backend="torch", zero_stage=0)  # no stages
 
 
 def test_checkpoint_latest_ignores_incomplete(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """The learner process against the real broker and a real torch worker (tiny model made here): it trains
 exactly N samples per step, publishes versions 1..K that the worker verifies and loads, writes one
 metrics.jsonl line per step with every field of docs/design.md section 7, and its weights files load back
-into the model."""
+into the model. Launched as two ranks under DeepSpeed ZeRO-3, as users run it, it does the same through
+rank 0, and its checkpoint is refused (one line, nothing loaded or changed) by a learner resuming with
+another number of ranks."""
 
 from __future__ import annotations
 
@@ -66,11 +68,12 @@ def test_learner_trains_exactly_n_and_publishes_versions(
     assert c.status().ledger.trained == 6
 
 
-@pytest.mark.slow
-def test_two_rank_learner_trains_exactly_n_through_rank_zero(
+def test_two_rank_zero3_learner_trains_exactly_n_through_rank_zero(
     cluster: Callable[..., Cluster], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`april learner` launched as 2 ranks (gloo): rank 0 alone talks to the broker, both train."""
+    """`april learner` launched as 2 ranks (gloo) under ZeRO-3: rank 0 alone talks to the broker, both
+    train, the weights are gathered for publishing and the checkpoint is split by rank. Resuming it with
+    one rank is refused with one line before anything loads."""
     pytest.importorskip("deepspeed")
     from april.hf import make_tiny_model
     from april.ports import free_ports
@@ -86,7 +89,8 @@ def test_two_rank_learner_trains_exactly_n_through_rank_zero(
               "max_new_tokens": 12},
         data={"synthetic_vocab_size": 320},
         worker={"engine": "torch", "model": str(model_dir), "slots": 4, "reward": "parity_reward:reward"},
-        learner={"model": str(model_dir), "backend": "deepspeed", "lr": 1e-3, "checkpoint_every": 2},
+        learner={"model": str(model_dir), "backend": "deepspeed", "zero_stage": 3, "lr": 1e-3,
+                 "checkpoint_every": 2},
     )  # fmt: skip
     c.start_broker()
     c.start_worker("tw0")
@@ -101,3 +105,23 @@ def test_two_rank_learner_trains_exactly_n_through_rank_zero(
     assert [x["version"] for x in lines] == [1, 2] and all(x["samples"] == 4 for x in lines)
     assert c.status().ledger.trained == 4
     assert len(list((c.run_dir / "checkpoints").glob("step_*/rng_rank*.json"))) == 2
+    # ZeRO-3 splits the optimizer state (and the weights) by rank: why another layout cannot resume it
+    assert len(list((c.run_dir / "checkpoints").rglob("zero_pp_rank_*_optim_states.pt"))) == 2
+    weights = sorted(p.name for p in (c.run_dir / "weights").iterdir())
+    assert weights == ["v000001.safetensors", "v000002.safetensors"]  # gathered from both ranks' shards
+
+    # the same run resumed by one rank: refused before the model loads or the broker hears of it
+    def learner_files() -> dict[Path, int]:  # what the learner writes (the broker's snapshot is its own)
+        found = [c.run_dir / "metrics.jsonl", *(c.run_dir / "checkpoints").rglob("*"),
+                 *(c.run_dir / "weights").rglob("*")]  # fmt: skip
+        return {p: p.stat().st_mtime_ns for p in found if p.is_file()}
+
+    before = learner_files()
+    log = c.start_learner_process("learner-one-rank", resume=True)
+    assert c.wait_exit("learner-one-rank", 120) == 2
+    lines = log.read_text().strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("april: error: checkpoint ") and "step_00000002" in lines[0]
+    assert "written by 2 ranks of DeepSpeed ZeRO-3; this learner runs 1 rank of DeepSpeed ZeRO-3" in lines[0]
+    assert learner_files() == before  # metrics, checkpoints and weights untouched
+    assert c.status().ledger.trained == 4

@@ -1,8 +1,8 @@
 """The learner's RL step (`learner.step.train_step`) across ranks, updates per batch, and resume.
 
-- Two ranks (gloo, two processes, DeepSpeed ZeRO 0 and 2) given one batch through `share_batch` (only
-  rank 0 holds it; rank 1 decodes rank 0's broadcast) end with the same weights and statistics as one
-  rank on the same batch.
+- Two ranks (gloo, two processes, DeepSpeed ZeRO 0, 3 and (slow) 2) given one batch through
+  `share_batch` (only rank 0 holds it; rank 1 decodes rank 0's broadcast) end with the same weights and
+  statistics as one rank on the same batch.
 - `updates_per_batch = 2` is exactly two one-update steps on the two halves of the groups (advantages are
   per group, each half normalised on its own).
 - A checkpoint taken after a step, loaded into a fresh engine, gives the same next step (weights and
@@ -128,7 +128,7 @@ def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("zero_stage", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("zero_stage", [0, 3, pytest.param(2, marks=pytest.mark.slow)])
 def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path, zero_stage: int) -> None:
     pytest.importorskip("deepspeed")
     spec = {"model_dir": str(model_dir), "zero_stage": zero_stage, "seed": 5, "updates": 2}
