@@ -86,11 +86,19 @@ class ModelTrainer:
     def start(self, report: PhaseReport) -> None:
         from april.hf import load_model, set_torch_threads
         from learner.engine import TrainEngine, TrainSettings
+        from learner.logprob_head import check_supported
 
         lc = self.config.learner
         report(protocol.LearnerPhase.LOADING_MODEL, lc.model)
         set_torch_threads(lc.torch_threads)
         model = load_model(lc.model, device=lc.device, dtype="float32" if lc.device == "cpu" else "auto")
+        if lc.logprob_chunk_tokens > 0:
+            check_supported(model)  # at start, not at the first batch
+        if lc.gradient_checkpointing:
+            # non-reentrant: works with inputs that need no grad and with the chunked head's checkpoints
+            model.gradient_checkpointing_enable(  # type: ignore[no-untyped-call]
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         if lc.kl_coef > 0:
             self._reference = load_model(lc.model, device=lc.device)
             self._reference.train(False)
@@ -121,9 +129,9 @@ class ModelTrainer:
 
     def train(self, batch: protocol.Batch, version: int) -> dict[str, float]:
         from learner.batching import build_train_batch
-        from learner.step import train_step
+        from learner.step import Layout, train_step
 
-        algo = self.config.algo
+        algo, lc = self.config.algo, self.config.learner
         return train_step(
             self.engine,
             build_train_batch(batch.samples.to_samples(), n_samples_per_prompt=algo.n_samples_per_prompt),
@@ -131,8 +139,14 @@ class ModelTrainer:
             version=version,
             temperature=algo.temperature,
             group_size=algo.n_samples_per_prompt,
-            updates=self.config.learner.updates_per_batch,
+            updates=lc.updates_per_batch,
             reference=self._reference,
+            layout=Layout(
+                micro_batches=lc.micro_batches,
+                max_tokens=lc.max_tokens_per_micro_batch,
+                chunk_tokens=lc.logprob_chunk_tokens,
+                packed=lc.pack_sequences,
+            ),
         )
 
     def publish(self, weights_dir: Path, version: int) -> tuple[Path, str] | None:
