@@ -4,7 +4,9 @@ Owns `TrainBatch` (padded tensors of one step's samples, with their behaviour lo
 versions from the segments, rewards and group layout), `build_train_batch`, `split_micro_batches` (bounded
 token counts; every micro-batch carries the *global* normalisers, so gradients accumulated over the
 micro-batches equal the one-batch gradient exactly) and `response_logprobs` (log-probs of the response
-tokens under a model, the distribution the engines report: log_softmax(logits / temperature)).
+tokens under a model, the distribution the engines report: log_softmax(logits / temperature)), by default
+from the final hidden states at the response positions a chunk at a time (`learner.logprob_head`), or
+from the model's full logits (`chunk_tokens=0`).
 
 Layout (B samples, T = longest prompt+response, Tr = longest response):
 
