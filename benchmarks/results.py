@@ -124,7 +124,7 @@ STEPS: tuple[Step, ...] = (
         "learner-memory",
         "results/learner-memory",
         "python benchmarks/learner_memory.py --out {out}/learner_memory.json",
-        minutes=20,
+        minutes=40,
     ),
     Step("sft", "results/sft", "april sft --out {work}/tiny --report {out}/sft.json", minutes=6),
     Step(
