@@ -149,7 +149,7 @@ def measure(args: argparse.Namespace, name: str, length: int) -> dict[str, Any]:
     import torch
 
     from april.config import AlgoConfig
-    from april.hf import set_torch_threads
+    from april.hf import enable_activation_checkpointing, set_torch_threads
     from learner.engine import TrainEngine, TrainSettings
     from learner.losses import LossConfig
     from learner.step import Layout, train_step
@@ -161,7 +161,7 @@ def measure(args: argparse.Namespace, name: str, length: int) -> dict[str, Any]:
     if on_gpu:
         model = model.to(device=args.device, dtype=torch.bfloat16)
     if keys["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     settings = TrainSettings(backend=args.backend, lr=1e-6, device=args.device, grad_accum_steps=1)
     engine = TrainEngine(model, settings)
     batch = synthetic_batch(args, length)

@@ -84,7 +84,7 @@ class ModelTrainer:
         return ResumePoint(meta.step, meta.version, meta.last_batch_id, source=str(latest))
 
     def start(self, report: PhaseReport) -> None:
-        from april.hf import load_model, set_torch_threads
+        from april.hf import enable_activation_checkpointing, load_model, set_torch_threads
         from learner.engine import TrainEngine, TrainSettings
         from learner.logprob_head import check_supported
 
@@ -95,10 +95,7 @@ class ModelTrainer:
         if lc.logprob_chunk_tokens > 0:
             check_supported(model)  # at start, not at the first batch
         if lc.gradient_checkpointing:
-            # non-reentrant: works with inputs that need no grad and with the chunked head's checkpoints
-            model.gradient_checkpointing_enable(  # type: ignore[no-untyped-call]
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            enable_activation_checkpointing(model)
         if lc.kl_coef > 0:
             self._reference = load_model(lc.model, device=lc.device)
             self._reference.train(False)

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from april.config import AlgoConfig, Algorithm, ConfigError, LearnerConfig, OffPolicy  # noqa: E402
+from april.hf import enable_activation_checkpointing  # noqa: E402
 from april.records import FinishReason, Sample  # noqa: E402
 from learner.batching import (  # noqa: E402
     TrainBatch,
@@ -176,10 +177,16 @@ def test_token_budget_is_the_least_count_that_fits(packed: bool, world: int) -> 
     assert budget_accumulation(batch, 5, 10_000, world, packed) == 5  # the count is a floor
 
 
-def run_step(model: Any, batch: TrainBatch, cfg: LossConfig, layout: Layout) -> tuple[dict[str, Any], Any]:
+def run_step(
+    model: Any, batch: TrainBatch, cfg: LossConfig, layout: Layout, checkpointing: bool = False
+) -> tuple[dict[str, Any], Any]:
     """One `train_step` on a copy of `model` (plain torch, float64); the accumulated gradient of every
     parameter just before the optimizer step, and the step's metrics."""
-    engine = TrainEngine(copy.deepcopy(model), TrainSettings(backend="torch", lr=1e-3, grad_clip=0.0))
+    model = copy.deepcopy(model)
+    if checkpointing:  # as learner.gradient_checkpointing sets it
+        enable_activation_checkpointing(model)
+        assert model.is_activation_checkpointing
+    engine = TrainEngine(model, TrainSettings(backend="torch", lr=1e-3, grad_clip=0.0))
     seen: dict[str, Any] = {}
     step = engine.step
 
@@ -196,15 +203,20 @@ def run_step(model: Any, batch: TrainBatch, cfg: LossConfig, layout: Layout) -> 
     return seen, metrics
 
 
-@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
-@pytest.mark.parametrize("packed", [False, True])
-def test_train_step_with_budget_chunks_and_packing_equals_plain(entropy_coef: float, packed: bool) -> None:
+@pytest.mark.parametrize(
+    ("entropy_coef", "packed", "checkpointing"),
+    [(0.0, False, False), (0.0, True, False), (0.01, False, False), (0.01, True, False), (0.01, False, True)],
+)
+def test_train_step_with_budget_chunks_and_packing_equals_plain(
+    entropy_coef: float, packed: bool, checkpointing: bool
+) -> None:
     model = qwen3()
     batch = ragged_batch(5, groups=4)
     algo = AlgoConfig(algorithm=Algorithm.DAPO, offpolicy=OffPolicy.TIS, n_samples_per_prompt=GROUP)
     cfg = LossConfig.from_algo(algo, entropy_coef=entropy_coef)
     want, want_m = run_step(model, batch, cfg, Layout(micro_batches=1, max_tokens=0, chunk_tokens=0))
-    got, got_m = run_step(model, batch, cfg, Layout(max_tokens=30, chunk_tokens=3, packed=packed))
+    layout = Layout(max_tokens=30, chunk_tokens=3, packed=packed)
+    got, got_m = run_step(model, batch, cfg, layout, checkpointing)
     assert want["accumulation"] == 1 and got["accumulation"] > 2  # the budget did split the batch
     for key in want:
         if key != "accumulation":
