@@ -223,6 +223,9 @@ class BrokerConfig:
 
 
 # worker.vllm_dtype: empty (the device's default) or a dtype vLLM's `--dtype` takes (vllm/config/model.py)
+# Response positions per log-prob chunk (the output head and log-softmax are applied to this many final
+# hidden states at a time): 512 x a 151,936-token vocabulary is 311 MB of float32 logits per chunk.
+DEFAULT_LOGPROB_CHUNK_TOKENS = 512
 VLLM_DTYPES = ("", "auto", "float32", "float", "bfloat16", "float16", "half")
 
 
@@ -289,7 +292,11 @@ class LearnerConfig:
     checkpoint_every: int = 10  # train steps between checkpoints
     backend: str = "deepspeed"  # deepspeed | torch (plain torch AdamW, one process) | sim (no model)
     zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
-    micro_batches: int = 1  # micro-batches per optimizer step (gradient accumulation), per rank
+    micro_batches: int = 1  # micro-batches per optimizer step, per rank: the fixed count, or the least
+    max_tokens_per_micro_batch: int = 16384  # token budget of a micro-batch (0: exactly micro_batches)
+    logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS  # response tokens per log-prob chunk (0: full)
+    pack_sequences: bool = False  # one padding-free row per micro-batch (needs packed-sequence support)
+    gradient_checkpointing: bool = False  # recompute each decoder layer in backward (less memory)
     device: str = "cpu"  # cpu | cuda | cuda:N
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
@@ -353,6 +360,8 @@ class LearnerConfig:
             self.clip_ratio_c,
             "must be > 1 (0 = off)",
         )
+        for name in ("max_tokens_per_micro_batch", "logprob_chunk_tokens"):
+            _check(getattr(self, name) >= 0, f"learner.{name}", getattr(self, name), "must be >= 0 (0: off)")
 
 
 @dataclass(frozen=True, slots=True)

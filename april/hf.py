@@ -187,6 +187,17 @@ def make_tiny_model(
     return path
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer in backward (non-reentrant `torch.utils.checkpoint`, which works with
+    inputs that need no gradient); transformers renamed the method in 5.x, both names are accepted."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def set_torch_threads(n: int) -> None:
     """Use `n` intra-op threads (and as many inter-op threads, if torch still allows setting them)."""
     import torch

@@ -120,6 +120,12 @@ STEPS: tuple[Step, ...] = (
         "python benchmarks/learner_step.py --out {out}/learner_step.json",
         minutes=6,
     ),
+    Step(
+        "learner-memory",
+        "results/learner-memory",
+        "python benchmarks/learner_memory.py --out {out}/learner_memory.json",
+        minutes=40,
+    ),
     Step("sft", "results/sft", "april sft --out {work}/tiny --report {out}/sft.json", minutes=6),
     Step(
         "accuracy",
@@ -343,6 +349,53 @@ def block_components() -> str:
     )
 
 
+def block_learner_memory() -> str:
+    doc = load("results/learner-memory/learner_memory.json")
+    gib = 1024**3
+    by_tokens: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in doc["rows"]:
+        by_tokens.setdefault(r["tokens_per_step"], {})[r["config"]] = r
+    args = doc["args"]
+
+    def cell(row: dict[str, Any] | None) -> str:
+        if row is None:
+            return "-"
+        cuda = row.get("cuda_max_allocated_bytes")
+        extra = f" (CUDA {cuda / gib:.2f})" if cuda is not None else ""
+        return f"{row['peak_rss_bytes'] / gib:.2f}{extra} in {row['micro_batches']} mb, {row['step_s']:.0f} s"
+
+    rows = [
+        "| tokens per step (samples x (prompt + response)) | before: full logits, peak GiB "
+        "| after: defaults, peak GiB |",
+        "|---|---|---|",
+    ]
+    for tokens, configs in sorted(by_tokens.items()):
+        length = next(iter(configs.values()))["response_len"]
+        rows.append(
+            f"| {tokens:,} ({args['samples']} x ({args['prompt']} + {length})) "
+            f"| {cell(configs.get('before'))} | {cell(configs.get('after'))} |"
+        )
+    growth = ", ".join(
+        f"{g['from_tokens']:,}->{g['to_tokens']:,}: {g['bytes'] / 1024:.1f}"
+        for g in doc["growth_per_token"]["after"]
+    )
+    before = ", ".join(
+        f"{g['from_tokens']:,}->{g['to_tokens']:,}: {g['bytes'] / 1024:.0f}"
+        for g in doc["growth_per_token"]["before"]
+    )
+    return "\n".join(
+        [
+            *rows,
+            "",
+            f"Peak = the child process's maximum resident set (interpreter, torch and "
+            f"{args['backend']} included), `mb` = micro-batches in the step. KiB of peak added per token, "
+            f"after: {growth}; before: {before}. Target: {doc['target_bytes'] / gib:.0f} GiB.",
+            "",
+            source("learner-memory"),
+        ]
+    )
+
+
 def block_accuracy() -> str:
     text = (DOCS / "results/accuracy/accuracy.md").read_text()
     body = re.sub(r"^# .*\n+", "", text)  # the file's own title: the doc has its heading
@@ -459,6 +512,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "saturated-sim": lambda: bench_table("saturated-sim"),
     "torch-tiny": lambda: bench_table("torch-tiny"),
     "components": block_components,
+    "learner-memory": block_learner_memory,
     "accuracy": block_accuracy,
     "accuracy-summary": block_accuracy_summary,
     "soak": block_soak,

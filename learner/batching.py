@@ -4,7 +4,9 @@ Owns `TrainBatch` (padded tensors of one step's samples, with their behaviour lo
 versions from the segments, rewards and group layout), `build_train_batch`, `split_micro_batches` (bounded
 token counts; every micro-batch carries the *global* normalisers, so gradients accumulated over the
 micro-batches equal the one-batch gradient exactly) and `response_logprobs` (log-probs of the response
-tokens under a model, the distribution the engines report: log_softmax(logits / temperature)).
+tokens under a model, the distribution the engines report: log_softmax(logits / temperature)), by default
+from the final hidden states at the response positions a chunk at a time (`learner.logprob_head`), or
+from the model's full logits (`chunk_tokens=0`).
 
 Layout (B samples, T = longest prompt+response, Tr = longest response):
 
@@ -28,7 +30,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from april.config import DEFAULT_LOGPROB_CHUNK_TOKENS
 from april.records import Sample, SampleStatus
+from learner.logprob_head import Entropy, check_supported, chunked_head_logprobs, entropy_of, output_head
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +203,12 @@ def split_micro_batches(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
 
 
 def response_logprobs(
-    model: Callable[..., Any], batch: TrainBatch, temperature: float = 1.0, *, packed: bool = False
+    model: Callable[..., Any],
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    *,
+    packed: bool = False,
+    chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
 ) -> Tensor:
     """Log-probs `[B, Tr]` of the response tokens under `model`: log_softmax(logits / temperature).
 
@@ -207,35 +216,57 @@ def response_logprobs(
     padding. `packed=True` runs one padding-free row (sequences concatenated, positions restarting at 0
     and no attention mask), which Hugging Face models with packed-sequence support (e.g. Llama under
     SDPA) turn into a block-causal mask; models without that support must use the padded default.
+    `chunk_tokens` > 0 applies the output head `chunk_tokens` response positions at a time to the final
+    hidden states (`learner.logprob_head`: Llama, Qwen2, Qwen3); 0 takes the model's full logits.
     """
-    return _response_forward(model, batch, temperature, packed=packed, with_entropy=False)[0]
+    return _response_forward(model, batch, temperature, packed, chunk_tokens, entropy=None)[0]
 
 
 def response_logprobs_and_entropy(
-    model: Callable[..., Any], batch: TrainBatch, temperature: float = 1.0, *, packed: bool = False
+    model: Callable[..., Any],
+    batch: TrainBatch,
+    temperature: float = 1.0,
+    *,
+    packed: bool = False,
+    chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """`response_logprobs` and the entropy `[B, Tr]` (nats) of each response position's distribution."""
-    logp, entropy = _response_forward(model, batch, temperature, packed=packed, with_entropy=True)
+    """`response_logprobs` and the entropy `[B, Tr]` (nats) of each response position's distribution;
+    `entropy_grad=False` gives the entropy as a detached value (a metric) and builds no graph for it."""
+    mode: Entropy = "grad" if entropy_grad else "value"
+    logp, entropy = _response_forward(model, batch, temperature, packed, chunk_tokens, entropy=mode)
     assert entropy is not None
     return logp, entropy
 
 
 def _response_forward(
-    model: Callable[..., Any], batch: TrainBatch, temperature: float, *, packed: bool, with_entropy: bool
+    model: Callable[..., Any],
+    batch: TrainBatch,
+    temperature: float,
+    packed: bool,
+    chunk_tokens: int,
+    *,
+    entropy: Entropy,
 ) -> tuple[Tensor, Tensor | None]:
     if not temperature > 0:
         raise ValueError(f"response_logprobs: temperature = {temperature}, expected > 0")
+    if chunk_tokens < 0:
+        raise ValueError(f"response_logprobs: chunk_tokens = {chunk_tokens}, expected >= 0 (0: full logits)")
     device = batch.input_ids.device
     b, t = batch.input_ids.shape
     tr = batch.response_ids.shape[1]
     lengths = batch.prompt_lens + batch.response_lens  # [B]
     cols = torch.arange(tr, device=device)[None, :]  # [1, Tr]
+    chunked = chunk_tokens > 0
+    extra: dict[str, Any] = {"output_hidden_states": True, "logits_to_keep": 1} if chunked else {}
+    if chunked:
+        check_supported(model)
     if packed:
         keep = batch.attention_mask.bool()
         flat_ids = batch.input_ids[keep][None, :]  # [1, S], S = sum of lengths
         starts = torch.cumsum(lengths, 0) - lengths  # [B]: where each sequence starts in the row
         positions = torch.arange(flat_ids.shape[1], device=device) - torch.repeat_interleave(starts, lengths)
-        out = model(input_ids=flat_ids, position_ids=positions[None, :], use_cache=False)
+        out = model(input_ids=flat_ids, position_ids=positions[None, :], use_cache=False, **extra)
         row_start = starts
     else:
         positions = torch.arange(t, device=device)[None, :].expand(b, t)
@@ -244,19 +275,32 @@ def _response_forward(
             attention_mask=batch.attention_mask,
             position_ids=positions,
             use_cache=False,
+            **extra,
         )
         row_start = torch.arange(b, device=device) * t
+    # the position predicting response token j of row b: column P_b + j - 1 of that row (clamped on pad)
+    within = (batch.prompt_lens[:, None] - 1 + cols).clamp(max=(lengths[:, None] - 1).clamp(min=0))
+    mask = batch.response_mask
+    if chunked:
+        # the final hidden states (after the final norm), gathered at the N real response positions only:
+        # [N, H]; the head then sees `chunk_tokens` of them at a time, never [B, T, V]
+        hidden = out.hidden_states[-1]
+        flat_index = (row_start[:, None] + within)[mask]  # [N]
+        picked_hidden = hidden.reshape(-1, hidden.shape[-1])[flat_index]
+        logp_n, entropy_n = chunked_head_logprobs(
+            output_head(model), picked_hidden, batch.response_ids[mask], temperature, chunk_tokens, entropy
+        )
+        logp = logp_n.new_zeros(mask.shape).masked_scatter(mask, logp_n)
+        if entropy_n is None:
+            return logp, None
+        return logp, entropy_n.new_zeros(mask.shape).masked_scatter(mask, entropy_n)
     logits = out if isinstance(out, Tensor) else out.logits  # [B, T, V] or [1, S, V]
     flat = logits.reshape(-1, logits.shape[-1])
-    # the logits predicting response token j of row b: column P_b + j - 1 of that row (clamped on pad)
-    within = (batch.prompt_lens[:, None] - 1 + cols).clamp(max=(lengths[:, None] - 1).clamp(min=0))
     picked = flat[row_start[:, None] + within]  # [B, Tr, V]
     picked = picked.to(torch.promote_types(picked.dtype, torch.float32)) / temperature
     logp_all = torch.log_softmax(picked, dim=-1)  # [B, Tr, V]
     logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1)  # [B, Tr]
-    mask = batch.response_mask
     logp = torch.where(mask, logp, 0.0)
-    if not with_entropy:
+    if entropy is None:
         return logp, None
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, Tr]
-    return logp, torch.where(mask, entropy, 0.0)
+    return logp, torch.where(mask, entropy_of(logp_all, grad=entropy == "grad"), 0.0)  # [B, Tr]

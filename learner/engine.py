@@ -7,7 +7,8 @@ count) into a directory.
 
 Knows nothing of RL, samples or tokenization: the caller gives a loss function
 `(model, micro_batch) -> scalar loss tensor` and calls `forward_backward` once per micro-batch, then
-`step()` once per optimizer step (exactly `grad_accum_steps` micro-batches per step, per rank).
+`step()` once per optimizer step (exactly `grad_accum_steps` micro-batches per step, per rank; the count
+may change between optimizer steps with `set_accumulation`, for token-budgeted micro-batches).
 The applied gradient is the mean over micro-batches and ranks of each micro-batch loss's gradient
 (DeepSpeed's semantics, reproduced by the torch backend), so a micro-batch loss should be a mean.
 Does not write weights files (`learner.weights`) nor checkpoint metadata/RNG (`learner.checkpoint`).
@@ -140,6 +141,7 @@ class TrainEngine:
 
         self.settings = settings
         self._pending = 0  # micro-batches back-propagated since the last optimizer step
+        self._accum = settings.grad_accum_steps  # micro-batches in the current optimizer step, per rank
         self._steps = 0  # optimizer steps taken (torch backend; DeepSpeed counts its own)
         self._ds: Any = None  # the DeepSpeedEngine (untyped)
         self._optimizer: torch.optim.Optimizer | None = None
@@ -234,7 +236,25 @@ class TrainEngine:
         assert optimizer is not None
         return float(optimizer.param_groups[0]["lr"])
 
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches (backward calls) per optimizer step, per rank, for the current step."""
+        return self._accum
+
     # ------------------------------------------------------------------ training
+
+    def set_accumulation(self, micro_batches: int) -> None:
+        """Use `micro_batches` backward calls for the next optimizer step (same on every rank); only
+        between optimizer steps. DeepSpeed's 1/accumulation loss scaling follows it."""
+        if micro_batches < 1:
+            raise ValueError(f"set_accumulation: micro_batches = {micro_batches}, expected >= 1")
+        if self._pending:
+            raise RuntimeError(f"set_accumulation() with {self._pending} micro-batches accumulated")
+        self._accum = micro_batches
+        if self._ds is not None:
+            micro = self._ds.train_micro_batch_size_per_gpu()
+            self._ds.set_train_batch_size(micro * micro_batches * self._ds.dp_world_size)
+            self._ds.set_gradient_accumulation_boundary(micro_batches == 1)  # for the first forward
 
     def forward_backward(self, loss_fn: LossFn, micro_batch: Any) -> float:
         """`loss_fn(self.model, micro_batch)`, back-propagated; returns the (unscaled) loss value."""
@@ -247,20 +267,23 @@ class TrainEngine:
 
         The loss must come from a forward through `self.model` (see `module`).
         """
-        accum = self.settings.grad_accum_steps
+        accum = self._accum
         if self._pending >= accum:
             raise RuntimeError(f"backward() called {self._pending + 1} times before step(); expected {accum}")
         self._pending += 1
         if self._ds is None:
             (loss / accum).backward()  # type: ignore[no-untyped-call]
             return
+        # the boundary set explicitly: DeepSpeed's own test counts micro-steps modulo the accumulation,
+        # which goes wrong once the accumulation changes between steps
+        self._ds.set_gradient_accumulation_boundary(self._pending == accum)
         self._ds.backward(loss)
         if self._pending < accum:
             self._ds.step()  # not a boundary: DeepSpeed only advances its micro-step counter
 
     def step(self) -> float:
         """Clip, apply AdamW, advance the LR schedule, clear gradients; returns the pre-clip grad norm."""
-        accum = self.settings.grad_accum_steps
+        accum = self._accum
         if self._pending != accum:
             raise RuntimeError(f"step() after {self._pending} backward() calls; expected {accum}")
         self._pending = 0
@@ -268,6 +291,7 @@ class TrainEngine:
             return self._torch_step()
         norm = self._grad_norm() if self.settings.zero_stage == 0 else None
         self._ds.step()
+        self._ds.set_gradient_accumulation_boundary(accum == 1)  # the next step's first forward
         if norm is None:
             got = self._ds.get_global_grad_norm()
             norm = float(got) if got is not None else float("nan")

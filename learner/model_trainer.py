@@ -93,13 +93,18 @@ class ModelTrainer:
         return ResumePoint(meta.step, meta.version, meta.last_batch_id, source=str(latest))
 
     def start(self, report: PhaseReport) -> None:
-        from april.hf import load_model, set_torch_threads
+        from april.hf import enable_activation_checkpointing, load_model, set_torch_threads
         from learner.engine import TrainEngine, TrainSettings
+        from learner.logprob_head import check_supported
 
         lc = self.config.learner
         report(protocol.LearnerPhase.LOADING_MODEL, lc.model)
         set_torch_threads(lc.torch_threads)
         model = load_model(lc.model, device=lc.device, dtype="float32" if lc.device == "cpu" else "auto")
+        if lc.logprob_chunk_tokens > 0:
+            check_supported(model)  # at start, not at the first batch
+        if lc.gradient_checkpointing:
+            enable_activation_checkpointing(model)
         if lc.kl_coef > 0:
             self._reference = load_model(lc.model, device=lc.device)
             self._reference.train(False)
@@ -131,9 +136,9 @@ class ModelTrainer:
     def train(self, batch: protocol.Batch, version: int) -> dict[str, float]:
         from learner.batching import build_train_batch
         from learner.overlong import apply_overlong, truncated_rows
-        from learner.step import train_step
+        from learner.step import Layout, train_step
 
-        algo = self.config.algo
+        algo, lc = self.config.algo, self.config.learner
         samples = batch.samples.to_samples()
         built = build_train_batch(samples, n_samples_per_prompt=algo.n_samples_per_prompt)
         shaped, overlong = apply_overlong(built, truncated_rows(samples, built), algo)
@@ -144,8 +149,14 @@ class ModelTrainer:
             version=version,
             temperature=algo.temperature,
             group_size=algo.n_samples_per_prompt,
-            updates=self.config.learner.updates_per_batch,
+            updates=lc.updates_per_batch,
             reference=self._reference,
+            layout=Layout(
+                micro_batches=lc.micro_batches,
+                max_tokens=lc.max_tokens_per_micro_batch,
+                chunk_tokens=lc.logprob_chunk_tokens,
+                packed=lc.pack_sequences,
+            ),
         )
         return {**metrics, **overlong.metrics()}
 

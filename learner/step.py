@@ -5,9 +5,12 @@ Owns the order of operations and the batch bookkeeping between `learner.batching
 - advantages are computed once over the whole batch (groups are never split for them);
 - the batch is cut into `updates` mini-batches of whole groups, one optimizer step each; each mini-batch
   is normalised on its own (its samples, its tokens), as PPO-style mini-batching does;
-- a mini-batch is split into `micro_batches x world_size` parts balanced by tokens; rank r trains parts
-  r, r + world, ... Losses carry the mini-batch's normalisers, so the parts' gradients add up to the
-  mini-batch gradient: the engine's 1/accumulation and DeepSpeed's 1/world averaging are undone.
+- a mini-batch is split into `k x world_size` parts balanced by tokens; rank r trains parts r, r + world,
+  ... k is `Layout.micro_batches`, or with a token budget (`Layout.max_tokens`) the least k >= it whose
+  parts each fit the budget (a part of one sample may not). Every rank derives the same k from the same
+  batch. Losses carry the mini-batch's normalisers, so the parts' gradients add up to the mini-batch
+  gradient: the engine's 1/accumulation and DeepSpeed's 1/world averaging are undone.
+- the entropy's graph is built only when the loss has an entropy term; otherwise it is a metric.
 - the proximal policy (`decoupled`) is the weights before the first update, for every mini-batch.
 Every rank must call `train_step` with the same batch (`learner.ranks.share_batch`).
 """
@@ -16,10 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from april.config import DEFAULT_LOGPROB_CHUNK_TOKENS
 from learner.advantages import group_advantages
 from learner.batching import (
     TrainBatch,
@@ -31,6 +37,17 @@ from learner.batching import (
 from learner.engine import TrainEngine
 from learner.losses import LossConfig, LossStats, merge_stats, needs_proximal, policy_loss
 from learner.ranks import reduce_stats
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a mini-batch becomes micro-batches and how each is forwarded (the `learner.*` keys of the same
+    meaning). `micro_batches` 0 means the engine's configured accumulation."""
+
+    micro_batches: int = 0  # parts per rank: exactly this (max_tokens 0), or at least this
+    max_tokens: int = 0  # token budget of a part (padded B x T; packed: its tokens); 0: no budget
+    chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS  # response positions per log-prob chunk; 0: full logits
+    packed: bool = False  # forward each part as one padding-free row
 
 
 def balanced_parts(batch: TrainBatch, parts: int) -> list[TrainBatch]:
@@ -70,6 +87,24 @@ def rank_parts(batch: TrainBatch, accum: int, rank: int, world: int) -> list[Tra
     return balanced_parts(batch, accum * world)[rank::world]
 
 
+def part_cost(part: TrainBatch, packed: bool) -> int:
+    """Tokens a forward of `part` computes over: its tokens packed, rows x longest sequence padded."""
+    return part.tokens if packed else part.padded_tokens
+
+
+def budget_accumulation(batch: TrainBatch, least: int, max_tokens: int, world: int, packed: bool) -> int:
+    """The least k >= `least` such that `k x world` token-balanced parts each cost <= `max_tokens`
+    (or hold one sample); `least` itself when `max_tokens` is 0."""
+    if max_tokens <= 0:
+        return least
+    k = max(least, math.ceil(batch.tokens / (max_tokens * world)))
+    while k * world < batch.size:
+        if all(p.size == 1 or part_cost(p, packed) <= max_tokens for p in balanced_parts(batch, k * world)):
+            break
+        k += 1
+    return k
+
+
 def train_step(
     engine: TrainEngine,
     batch: TrainBatch,
@@ -80,30 +115,35 @@ def train_step(
     group_size: int,
     updates: int = 1,
     reference: Any = None,
+    layout: Layout | None = None,
 ) -> dict[str, float]:
     """Train on one exactly-N batch with the weights of `version` (`updates` optimizer steps); returns
     the step's statistics over all ranks."""
     module = engine.module  # the bare model: forwards without gradients
     device = next(module.parameters()).device
+    layout = layout or Layout()
+    least = layout.micro_batches or engine.settings.grad_accum_steps
     batch = with_advantages(batch, group_advantages(batch.group_rewards(), cfg.algorithm).reshape(-1))
-    accum, rank, world = engine.settings.grad_accum_steps, engine.rank, engine.world_size
-    plan = [
-        (mb, [p.to(device) for p in rank_parts(mb, accum, rank, world)])
-        for mb in mini_batches(batch, updates, group_size)
-    ]
-    proximal: list[list[torch.Tensor | None]] = [[None] * len(parts) for _, parts in plan]
+    rank, world = engine.rank, engine.world_size
+    plan = []  # (mini-batch, micro-batches per rank, this rank's parts)
+    for mb in mini_batches(batch, updates, group_size):
+        accum = budget_accumulation(mb, least, layout.max_tokens, world, layout.packed)
+        plan.append((mb, accum, [p.to(device) for p in rank_parts(mb, accum, rank, world)]))
+    proximal: list[list[torch.Tensor | None]] = [[None] * len(parts) for _, _, parts in plan]
     if needs_proximal(cfg.offpolicy):  # the weights before this batch's first update: the proximal policy
         with torch.no_grad():
-            proximal = [[response_logprobs(module, p, temperature) for p in parts] for _, parts in plan]
+            proximal = [[_logprobs(module, p, temperature, layout) for p in parts] for _, _, parts in plan]
     stats: list[LossStats] = []
     grad_norms: list[float] = []
-    for (mb, parts), prox in zip(plan, proximal, strict=True):
+    for (mb, accum, parts), prox in zip(plan, proximal, strict=True):
+        engine.set_accumulation(accum)
         for part, part_prox in zip(parts, prox, strict=True):
-            stats.append(_backward_part(engine, part, part_prox, cfg, version, temperature, reference))
+            loss_stats = _backward_part(engine, part, part_prox, cfg, version, temperature, reference, layout)
+            stats.append(loss_stats)
         filler = parts[-1] if parts else select(mb, [0]).to(device)
         for _ in range(accum - len(parts)):  # fewer parts than micro-batches on this rank: zero-weighted
             # forwards keep the engine's micro-batch count and every rank's collectives in step
-            engine.backward(response_logprobs(engine.model, filler, temperature).sum() * 0.0)
+            engine.backward(_logprobs(engine.model, filler, temperature, layout).sum() * 0.0)
         grad_norms.append(engine.step())
     merged = reduce_stats(merge_stats(stats))
     metrics = merged.metrics()
@@ -115,6 +155,10 @@ def train_step(
     return metrics
 
 
+def _logprobs(model: Any, part: TrainBatch, temperature: float, layout: Layout) -> torch.Tensor:
+    return response_logprobs(model, part, temperature, packed=layout.packed, chunk_tokens=layout.chunk_tokens)
+
+
 def _backward_part(
     engine: TrainEngine,
     part: TrainBatch,
@@ -123,13 +167,21 @@ def _backward_part(
     version: int,
     temperature: float,
     reference: Any,
+    layout: Layout,
 ) -> LossStats:
     """Loss and backward of one part; its loss is scaled so the engine's averaging gives the sum."""
-    logp, entropy = response_logprobs_and_entropy(engine.model, part, temperature)
+    logp, entropy = response_logprobs_and_entropy(
+        engine.model,
+        part,
+        temperature,
+        packed=layout.packed,
+        chunk_tokens=layout.chunk_tokens,
+        entropy_grad=cfg.entropy_coef > 0,  # otherwise a metric: no [tokens, V] graph kept for it
+    )
     ref = None
     if reference is not None and cfg.kl_coef > 0:
         with torch.no_grad():
-            ref = response_logprobs(reference, part, temperature)
+            ref = _logprobs(reference, part, temperature, layout)
     loss, stats = policy_loss(
         logp,
         part.behaviour_logprobs,
@@ -144,5 +196,5 @@ def _backward_part(
         logp_ref=ref,
         entropy=entropy,
     )
-    engine.backward(loss * engine.settings.grad_accum_steps * engine.world_size)
+    engine.backward(loss * engine.accumulation * engine.world_size)
     return stats

@@ -147,6 +147,28 @@ def check_learner_step(tmp_path: Path) -> None:
     assert "median/torch" in printed
 
 
+def check_learner_memory(tmp_path: Path) -> None:
+    out = tmp_path / "learner_memory.json"
+    printed = run_smoke("learner_memory.py", out, tmp_path)
+    report = json.loads(out.read_text())
+    args = report["args"]
+    assert report["benchmark"] == "learner_memory" and args["smoke"] is True
+    assert args["vocab"] == 151_936  # the real vocabulary even at the smoke size
+    assert report["configs"]["before"]["logprob_chunk_tokens"] == 0
+    assert report["configs"]["after"]["logprob_chunk_tokens"] > 0  # the defaults chunk
+    want = [("before", int(n)) for n in args["before_lengths"].split(",")]
+    want += [("after", int(n)) for n in args["after_lengths"].split(",")]
+    assert [(r["config"], r["response_len"]) for r in report["rows"]] == want  # one child per point
+    for r in report["rows"]:
+        assert r["response_tokens"] == args["samples"] * r["response_len"]
+        assert r["tokens_per_step"] == r["response_tokens"] + args["samples"] * args["prompt"]
+        assert r["micro_batches"] >= 1 and finite(r["loss"]) and positive(r["step_s"])
+        assert r["peak_rss_bytes"] >= r["rss_before_step_bytes"] > 0
+    after = [r for r in report["rows"] if r["config"] == "after"]
+    assert len(report["growth_per_token"]["after"]) == len(after) - 1
+    assert "peak RSS" in printed
+
+
 def check_accuracy(tmp_path: Path) -> None:
     out = tmp_path / "accuracy"
     printed = run_smoke("accuracy.py", out, tmp_path)
@@ -214,6 +236,7 @@ CHECKS: dict[str, Callable[[Path], None]] = {
     "broker_throughput.py": check_broker_throughput,
     "engine_throughput.py": check_engine_throughput,
     "learner_step.py": check_learner_step,
+    "learner_memory.py": check_learner_memory,
     "accuracy.py": check_accuracy,
     "soak.py": check_soak,
     "results.py": check_results,

@@ -61,6 +61,7 @@ def train(spec: dict[str, Any]) -> None:
 
     Each step's global batch [micro * accum * world, SEQ_LEN] is drawn from torch's global RNG, so a
     resumed run only sees the same batches if the RNG was restored. Rank r trains its slice of it.
+    `spec["accumulation"]` (optional) gives each step's own micro-batch count (`set_accumulation`).
     """
     if "threads" in spec:
         torch.set_num_threads(spec["threads"])
@@ -76,9 +77,11 @@ def train(spec: dict[str, Any]) -> None:
         torch.manual_seed(1234)
         random.seed(1234)
         np.random.seed(1234)
-    per_rank = s.micro_batch_size * s.grad_accum_steps
     metrics = []
     for step in range(start + 1, spec["steps"] + 1):
+        if "accumulation" in spec:
+            engine.set_accumulation(spec["accumulation"][step - 1])
+        per_rank = s.micro_batch_size * engine.accumulation
         batch = torch.randint(3, 259, (per_rank * engine.world_size, SEQ_LEN))
         mine = batch[engine.rank * per_rank : (engine.rank + 1) * per_rank]
         lr = engine.lr
@@ -223,6 +226,25 @@ def test_two_ranks_match_one_rank(
     for got, want in zip(ds_m, ref_m, strict=True):
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
     assert compiled_ops(tmp_path / "extensions") == []
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_accumulation_may_change_between_steps(model_dir: Path, tmp_path: Path, zero_stage: int) -> None:
+    """3, then 1, then 2 micro-batches per step (token-budgeted micro-batches vary so): DeepSpeed applies
+    each step at its own boundary with its own 1/accumulation, as plain torch does."""
+    schedule = [3, 1, 2]
+    ref = {"model_dir": str(model_dir), "out": str(tmp_path / "torch"), "steps": 3, "accumulation": schedule}
+    train({**ref, "settings": {**BASE, "backend": "torch"}})
+    ref_w, ref_m = result(tmp_path / "torch")
+    settings = {**BASE, "backend": "deepspeed", "zero_stage": zero_stage}
+    run_children([{**ref, "out": str(tmp_path / "ds"), "settings": settings}], tmp_path)
+    ds_w, ds_m = result(tmp_path / "ds")
+    assert max_diff(ref_w, load_model(model_dir).state_dict()) > 1e-4
+    assert max_diff(ds_w, ref_w) <= 1e-6
+    for got, want in zip(ds_m, ref_m, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 
 # ---------------------------------------------------------------------- DeepSpeed's compiled ops
@@ -431,6 +453,13 @@ def test_engine_enforces_the_accumulation_count(model_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="expected 2"):
         engine.forward_backward(lm_loss, ids)
     assert engine.step() > 0 and engine.steps == 1
+    engine.set_accumulation(1)
+    engine.forward_backward(lm_loss, ids)
+    with pytest.raises(RuntimeError, match="accumulated"):
+        engine.set_accumulation(2)
+    assert engine.step() > 0 and engine.steps == 2
+    with pytest.raises(ValueError, match="expected >= 1"):
+        engine.set_accumulation(0)
 
 
 if __name__ == "__main__":  # a child process of the DeepSpeed tests: python test_learner_engine.py SPEC
