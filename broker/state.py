@@ -284,9 +284,11 @@ class BrokerState:
     def reclaim(self, lease_id: int) -> None:
         """Put a leased sample back in the queue as it was leased (its worker died or left)."""
         lease = self.leases.pop(lease_id)
-        entry = self.groups[lease.at_lease.group_id]
+        self._requeue_as_leased(lease)
+
+    def _requeue_as_leased(self, lease: LeaseEntry) -> None:
         restored = lease.at_lease  # PENDING or INTERRUPTED, exactly as it was queued
-        self._update(entry, restored)
+        self._update(self.groups[restored.group_id], restored)
         self.queue.push(restored.key, restored.min_version)
 
     # ------------------------------------------------------------------ results
@@ -302,6 +304,11 @@ class BrokerState:
         del self.leases[lease_id]
         entry = self.groups[sample.group_id]
         new_tokens = sample.response_len - lease.at_lease.response_len
+        if sample.status == SampleStatus.INTERRUPTED and new_tokens == 0:
+            # returned with nothing generated (its worker's engine was still starting or went down, or an
+            # abort beat the first token): the lease comes back as it was leased, which is no abort
+            self._requeue_as_leased(lease)
+            return 0
         self.round.tokens_generated += new_tokens
         self.totals.tokens_generated += new_tokens
         self._update(entry, sample)

@@ -543,6 +543,25 @@ def test_reclaim_restores_the_sample_exactly_as_before_the_lease() -> None:
     assert len(again) == 1 and again[0][2].resumes == 1 and again[0][1] == MAX_NEW - 3
 
 
+def test_a_lease_returned_with_nothing_generated_is_requeued_as_leased_and_is_no_abort() -> None:
+    """A worker whose engine was still starting (or went down) sends leases straight back, INTERRUPTED
+    with no tokens: that is the lease returned as it was leased (a fresh sample or a partial), not an
+    aborted sample. Sync mode aborts nothing, whatever its workers' engines do."""
+    sync = Driver(make_state(Mode.SYNC, b=1, n=2))
+    (fresh_lease, _, _), _ = sync.take()
+    partial, partial_lease, _ = april_with_partial()
+    for d, lease_id in ((sync, fresh_lease), (partial, partial_lease)):
+        before = d.state.leases[lease_id].at_lease
+        totals, in_round, buffered = d.state.totals.aborted, d.state.round.aborted, d.state.partial
+        d.interrupt(lease_id, tokens=0)
+        assert (d.state.totals.aborted, d.state.round.aborted) == (totals, in_round)
+        assert_samples_equal(d.state.groups[before.group_id].samples[before.index], before)
+        assert before.key in d.state.queue.ordered() and d.state.partial == buffered
+        (again,) = [lid for lid, _, s in d.take() if s.key == before.key]
+        d.interrupt(again, tokens=1)  # with a token generated, an interruption is an abort
+        assert d.state.totals.aborted == totals + 1
+
+
 def test_second_result_for_a_lease_is_not_counted_twice() -> None:
     state = make_state(Mode.SYNC, b=1, n=2)
     d = Driver(state)

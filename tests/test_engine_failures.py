@@ -584,7 +584,10 @@ def engine_killed_and_restarted_mid_run(
     assert len(batches) == 3 and all(b["ok"] for b in batches)
     trained_keys(c)
     status = c.status()
-    assert status.ledger_balanced and status.ledger.trained == 12 and status.rejected.total == 0
+    assert status.ledger_balanced and status.ledger.trained == 12
+    # the kill may land while a version is loading: the worker reports that load failed (and loads the
+    # next version once back); nothing else may be rejected
+    assert set(status.rejected.by_reason) <= {"weights_not_loaded"}
     waits = [int(x) for x in re.findall(r"next probe in (\d+)s", log.read_text())]
     assert waits and waits == [2 * 2**i for i in range(len(waits))]  # the peer link's backoff, doubling
     assert c.procs["w0"].poll() is None  # the same worker process throughout

@@ -33,8 +33,16 @@ def test_worker_sigterm_returns_leases_and_sigkill_is_survived(cluster: Callable
         run={"mode": "async"}, algo={"max_new_tokens": 40, "max_staleness": 1}, worker={"sim_time_scale": 1.0}
     )
     c.start_broker()
-    c.start_worker("leaver")
-    c.start_worker("victim")
+    # Two slots each and 40-token samples of ~3 s: the first worker to register needs ~20 s to finish
+    # the work the broker admits without a learner, so the second one (which may start seconds later on a
+    # loaded machine) still finds work, and both come to hold leases.
+    slow = (
+        "worker.slots=2",
+        "worker.sim_time_scale=5.0",
+        "worker.sim_lengths=lognormal:median=40,sigma=0.01,cap=40",
+    )
+    c.start_worker("leaver", *slow)
+    c.start_worker("victim", *slow)
 
     def both_hold_leases() -> bool:  # a registered worker has installed its signal handlers
         leases = {w.id: w.leases for w in c.status().workers}
