@@ -155,6 +155,21 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def run_to_completion(engine: Engine, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
+    """Keep the engine full (requests join as slots free up) until every request finished; outputs in
+    the order they finished. For callers without a broker: `april generate`, `april sft`'s evaluation,
+    benchmarks and tests."""
+    pending = list(requests)
+    done: list[GenerationOutput] = []
+    while pending or engine.active:
+        free = engine.slots - engine.active
+        if pending and free > 0:
+            engine.add(pending[:free])
+            pending = pending[free:]
+        done.extend(engine.step())
+    return done
+
+
 def check_engine_args(engine: str, slots: int, sampling: SamplingParams) -> None:
     """The start-up checks every model engine makes: at least one slot and sampling settings it runs."""
     if slots < 1:

@@ -343,12 +343,11 @@ def sampled_eval(model_dir: Path, weights: Path | None, prompts: int, samples: i
     task seed EVAL_TASK_SEED, `samples` each, decoded by the torch rollout engine as a worker decodes."""
     import torch
 
-    from actors.engine import GenerationRequest, SamplingParams
+    from actors.engine import GenerationRequest, SamplingParams, run_to_completion
     from actors.engines.torch_engine import TorchEngine
     from actors.rewards import exact_reward
     from actors.tokenizer import HFTokenizer
     from april.task import MAX_NEW_TOKENS, TaskPromptSource
-    from cli.generate_cmd import run_to_completion
 
     torch.set_num_threads(2)
     tokenizer = HFTokenizer(model_dir)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
+from actors.engine import GenerationRequest, SamplingParams, run_to_completion
 from actors.engines.sim_engine import SampleIdentity
 from actors.factory import check_worker, make_engine, make_tokenizer
 from actors.reward_runner import RewardRunner
@@ -134,16 +134,3 @@ def score(
             for result in rewards.poll(wait_s=1.0):
                 results[result.key] = (result.reward, result.error)
     return results
-
-
-def run_to_completion(engine: Engine, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-    """Keep the engine full until every request finished."""
-    pending = list(requests)
-    done: list[GenerationOutput] = []
-    while pending or engine.active:
-        free = engine.slots - engine.active
-        if pending and free > 0:
-            engine.add(pending[:free])
-            pending = pending[free:]
-        done.extend(engine.step())
-    return done

@@ -52,10 +52,10 @@ def evaluate(
     seed: int = 0,
 ) -> EvalResult:
     """Generate for the first `prompts` task prompts (task seed EVAL_SEED) and score with `exact`."""
+    from actors.engine import run_to_completion
     from actors.engines.torch_engine import TorchEngine
     from actors.rewards import exact_reward
     from actors.tokenizer import HFTokenizer
-    from cli.generate_cmd import run_to_completion
 
     tokenizer = HFTokenizer(model_dir)
     source = TaskPromptSource(seed=EVAL_SEED)

@@ -26,7 +26,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from actors.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams  # noqa: E402
+from actors.engine import (  # noqa: E402
+    Engine,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    run_to_completion,
+)
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from april.hf import REAL_VOCAB_SIZES, ModelError, load_model, make_tiny_model  # noqa: E402
 from april.ports import free_ports  # noqa: E402
@@ -55,14 +61,9 @@ def arch_model(root: Path, architecture: str, tied: bool, seed: int = 0) -> Path
 
 
 def generate(engine: Engine, inputs: list[np.ndarray], budgets: list[int]) -> list[GenerationOutput]:
-    """Feed requests as slots free up (so rows join mid-way) until all finish; outputs in input order."""
-    queue, outs = list(range(len(inputs))), {}
-    while queue or engine.active:
-        while queue and engine.active < engine.slots:
-            i = queue.pop(0)
-            engine.add([GenerationRequest(i, inputs[i], budgets[i])])
-        for out in engine.step():
-            outs[out.request_id] = out
+    """Requests join as slots free up (so rows join mid-way) until all finish; outputs in input order."""
+    requests = [GenerationRequest(i, x, b) for i, (x, b) in enumerate(zip(inputs, budgets, strict=True))]
+    outs = {out.request_id: out for out in run_to_completion(engine, requests)}
     return [outs[i] for i in range(len(inputs))]
 
 

@@ -21,6 +21,7 @@ from actors.engine import (  # noqa: E402
     GenerationRequest,
     SamplingParams,
     WeightLoadError,
+    run_to_completion,
 )
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from april.hf import ModelError, load_model, load_tokenizer, make_tiny_model  # noqa: E402
@@ -49,15 +50,9 @@ def prompts(seed: int = 0, lens: Sequence[int] = PROMPT_LENS) -> list[np.ndarray
 def run(
     engine: TorchEngine, inputs: Sequence[np.ndarray], budgets: Sequence[int]
 ) -> dict[int, GenerationOutput]:
-    """Feed requests as slots free up (so sequences join mid-way) until all finish."""
-    queue, outs = list(range(len(inputs))), {}
-    while queue or engine.active:
-        while queue and engine.active < engine.slots:
-            i = queue.pop(0)
-            engine.add([GenerationRequest(i, inputs[i], budgets[i])])
-        for out in engine.step():
-            outs[out.request_id] = out
-    return outs
+    """Requests join as slots free up (so sequences join mid-way) until all finish; outputs by request id."""
+    requests = [GenerationRequest(i, x, b) for i, (x, b) in enumerate(zip(inputs, budgets, strict=True))]
+    return {out.request_id: out for out in run_to_completion(engine, requests)}
 
 
 def reference_logprobs(
