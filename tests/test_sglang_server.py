@@ -422,7 +422,9 @@ def test_pause_abort_returns_partials_and_holds_new_requests_until_continue(make
         200,
         {"message": "Generation paused successfully.", "status": "ok"},
     )
-    assert not old.thread.is_alive()  # pause returned only after the in-flight /generate had
+    # pause returned only after the in-flight /generate had been answered (on the server: its client thread
+    # may still be reading the answer)
+    assert running(server) == 0 and old.rid not in server.rt.rid_to_state
     assert finish(old.result()[1])["type"] == "abort"
     new = Background(server, gen_body([4, 5], max_new_tokens=3))
     wait_for(lambda: new.rid in server.rt.rid_to_state, "the new request to arrive")
