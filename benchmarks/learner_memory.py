@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
@@ -235,6 +233,8 @@ def main() -> None:
             f"(before the step {row['rss_before_step_bytes'] / GIB:5.2f}) {row['step_s']:7.1f} s",
             flush=True,
         )
+    from april.provenance import machine
+
     growth = {name: per_token_growth([r for r in rows if r["config"] == name]) for name in layouts()}
     for name, steps in growth.items():
         for g in steps:
@@ -246,11 +246,7 @@ def main() -> None:
         "benchmark": "learner_memory",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},
         "configs": layouts(),
-        "platform": {
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-        },
+        "platform": machine(),
         "target_bytes": 4 * GIB,
         "rows": rows,
         "growth_per_token": growth,
