@@ -63,6 +63,15 @@ class KLEstimator(enum.StrEnum):
     K3 = "k3"  # exp(-d) - 1 + d
 
 
+class WeightsTransport(enum.StrEnum):
+    """How a published weights version reaches the workers (docs/design.md section 6)."""
+
+    AUTO = "auto"  # the learner's file where the worker sees it, the network transport otherwise
+    FILE = "file"  # workers read <run>/weights/ (a shared filesystem)
+    NETWORK = "network"  # workers pull each version from the learner's weight service (no shared filesystem)
+    BROADCAST = "broadcast"  # a collective (gloo/NCCL) to engines that take one; network for the others
+
+
 def _fmt(value: object) -> str:
     return repr(value.value) if isinstance(value, enum.Enum) else repr(value)
 
@@ -365,6 +374,24 @@ class LearnerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WeightsConfig:
+    transport: WeightsTransport = WeightsTransport.AUTO  # auto | file | network | broadcast
+    bind_host: str = "127.0.0.1"  # learner: address its weight service binds; non-loopback needs CurveZMQ
+    port: int = 5558  # learner: weight service port (ZeroMQ); the broadcast rendezvous uses port + 1
+    advertise_host: str = ""  # learner: address workers reach the service at; empty: its route to the broker
+    chunk_bytes: int = 4194304  # network: bytes per chunk (4 MiB)
+    window: int = 8  # network: chunks in flight per fetch (memory bound: window x chunk_bytes)
+    bucket_bytes: int = 67108864  # broadcast: bytes per collective call (64 MiB buckets)
+    timeout_s: float = 30.0  # a chunk or a collective waits at most this long before it is retried or dropped
+    cache_dir: str = ""  # worker: where fetched versions are kept; empty: a directory under the system temp
+    keep: int = 2  # worker: versions kept in the cache (>= 1)
+
+    def __post_init__(self) -> None:
+        _positive(self, "weights", "chunk_bytes", "window", "bucket_bytes", "timeout_s", "keep")
+        _check(0 < self.port < 65535, "weights.port", self.port, "must be in 1..65534 (port + 1 is used too)")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -372,6 +399,7 @@ class Config:
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def run_path(self) -> Path:
         """The run directory: run.run_dir, or runs/<run.name> when that is empty."""

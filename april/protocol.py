@@ -187,14 +187,20 @@ class WeightsReady:
 
 @dataclass(frozen=True, slots=True)
 class WeightsLoaded:
-    """W->B. Result of loading a relayed version: ok, or the error (the worker keeps its old weights)."""
+    """W->B. Result of loading a relayed version: ok, or the error (the worker keeps its old weights).
+    `transport` is how the bytes came (`file`, `network`, `broadcast`); `sync_s` the seconds from the
+    worker first hearing of the version to the engine serving it."""
 
     version: int
     ok: bool
     error: str
+    transport: str = ""
+    sync_s: float = 0.0
 
     def validate(self) -> None:
-        _check_non_negative(self, "version")
+        _check_non_negative(self, "version", "sync_s")
+        if len(self.transport) > 16:
+            raise ValueError(f"transport {self.transport[:16]!r}... is longer than 16 characters")
 
 
 @dataclass(frozen=True, slots=True)

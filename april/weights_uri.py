@@ -1,0 +1,100 @@
+"""Where a published weights version can be had: the URI a WeightsReady carries, written and read.
+
+The learner announces each version with one URI (docs/design.md section 6); the broker relays it
+untouched and never carries weight bytes. Three forms:
+
+    file:///abs/run/weights/v000003.safetensors                     the file transport: read the file
+    april+tcp://HOST:PORT/v000003.safetensors?size=N[&path=P][&broadcast=1]
+                                                                    the learner's weight service
+    sim://...                                                       the sim engine: nothing to load
+
+An `april+tcp` URI names the learner's weight service (ZeroMQ, `learner.weight_service`) and the file's
+size; `path` (transport auto) is the learner's own file, which a worker that sees it reads directly
+instead of pulling it; `broadcast` says the learner also sends each version through a collective to
+engines that joined its group (rendezvous at PORT + 1).
+
+Owns the format only: fetching is `actors.weight_fetch`'s, serving `learner.weight_service`'s.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qs, quote, unquote, urlencode, urlparse
+
+from april.config import ConfigError
+
+SERVICE_SCHEME = "april+tcp"
+_VERSION_FILE = re.compile(r"^v(\d{6,})\.safetensors$")
+
+
+class WeightsURIError(ConfigError):
+    """A weights URI this worker cannot read; one line naming it."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsLocation:
+    """Where version `version` can be had: a file path, the learner's service, or both."""
+
+    version: int
+    path: str = ""  # the learner's file; a worker that sees it may read it ("" = not offered)
+    service: str = ""  # "tcp://HOST:PORT" of the learner's weight service ("" = file transport)
+    size: int = 0  # bytes of the file; 0 = not announced (file transport)
+    broadcast: bool = False  # the learner also broadcasts versions to its collective group
+
+    @property
+    def file_name(self) -> str:
+        return f"v{self.version:06d}.safetensors"
+
+    @property
+    def broadcast_rendezvous(self) -> tuple[str, int]:
+        """(host, port) of the broadcast group's rendezvous store: the service host, its port + 1."""
+        parsed = urlparse(self.service)
+        if not self.broadcast or parsed.hostname is None or parsed.port is None:
+            raise WeightsURIError(f"v{self.version}: the learner announced no broadcast group")
+        return parsed.hostname, parsed.port + 1
+
+    def uri(self) -> str:
+        if not self.service:
+            return "file://" + quote(self.path)
+        query: dict[str, str] = {"size": str(self.size)}
+        if self.path:
+            query["path"] = self.path
+        if self.broadcast:
+            query["broadcast"] = "1"
+        endpoint = self.service.removeprefix("tcp://")
+        return f"{SERVICE_SCHEME}://{endpoint}/{self.file_name}?{urlencode(query)}"
+
+
+def parse(uri: str, version: int) -> WeightsLocation | None:
+    """The location `uri` names for version `version`; None for sim:// (nothing to load).
+
+    A plain path is a file location (older learners announced those). WeightsURIError if malformed."""
+    if uri.startswith("sim://"):
+        return None
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        return WeightsLocation(version, path=unquote(parsed.path) if parsed.scheme else uri)
+    if parsed.scheme != SERVICE_SCHEME:
+        raise WeightsURIError(
+            f"weights URI {uri!r}: unknown scheme {parsed.scheme!r} (expected file or {SERVICE_SCHEME})"
+        )
+    try:
+        host, port = parsed.hostname, parsed.port
+    except ValueError:
+        host = port = None
+    name = parsed.path.removeprefix("/")
+    match = _VERSION_FILE.match(name)
+    query = parse_qs(parsed.query)
+    size = query.get("size", [""])[0]
+    if not host or not port or not match or int(match.group(1)) != version or not size.isdigit():
+        raise WeightsURIError(
+            f"weights URI {uri!r}: expected {SERVICE_SCHEME}://HOST:PORT/v{version:06d}.safetensors?size=N"
+        )
+    return WeightsLocation(
+        version,
+        path=query.get("path", [""])[0],
+        service=f"tcp://{parsed.netloc}",
+        size=int(size),
+        broadcast=query.get("broadcast", [""])[0] == "1",
+    )
