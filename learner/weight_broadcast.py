@@ -175,7 +175,8 @@ class BroadcastHub:
         """A new generation with the current members and `joiners`; returns those that did not answer.
 
         Raises BroadcastError (the group could not connect) with `_members` set to those called in."""
-        candidates = [*self._members, *joiners]
+        rejoined = {m.worker for m in joiners}  # a member that left its group and joined anew: one ticket
+        candidates = [*(m for m in self._members if m.worker not in rejoined), *joiners]
         if self._group is not None:
             self._end(END_REFORM)
         self._generation += 1
