@@ -133,7 +133,7 @@ class BroadcastMember:
                 store = open_store(host, port, self.timeout_s)
                 address = self.address or local_address(host, port)
                 self._serve(store, address, stop)
-            except (BroadcastError, RuntimeError, OSError, ValueError, KeyError) as exc:
+            except (BroadcastError, RuntimeError, OSError, ValueError, KeyError, TypeError) as exc:
                 if stop.is_set():
                     break
                 self._fail(exc)

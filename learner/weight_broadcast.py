@@ -166,8 +166,7 @@ class BroadcastHub:
         for ticket in range(self._seen + 1, last + 1):
             if not self._store.check([join_key(ticket)]):
                 break  # it took its ticket a moment ago; the next broadcast takes it in
-            worker = json.loads(self._store.get(join_key(ticket)))["worker"]
-            joiners.append(_Member(ticket, str(worker)))
+            joiners.append(_Member(ticket, _worker_name(self._store.get(join_key(ticket)), ticket)))
             self._seen = ticket
         return joiners
 
@@ -273,6 +272,15 @@ class BroadcastHub:
             buckets,
             error,
         )
+
+
+def _worker_name(raw: bytes, ticket: int) -> str:
+    """The worker id a member joined with; a malformed one is named by its ticket (never an exception)."""
+    try:
+        worker = json.loads(raw)["worker"]
+    except (ValueError, KeyError, TypeError):
+        return f"ticket-{ticket}"
+    return str(worker)
 
 
 def _pack(buffer: torch.Tensor, start: int, flats: list[tuple[int, torch.Tensor]]) -> None:

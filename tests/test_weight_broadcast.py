@@ -184,6 +184,27 @@ def test_a_member_that_joins_late_gets_the_version_after_it_joined(hub_port: int
         hub.close()
 
 
+def test_members_follow_a_restarted_hub_on_the_same_port(hub_port: int) -> None:
+    """A learner that restarts hosts a new hub at the same address: its members join it by themselves."""
+    hub = BroadcastHub(HOST, hub_port, HOST, bucket_bytes=1024, timeout_s=10)
+    member = BroadcastMember("w", timeout_s=10)
+    try:
+        member.join(HOST, hub_port)
+        wait_for("the member joins", lambda: hub.waiting() == 1)
+        assert broadcast_within(hub, state_dict(1), 1).reached == ("w",)
+        assert receive(member, 1).version == 1
+        hub.close()
+
+        hub = BroadcastHub(HOST, hub_port, HOST, bucket_bytes=1024, timeout_s=10)
+        wait_for("the member joins the new hub", lambda: hub.waiting() == 1)
+        state = state_dict(2)
+        assert broadcast_within(hub, state, 2).reached == ("w",)
+        assert_equal(receive(member, 2).tensors, state)
+    finally:
+        member.close()
+        hub.close()
+
+
 def test_a_bucket_whose_bytes_do_not_match_the_digest_is_refused() -> None:
     bucket = torch.arange(64, dtype=torch.float32)
     expected = digest(bucket)
