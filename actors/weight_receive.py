@@ -3,8 +3,9 @@
     member = BroadcastMember(worker_id, timeout_s=config.weights.timeout_s)
     member.join(host, port)          # the learner's rendezvous: WeightsLocation.broadcast_rendezvous
     got = member.poll()              # between engine steps: the newest version received, or None
-    if got is not None:
+    if got is not None and got.version > engine.version:
         engine.load_tensors(got.tensors, got.version)     # an engine that is TensorLoading
+    got = member.wait(version, timeout_s)   # on WeightsReady(version): None = fetch it over the network
     for line in member.errors(): ...                       # failures since the last look, one line each
     member.close()
 
@@ -91,9 +92,11 @@ class BroadcastMember:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # notified when a version is received
         self._received: ReceivedWeights | None = None
         self._errors: list[str] = []
         self.generation = 0  # the group generation it is in now (0: none)
+        self._groups = 0  # groups it has been in
 
     def join(self, host: str, port: int) -> None:
         """Join the hub whose store is at (host, port) from now on; a no-op if already joined there."""
@@ -110,6 +113,22 @@ class BroadcastMember:
         with self._lock:
             got, self._received = self._received, None
         return got
+
+    def wait(self, version: int, timeout_s: float) -> ReceivedWeights | None:
+        """Like `poll`, for a version announced to be `version`: the newest received if it is `version` or
+        newer, waiting up to `timeout_s` for it while this member is in a group; None (at once when it is
+        in none) means fetch it through the network transport instead."""
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while True:
+                got = self._received
+                if got is not None and got.version >= version:
+                    self._received = None
+                    return got
+                left = deadline - time.monotonic()
+                if not self.generation or left <= 0:
+                    return None
+                self._arrived.wait(min(left, POLL_S))  # also looks at `generation` again
 
     def errors(self) -> list[str]:
         """Failures since the last call, one line each (the member has already joined anew)."""
@@ -129,6 +148,7 @@ class BroadcastMember:
     def _run(self, host: str, port: int, stop: threading.Event) -> None:
         pause = BACKOFF_S[0] / 2
         while not stop.is_set():
+            groups = self._groups
             try:
                 store = open_store(host, port, self.timeout_s)
                 address = self.address or local_address(host, port)
@@ -137,9 +157,9 @@ class BroadcastMember:
                 if stop.is_set():
                     break
                 self._fail(exc)
-            # a member that got into a group was reachable: start the backoff over
-            pause = BACKOFF_S[0] if self.generation else min(pause * 2, BACKOFF_S[1])
             self.generation = 0
+            # a member that got into a group since the last failure was reachable: start the backoff over
+            pause = BACKOFF_S[0] if self._groups > groups else min(pause * 2, BACKOFF_S[1])
             stop.wait(pause)
 
     def _serve(self, store: Any, address: str, stop: threading.Event) -> None:
@@ -153,9 +173,10 @@ class BroadcastMember:
                 continue
             group = open_group(store, generation, rank, size, address, self.timeout_s, self.backend)
             self.generation = generation
+            self._groups += 1
             reason = self._receive_all(store, group, generation, stop)
             del group  # before the next generation's sockets
-            after = generation
+            self.generation, after = 0, generation
             if reason != END_REFORM:  # the group failed: the hub wants a new ticket
                 ticket = self._join(store)
 
@@ -211,8 +232,9 @@ class BroadcastMember:
                 return str(store.get(end), "utf-8")
             manifest = Manifest.from_json(store.get(key))
             got = self._receive(store, group, generation, seq, manifest, stop)
-            with self._lock:
+            with self._arrived:
                 self._received = got
+                self._arrived.notify_all()
             seq += 1
 
     def _receive(

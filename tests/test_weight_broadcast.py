@@ -174,7 +174,9 @@ def test_a_member_that_joins_late_gets_the_version_after_it_joined(hub_port: int
         state = state_dict(2)
         report = broadcast_within(hub, state, 2)  # a new generation: the early member stays in it
         assert sorted(report.reached) == ["early", "late"] and report.dropped == ()
-        assert_equal(receive(late, 2).tensors, state)
+        got = late.wait(2, HANG_S)  # it is in the group: waits for the announced version
+        assert got is not None and got.version == 2
+        assert_equal(got.tensors, state)
         assert_equal(receive(early, 2).tensors, state)
         assert late.poll() is None  # v1 was before its time: it never had it
         assert early.errors() == [] and late.errors() == []
@@ -229,6 +231,7 @@ def test_a_member_given_a_wrong_digest_delivers_nothing_and_joins_again(
         wait_for("the member reports the bad digest", lambda: bool(errors.extend(member.errors()) or errors))
         assert "sha256" in errors[0]
         assert member.poll() is None  # the refused version is not handed out
+        assert member.wait(1, HANG_S) is None  # nor waited for: it is in no group until it is called again
 
         wait_for("the member joins anew", lambda: hub.waiting() == 1)
         state = state_dict(2)

@@ -25,7 +25,8 @@ How the batch works (shapes: B active rows, H kv heads, W cache columns in use, 
   once with LENGTH and no tokens.
 - `load_weights` validates the whole state dict before copying anything, then re-prefills the cache of
   every active row with the new weights, so every token generated after the load is exactly the new
-  policy's (and carries the new version).
+  policy's (and carries the new version). `load_tensors` (`actors.engine.TensorLoading`) does the same
+  from named tensors in memory: a version received by the collective broadcast.
 
 Does not implement sliding-window or linear-attention layers, beam search or speculative decoding.
 """
