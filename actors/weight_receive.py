@@ -41,6 +41,7 @@ import torch
 
 from april.broadcast_group import (
     END_REFORM,
+    JOINS,
     LATEST,
     BroadcastError,
     Manifest,
@@ -137,8 +138,11 @@ class BroadcastMember:
         return out
 
     def close(self) -> None:
-        """Stop the thread; returns within about POLL_S + 0.1 s even when a receive is in flight."""
-        self._stop.set()
+        """Stop the thread: returns within about a second even when a receive is in flight (module docstring);
+        nothing is handed out after it."""
+        with self._lock:
+            self._stop.set()
+            self._received = None
         if self._thread is not None:
             self._thread.join(timeout=1.0)
         self._thread, self._target = None, None
@@ -181,7 +185,7 @@ class BroadcastMember:
                 ticket = self._join(store)
 
     def _join(self, store: Any) -> int:
-        ticket = int(store.add("joins", 1))
+        ticket = int(store.add(JOINS, 1))
         store.set(join_key(ticket), json.dumps({"worker": self.worker_id}))
         return ticket
 
@@ -233,6 +237,8 @@ class BroadcastMember:
             manifest = Manifest.from_json(store.get(key))
             got = self._receive(store, group, generation, seq, manifest, stop)
             with self._arrived:
+                if stop.is_set():  # closed while it arrived: hand out nothing after close()
+                    raise BroadcastError("closing")
                 self._received = got
                 self._arrived.notify_all()
             seq += 1

@@ -149,6 +149,9 @@ class Manifest:
     def check(self) -> None:
         """Every entry lies inside its stream and the buckets tile every stream exactly, in order."""
         sizes = dict(self.streams)
+        for dtype, total in self.streams:
+            if itemsize(dtype) and total < 0:
+                raise BroadcastError(f"broadcast manifest: stream {dtype} has {total} elements")
         for e in self.entries:
             if e.dtype not in sizes or e.offset < 0 or min(e.shape, default=0) < 0:
                 raise BroadcastError(
