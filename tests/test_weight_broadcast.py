@@ -150,6 +150,41 @@ def test_two_member_processes_get_every_version_and_a_killed_one_is_dropped(
         hub.close()
 
 
+def test_a_stopped_member_is_dropped_within_the_timeout_and_rejoins_when_it_resumes(
+    hub_port: int, tmp_path: Path
+) -> None:
+    """SIGSTOP: the member is alive but takes nothing. 32 MiB is more than loopback's socket buffers hold,
+    so the hub's send cannot complete: it gives up after timeout_s instead of waiting for the member."""
+    hub = BroadcastHub(HOST, hub_port, HOST, bucket_bytes=8 << 20, timeout_s=3)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MEMBER, str(hub_port), "w", str(tmp_path), "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    big = {"w": torch.randn(8 << 20)}  # 32 MiB of float32
+    try:
+        wait_for("the member joins", lambda: hub.waiting() == 1)
+        assert broadcast_within(hub, state_dict(1), 1).reached == ("w",)
+        proc.send_signal(signal.SIGSTOP)
+        report = broadcast_within(hub, big, 2)
+        assert report.dropped == ("w",) and report.reached == () and report.error
+        proc.send_signal(signal.SIGCONT)
+
+        wait_for("the member joins anew", lambda: hub.waiting() == 1)
+        state = state_dict(3)
+        assert broadcast_within(hub, state, 3).reached == ("w",)
+        file = tmp_path / "w-v3.safetensors"
+        wait_for("w saves v3", file.exists)
+        assert_equal(load_file(str(file)), state)
+        assert not (tmp_path / "w-v2.safetensors").exists()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.communicate(timeout=HANG_S)
+        hub.close()
+
+
 def test_with_no_member_broadcast_returns_at_once_and_sends_nothing(hub_port: int) -> None:
     hub = BroadcastHub(HOST, hub_port, HOST, bucket_bytes=1024, timeout_s=600)
     try:
