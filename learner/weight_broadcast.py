@@ -25,8 +25,14 @@ its sockets there, the rendezvous store listens on `bind_host`, port + 1. Worker
 
 Memory: besides the caller's state dict, at most 2 x min(bucket_bytes, model bytes) of buffers.
 
+Not thread-safe: one caller (the learner loop) at a time; after `close` it is not used again.
+
 The NCCL path (`backend="nccl"`, `device="cuda"`: buffers on the GPU, each bucket hashed through a host
-copy) is the same code but untested here: CI and this machine have no GPU. Only gloo on CPU is tested.
+copy, an ended group's communicator aborted) is the same code but untested here: CI and this machine
+have no GPU, and NCCL needs a GPU per rank. Before using it: the learner and the members must have picked
+their CUDA device (`torch.cuda.set_device`), and NCCL's watchdog tears the whole process down on a
+timed-out collective unless TORCH_NCCL_ASYNC_ERROR_HANDLING says otherwise (set it so a member's fault
+only ends the group). Only gloo on CPU is tested.
 Owns the hub's side only; the learner loop decides when to call it, and the file/network transports
 stay the source of truth for every version.
 """
@@ -211,9 +217,14 @@ class BroadcastHub:
 
     def _end(self, reason: str) -> None:
         """End the current generation: members see `reason` in the store and act on it."""
-        if self._generation:
-            self._store.set(end_key(self._generation), reason)
-        self._group, self._members = None, ()
+        group, self._group, self._members = self._group, None, ()
+        try:
+            if self._generation:
+                self._store.set(end_key(self._generation), reason)
+            if group is not None and self.backend == "nccl":  # untested: frees the communicator now
+                group.abort()
+        except RuntimeError:
+            pass  # members see the group fail on their side instead, within their timeout
 
     # ---- sending a version ------------------------------------------------------------------------
 
