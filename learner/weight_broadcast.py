@@ -25,6 +25,10 @@ its sockets there, the rendezvous store listens on `bind_host`, port + 1. Worker
 
 Memory: besides the caller's state dict, at most 2 x min(bucket_bytes, model bytes) of buffers.
 
+Security: the store and gloo are plain, unauthenticated TCP (CurveZMQ covers the broker and the weight
+service, not these): anyone who reaches port + 1 can join and receive the weights. Use the broadcast on a
+trusted cluster network, as NCCL is; the store listens on `bind_host` only.
+
 Not thread-safe: one caller (the learner loop) at a time; after `close` it is not used again.
 
 The NCCL path (`backend="nccl"`, `device="cuda"`: buffers on the GPU, each bucket hashed through a host
