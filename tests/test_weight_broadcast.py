@@ -355,24 +355,40 @@ def test_the_manifest_tiles_each_dtype_stream_into_bounded_buckets() -> None:
         Manifest.from_json(broken)
 
 
-def test_the_torch_engine_loads_broadcast_tensors_and_refuses_a_wrong_shape(tmp_path: Path) -> None:
+def test_the_torch_engine_loads_a_broadcast_version_and_refuses_a_wrong_one(
+    hub_port: int, tmp_path: Path
+) -> None:
+    """A learner's model state (another seed) broadcast to a member and loaded into a worker's engine."""
     from actors.engine import SamplingParams, WeightLoadError
     from actors.engines.torch_engine import TorchEngine
-    from april.hf import make_tiny_model
+    from april.hf import load_model, make_tiny_model
 
-    engine = TorchEngine(make_tiny_model(tmp_path / "tiny", seed=0), slots=2, sampling=SamplingParams())
+    engine = TorchEngine(make_tiny_model(tmp_path / "worker", seed=0), slots=2, sampling=SamplingParams())
+    learner_state = {
+        k: v.detach().clone()
+        for k, v in load_model(make_tiny_model(tmp_path / "learner", seed=1)).state_dict().items()
+    }
     assert isinstance(engine, TensorLoading)
-    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    new = {k: v + 1.0 if v.is_floating_point() else v for k, v in before.items()}
-    engine.load_tensors(new, 3)
+    hub = BroadcastHub(HOST, hub_port, HOST, bucket_bytes=64 << 10, timeout_s=10)
+    member = BroadcastMember("w", timeout_s=10)
+    try:
+        member.join(HOST, hub_port)
+        wait_for("the member joins", lambda: hub.waiting() == 1)
+        report = broadcast_within(hub, learner_state, 3)
+        assert report.reached == ("w",) and report.buckets < len(learner_state)
+        got = receive(member, 3)
+    finally:
+        member.close()
+        hub.close()
+    engine.load_tensors(got.tensors, got.version)
     assert engine.version == 3
-    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in new.items())
+    assert_equal(engine.model.state_dict(), learner_state)
 
-    name = next(iter(new))
+    name = next(iter(learner_state))
     with pytest.raises(WeightLoadError, match="has shape"):
-        engine.load_tensors({**new, name: torch.zeros(1, 1)}, 4)
+        engine.load_tensors({**got.tensors, name: torch.zeros(1, 1)}, 4)
     with pytest.raises(WeightLoadError, match="broadcast v5 has 1 unexpected"):
-        engine.load_tensors({**new, "extra": torch.zeros(1)}, 5)
+        engine.load_tensors({**got.tensors, "extra": torch.zeros(1)}, 5)
     assert engine.version == 3  # a refused version leaves the old weights serving
-    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in new.items())
+    assert_equal(engine.model.state_dict(), learner_state)
     engine.close()
