@@ -79,6 +79,8 @@ from april.broadcast_group import (
 if TYPE_CHECKING:
     from april.config import WeightsConfig
 
+JOIN_RECORD_S = 2.0  # how long a ticket's holder may take to name itself
+
 
 @dataclass(frozen=True, slots=True)
 class BroadcastReport:
@@ -170,14 +172,19 @@ class BroadcastHub:
     # ---- forming a generation ---------------------------------------------------------------------
 
     def _new_joiners(self) -> list[_Member]:
-        """Members that took a ticket since the last look, up to the first whose name is not yet set."""
+        """Members that took a ticket since the last look.
+
+        A member names itself just after taking its ticket; one whose name is not there within
+        JOIN_RECORD_S is skipped (if alive, the call's `upto` tells it to join anew)."""
         last = int(self._store.add(JOINS, 0))
         joiners = []
         for ticket in range(self._seen + 1, last + 1):
-            if not self._store.check([join_key(ticket)]):
-                break  # it took its ticket a moment ago; the next broadcast takes it in
-            joiners.append(_Member(ticket, _worker_name(self._store.get(join_key(ticket)), ticket)))
             self._seen = ticket
+            deadline = time.monotonic() + min(JOIN_RECORD_S, self.timeout_s)
+            while not (named := self._store.check([join_key(ticket)])) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            if named:
+                joiners.append(_Member(ticket, _worker_name(self._store.get(join_key(ticket)), ticket)))
         return joiners
 
     def _form(self, joiners: list[_Member]) -> list[_Member]:
