@@ -87,6 +87,7 @@ class WeightSync:
         self.fetching: dict[int, protocol.WeightsReady] = {}
         self.results: list[SyncResult] = []
         self.newest = -1  # the newest version announced
+        self.to_fetch: tuple[WeightsLocation, protocol.WeightsReady] | None = None
 
     def announce(self, msg: protocol.WeightsReady) -> None:
         """A version the broker announced (any number of times): start getting it if it is the newest."""
@@ -94,6 +95,7 @@ class WeightSync:
             return
         self.newest = msg.version
         heard_at = self.heard.setdefault(msg.version, time.monotonic())
+        self.to_fetch = None  # superseded before its fetch started
         for older in [v for v in self.heard if v < msg.version]:  # superseded: never loaded now
             del self.heard[older]
         try:
@@ -114,10 +116,7 @@ class WeightSync:
             path = Path(location.path)
             self.results.append(Ready(msg.version, path, msg.uri, msg.sha256, FILE, heard_at, False))
             return
-        if self.fetcher is None:
-            self.fetcher = WeightFetcher(self.cfg, self.cache_dir, self.keys, self.worker_id)
-        self.fetching[msg.version] = msg
-        self.fetcher.fetch(location, msg.sha256)
+        self.to_fetch = (location, msg)  # started by poll: of a burst of versions, only the newest
 
     def _readable_path(self, location: WeightsLocation) -> Path | None:
         """The learner's file when this worker may and can read it in place."""
@@ -140,7 +139,15 @@ class WeightSync:
         return False
 
     def poll(self) -> list[SyncResult]:
-        """Versions ready to load or given up on since the last poll, oldest first."""
+        """Versions ready to load or given up on since the last poll, oldest first. Starts the fetch of
+        the newest version announced since the last poll (the others are superseded unfetched)."""
+        if self.to_fetch is not None:
+            location, announced = self.to_fetch
+            self.to_fetch = None
+            if self.fetcher is None:
+                self.fetcher = WeightFetcher(self.cfg, self.cache_dir, self.keys, self.worker_id)
+            self.fetching[announced.version] = announced
+            self.fetcher.fetch(location, announced.sha256)
         if self.fetcher is not None:
             for result in self.fetcher.poll():
                 msg = self.fetching.get(result.version)

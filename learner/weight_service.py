@@ -207,8 +207,8 @@ class WeightService:
         log.info("weight service on %s (%s)", self.endpoint, "CURVE" if self.keys else "no CURVE")
 
     def stop(self) -> None:
+        """Stop serving; requests waiting (while paused) are dropped unanswered, as by a crash."""
         self._stopping.set()
-        self._answering.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -240,10 +240,9 @@ class WeightService:
                 if self._zap is not None:
                     self._zap.drain()
                 self._read(router)
-                if self._answering.is_set():
-                    while self._pending:
-                        identity, request = self._pending.popleft()
-                        self._answer(router, identity, request)
+                while self._pending and self._answering.is_set() and not self._stopping.is_set():
+                    identity, request = self._pending.popleft()
+                    self._answer(router, identity, request)
                 self._close_pruned(time.monotonic())
         finally:
             router.close(linger=0)
