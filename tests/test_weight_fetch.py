@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import zmq
-from harness import wait_for
+from harness import Cluster, wait_for
 from scripted_engine import EngineScript
 from test_engine_failures import NOISE, BareBroker, running_worker
 
@@ -421,3 +422,47 @@ def test_a_worker_loads_the_newest_fetched_version(tmp_path: Path) -> None:
         "v000001.safetensors",
         "v000002.safetensors",
     ]
+
+
+# ---------------------------------------------------------------------------------------- a run
+
+
+def test_a_run_over_the_network_transport_loads_every_version_on_every_worker(
+    cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """Broker, learner and two torch workers as processes; weights.transport = network, so the workers
+    never read the run directory: each version reaches each worker's own cache over the weight service."""
+    pytest.importorskip("torch")
+    from april.hf import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
+    c = cluster(
+        run={"mode": "april", "steps": 50},  # stopped below, once three versions are out
+        algo={"rollout_batch_size": 2, "over_sampling_batch_size": 4, "n_samples_per_prompt": 2,
+              "max_new_tokens": 8},
+        data={"synthetic_vocab_size": 320},
+        worker={"engine": "torch", "model": str(model_dir), "slots": 4},
+        learner={"model": str(model_dir), "backend": "torch", "lr": 1e-3, "checkpoint_every": 100},
+        weights={"transport": "network", "port": free_ports(1)[0], "chunk_bytes": 65536, "window": 4},
+    )  # fmt: skip
+    c.start_broker()
+    caches = {name: tmp_path / f"cache-{name}" for name in ("nw0", "nw1")}
+    logs = {name: c.start_worker(name, f"weights.cache_dir={cache}") for name, cache in caches.items()}
+    c.start_learner_process("learner")
+    metrics = c.run_dir / "metrics.jsonl"
+
+    def loaded(name: str) -> set[int]:
+        found = re.findall(r"weights v(\d+) loaded in [\d.]+s \((\w+),", logs[name].read_text())
+        assert all(transport == "network" for _, transport in found), found
+        return {int(v) for v, _ in found}
+
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 600, "three steps")
+    wait_for(lambda: all({1, 2, 3} <= loaded(name) for name in logs), DEADLINE_S, "v1..v3 on both workers")
+    for cache in caches.values():
+        cached = sorted(p.name for p in cache.iterdir())
+        assert cached and all(re.fullmatch(r"v\d{6}\.safetensors", n) for n in cached), cached
+        assert len(cached) <= 2  # weights.keep
+        newest = cache / cached[-1]
+        published = c.run_dir / "weights" / newest.name
+        if published.exists():  # not yet pruned by the learner: the same bytes
+            assert newest.read_bytes() == published.read_bytes()
