@@ -12,7 +12,8 @@ One background thread per worker. `fetch` of a version newer than the one in pro
 (a worker that missed versions fetches only the latest); an older or equal one is ignored. The thread keeps
 `cfg.window` WeightsChunkRequests of `cfg.chunk_bytes` in flight on one DEALER socket (memory: at most
 window x chunk_bytes in flight whatever the model size), writes each chunk at its offset into
-`vNNNNNN.safetensors.part` in the cache directory and hashes the file as its contiguous prefix grows.
+`vNNNNNN.safetensors.part` in the cache directory, and a second thread hashes the file as its contiguous
+prefix grows (reading it back from the page cache: hashing overlaps the transfer).
 A dropped connection (the socket's monitor reports it) or a chunk unanswered for `cfg.timeout_s` closes
 the socket and resumes from the contiguous prefix on a new one. When every byte is in, the sha256 is
 checked, the file renamed to `vNNNNNN.safetensors`, and older versions deleted from the cache (the newest
@@ -48,6 +49,7 @@ from april.weights_uri import WeightsLocation
 
 log = logging.getLogger("april.weights")
 POLL_MS = 50
+HASH_PIECE = 4 << 20  # bytes read back and hashed at a time
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 32.0
 PART_SUFFIX = ".part"
 _VERSION_FILE = re.compile(r"^v(\d{6,})\.safetensors$")
@@ -113,6 +115,56 @@ class _Job:
         return self.location.version
 
 
+class _PrefixHasher:
+    """The sha256 of a file's contiguous prefix, computed on a thread of its own as the prefix grows
+    (read back from the page cache, HASH_PIECE bytes at a time), so that hashing overlaps receiving and
+    writing instead of adding to them."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.digest = hashlib.sha256()
+        self.hashed = 0  # bytes hashed so far
+        self.target = 0  # the contiguous prefix written so far
+        self.closed = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="weight-hash", daemon=True)
+        self.thread.start()
+
+    def advance(self, prefix: int) -> None:
+        with self.cond:
+            self.target = prefix
+            self.cond.notify_all()
+
+    def hexdigest(self, size: int) -> str:
+        """The sha256 of the first `size` bytes, once they are hashed."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.hashed >= size or self.closed)
+            return self.digest.hexdigest()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.closed or self.hashed < self.target)
+                if self.closed:
+                    return
+                start, end = self.hashed, self.target
+            while start < end:  # outside the lock: pread and sha256 release the GIL on large buffers
+                piece = os.pread(self.fd, min(HASH_PIECE, end - start), start)
+                if not piece:
+                    break
+                self.digest.update(piece)
+                start += len(piece)
+                with self.cond:
+                    self.hashed = start
+                    self.cond.notify_all()
+
+
 @dataclass(slots=True)
 class _Part:
     """A download in progress: the .part file, its contiguous prefix and the hash of that prefix."""
@@ -121,28 +173,38 @@ class _Part:
     fd: int
     size: int
     prefix: int = 0
-    digest: hashlib._Hash = field(default_factory=hashlib.sha256)
     ahead: dict[int, int] = field(default_factory=dict)  # offset -> length of chunks past the prefix
+    hasher: _PrefixHasher | None = None
+
+    def __post_init__(self) -> None:
+        self.hasher = _PrefixHasher(self.fd)
 
     def write(self, offset: int, data: memoryview) -> None:
         os.pwrite(self.fd, data, offset)
         if offset != self.prefix:
             self.ahead[offset] = len(data)
             return
-        self.digest.update(data)
         self.prefix += len(data)
-        while self.prefix in self.ahead:  # chunks that came early join the prefix: hash them from disk
-            length = self.ahead.pop(self.prefix)
-            self.digest.update(os.pread(self.fd, length, self.prefix))
-            self.prefix += length
+        while self.prefix in self.ahead:  # chunks that came early join the prefix
+            self.prefix += self.ahead.pop(self.prefix)
+        assert self.hasher is not None
+        self.hasher.advance(self.prefix)
+
+    def hexdigest(self) -> str:
+        assert self.hasher is not None
+        return self.hasher.hexdigest(self.size)
 
     def restart(self) -> None:
         """Start over (the bytes did not hash to the announced sha256)."""
+        assert self.hasher is not None
+        self.hasher.close()
         os.ftruncate(self.fd, 0)
-        self.prefix, self.digest = 0, hashlib.sha256()
+        self.prefix, self.hasher = 0, _PrefixHasher(self.fd)
         self.ahead.clear()
 
     def close(self) -> None:
+        if self.hasher is not None:
+            self.hasher.close()
         os.close(self.fd)
 
 
@@ -274,7 +336,7 @@ class WeightFetcher:
                 continue
             if end is not _End.DONE:
                 return end
-            got = part.digest.hexdigest()
+            got = part.hexdigest()
             if got != job.sha256:
                 part.restart()
                 raise _Failed(f"sha256 of the fetched v{job.version} is {got}, announced {job.sha256}")
