@@ -156,8 +156,11 @@ class _PrefixHasher:
                 start, end = self.hashed, self.target
             while start < end:  # outside the lock: pread and sha256 release the GIL on large buffers
                 piece = os.pread(self.fd, min(HASH_PIECE, end - start), start)
-                if not piece:
-                    break
+                if not piece:  # the file is shorter than written (it cannot be): end with what was hashed
+                    with self.cond:
+                        self.closed = True
+                        self.cond.notify_all()
+                    return
                 self.digest.update(piece)
                 start += len(piece)
                 with self.cond:
@@ -219,6 +222,7 @@ class WeightFetcher:
         self.keys = keys
         self.identity = identity
         self.chunk_bytes = min(cfg.chunk_bytes, protocol.MAX_WEIGHTS_CHUNK)
+        self.window = min(cfg.window, protocol.MAX_WEIGHTS_WINDOW)  # the service queues no more per peer
         self._lock = threading.Condition()
         self._wanted: _Job | None = None  # the newest version asked for, until it is done or gone
         self._results: list[FetchResult] = []
@@ -360,7 +364,7 @@ class WeightFetcher:
             while part.prefix < part.size:
                 if not self._current(job):
                     return _End.CLOSED if self._closing else _End.SUPERSEDED
-                while len(in_flight) < self.cfg.window and next_offset < part.size:
+                while len(in_flight) < self.window and next_offset < part.size:
                     length = min(self.chunk_bytes, part.size - next_offset)
                     request = protocol.WeightsChunkRequest(job.version, next_offset, length)
                     sock.send_multipart(protocol.encode(request))

@@ -372,6 +372,7 @@ class StatusReply:
 
 
 MAX_WEIGHTS_CHUNK = 64 * 1024 * 1024  # bytes: the most one WeightsChunkRequest may ask for (64 MiB)
+MAX_WEIGHTS_WINDOW = 128  # chunk requests a worker keeps in flight at most (the service queues no more)
 
 
 @dataclass(frozen=True, slots=True)

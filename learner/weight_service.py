@@ -182,6 +182,9 @@ class WeightService:
         zap = ZapHandler(ctx, self.keys.authorized) if self.keys is not None else None
         router = configure(ctx.socket(zmq.ROUTER), REQUEST_MAX_BYTES)
         router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a peer gone mid-answer: drop its chunks quietly
+        # answers a peer has not read are bounded per connection (past it the ROUTER drops them and the
+        # fetcher asks again after timeout_s): a client asking without reading cannot fill our memory
+        router.setsockopt(zmq.SNDHWM, protocol.MAX_WEIGHTS_WINDOW)
         if self.keys is not None:
             curve_server(router, self.keys)
         address = f"[{host}]" if ":" in host else host
