@@ -21,6 +21,7 @@ import zmq
 from harness import Cluster, wait_for
 from scripted_engine import EngineScript
 from test_engine_failures import NOISE, BareBroker, running_worker
+from typer.testing import CliRunner
 
 from actors.weight_fetch import Fetched, FetchFailed, FetchResult, WeightFetcher
 from actors.weight_sync import FILE, NETWORK, Ready, Unavailable, WeightSync
@@ -29,6 +30,7 @@ from april.config import WeightsConfig, WeightsTransport
 from april.keys import KeysError
 from april.ports import free_ports
 from april.weights_uri import WeightsLocation, parse
+from cli.main import app
 from learner.weight_service import WeightService, WeightServiceError, announce_location
 
 DEADLINE_S = 60.0
@@ -263,8 +265,15 @@ def test_keys_without_the_weights_pair_and_open_binds_are_one_line_errors(tmp_pa
         keys.weights_server_keys(keys_dir)
     with pytest.raises(KeysError, match=r"weights\.key: no such file"):
         keys.weights_client_keys(keys_dir)
-    keys.add_weights(keys_dir)
+    keys.add_client(keys_dir, "node7")  # made while the directory had no weights pair
+    assert not (keys_dir / "clients" / "node7" / "weights.key").exists()
+    result = CliRunner().invoke(app, ["keys", "add-weights", str(keys_dir)])
+    assert result.exit_code == 0, result.output
     assert keys.weights_client_keys(keys_dir).server_public == keys.weights_server_keys(keys_dir).public
+    node = keys.weights_client_keys(keys_dir / "clients" / "node7")  # the copyable directory got it too
+    assert node.server_public == keys.weights_server_keys(keys_dir).public
+    again = CliRunner().invoke(app, ["keys", "add-weights", str(keys_dir)])
+    assert again.exit_code == 2 and "not overwriting" in again.output
     open_bind = WeightService(tmp_path, config(free_ports(1)[0], bind_host="0.0.0.0"))
     with pytest.raises(WeightServiceError, match=r"^weights.bind_host = '0.0.0.0': binding a non-loopback"):
         open_bind.start()
