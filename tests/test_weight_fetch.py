@@ -491,3 +491,21 @@ def test_a_run_over_the_network_transport_loads_every_version_on_every_worker(
         published = c.run_dir / "weights" / newest.name
         if published.exists():  # not yet pruned by the learner: the same bytes
             assert newest.read_bytes() == published.read_bytes()
+
+
+def test_an_engine_down_at_load_loads_the_fetched_version_from_the_cache_once_back(tmp_path: Path) -> None:
+    _, data, sha = publish(tmp_path / "weights", 1, 3 * CHUNK)
+    cfg = config(free_ports(1)[0], transport="network", cache_dir=str(tmp_path / "cache"))
+    with (
+        serving(tmp_path / "weights", cfg) as service,
+        running_worker(EngineScript(down_on_load=1), cfg) as w,
+    ):
+        w.broker.send(protocol.WeightsReady(1, location(service, 1, len(data)).uri(), sha))
+        refused = w.broker.expect(protocol.WeightsLoaded)
+        assert (refused.version, refused.ok, refused.transport) == (1, False, "network")
+        assert not w.broker.expect(protocol.EngineHealth).ok
+        assert w.broker.expect(protocol.EngineHealth).ok
+        loaded = w.broker.expect(protocol.WeightsLoaded)
+        assert (loaded.version, loaded.ok, loaded.transport) == (1, True, "network")
+        assert loaded.sync_s > refused.sync_s and w.engine.version == 1 and w.engine.loads == 2
+        assert service.stats().chunks_served == {1: 3}  # fetched once, loaded twice from the cache
