@@ -274,50 +274,65 @@ class WeightFetcher:
                     return
                 job = self._wanted
             assert job is not None
-            self._fetch(job)
+            try:
+                self._fetch(job)
+            except Exception as exc:  # a bug must not kill the thread: every later version would hang
+                log.exception("weights v%d: the fetch failed unexpectedly", job.version)
+                self._report(FetchFailed(job.version, f"fetch failed: {exc!r}"[:500]))
             with self._lock:
                 if self._wanted is job:
                     self._wanted = None
 
     def _fetch(self, job: _Job) -> None:
         """Fetch `job` until it is done, gone, superseded, or the fetcher closes; retry with backoff,
-        keeping the bytes already in (a retry resumes from the contiguous prefix)."""
-        final = self.cache_dir / job.location.file_name
-        if final.is_file() and sha256_file(final) == job.sha256:  # fetched before (a restarted worker)
-            self._report(Fetched(job.version, final, time.monotonic() - job.started, 0))
-            self._prune(job.version)
-            return
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        part_path = self.cache_dir / (job.location.file_name + PART_SUFFIX)
-        part = _Part(
-            part_path, os.open(part_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644), job.location.size
-        )
+        keeping the bytes already in (a retry resumes from the contiguous prefix). A cache that cannot be
+        written (OSError: full, not writable) fails the fetch like a peer would, and is retried too."""
+        part: _Part | None = None
         backoff = BACKOFF_FIRST_S
         reported = False
         try:
             while self._current(job):
                 try:
-                    end = self._attempt(job, part)
-                except _Failed as exc:
-                    if not reported:
-                        log.warning("weights v%d not fetched: %s", job.version, exc)
-                        self._report(FetchFailed(job.version, str(exc)[:500]))
-                        reported = True
-                    if exc.final or not self._sleep(job, backoff):
-                        break
-                    backoff = min(2 * backoff, BACKOFF_MAX_S)
-                    continue
-                if end is _End.DONE:
-                    os.replace(part_path, final)
-                    seconds = time.monotonic() - job.started
-                    self._report(Fetched(job.version, final, seconds, part.size))
-                    log.info("weights v%d fetched: %d bytes in %.3fs", job.version, part.size, seconds)
-                    self._prune(job.version)
+                    if part is None:
+                        part = self._start(job)
+                    if part is None or self._attempt(job, part) is not _End.DONE:
+                        return  # found in the cache, or superseded or closing: the newer job runs next
+                    self._finish(job, part)
                     return
-                break  # superseded or closing: the newer job runs next
+                except (_Failed, OSError) as exc:
+                    reason = str(exc) if isinstance(exc, _Failed) else f"cache {self.cache_dir}: {exc}"
+                    if not reported:
+                        log.warning("weights v%d not fetched: %s", job.version, reason)
+                        self._report(FetchFailed(job.version, reason[:500]))
+                        reported = True
+                    if (isinstance(exc, _Failed) and exc.final) or not self._sleep(job, backoff):
+                        return
+                    backoff = min(2 * backoff, BACKOFF_MAX_S)
         finally:
-            part.close()
-        part_path.unlink(missing_ok=True)
+            if part is not None:
+                part.close()
+                part.path.unlink(missing_ok=True)
+
+    def _start(self, job: _Job) -> _Part | None:
+        """The .part file to fetch into; None when the cache holds the version already (a restarted
+        worker), which is then reported fetched."""
+        final = self.cache_dir / job.location.file_name
+        if final.is_file() and sha256_file(final) == job.sha256:
+            self._report(Fetched(job.version, final, time.monotonic() - job.started, 0))
+            self._prune(job.version)
+            return None
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        path = self.cache_dir / (job.location.file_name + PART_SUFFIX)
+        return _Part(path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644), job.location.size)
+
+    def _finish(self, job: _Job, part: _Part) -> None:
+        """Every byte is in and verified: into the cache under its name, older versions out."""
+        final = self.cache_dir / job.location.file_name
+        os.replace(part.path, final)
+        seconds = time.monotonic() - job.started
+        self._report(Fetched(job.version, final, seconds, part.size))
+        log.info("weights v%d fetched: %d bytes in %.3fs", job.version, part.size, seconds)
+        self._prune(job.version)
 
     def _sleep(self, job: _Job, seconds: float) -> bool:
         """Wait `seconds` unless superseded or closing first; True if the job is still current."""

@@ -509,3 +509,19 @@ def test_an_engine_down_at_load_loads_the_fetched_version_from_the_cache_once_ba
         assert (loaded.version, loaded.ok, loaded.transport) == (1, True, "network")
         assert loaded.sync_s > refused.sync_s and w.engine.version == 1 and w.engine.loads == 2
         assert service.stats().chunks_served == {1: 3}  # fetched once, loaded twice from the cache
+
+
+def test_a_cache_that_cannot_be_written_fails_the_fetch_once_and_a_retry_succeeds_once_it_can(
+    tmp_path: Path,
+) -> None:
+    _, data, sha = publish(tmp_path / "weights", 1, 2 * CHUNK)
+    cfg = config(free_ports(1)[0])
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache directory should be")
+    with serving(tmp_path / "weights", cfg) as service, fetching(cfg, blocked) as fetcher:
+        fetcher.fetch(location(service, 1, len(data)), sha)
+        (failed,) = results_until(fetcher, FetchFailed, 1)
+        assert isinstance(failed, FetchFailed) and failed.reason.startswith(f"cache {blocked}:")
+        blocked.unlink()  # the disk is fixed: the retry (after its backoff) fetches it
+        (fetched,) = results_until(fetcher, Fetched, 1)
+    assert isinstance(fetched, Fetched) and fetched.path.read_bytes() == data
