@@ -292,7 +292,11 @@ class WeightService:
             detail = f"v{request.version}: offset {request.offset} is past the end ({opened.size} bytes)"
             self._send(router, identity, protocol.Error("bad_range", detail))
             return
-        data = os.pread(opened.fd, min(request.length, opened.size - request.offset), request.offset)
+        try:
+            data = os.pread(opened.fd, min(request.length, opened.size - request.offset), request.offset)
+        except OSError as exc:  # a failing disk: this worker hears it, the service goes on
+            self._send(router, identity, protocol.Error("read_failed", f"v{request.version}: {exc}"[:200]))
+            return
         chunk = np.frombuffer(data, dtype=np.uint8)
         self._send(
             router, identity, protocol.WeightsChunk(request.version, request.offset, opened.size, chunk)
