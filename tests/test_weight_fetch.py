@@ -351,6 +351,9 @@ def test_a_worker_reads_the_file_it_sees_and_fetches_what_it_does_not(tmp_path: 
             third = ready_of(network, 3)
             assert isinstance(third, Ready) and third.transport == NETWORK
             assert third.path == tmp_path / "cache-net" / "v000003.safetensors"
+            announce(network, 4, WeightsTransport.BROADCAST)  # no broadcast receiver: the network
+            fourth = ready_of(network, 4)
+            assert isinstance(fourth, Ready) and fourth.transport == NETWORK and fourth.verified
         finally:
             auto.close()
             network.close()
