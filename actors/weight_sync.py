@@ -85,6 +85,7 @@ class WeightSync:
         self.fetcher: WeightFetcher | None = None  # started at the first network fetch
         self.heard: dict[int, float] = {}  # version -> when first heard (the versions being synced)
         self.fetching: dict[int, protocol.WeightsReady] = {}
+        self.failed: set[int] = set()  # versions being fetched whose fetch failed once (retrying)
         self.results: list[SyncResult] = []
         self.newest = -1  # the newest version announced
         self.to_fetch: tuple[WeightsLocation, protocol.WeightsReady] | None = None
@@ -138,6 +139,11 @@ class WeightSync:
         network transport. No receiver is plugged in yet."""
         return False
 
+    @property
+    def busy(self) -> bool:
+        """A version is on its way (the worker polls more often meanwhile: nothing wakes it up)."""
+        return self.to_fetch is not None or any(v not in self.failed for v in self.fetching)
+
     def poll(self) -> list[SyncResult]:
         """Versions ready to load or given up on since the last poll, oldest first. Starts the fetch of
         the newest version announced since the last poll (the others are superseded unfetched)."""
@@ -159,10 +165,12 @@ class WeightSync:
                     self.results.append(
                         Ready(result.version, result.path, msg.uri, msg.sha256, NETWORK, heard_at, True)
                     )
-                elif isinstance(result, FetchFailed):
+                elif isinstance(result, FetchFailed):  # retried in the background, at its own pace
+                    self.failed.add(result.version)
                     self.results.append(Unavailable(result.version, result.reason, NETWORK, heard_at))
             for version in [v for v in self.fetching if v < self.newest]:
                 del self.fetching[version]
+            self.failed &= set(self.fetching)
         results, self.results = self.results, []
         return results
 

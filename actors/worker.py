@@ -151,7 +151,9 @@ class Worker:
         try:
             while not should_stop():
                 busy = self.engine is not None and not self.health.down and self.engine.active > 0
-                self._read_broker(0 if busy else 50)
+                # idle, the loop waits on the broker socket; a fetch finishing does not wake it, so it
+                # looks every 5 ms while one is on its way (a version loads promptly, sync_s is honest)
+                self._read_broker(0 if busy else 5 if self.sync.busy else 50)
                 self._sync_weights()
                 self._meter_usage()
                 if self.health.down:

@@ -465,9 +465,11 @@ def test_a_run_over_the_network_transport_loads_every_version_on_every_worker(
 
     model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
     c = cluster(
-        run={"mode": "april", "steps": 50},  # stopped below, once three versions are out
-        algo={"rollout_batch_size": 2, "over_sampling_batch_size": 4, "n_samples_per_prompt": 2,
-              "max_new_tokens": 8},
+        # sync mode: a version comes a round of generation after the last (a worker that is sent versions
+        # faster than it loads them skips to the newest, by design); stopped below after three versions
+        run={"mode": "sync", "steps": 50},
+        algo={"rollout_batch_size": 2, "over_sampling_batch_size": 2, "n_samples_per_prompt": 2,
+              "max_new_tokens": 96},
         data={"synthetic_vocab_size": 320},
         worker={"engine": "torch", "model": str(model_dir), "slots": 4},
         learner={"model": str(model_dir), "backend": "torch", "lr": 1e-3, "checkpoint_every": 100},
