@@ -6,8 +6,10 @@ section 6), per the URI the learner announced (`april.weights_uri`) and the work
     file       the learner's file, when the URI offers a path this worker sees with the announced size
                (transport auto or file; a plain file:// URI is always read so)
     network    the learner's weight service, through `actors.weight_fetch.WeightFetcher` (background)
-    broadcast  a collective the learner sends each version through; `_receive_broadcast` is the seam
-               where the receiver plugs in (today it declines, and the network transport is used)
+    broadcast  the learner's collective (`actors.weight_receive.BroadcastMember`, joined once the engine
+               says it takes tensors: `accept_broadcast`); a version the member does not get within
+               `weights.timeout_s`, or that comes while it is in no group (it joined late, or its group
+               ended), is fetched through the network transport instead
 
 and hands the worker loop, through `poll`, each version that is ready to load (`Ready`: its local path,
 the transport, and when the worker first heard of it, from which the worker reports `sync_s` once the
@@ -24,17 +26,22 @@ import logging
 import re
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from actors.weight_fetch import Fetched, FetchFailed, WeightFetcher
 from april import protocol
 from april.config import WeightsConfig, WeightsTransport
 from april.keys import ClientKeys
-from april.weights_uri import WeightsLocation, WeightsURIError, parse
+from april.weights_uri import WEIGHT_TRANSPORTS, WeightsLocation, WeightsURIError, parse
+
+if TYPE_CHECKING:
+    from actors.weight_receive import BroadcastMember, ReceivedWeights
 
 log = logging.getLogger("april.weights")
-FILE, NETWORK, BROADCAST = "file", "network", "broadcast"  # WeightsLoaded.transport
+FILE, NETWORK, BROADCAST = WEIGHT_TRANSPORTS  # WeightsLoaded.transport
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,7 @@ class Ready:
     transport: str
     heard_at: float  # time.monotonic() when the worker first heard of the version
     verified: bool
+    tensors: Mapping[str, Any] | None = None  # broadcast: the version itself (the engine takes tensors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,16 @@ class WeightSync:
         self.results: list[SyncResult] = []
         self.newest = -1  # the newest version announced
         self.to_fetch: tuple[WeightsLocation, protocol.WeightsReady] | None = None
+        self.broadcast_device: str | None = None  # the engine takes tensors here (None: it takes none)
+        self.member: BroadcastMember | None = None  # joined at the first broadcast announcement
+        self.received: ReceivedWeights | None = None  # the newest version the member got, not yet used
+        # the announced version awaited from the broadcast, and when it falls back to the network instead
+        self.awaiting: tuple[WeightsLocation, protocol.WeightsReady, float] | None = None
+
+    def accept_broadcast(self, device: str) -> None:
+        """The engine takes tensors (`actors.engine.TensorLoading`) on `device`: join the learner's broadcast
+        group when a version is announced with one."""
+        self.broadcast_device = device
 
     def announce(self, msg: protocol.WeightsReady) -> None:
         """A version the broker announced (any number of times): start getting it if it is the newest."""
@@ -96,7 +114,7 @@ class WeightSync:
             return
         self.newest = msg.version
         heard_at = self.heard.setdefault(msg.version, time.monotonic())
-        self.to_fetch = None  # superseded before its fetch started
+        self.to_fetch = self.awaiting = None  # superseded before its fetch started or its broadcast came
         for older in [v for v in self.heard if v < msg.version]:  # superseded: never loaded now
             del self.heard[older]
         try:
@@ -134,19 +152,59 @@ class WeightSync:
             return None
 
     def _receive_broadcast(self, location: WeightsLocation, msg: protocol.WeightsReady) -> bool:
-        """The seam for the collective transport: take `msg` and later append a Ready with transport
-        BROADCAST (or an Unavailable) to `self.results`; return False to leave the version to the
-        network transport. No receiver is plugged in yet."""
-        return False
+        """Await `msg`'s version from the learner's broadcast (`poll` takes it, or falls back to the
+        network); False when this worker's engine takes no tensors (the network transport it is)."""
+        if self.broadcast_device is None:
+            return False
+        if self.member is None:
+            from actors.weight_receive import BroadcastMember  # imports torch: only where tensors are taken
+
+            backend = "gloo" if self.broadcast_device == "cpu" else "nccl"
+            self.member = BroadcastMember(self.worker_id, self.cfg.timeout_s, backend, self.broadcast_device)
+        self.member.join(*location.broadcast_rendezvous)  # a no-op once joined there
+        self.awaiting = (location, msg, time.monotonic() + self.cfg.timeout_s)
+        return True
+
+    def _poll_broadcast(self) -> None:
+        """Take what the member received; hand out the awaited version, or fetch it when it will not come."""
+        if self.member is None:
+            return
+        got = self.member.poll()
+        if got is not None:
+            self.received = got
+        for line in self.member.errors():
+            log.warning("weights broadcast: %s", line)
+        if self.awaiting is None:
+            if self.received is not None and self.received.version <= self.newest:
+                self.received = None  # came by the network first: free its memory
+            return
+        location, msg, deadline = self.awaiting
+        got = self.received
+        if got is not None and got.version >= msg.version:
+            if got.version == msg.version:  # a newer one waits for its own announcement (control plane)
+                self.awaiting = self.received = None
+                heard_at = min(self.heard.get(msg.version, got.started_at), got.started_at)
+                self.results.append(
+                    Ready(msg.version, None, msg.uri, msg.sha256, BROADCAST, heard_at, True, got.tensors)
+                )
+            return
+        if not self.member.generation or time.monotonic() > deadline:  # in no group, or it did not come
+            self.awaiting = None
+            self.to_fetch = (location, msg)
 
     @property
     def busy(self) -> bool:
         """A version is on its way (the worker polls more often meanwhile: nothing wakes it up)."""
-        return self.to_fetch is not None or any(v not in self.failed for v in self.fetching)
+        return (
+            self.to_fetch is not None
+            or self.awaiting is not None
+            or any(v not in self.failed for v in self.fetching)
+        )
 
     def poll(self) -> list[SyncResult]:
         """Versions ready to load or given up on since the last poll, oldest first. Starts the fetch of
         the newest version announced since the last poll (the others are superseded unfetched)."""
+        self._poll_broadcast()
         if self.to_fetch is not None:
             location, announced = self.to_fetch
             self.to_fetch = None
@@ -175,6 +233,9 @@ class WeightSync:
         return results
 
     def close(self) -> None:
+        if self.member is not None:
+            self.member.close()
+            self.member = None
         if self.fetcher is not None:
             self.fetcher.close()
             self.fetcher = None

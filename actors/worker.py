@@ -52,6 +52,7 @@ from actors.engine import (
     GenerationOutput,
     GenerationRequest,
     SamplingParams,
+    TensorLoading,
 )
 from actors.engine_health import EngineHealth, one_line
 from actors.engines.sim_engine import SampleIdentity
@@ -207,6 +208,8 @@ class Worker:
 
     def _engine_built(self, engine: Engine) -> None:
         self.engine = engine
+        if isinstance(engine, TensorLoading):  # it can take the learner's broadcast, when one is announced
+            self.sync.accept_broadcast(self.cfg.device)
         self.meter = SlotMeter(engine.slots, time.monotonic())
         log.info("worker %s: engine %s ready (%d slots)", self.worker_id, engine.name, engine.slots)
 
@@ -388,7 +391,12 @@ class Worker:
                 got = sha256_file(path)
                 if got != ready.sha256:
                     raise EngineError(f"sha256 of {path} is {got}, announced {ready.sha256}")
-            self.engine.load_weights(path or Path(ready.source), version)
+            if ready.tensors is not None:  # broadcast: the version itself, for an engine that takes tensors
+                assert isinstance(self.engine, TensorLoading)
+                self.engine.load_tensors(ready.tensors, version)
+                self.ready = None  # the engine holds it now: free the received copy (an in-process engine)
+            else:
+                self.engine.load_weights(path or Path(ready.source), version)
         except (EngineError, OSError) as exc:
             log.error("weights v%d not loaded, still serving v%d: %s", version, self.engine.version, exc)
             sync_s = time.monotonic() - ready.heard_at

@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from april import protocol
-from april.config import AlgoConfig, Config, WeightsTransport
-from april.keys import configured_client_keys, weights_server_keys
+from april.config import AlgoConfig, Config
+from april.keys import configured_client_keys
 from learner.client import BatchError, BrokerClient, check_batch
+from learner.handoff import WeightsHandOff
 from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
 from learner.phases import PhaseClock
 from learner.ranks import share_batch
 from learner.trainer import FRESH, ResumePoint, Trainer
-from learner.weight_service import WeightService, WeightServiceError, announce_location, broker_host_of
 
 log = logging.getLogger("april.learner")
 Phase = protocol.LearnerPhase
@@ -66,12 +66,12 @@ def run_learner(
     leader = trainer.rank == 0
     saved_point = trainer.resume_point() if resume else None
     point = saved_point or FRESH
-    service = start_weight_service(config, run_dir) if leader else None
+    handoff = WeightsHandOff.open(config, run_dir) if leader else None
     try:
         client = connect(config, point) if leader else None
     except BaseException:
-        if service is not None:
-            service.stop()
+        if handoff is not None:
+            handoff.close()
         raise
     phases = PhaseClock(client.report_phase if client is not None else None)
     metrics: MetricsLog | None = None
@@ -104,11 +104,12 @@ def run_learner(
             stats = trainer.train(batch, version)
             computed = time.monotonic()
             phases.enter(Phase.PUBLISHING_WEIGHTS, f"v{version + 1}")
-            published = trainer.publish(run_dir / "weights", version + 1)
+            broadcast = handoff.broadcast if handoff is not None else None
+            published = trainer.publish(run_dir / "weights", version + 1, broadcast)
             acked: dict[str, float] | None = None  # the figures the ack carries (rank 0)
-            if client is not None and metrics is not None and published is not None:
+            if client is not None and metrics is not None and published is not None and handoff is not None:
                 path, sha = published
-                client.publish(version + 1, announced_uri(config, path, service), sha)
+                client.publish(version + 1, handoff.uri(path), sha)
                 announced = time.monotonic()
                 record = step_record(
                     step=step,
@@ -118,7 +119,8 @@ def run_learner(
                     step_time_s=announced - started,
                     learner_time_s=computed - waited,
                     weight_sync_s=announced - computed,
-                    train={**stats, "wait_s": waited - started},
+                    train={**stats, **handoff.figures(), "wait_s": waited - started},
+                    weights_transport=config.weights.transport.value,
                 )
                 acked = ack_metrics(record)
                 metrics.append(record)
@@ -137,11 +139,13 @@ def run_learner(
         if trainer.checkpoint_every and saved < step:
             phases.enter(Phase.CHECKPOINTING, f"step {step}")
             trainer.save(ResumePoint(step, version, last_batch_id))
+        if client is not None and handoff is not None and step >= config.run.steps:
+            handoff.serve_last(client, version)
     finally:
         if client is not None:
             client.close()
-        if service is not None:
-            service.stop()
+        if handoff is not None:
+            handoff.close()
         if metrics is not None:
             metrics.close()
     if leader:
@@ -152,34 +156,6 @@ def connect(config: Config, point: ResumePoint) -> BrokerClient:
     """Rank 0's connection to the broker, registered at the version and last batch of `point`."""
     curve = configured_client_keys(config.broker.curve_keys_dir)  # CurveZMQ keys when the broker needs them
     return BrokerClient(config.learner.broker, point.version, point.last_batch_id, curve=curve)
-
-
-def start_weight_service(config: Config, run_dir: Path) -> WeightService | None:
-    """Rank 0's weight service, serving run_dir/weights (None: transport file, or the simulated learner,
-    whose stand-in files hold no weights). WeightServiceError / KeysError: one line; with transport auto a
-    service that cannot bind is a warning (workers on this host read the files)."""
-    if config.weights.transport == WeightsTransport.FILE or config.learner.backend == "sim":
-        return None
-    keys_dir = config.broker.curve_keys_dir
-    keys = weights_server_keys(Path(keys_dir)) if keys_dir else None
-    service = WeightService(run_dir / "weights", config.weights, keys, broker_host_of(config.learner.broker))
-    try:
-        service.start()
-    except WeightServiceError as exc:
-        if config.weights.transport != WeightsTransport.AUTO:
-            raise
-        # auto serves workers on other hosts when it can; workers on this one read the files anyway
-        log.warning("%s: announcing weights as files only (workers on other hosts cannot get them)", exc)
-        return None
-    return service
-
-
-def announced_uri(config: Config, path: Path, service: WeightService | None) -> str:
-    """The URI announcing the published file `path` (a stand-in file that is no safetensors: as a file)."""
-    path = path.resolve()
-    if service is None or path.suffix != ".safetensors":
-        return path.as_uri()
-    return announce_location(config.weights.transport, path, service.endpoint).uri()
 
 
 def receive_batch(

@@ -9,6 +9,7 @@ hang" bounds, never speeds.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import time
@@ -455,39 +456,49 @@ def test_a_worker_loads_the_newest_fetched_version(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------- a run
 
 
-def test_a_run_over_the_network_transport_loads_every_version_on_every_worker(
-    cluster: Callable[..., Cluster], tmp_path: Path
-) -> None:
-    """Broker, learner and two torch workers as processes; weights.transport = network, so the workers
-    never read the run directory: each version reaches each worker's own cache over the weight service."""
+def run_two_workers(
+    cluster: Callable[..., Cluster], tmp_path: Path, transport: str
+) -> tuple[Cluster, dict[str, Path], dict[str, Path]]:
+    """Broker, torch learner and two torch workers as processes with `transport`, each worker with a cache
+    of its own; returns the cluster, the workers' logs and their caches."""
     pytest.importorskip("torch")
     from april.hf import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
+    port = free_ports(2)[0]  # the broadcast rendezvous takes port + 1
     c = cluster(
         # sync mode: a version comes a round of generation after the last (a worker that is sent versions
-        # faster than it loads them skips to the newest, by design); stopped below after three versions
+        # faster than it loads them skips to the newest, by design); stopped by the fixture after the test
         run={"mode": "sync", "steps": 50},
         algo={"rollout_batch_size": 2, "over_sampling_batch_size": 2, "n_samples_per_prompt": 2,
               "max_new_tokens": 96},
         data={"synthetic_vocab_size": 320},
         worker={"engine": "torch", "model": str(model_dir), "slots": 4},
         learner={"model": str(model_dir), "backend": "torch", "lr": 1e-3, "checkpoint_every": 100},
-        weights={"transport": "network", "port": free_ports(1)[0], "chunk_bytes": 65536, "window": 4},
+        weights={"transport": transport, "port": port, "chunk_bytes": 65536, "window": 4},
     )  # fmt: skip
     c.start_broker()
     caches = {name: tmp_path / f"cache-{name}" for name in ("nw0", "nw1")}
     logs = {name: c.start_worker(name, f"weights.cache_dir={cache}") for name, cache in caches.items()}
     c.start_learner_process("learner")
+    return c, logs, caches
+
+
+def loads(log: Path) -> dict[int, str]:
+    """Version -> transport, of every version a worker's log says it loaded."""
+    return {int(v): t for v, t in re.findall(r"weights v(\d+) loaded in [\d.]+s \((\w+),", log.read_text())}
+
+
+def test_a_run_over_the_network_transport_loads_every_version_on_every_worker(
+    cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """weights.transport = network: the workers never read the run directory; each version reaches each
+    worker's own cache over the weight service."""
+    c, logs, caches = run_two_workers(cluster, tmp_path, "network")
     metrics = c.run_dir / "metrics.jsonl"
-
-    def loaded(name: str) -> set[int]:
-        found = re.findall(r"weights v(\d+) loaded in [\d.]+s \((\w+),", logs[name].read_text())
-        assert all(transport == "network" for _, transport in found), found
-        return {int(v) for v, _ in found}
-
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 600, "three steps")
-    wait_for(lambda: all({1, 2, 3} <= loaded(name) for name in logs), DEADLINE_S, "v1..v3 on both workers")
+    wait_for(lambda: all({1, 2, 3} <= set(loads(log)) for log in logs.values()), DEADLINE_S, "v1..v3 on both")
+    assert all(set(loads(log).values()) == {"network"} for log in logs.values())
     for cache in caches.values():
         cached = sorted(p.name for p in cache.iterdir())
         assert cached and all(re.fullmatch(r"v\d{6}\.safetensors", n) for n in cached), cached
@@ -496,6 +507,30 @@ def test_a_run_over_the_network_transport_loads_every_version_on_every_worker(
         published = c.run_dir / "weights" / newest.name
         if published.exists():  # not yet pruned by the learner: the same bytes
             assert newest.read_bytes() == published.read_bytes()
+    first = json.loads(metrics.read_text().splitlines()[0])
+    assert first["weights_transport"] == "network"
+
+
+def test_a_run_over_the_broadcast_loads_versions_from_the_collective_and_the_rest_over_the_network(
+    cluster: Callable[..., Cluster], tmp_path: Path
+) -> None:
+    """weights.transport = broadcast with torch engines: each worker joins the learner's gloo group at the
+    first announcement (that version comes over the network: it was in no group yet), and from the next
+    group on takes versions from the collective; the learner's metrics say whom it reached."""
+    c, logs, _ = run_two_workers(cluster, tmp_path, "broadcast")
+    metrics = c.run_dir / "metrics.jsonl"
+
+    def broadcast_loads() -> bool:
+        return all("broadcast" in loads(log).values() for log in logs.values())
+
+    wait_for(broadcast_loads, 600, "a version loaded from the broadcast on both workers")
+    for log in logs.values():
+        got = loads(log)
+        assert set(got.values()) <= {"network", "broadcast"}, got
+        assert got[min(got)] == "network"  # before its first group: the network transport
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert {r["weights_transport"] for r in records} == {"broadcast"}
+    assert max(r["learner/broadcast_reached"] for r in records) == 2  # both workers in one group
 
 
 def test_an_engine_down_at_load_loads_the_fetched_version_from_the_cache_once_back(tmp_path: Path) -> None:
