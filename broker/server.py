@@ -390,29 +390,42 @@ class Broker:
         worker's credit in registration order (they are few and the evaluation waits for its slowest),
         then training samples spread over the workers by free slots relative to size
         (`policy.spread_leases`), so no engine runs more sequences than its share while another idles.
-        Samples leave the dispatch queue in its order whoever gets them."""
+        Samples leave the dispatch queue in its order whoever gets them.
+
+        Only workers serving the broker's weights version get work: one still syncing the newest version
+        (a network fetch takes a while) or that failed to load it would generate every token under an
+        older policy than the learner's, which no mode's staleness guarantee allows. Its spread share is
+        kept for it (the first worker to load a version does not take a whole round) and it is leased work
+        once its WeightsLoaded says it serves the version."""
         if self.abort is not None or len(self.workers) < self.cfg.min_workers:
             return
         peers = self.workers.with_credit()
         if not peers:
             return
-        work = [self.evals.take_work(p.peer_id, p.credit, self.state.new_lease_id) for p in peers]
+        current = [p.version >= self.state.version for p in peers]
+        work = [
+            self.evals.take_work(p.peer_id, p.credit, self.state.new_lease_id) if ok else []
+            for p, ok in zip(peers, current, strict=True)
+        ]
         greedy = [len(w) for w in work]
         if train and self.state.dispatch_allowed():
-            self._lease_training(peers, work)
+            self._lease_training(peers, work, current)
         for peer, items, n_greedy in zip(peers, work, greedy, strict=True):
             if items:
                 self._send_lease(peer, items, n_greedy, now)
 
-    def _lease_training(self, peers: list[WorkerPeer], work: list[list[tuple[int, int, Sample]]]) -> None:
-        """Add each worker's spread share of training samples to `work`. A worker on older weights than a
-        partial's last segment gets fewer (take_work leaves that partial queued): what it left goes to
-        the workers with credit left, most free first."""
+    def _lease_training(
+        self, peers: list[WorkerPeer], work: list[list[tuple[int, int, Sample]]], current: list[bool]
+    ) -> None:
+        """Add each `current` worker's spread share of training samples to `work` (the others' shares stay
+        queued for them). A worker on older weights than a partial's last segment gets fewer (take_work
+        leaves that partial queued): what it left goes to the current workers with credit left, most free
+        first."""
         free = [p.credit - len(w) for p, w in zip(peers, work, strict=True)]
         shares = policy.spread_leases(self.state.leasable_samples(), free, [p.slots for p in peers])
         short = False
-        for peer, items, share in zip(peers, work, shares, strict=True):
-            if share:
+        for peer, items, share, ok in zip(peers, work, shares, current, strict=True):
+            if share and ok:
                 got = self.state.take_work(peer.peer_id, share, peer.version)
                 items += got
                 short = short or len(got) < share
@@ -421,7 +434,7 @@ class Broker:
         order = sorted(range(len(peers)), key=lambda i: -(peers[i].credit - len(work[i])) / peers[i].slots)
         for i in order:
             left = peers[i].credit - len(work[i])
-            if left > 0 and self.state.leasable_samples():
+            if current[i] and left > 0 and self.state.leasable_samples():
                 work[i] += self.state.take_work(peers[i].peer_id, left, peers[i].version)
 
     def _send_lease(

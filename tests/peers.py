@@ -90,6 +90,8 @@ def run_worker(cfg: WorkerScript) -> None:
             last_heard = now
         match msg:
             case protocol.Welcome():
+                if msg.weights_uri:  # (re)loads the run's weights, as a worker does after every hello
+                    send(sock, protocol.WeightsLoaded(msg.version, True, "", "network", SCRIPTED_SYNC_S))
                 version, max_new = msg.version, msg.max_new_tokens
                 ev.write(kind="welcome", version=version)
             case protocol.Lease():

@@ -31,7 +31,7 @@ from learner.client import BrokerClient
 from learner.loop import run_learner
 from learner.phases import PhaseClock
 from learner.sim_trainer import STATE_FILE, SimTrainer
-from learner.trainer import ResumePoint
+from learner.trainer import BroadcastSend, ResumePoint
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 60  # "did not hang", never "was fast"
@@ -102,10 +102,13 @@ class Recording(SimTrainer):
         self.calls.append(("train", batch.batch_id, version, len(batch.samples)))
         return super().train(batch, version)
 
-    def publish(self, weights_dir: Path, version: int) -> tuple[Path, str]:
+    def publish(
+        self, weights_dir: Path, version: int, broadcast: BroadcastSend | None = None
+    ) -> tuple[Path, str]:
         wait_for(
             lambda: self.reported(LearnerPhase.PUBLISHING_WEIGHTS, f"v{version}"), DEADLINE_S, "publishing"
         )
+        assert broadcast is None  # the simulated learner serves nothing: no collective
         self.calls.append(("publish", version))
         return super().publish(weights_dir, version)
 
