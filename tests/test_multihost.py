@@ -21,10 +21,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import wait_for
@@ -75,6 +77,7 @@ class MultiHost:
         self.config = tmp / "april.toml"
         write_config(self.compose(transport, steps), self.config)
         self.status_log = tmp / "status.jsonl"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def address(self, host: str) -> str:
         return self.net.host(host).address
@@ -121,7 +124,28 @@ class MultiHost:
         return self.tmp / "logs" / f"{name}.log"
 
     def start(self, host: str, args: list[str], hidden: tuple[Path, ...] = ()) -> None:
-        self.net.start(host, [*APRIL, *args], self.log(host), hidden=hidden, cwd=REPO)
+        self.procs[host] = self.net.start(host, [*APRIL, *args], self.log(host), hidden=hidden, cwd=REPO)
+
+    def assert_healthy(self) -> None:
+        """No process failed and no worker failed to load a version: either ends the test at once (a run
+        that cannot succeed is not waited out)."""
+        for host, proc in self.procs.items():
+            assert proc.poll() in (None, 0), f"{host} exited {proc.returncode}"
+        for worker in WORKERS:
+            failed = [x for x in self.text(worker).splitlines() if " not loaded" in x]
+            assert not failed, f"{worker}: {failed[0]}"
+
+    def wait(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+        """wait_for, checking the run's health on every poll; a timeout shows the logs' last lines."""
+
+        def check() -> Any:
+            self.assert_healthy()
+            return predicate()
+
+        try:
+            return wait_for(check, timeout, what, interval=0.2)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.tails()}") from None
 
     def start_all(self) -> None:
         self.start("broker", ["broker", "--config", str(self.config), "--run-dir", str(self.broker_run)],
@@ -135,7 +159,7 @@ class MultiHost:
             str(self.status_log),
         ]
         self.net.start("broker", probe, self.tmp / "logs" / "status-probe.log", cwd=REPO)
-        wait_for(lambda: self.latest() is not None, STEP_S, "the broker to answer status on its address")
+        self.wait(lambda: self.latest() is not None, STEP_S, "the broker to answer status on its address")
         for worker in WORKERS:
             cache = self.tmp / f"{worker}-cache"
             sets = ["--set", f"worker.worker_id={worker}", "--set", f"weights.cache_dir={cache}"]
@@ -229,12 +253,13 @@ STEPS = 30  # enough that the run is still going when the cut-off worker is back
 DOWN_AFTER = 3  # steps trained before worker-1's link goes down
 
 
-def cut_while_holding(run: MultiHost, worker: str) -> int:
+def cut_while_holding(run: MultiHost, worker: str) -> tuple[int, float]:
     """Take `worker`'s link down while it holds leases and is up to date on weights, and check the broker
     still counts leases on it once the link is down (asked after the cut): otherwise the link comes back
-    up and the moment is tried again. Returns the leases it held."""
+    up and the moment is tried again. Returns the leases it held and the wall time of the cut."""
     deadline = time.monotonic() + STEP_S
     while time.monotonic() < deadline:
+        run.assert_healthy()
         status = run.latest()
         mine = [w for w in status.workers if w.id == worker] if status is not None else []
         current = run.loaded(worker) == list(range(1, run.steps_done() + 1))
@@ -248,7 +273,7 @@ def cut_while_holding(run: MultiHost, worker: str) -> int:
         )[0]
         held = [w.leases for w in after.workers if w.id == worker]
         if held and held[0] > 0:
-            return held[0]
+            return held[0], cut
         run.net.link_up(worker)
     raise AssertionError(f"never cut {worker} off while it held leases; logs in {run.tmp}")
 
@@ -261,21 +286,19 @@ def cut_while_holding(run: MultiHost, worker: str) -> int:
 def test_a_run_across_hosts_with_a_link_down_and_up_mid_round(hosts: Network, tmp_path: Path) -> None:
     run = MultiHost(hosts, tmp_path, WeightsTransport.NETWORK, steps=STEPS)
     run.start_all()
-    wait_for(
-        lambda: run.steps_done() >= DOWN_AFTER, RUN_S, f"{DOWN_AFTER} steps\n{run.tails()}", interval=0.5
-    )
-    held = cut_while_holding(run, "worker-1")
+    run.wait(lambda: run.steps_done() >= DOWN_AFTER, RUN_S, f"{DOWN_AFTER} steps")
+    held, cut = cut_while_holding(run, "worker-1")
     loaded_before = run.loaded("worker-1")  # every version published so far (cut_while_holding)
     try:
         dead = re.compile(r"worker worker-1 (silent for .* (\d+) leases re-queued|never confirmed abort)")
-        found = wait_for(
+        found = run.wait(
             lambda: dead.search(run.text("broker")), STEP_S, "the broker to declare worker-1 dead"
         )
         if found.group(2) is not None:  # the silence path counts what it re-queued: all it held
             assert int(found.group(2)) == held, (found.group(0), held)
         # its leases came back: the broker's books balance without worker-1
-        gone = wait_for(
-            lambda: [s for _, s in run.statuses() if "worker-1" not in {w.id for w in s.workers}],
+        gone = run.wait(
+            lambda: [s for t, s in run.statuses() if t > cut and "worker-1" not in {w.id for w in s.workers}],
             STEP_S,
             "a status without worker-1",
         )[-1]
@@ -291,13 +314,13 @@ def test_a_run_across_hosts_with_a_link_down_and_up_mid_round(hosts: Network, tm
             for w in s.workers
         )
 
-    wait_for(rejoined, STEP_S, f"worker-1 to rejoin and lease again\n{run.tails()}", interval=0.5)
+    run.wait(rejoined, STEP_S, "worker-1 to rejoin and lease again")
     assert len(re.findall(r"worker worker-1 registered", run.text("broker"))) == 2  # the start and the rejoin
-    wait_for(lambda: run.steps_done() >= STEPS, RUN_S, f"{STEPS} steps\n{run.tails()}", interval=0.5)
+    run.wait(lambda: run.steps_done() >= STEPS, RUN_S, f"{STEPS} steps")
 
     check_run(run.learner_run, STEPS, samples=GROUPS * PER_GROUP)  # steps once each, exactly N, ledger lines
     # both workers catch up to the last version (the one published after the last step)
-    wait_for(lambda: all(run.loaded(w)[-1:] == [STEPS] for w in WORKERS), STEP_S, f"both workers on v{STEPS}")
+    run.wait(lambda: all(run.loaded(w)[-1:] == [STEPS] for w in WORKERS), STEP_S, f"both workers on v{STEPS}")
     status = run.april_status()
     assert status.ledger_balanced, status.ledger
     assert status.ledger.trained == STEPS * GROUPS, status.ledger  # a batch trained twice would count twice
