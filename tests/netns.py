@@ -17,6 +17,7 @@ what runs in the hosts (the test's processes) or any port choice.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import secrets
@@ -24,6 +25,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,24 +42,23 @@ class NamespaceError(RuntimeError):
     """An `ip` command that made or changed the network failed."""
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
-    """Why this process cannot make namespaces here (None: it can): not root, a tool missing, or the
-    kernel or container refusing `ip netns add` (probed with a namespace made and deleted at once)."""
+    """Why this process cannot make hosts here (None: it can): not root, a tool missing, or the kernel or
+    container refusing a step (probed by making a one-host network, running a command in it with a
+    directory hidden, and removing it). Asked once per test session."""
     if os.geteuid() != 0:
         return f"network namespaces need root (this test runs as uid {os.geteuid()})"
     for tool in ("ip", "unshare", "mount"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (iproute2 / util-linux)"
-    probe = f"{PREFIX}{secrets.token_hex(4)}-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=IP_TIMEOUT_S)
-    if made.returncode != 0:
-        return f"`ip netns add` is not permitted here: {made.stderr.strip() or made.returncode}"
-    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=IP_TIMEOUT_S)
-    inside = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True, text=True
-    )
-    if inside.returncode != 0:
-        return f"`unshare --mount` is not permitted here: {inside.stderr.strip() or inside.returncode}"
+    try:
+        with Network(["probe"]) as net, tempfile.TemporaryDirectory(prefix="april-netns-") as tmp:
+            done = net.run("probe", ["true"], hidden=[Path(tmp)])
+            if done.returncode != 0:
+                return f"cannot run a process in a namespace with a mount view: {done.stderr.strip()}"
+    except NamespaceError as e:
+        return f"cannot make network namespaces here: {e}"
     return None
 
 
