@@ -44,10 +44,10 @@ GROUPS, PER_GROUP = 4, 4  # rollout_batch_size x n_samples_per_prompt: N = 16 sa
 RUN_S = 600.0  # "did not hang": start-up and the whole run on a loaded 2-core machine
 STEP_S = 300.0  # "did not hang": one step, or a moment the test waits for within one
 
-# `april status --json`'s code in a loop on the broker's host, a status a line (the test process is in
-# none of the namespaces: it cannot reach the broker itself); a failed ask is a line too
 # a worker's log line for a version it did not get (the file transport; the network transport)
 FAILED_LOAD = re.compile(r"^.*weights v(\d+) (?:not loaded|cannot be had).*$", re.MULTILINE)
+# `april status --json`'s code in a loop on the broker's host, a status a line (the test process is in
+# none of the namespaces: it cannot reach the broker itself); a failed ask is a line too
 STATUS_PROBE = """
 import json, sys, time
 from april.keys import configured_client_keys
@@ -156,8 +156,12 @@ class MultiHost:
             raise AssertionError(f"{e}\n{self.tails()}") from None
 
     def start_all(self) -> None:
-        self.start("broker", ["broker", "--config", str(self.config), "--run-dir", str(self.broker_run)],
-                   hidden=(self.learner_run,))  # fmt: skip
+        """The broker (and the status probe beside it), the workers, then the learner; the workers see
+        neither run directory, the broker not the learner's, the learner not the broker's."""
+        config = ["--config", str(self.config)]
+        self.start(
+            "broker", ["broker", *config, "--run-dir", str(self.broker_run)], hidden=(self.learner_run,)
+        )
         probe = [
             sys.executable,
             "-c",
@@ -169,12 +173,16 @@ class MultiHost:
         self.net.start("broker", probe, self.tmp / "logs" / "status-probe.log", cwd=REPO)
         self.wait(lambda: self.latest() is not None, STEP_S, "the broker to answer status on its address")
         for worker in WORKERS:
-            cache = self.tmp / f"{worker}-cache"
-            sets = ["--set", f"worker.worker_id={worker}", "--set", f"weights.cache_dir={cache}"]
-            self.start(worker, ["worker", "--config", str(self.config), *sets],
-                       hidden=(self.learner_run, self.broker_run))  # fmt: skip
-        self.start("learner", ["learner", "--config", str(self.config), "--run-dir", str(self.learner_run)],
-                   hidden=(self.broker_run,))  # fmt: skip
+            sets = [
+                "--set",
+                f"worker.worker_id={worker}",
+                "--set",
+                f"weights.cache_dir={self.tmp / worker}-cache",
+            ]
+            self.start(worker, ["worker", *config, *sets], hidden=(self.learner_run, self.broker_run))
+        self.start(
+            "learner", ["learner", *config, "--run-dir", str(self.learner_run)], hidden=(self.broker_run,)
+        )
 
     @property
     def broker_address(self) -> str:
@@ -200,21 +208,17 @@ class MultiHost:
 
     def april_status(self) -> BrokerStatus:
         """`april status --json` itself, run on the broker's host."""
-        done = self.net.run(
-            "broker",
-            [
-                *APRIL,
-                "status",
-                "--json",
-                "--broker",
-                self.broker_address,
-                "--keys",
-                str(self.keys),
-                "--timeout",
-                "30",
-            ],
-            timeout=120,
-        )
+        args = [
+            "status",
+            "--json",
+            "--broker",
+            self.broker_address,
+            "--keys",
+            str(self.keys),
+            "--timeout",
+            "30",
+        ]
+        done = self.net.run("broker", [*APRIL, *args], timeout=120)
         assert done.returncode == 0, done.stderr
         return BrokerStatus.from_json(json.loads(done.stdout))
 
