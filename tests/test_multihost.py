@@ -328,7 +328,7 @@ def test_a_run_across_hosts_with_a_link_down_and_up_mid_round(hosts: Network, tm
         )
 
     run.wait(rejoined, STEP_S, "worker-1 to rejoin and lease again")
-    assert len(re.findall(r"worker worker-1 registered", run.text("broker"))) == 2  # the start and the rejoin
+    assert len(re.findall(r"worker worker-1 registered", run.text("broker"))) >= 2  # the start, the rejoin
     run.wait(lambda: run.steps_done() >= STEPS, RUN_S, f"{STEPS} steps")
 
     check_run(run.learner_run, STEPS, samples=GROUPS * PER_GROUP)  # steps once each, exactly N, ledger lines
