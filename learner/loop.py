@@ -11,6 +11,11 @@ writes weights and metrics, and shares each batch. Rank 0 connects before the mo
 (and the dashboard) hear what the learner is doing while it starts (`learner.phases`).
 `--resume` restarts from the latest saved point; the broker re-sends any batch it still holds, and
 `last_batch_id` makes sure a trained batch is never trained again.
+Weights reach workers by `weights.transport` (docs/design.md section 6): rank 0 runs the weight service
+(`learner.weight_service`) unless the transport is `file`, and announces each version's URI
+(`april.weights_uri`): the file (file), the service and the file (auto), the service (network), the
+service flagged broadcast (broadcast). The simulated learner's stand-in files are always announced as
+files: the sim engine loads nothing.
 Composes the pieces; owns none of their logic. Imports no torch (the simulated learner runs without it).
 """
 
@@ -23,13 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from april import protocol
-from april.config import AlgoConfig, Config
-from april.keys import configured_client_keys
+from april.config import AlgoConfig, Config, WeightsTransport
+from april.keys import configured_client_keys, weights_server_keys
 from learner.client import BatchError, BrokerClient, check_batch
 from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
 from learner.phases import PhaseClock
 from learner.ranks import share_batch
 from learner.trainer import FRESH, ResumePoint, Trainer
+from learner.weight_service import WeightService, WeightServiceError, announce_location, broker_host_of
 
 log = logging.getLogger("april.learner")
 Phase = protocol.LearnerPhase
@@ -60,7 +66,13 @@ def run_learner(
     leader = trainer.rank == 0
     saved_point = trainer.resume_point() if resume else None
     point = saved_point or FRESH
-    client = connect(config, point) if leader else None
+    service = start_weight_service(config, run_dir) if leader else None
+    try:
+        client = connect(config, point) if leader else None
+    except BaseException:
+        if service is not None:
+            service.stop()
+        raise
     phases = PhaseClock(client.report_phase if client is not None else None)
     metrics: MetricsLog | None = None
     try:
@@ -96,7 +108,7 @@ def run_learner(
             acked: dict[str, float] | None = None  # the figures the ack carries (rank 0)
             if client is not None and metrics is not None and published is not None:
                 path, sha = published
-                client.publish(version + 1, path.resolve().as_uri(), sha)
+                client.publish(version + 1, announced_uri(config, path, service), sha)
                 announced = time.monotonic()
                 record = step_record(
                     step=step,
@@ -128,6 +140,8 @@ def run_learner(
     finally:
         if client is not None:
             client.close()
+        if service is not None:
+            service.stop()
         if metrics is not None:
             metrics.close()
     if leader:
@@ -138,6 +152,34 @@ def connect(config: Config, point: ResumePoint) -> BrokerClient:
     """Rank 0's connection to the broker, registered at the version and last batch of `point`."""
     curve = configured_client_keys(config.broker.curve_keys_dir)  # CurveZMQ keys when the broker needs them
     return BrokerClient(config.learner.broker, point.version, point.last_batch_id, curve=curve)
+
+
+def start_weight_service(config: Config, run_dir: Path) -> WeightService | None:
+    """Rank 0's weight service, serving run_dir/weights (None: transport file, or the simulated learner,
+    whose stand-in files hold no weights). WeightServiceError / KeysError: one line; with transport auto a
+    service that cannot bind is a warning (workers on this host read the files)."""
+    if config.weights.transport == WeightsTransport.FILE or config.learner.backend == "sim":
+        return None
+    keys_dir = config.broker.curve_keys_dir
+    keys = weights_server_keys(Path(keys_dir)) if keys_dir else None
+    service = WeightService(run_dir / "weights", config.weights, keys, broker_host_of(config.learner.broker))
+    try:
+        service.start()
+    except WeightServiceError as exc:
+        if config.weights.transport != WeightsTransport.AUTO:
+            raise
+        # auto serves workers on other hosts when it can; workers on this one read the files anyway
+        log.warning("%s: announcing weights as files only (workers on other hosts cannot get them)", exc)
+        return None
+    return service
+
+
+def announced_uri(config: Config, path: Path, service: WeightService | None) -> str:
+    """The URI announcing the published file `path` (a stand-in file that is no safetensors: as a file)."""
+    path = path.resolve()
+    if service is None or path.suffix != ".safetensors":
+        return path.as_uri()
+    return announce_location(config.weights.transport, path, service.endpoint).uri()
 
 
 def receive_batch(
