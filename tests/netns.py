@@ -10,7 +10,8 @@ run directory), taking a host's link down and up, and removing all of it: proces
 deleted (which deletes the bridge and every veth with them: nothing was ever made in the machine's own
 namespace).
 
-Names carry a random tag ("apr" + 8 hex digits), so parallel or crashed runs never collide. Does not own
+Names carry a random tag and the maker's pid ("apr" + 8 hex digits + "p" + pid), so parallel or crashed
+runs never collide, and a network whose maker died unclosed is swept by the next one made. Does not own
 what runs in the hosts (the test's processes) or any port choice.
 """
 
@@ -20,6 +21,7 @@ import contextlib
 import functools
 import ipaddress
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -35,6 +37,8 @@ import pytest
 from cli.supervisor import own_session_dying_with_parent
 
 PREFIX = "apr"
+# a network's namespaces are named apr<8 hex>p<pid of the process that made them>-<switch or host index>
+OURS = re.compile(rf"^{PREFIX}[0-9a-f]{{8}}p(\d+)-")
 IP_TIMEOUT_S = 60.0  # one `ip` command: generous, the machine is loaded
 
 
@@ -81,6 +85,16 @@ def namespaces() -> list[str]:
     return [line.split()[0] for line in ip("netns", "list").splitlines() if line.strip()]
 
 
+def sweep_orphans() -> None:
+    """Delete the namespaces of networks whose maker died without closing them (a SIGKILLed pytest): their
+    processes died with it (parent-death signal), their names would only pile up. A maker still alive,
+    or a pid since reused, keeps its namespaces."""
+    for name in namespaces():
+        made_by = OURS.match(name)
+        if made_by is not None and not Path(f"/proc/{made_by[1]}").exists():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=IP_TIMEOUT_S)
+
+
 @dataclass(frozen=True, slots=True)
 class Host:
     name: str  # the test's name for it ("broker", "worker-0", ...)
@@ -96,7 +110,8 @@ class Network:
     def __init__(self, names: Sequence[str]) -> None:
         if len(set(names)) != len(names) or not 0 < len(names) < 250:
             raise ValueError(f"host names must be distinct, 1..249 of them; got {list(names)}")
-        self.tag = f"{PREFIX}{secrets.token_hex(4)}"
+        sweep_orphans()
+        self.tag = f"{PREFIX}{secrets.token_hex(4)}p{os.getpid()}"
         self.switch = f"{self.tag}-switch"
         # a /24 picked at random per network: the segments are isolated anyway, distinct numbers only make
         # a log easier to read when several runs are compared

@@ -8,6 +8,7 @@ without the capability).
 from __future__ import annotations
 
 import ipaddress
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,3 +120,21 @@ def test_cleanup_leaves_nothing_also_when_the_test_fails(tmp_path: Path) -> None
     assert set(namespaces()) - before == set()
     assert all(p.poll() is not None for p in procs)  # killed and reaped
     net.close()  # idempotent
+
+
+def test_a_network_whose_maker_was_killed_is_swept_by_the_next() -> None:
+    require_namespaces()
+    tests = str(Path(__file__).parent)
+    maker = subprocess.Popen(
+        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {tests!r}); from netns import Network; "
+         "net = Network(['a', 'b']); print(net.tag, flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert maker.stdout is not None
+    tag = maker.stdout.readline().strip()
+    assert tag and len([n for n in namespaces() if n.startswith(tag)]) == 3, tag
+    maker.kill()  # SIGKILL: no close()
+    maker.wait(60)
+    assert len([n for n in namespaces() if n.startswith(tag)]) == 3  # left behind
+    with Network(["c"]):
+        assert [n for n in namespaces() if n.startswith(tag)] == []
