@@ -327,13 +327,16 @@ def test_a_run_across_hosts_with_a_link_down_and_up_mid_round(hosts: Network, tm
     assert len(re.findall(r"worker worker-1 registered", run.text("broker"))) >= 2  # the start, the rejoin
     run.wait(lambda: run.steps_done() >= STEPS, RUN_S, f"{STEPS} steps")
 
-    check_run(run.learner_run, STEPS, samples=GROUPS * PER_GROUP)  # steps once each, exactly N, ledger lines
+    lines = check_run(run.learner_run, STEPS, samples=GROUPS * PER_GROUP)  # once each, exactly N, ledger
+    # the batches' weights figures: no worker ever had a version from the learner's file
+    assert all(x["workers_synced_file"] == 0 for x in lines), lines
+    assert lines[-1]["workers_synced_network"] == len(WORKERS), lines[-1]
     status = run.april_status()
     assert status.ledger_balanced, status.ledger
     assert status.ledger.trained == STEPS * GROUPS, status.ledger  # a batch trained twice would count twice
     assert sorted(w.id for w in status.workers) == list(WORKERS)
     assert all(w.alive and w.version >= SERVED for w in status.workers), status.workers
-    assert all(w.weights_transport == "network" for w in status.workers), status.workers
+    assert all(w.weights_transport == "network" and w.weights_sync_s > 0 for w in status.workers), status
     # every version the learner served reached every worker: worker-0 loaded each in turn; worker-1 each
     # until its link went down, then (having missed some, or none) newer ones only, in order
     assert run.loaded("worker-0")[:SERVED] == list(range(1, SERVED + 1)), run.loaded("worker-0")
