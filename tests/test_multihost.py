@@ -12,7 +12,7 @@ step, the ledger balanced on every line: test_up.check_run), the broker's status
 twice; each worker's version) and the workers' logs (every version loaded). Mid-run one worker's link
 goes down while it holds leases: the broker declares it dead and re-queues them, the link comes back up,
 the worker rejoins and catches up on weights, and the books still balance. The last version, published as
-the learner exits, has a test of its own (xfail while the learner stops its weight service on exit).
+the learner exits, has a test of its own: the learner serves it until every worker has it.
 
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2, no permission).
 """
@@ -130,25 +130,20 @@ class MultiHost:
     def start(self, host: str, args: list[str], hidden: tuple[Path, ...] = ()) -> None:
         self.procs[host] = self.net.start(host, [*APRIL, *args], self.log(host), hidden=hidden, cwd=REPO)
 
-    def assert_healthy(self, spare_last: bool) -> None:
-        """No process failed and no worker failed to have a version (`spare_last`: but the last, which the
-        learner publishes as it exits): either ends the test at once (a run that cannot succeed is not
-        waited out)."""
+    def assert_healthy(self) -> None:
+        """No process failed and no worker failed to have a version: either ends the test at once (a run
+        that cannot succeed is not waited out)."""
         for host, proc in self.procs.items():
             assert proc.poll() in (None, 0), f"{host} exited {proc.returncode}"
         for worker in WORKERS:
-            failed = [
-                m
-                for m in FAILED_LOAD.finditer(self.text(worker))
-                if not spare_last or int(m[1]) != self.steps
-            ]
+            failed = list(FAILED_LOAD.finditer(self.text(worker)))
             assert not failed, f"{worker}: {failed[0][0]}"
 
-    def wait(self, predicate: Callable[[], Any], timeout: float, what: str, spare_last: bool = True) -> Any:
+    def wait(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         """wait_for, checking the run's health on every poll; a timeout shows the logs' last lines."""
 
         def check() -> Any:
-            self.assert_healthy(spare_last)
+            self.assert_healthy()
             return predicate()
 
         try:
@@ -264,7 +259,7 @@ def test_with_the_file_transport_workers_cannot_load_a_version_they_cannot_see(
 
 STEPS = 30  # enough that the run is still going when the cut-off worker is back (about 0.4 s a step idle)
 DOWN_AFTER = 3  # steps trained before worker-1's link goes down
-SERVED = STEPS - 1  # the versions published while the learner still serves (test_the_last_version_...)
+SERVED = STEPS  # every version, the last too: the learner serves it until every worker has it
 
 
 def cut_while_holding(run: MultiHost, worker: str) -> tuple[int, float]:
@@ -273,7 +268,7 @@ def cut_while_holding(run: MultiHost, worker: str) -> tuple[int, float]:
     up and the moment is tried again. Returns the leases it held and the wall time of the cut."""
     deadline = time.monotonic() + STEP_S
     while time.monotonic() < deadline:
-        run.assert_healthy(spare_last=True)
+        run.assert_healthy()
         status = run.latest()
         mine = [w for w in status.workers if w.id == worker] if status is not None else []
         current = run.loaded(worker) == list(range(1, run.steps_done() + 1))
@@ -346,11 +341,6 @@ def test_a_run_across_hosts_with_a_link_down_and_up_mid_round(hosts: Network, tm
     assert after_cut[0] > loaded_before[-1] and after_cut[-1] == SERVED, run.loaded("worker-1")
 
 
-@pytest.mark.xfail(
-    reason="the learner stops its weight service as it exits, right after publishing the last version: a "
-    "worker that had not fetched it by then never can (nor can the final evaluation run on it)",
-    strict=False,
-)
 def test_the_last_version_reaches_every_worker(hosts: Network, tmp_path: Path) -> None:
     run = MultiHost(hosts, tmp_path, WeightsTransport.NETWORK, steps=2)
     run.start_all()
@@ -359,6 +349,5 @@ def test_the_last_version_reaches_every_worker(hosts: Network, tmp_path: Path) -
         lambda: all(run.loaded(w)[-1:] == [2] for w in WORKERS),
         STEP_S,
         "both workers on v2",
-        spare_last=False,
     )
     assert all(w.version == 2 and w.weights_transport == "network" for w in run.april_status().workers)
