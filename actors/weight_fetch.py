@@ -409,10 +409,15 @@ class WeightFetcher:
             except zmq.Again:
                 return
             kind = int(event["event"])
-            if kind & REFUSED_EVENTS:
+            if kind & zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise _Failed(
                     "the weight service refused this worker's CurveZMQ keys (handshake failed): "
                     "check broker.curve_keys_dir here holds weights.key and an authorised client pair"
+                )
+            if kind & REFUSED_EVENTS:  # no detail: wrong keys, or the service went away mid-handshake
+                raise _Failed(
+                    "the CurveZMQ handshake with the weight service failed (keys that do not match its "
+                    "weights.key, or the service stopped during it)"
                 )
             if kind & DROPPED_EVENTS:
                 raise _Retry("connection to the weight service dropped", progressed)
