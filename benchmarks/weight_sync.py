@@ -12,20 +12,25 @@ recorded but not counted: connections and the broadcast group form there) measur
   `weights.chunk_bytes` sends, into a reused receive buffer, until the receiver acknowledges the last
   byte: the machine's ceiling for a one-stream transfer, measured beside the transports it judges;
 - `file`: `learner.weights.publish` (write, fsync, sha256, rename), then the worker's side as
-  `actors.worker` does it: the sha256 of the file, then its tensors read with safetensors;
+  `actors.worker` does it: the sha256 of the file, then its tensors read with safetensors and loaded;
 - `network`: the same publish, then `actors.weight_fetch.WeightFetcher` fetching it from
   `learner.weight_service.WeightService` over loopback TCP into the child's own cache (chunks, a window
-  in flight, the sha256 checked), then its tensors read from the cache;
+  in flight, the sha256 checked), then its tensors read from the cache and loaded;
 - `broadcast`: the same publish (the learner publishes every version; the file stays the source of
   truth), then `learner.weight_broadcast.BroadcastHub.broadcast` to one
-  `actors.weight_receive.BroadcastMember` over a gloo group on loopback, until the child holds the version.
+  `actors.weight_receive.BroadcastMember` over a gloo group on loopback, until the child holds the
+  version; then loaded.
+
+The load, for every transport, copies the version into the worker's model tensors, as the torch engine's
+load does (the first version allocates them, in the warm-up round).
 
 Reported per (size, transport): the median over rounds of the sync seconds (publish + transfer + load),
-of the transfer alone (file: verify + read; network: the fetch; broadcast: the collective until the
-member has it) and its GB/s (bytes / transfer seconds; GB = 1e9 bytes), and that GB/s over the loopback
-median's: the issue's target is the network transport at half of loopback or better. The machine's load
-is in the provenance (the machine is shared: take the ratios, not the seconds). A transport whose modules
-are not in this tree is reported as skipped. Not a test: nothing is asserted. Writes JSON (`--out`).
+of the transfer alone (file: the worker's sha256 of the file; network: the fetch into the cache;
+broadcast: the collective until the member has it) and its GB/s (bytes / transfer seconds; GB = 1e9
+bytes), and that GB/s over the loopback median's: the issue's target is the network transport at half
+of loopback or better. The machine's load is in the provenance (the machine is shared: take the ratios,
+not the seconds). A transport whose modules are not in this tree is reported as skipped. Not a test:
+nothing is asserted. Writes JSON (`--out`).
 
 Usage: python benchmarks/weight_sync.py [--sizes 10M,100M,500M --rounds 3]
        python benchmarks/weight_sync.py --smoke        # a ~1M-parameter model, one round
@@ -154,17 +159,6 @@ def state_dict(size: Size, seed: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- the worker
 
 
-def load_tensors(path: Path) -> float:
-    """Read a safetensors file's tensors (what an engine's load starts with); the seconds it took."""
-    from safetensors.torch import load_file
-
-    started = time.perf_counter()
-    tensors = load_file(str(path))
-    seconds = time.perf_counter() - started
-    del tensors  # one model at a time in memory
-    return seconds
-
-
 class Worker:
     """The child's side: one command per stdin line, one JSON answer per stdout line."""
 
@@ -172,6 +166,26 @@ class Worker:
         self.cache = cache
         self.fetcher: Any = None
         self.member: Any = None
+        self.model: dict[str, Any] = {}  # the engine's weights, which each version is copied into
+
+    def load(self, tensors: dict[str, Any]) -> float:
+        """Copy a version into the model, as the torch engine's load does; the seconds it took."""
+        started = time.perf_counter()
+        for name, tensor in tensors.items():
+            if name in self.model:
+                self.model[name].copy_(tensor)
+            else:  # the first version: the model's memory is allocated here (a warm-up round)
+                self.model[name] = tensor.clone()
+        return time.perf_counter() - started
+
+    def load_file(self, path: Path) -> float:
+        """Read a safetensors file (the file and network transports) and load it."""
+        from safetensors.torch import load_file
+
+        started = time.perf_counter()
+        tensors = load_file(str(path))  # mapped: the pages are read by the copy
+        self.load(tensors)
+        return time.perf_counter() - started
 
     def loopback(self, port: int, nbytes: int, chunk: int) -> dict[str, Any]:
         buffer = bytearray(chunk)
@@ -196,7 +210,7 @@ class Worker:
             raise SystemExit(f"file: sha256 of {path} is {got}, expected {sha256}")
         return {"transfer_s": verify_s, "path": path}
 
-    def network(self, uri: str, sha256: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    def network(self, uri: str, version: int, sha256: str, cfg: dict[str, Any]) -> dict[str, Any]:
         from actors.weight_fetch import Fetched, WeightFetcher
 
         from april.config import WeightsConfig
@@ -204,7 +218,9 @@ class Worker:
 
         if self.fetcher is None:
             self.fetcher = WeightFetcher(WeightsConfig(**cfg), self.cache, identity="bench-worker")
-        location = parse(uri)
+        location = parse(uri, version)
+        if location is None:
+            raise SystemExit(f"network: {uri} names nothing to fetch")
         started = time.perf_counter()
         self.fetcher.fetch(location, sha256)
         deadline = time.monotonic() + 600
@@ -230,8 +246,7 @@ class Worker:
             got = self.member.poll()
             if got is not None and got.version == version:
                 nbytes = sum(t.numel() * t.element_size() for t in got.tensors.values())
-                del got
-                return {"bytes": nbytes}
+                return {"bytes": nbytes, "load_s": self.load(got.tensors)}
             errors = self.member.errors()
             if errors:
                 print(f"broadcast member: {'; '.join(errors)}", file=sys.stderr, flush=True)
@@ -256,7 +271,7 @@ def child_main() -> None:
                     break
                 answer = getattr(worker, op)(**command)
                 if "path" in answer:  # the worker loads what it got, as an engine would
-                    answer["load_s"] = load_tensors(Path(answer.pop("path")))
+                    answer["load_s"] = worker.load_file(Path(answer.pop("path")))
                 print(json.dumps(answer), flush=True)
         finally:
             worker.close()
@@ -382,7 +397,7 @@ class Learner:
         location = announce_location(WeightsTransport.NETWORK, path, self.service.endpoint)
         wanted = {k: getattr(self.cfg, k) for k in ("port", "chunk_bytes", "window", "timeout_s", "keep")}
         started = time.perf_counter()
-        got = self.child.ask("network", uri=location.uri(), sha256=sha256, cfg=wanted)
+        got = self.child.ask("network", uri=location.uri(), version=self.version, sha256=sha256, cfg=wanted)
         return {**got, "publish_s": publish_s, "sync_s": publish_s + time.perf_counter() - started,
                 "bytes": path.stat().st_size}  # fmt: skip
 
@@ -394,10 +409,9 @@ class Learner:
         if "bench-worker" not in report.reached:
             raise SystemExit(f"broadcast: v{self.version} did not reach the worker: {report}")
         got = self.child.answer()
-        transfer_s = time.perf_counter() - started
-        # the member's tensors are views into what it received: nothing to load
-        return {"publish_s": publish_s, "transfer_s": transfer_s, "load_s": 0.0,
-                "sync_s": publish_s + transfer_s, "bytes": got["bytes"],
+        wall_s = time.perf_counter() - started
+        return {"publish_s": publish_s, "transfer_s": wall_s - got["load_s"], "load_s": got["load_s"],
+                "sync_s": publish_s + wall_s, "bytes": got["bytes"],
                 "file_bytes": path.stat().st_size}  # fmt: skip
 
     def close(self) -> None:
