@@ -56,6 +56,8 @@ from typing import IO, Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from april.config import ConfigError, WeightsConfig, load_config  # noqa: E402
+
 GB = 1e9
 TARGET_NETWORK_VS_LOOPBACK = 0.5  # the issue's target, reported (never asserted)
 
@@ -95,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sizes", default="10M,100M,500M", help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated (loopback: always)")
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds per size (after one warm-up)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a [weights] setting (chunk_bytes, window, bucket_bytes, ...); default: the config's defaults",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench-out/weight_sync.json"))
     ap.add_argument("--smoke", action="store_true", help="seconds: a ~1M-parameter model, one round")
@@ -111,7 +120,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--transports: unknown transport {name!r} (known: {', '.join(TRANSPORTS)})")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: expected >= 1")
+    try:
+        weights_config(args.set)
+    except (ValueError, ConfigError) as exc:
+        ap.error(f"--set: {exc}")
     return args
+
+
+def weights_config(settings: list[str], **fixed: Any) -> WeightsConfig:
+    """The [weights] section the transports run with: --set KEY=VALUE over the defaults (typed, checked)."""
+    overrides = {f"weights.{k}": v for k, v in (item.split("=", 1) for item in settings)}
+    section = load_config(env={}, overrides=overrides).weights
+    return dataclasses.replace(section, **fixed)
 
 
 def available(transport: str) -> bool:
@@ -349,11 +369,16 @@ class Learner:
     """The learner's side of every transport for one size: publishes versions into a weights directory,
     serves them (network) and broadcasts them (broadcast) to the one child."""
 
-    def __init__(self, state: dict[str, Any], weights_dir: Path, transports: list[str], child: Child) -> None:
-        from april.config import WeightsConfig
-
+    def __init__(
+        self,
+        state: dict[str, Any],
+        weights_dir: Path,
+        transports: list[str],
+        child: Child,
+        settings: list[str],
+    ) -> None:
         self.state, self.weights_dir, self.child = state, weights_dir, child
-        self.cfg = WeightsConfig(port=free_port_pair())
+        self.cfg = weights_config(settings, port=free_port_pair())
         self.version = 0
         self.service: Any = None
         self.hub: Any = None
@@ -445,7 +470,7 @@ def measure_size(name: str, args: argparse.Namespace, transports: list[str]) -> 
     child = Child()
     raw: dict[str, list[dict[str, Any]]] = {t: [] for t in ["loopback", *transports]}
     with tempfile.TemporaryDirectory(prefix="april-weight-sync-") as scratch:
-        learner = Learner(state, Path(scratch) / "weights", transports, child)
+        learner = Learner(state, Path(scratch) / "weights", transports, child, args.set)
         try:
             nbytes = 0
             for round_ in range(args.rounds + 1):  # round 0: the warm-up
