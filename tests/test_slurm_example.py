@@ -335,6 +335,8 @@ def test_roles_reach_the_head_with_keys_and_workers_cache_weights_locally(
         # weights over the network into a cache on the node's own disk, outside the learner's run dir
         assert config.weights.transport == WeightsTransport.NETWORK
         assert Path(config.weights.cache_dir).is_relative_to(local), config.weights.cache_dir
+        worker_argv = next(argv for n, argv in april_commands(dry_run) if n == node and argv[0] == "worker")
+        assert not any(str(dry_run.run_dir) in arg for arg in worker_argv), "a worker needs no run dir"
         ports = {int(url.rsplit(":", 1)[1]) for url in config.worker.sglang_urls.split(",")}
         mine = [s for s in servers if s.env["SLURMD_NODENAME"] == node]
         assert {int(s.argv[s.argv.index("--port") + 1]) for s in mine} == ports and len(
