@@ -30,15 +30,18 @@ here, and `make_engine` imports only the one asked for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from april.records import FinishReason
+
+if TYPE_CHECKING:
+    import torch
 
 ENGINES = ("torch", "sglang", "vllm", "sim")
 
@@ -153,6 +156,17 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class TensorLoading(Protocol):
+    """An engine that can take a version as named tensors in this process (the collective broadcast,
+    `actors.weight_receive`) instead of a file: the built-in torch engine. Same contract as
+    `load_weights`: between steps, and a failed load raises WeightLoadError and keeps the old weights."""
+
+    def load_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Swap in weights `version` from `tensors` (name -> tensor, the model's state-dict names)."""
+        ...
 
 
 def run_to_completion(engine: Engine, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:

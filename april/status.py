@@ -57,6 +57,13 @@ class WorkerStatus:
     engine_detail: str = ""  # why its engine is down ("" when up)
     failed_by_engine: int = 0  # samples it failed because the engine failed their request (since it started)
     returned_by_engine: int = 0  # samples it returned as partials because of engine errors or an engine down
+    weights_transport: str = ""  # how its weights version came: file, network or broadcast ("" = none yet)
+    weights_sync_s: float = 0.0  # seconds from hearing of that version to serving it
+
+    @property
+    def weights_sync(self) -> str:
+        """How its weights came and how long that took, for people: "network 0.41s"; "-" before any."""
+        return f"{self.weights_transport} {self.weights_sync_s:.2f}s" if self.weights_transport else "-"
 
 
 @dataclass(frozen=True, slots=True)

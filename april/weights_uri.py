@@ -13,7 +13,9 @@ size; `path` (transport auto) is the learner's own file, which a worker that see
 instead of pulling it; `broadcast` says the learner also sends each version through a collective to
 engines that joined its group (rendezvous at PORT + 1).
 
-Owns the format only: fetching is `actors.weight_fetch`'s, serving `learner.weight_service`'s.
+Also names how a version's bytes came, as workers report it (WeightsLoaded.transport) and the broker
+counts it in each batch's stats (`WORKER_SYNC_STATS`, copied into metrics.jsonl). Owns the format only:
+fetching is `actors.weight_fetch`'s, serving `learner.weight_service`'s.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from urllib.parse import parse_qs, quote, unquote, urlencode, urlparse
 from april.config import ConfigError
 
 SERVICE_SCHEME = "april+tcp"
+WEIGHT_TRANSPORTS = ("file", "network", "broadcast")  # WeightsLoaded.transport values
+WORKER_SYNC_STATS = (
+    "workers_synced",  # live workers serving the broker's version when the batch formed
+    "worker_sync_s_max",  # the slowest of them: seconds from hearing of the version to serving it
+    *(f"workers_synced_{t}" for t in WEIGHT_TRANSPORTS),  # of them, how many got it by each transport
+)
 _VERSION_FILE = re.compile(r"^v(\d{6,})\.safetensors$")
 
 

@@ -31,6 +31,8 @@ class WorkerPeer(Peer):
     slots: int = 0
     credit: int = 0
     version: int = 0  # weights version the worker reports loaded
+    weights_transport: str = ""  # how that version's bytes came (file, network, broadcast)
+    weights_sync_s: float = 0.0  # seconds from the worker hearing of that version to serving it
     pid: int = 0
     host: str = ""
     tokens_generated: int = 0  # new response tokens accepted from this worker (for its tokens/s)

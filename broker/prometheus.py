@@ -42,6 +42,13 @@ GAUGES: tuple[tuple[str, str, Callable[[BrokerStatus], float]], ...] = (
         "workers whose engine cannot serve (leased nothing until it does)",
         lambda s: sum(1 for w in s.workers if not w.engine_ok),
     ),
+    (
+        "weights_sync_seconds_max",
+        "slowest live worker serving the broker's version: seconds from hearing of it to serving it",
+        lambda s: max(
+            (w.weights_sync_s for w in s.workers if w.alive and w.version == s.version), default=0.0
+        ),
+    ),
 )
 # (metric name without _total, help, figure): the status `totals`
 COUNTERS: tuple[tuple[str, str, Callable[[Totals], int]], ...] = (

@@ -32,6 +32,7 @@ from april.protocol import Message
 from april.records import Sample
 from april.status import BrokerStatus
 from april.transport import configure
+from april.weights_uri import WEIGHT_TRANSPORTS
 from april.wire_records import SampleBatch
 from broker import snapshot
 from broker.auth import CurveGate
@@ -263,9 +264,10 @@ class Broker:
             case protocol.EngineHealth():
                 self._on_engine_health(peer, msg)
             case protocol.WeightsLoaded(version=version, ok=ok, error=error):
-                if ok:
-                    peer.version = max(peer.version, version)
-                else:  # e.g. a sha256 mismatch: the worker keeps serving its old weights
+                if ok and version >= peer.version:  # a late report of an older version changes nothing
+                    peer.version = version
+                    peer.weights_transport, peer.weights_sync_s = msg.transport, msg.sync_s
+                elif not ok:  # e.g. a sha256 mismatch: the worker keeps serving its old weights
                     self.rejections.count(worker_id, "weights_not_loaded")
                     log.warning("worker %s failed to load weights v%d: %s", worker_id, version, error)
             case protocol.Disconnect(reason=reason):
@@ -559,6 +561,25 @@ class Broker:
         if policy.abort_on_new_version(self.state.mode) and self.state.leased_samples and self.abort is None:
             self._start_abort(now)
 
+    def _weights_sync_stats(self, now: float) -> dict[str, float]:
+        """For metrics.jsonl: how many live workers serve the broker's version, and the slowest one's sync
+        seconds for it (from hearing of the version to serving it; 0 when none reported one yet)."""
+        window = self.cfg.heartbeat_interval_s * self.cfg.liveness
+        current = [
+            p
+            for p in self.workers.peers.values()
+            if p.version == self.state.version and now - p.last_seen <= window and not p.restored
+        ]
+        by_transport = {
+            f"workers_synced_{t}": float(sum(1 for p in current if p.weights_transport == t))
+            for t in WEIGHT_TRANSPORTS
+        }
+        return {
+            "workers_synced": float(len(current)),
+            "worker_sync_s_max": max((p.weights_sync_s for p in current), default=0.0),
+            **by_transport,
+        }
+
     def _try_send_batch(self, now: float) -> None:
         if self.learner_waiting is None or self.learner is None:
             return
@@ -570,6 +591,7 @@ class Broker:
             batch.stats["rollout_s"] = now - self.round_started
             batch.stats.update(self.evals.batch_stats())  # the latest evaluation, if any
             batch.stats.update(self.usage.take_window())
+            batch.stats.update(self._weights_sync_stats(now))
             batch.stats["run_s"] = now - (self.first_lease if self.first_lease is not None else self.started)
             if policy.is_round_based(self.state.mode):
                 self.usage.set_phase(now, False)  # the rollout phase ends with its batch

@@ -106,6 +106,8 @@ def _workers(broker: Broker, now: float) -> list[WorkerStatus]:
             engine_detail=p.engine_detail,
             failed_by_engine=p.failed_by_engine,
             returned_by_engine=p.returned_by_engine,
+            weights_transport=p.weights_transport,
+            weights_sync_s=round(p.weights_sync_s, 4),
         )
         for p in broker.workers.peers.values()
     ]

@@ -189,7 +189,7 @@ def _alert(role: str, tail: list[str]) -> Panel:
 def _workers_panel(state: DashboardState, status: BrokerStatus, wide: bool) -> Panel:
     table = Table(box=None, padding=(0, 1), expand=True, header_style="dim")
     table.add_column("worker", overflow="ellipsis", no_wrap=True, ratio=1)
-    names = ("engine", "host", "pid", "busy", "tok/s", "ver", "seen", "state")
+    names = ("engine", "host", "pid", "busy", "tok/s", "ver", "sync", "seen", "state")
     for name in names if wide else [n for n in names if n not in ("host", "pid")]:
         left = name in ("engine", "host", "busy", "state")
         table.add_column(name, no_wrap=True, justify="left" if left else "right", overflow="ellipsis")
@@ -204,6 +204,7 @@ def _workers_panel(state: DashboardState, status: BrokerStatus, wide: bool) -> P
             f"{w.leases}/{w.slots} {bar(w.leases / w.slots if w.slots else 0.0, 10 if wide else 5)}",
             si(window.rate() if window else None),
             Text(f"v{w.version}", "yellow" if w.version < status.version else ""),
+            Text(w.weights_sync),  # how the version came, seconds to serve it
             f"{w.last_seen_s:.1f}s",
             _worker_state(w),
         )

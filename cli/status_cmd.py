@@ -88,6 +88,7 @@ def render_status(status: BrokerStatus) -> Group:
         "credit",
         "leases",
         "version",
+        "weights sync",
         "last seen",
         "engine ok",
         "failed / returned",
@@ -103,6 +104,7 @@ def render_status(status: BrokerStatus) -> Group:
             str(w.credit),
             str(w.leases),
             str(w.version),
+            w.weights_sync,  # transport and seconds of the version it serves
             f"{w.last_seen_s:.1f}s",
             engine_state(w),  # why it is down: below the table
             f"{w.failed_by_engine}/{w.returned_by_engine}",  # samples engine errors failed / returned

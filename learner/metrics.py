@@ -27,6 +27,7 @@ import numpy as np
 from april import protocol
 from april.config import Config
 from april.files import read_jsonl, write_text_atomic
+from april.weights_uri import WORKER_SYNC_STATS
 from learner.wandb_sink import WandbRun  # wandb itself is imported only when a WandbRun is opened
 
 log = logging.getLogger("april.learner")
@@ -92,6 +93,9 @@ def step_record(
         "rollout_s": float(stats.get("rollout_s", 0.0)),
         "learner_time_s": learner_time_s,
         "weight_sync_s": weight_sync_s,
+        # the workers serving the version this batch's round ran on, how their weights came, the slowest
+        # one's seconds from hearing of the version to serving it (the broker's WeightsLoaded reports)
+        **{k: float(stats.get(k, 0.0)) for k in WORKER_SYNC_STATS},
         "loss": float(train.get("loss", float("nan"))),
         "ledger": batch.ledger.to_json(),
         # the broker's latest evaluation on the held-out prompts (greedy, at eval_version); none yet: NaN, -1

@@ -30,6 +30,7 @@ from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
 
 FAKE_SHA = "0" * 64
+SCRIPTED_SYNC_S = 0.125  # a scripted worker reports version v loaded by "network" in v x this many seconds
 
 
 def target_length(group_id: int, index: int, max_new_tokens: int, tail_every: int) -> int:
@@ -129,7 +130,8 @@ def run_worker(cfg: WorkerScript) -> None:
                     return
             case protocol.WeightsReady(version=v):
                 version = v
-                send(sock, protocol.WeightsLoaded(v, True, ""))
+                # a known transport and a sync time the broker must relay as reported (status, batch stats)
+                send(sock, protocol.WeightsLoaded(v, True, "", "network", SCRIPTED_SYNC_S * v))
                 ev.write(kind="weights", version=v)
             case protocol.Error(code=code, detail=detail):
                 ev.write(kind="error", code=code, detail=detail)

@@ -139,12 +139,14 @@ def test_header_shows_run_mode_step_version_elapsed_and_throughput(width: int) -
 
 
 @pytest.mark.parametrize("width", [120, 80])
-def test_worker_rows_show_busy_slots_tokens_per_second_version_and_liveness(width: int) -> None:
+def test_worker_rows_show_busy_slots_tokens_per_second_version_sync_and_liveness(width: int) -> None:
     before = status(10.0, version=4, tokens=0)
     after = with_worker(status(12.0, version=4, tokens=1000), 1, alive=False, last_seen_s=4.0, version=3)
+    after = with_worker(after, 0, weights_transport="network", weights_sync_s=0.4123)
     out = text(fed(before, after), width)
     a, b = line_with(out, "w-a"), line_with(out, "w-b")
     assert "6/8" in a and "500" in a and "v4" in a and " up " in a  # 1000 tokens over 2 s
+    assert "network 0.41s" in a  # how v4 came and how long it took to serve it
     assert "16/16" in b and "1.0k" in b and "v3" in b and "dead" in b and "4.0s" in b
     assert ("node1" in a) == (width >= 110)  # hosts only where there is room
     assert "workers 1/2 alive" in out

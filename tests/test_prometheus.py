@@ -3,6 +3,7 @@ scripted peers run, scraped over HTTP; and the start-up errors (package missing,
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 import urllib.request
@@ -101,3 +102,21 @@ def test_workers_whose_engine_is_down_are_a_gauge() -> None:
     status = EXAMPLES[protocol.StatusReply].status  # worker-1's engine is down, worker-0's serves
     gauges = {m.name: m.samples[0].value for m in status_metrics(status) if m.samples}
     assert gauges["april_broker_workers_engine_down"] == 1 and gauges["april_broker_workers"] == 2
+
+
+def test_the_slowest_sync_of_the_current_version_is_a_gauge() -> None:
+    from test_codec import EXAMPLES
+
+    from broker.prometheus import status_metrics
+
+    status = EXAMPLES[protocol.StatusReply].status
+    synced = [dataclasses.replace(w, alive=True, version=status.version) for w in status.workers]
+    synced[0] = dataclasses.replace(synced[0], weights_transport="network", weights_sync_s=1.5)
+    synced[1] = dataclasses.replace(synced[1], weights_transport="file", weights_sync_s=0.25)
+    behind = dataclasses.replace(synced[0], id="w-old", version=status.version - 1, weights_sync_s=9.0)
+    gauges = {
+        m.name: m.samples[0].value
+        for m in status_metrics(dataclasses.replace(status, workers=[*synced, behind]))
+        if m.samples
+    }
+    assert gauges["april_broker_weights_sync_seconds_max"] == 1.5  # not the worker still on an older version

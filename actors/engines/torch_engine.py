@@ -25,7 +25,8 @@ How the batch works (shapes: B active rows, H kv heads, W cache columns in use, 
   once with LENGTH and no tokens.
 - `load_weights` validates the whole state dict before copying anything, then re-prefills the cache of
   every active row with the new weights, so every token generated after the load is exactly the new
-  policy's (and carries the new version).
+  policy's (and carries the new version). `load_tensors` (`actors.engine.TensorLoading`) does the same
+  from named tensors in memory: a version received by the collective broadcast.
 
 Does not implement sliding-window or linear-attention layers, beam search or speculative decoding.
 """
@@ -33,7 +34,7 @@ Does not implement sliding-window or linear-attention layers, beam search or spe
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,11 +229,18 @@ class TorchEngine:
         self._width = 0
         return out
 
-    @torch.inference_mode()
     def load_weights(self, path: Path, version: int) -> None:
-        state = _read_state(Path(path))
+        self._load_state(_read_state(Path(path)), version, repr(str(path)))
+
+    def load_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """`actors.engine.TensorLoading`: a version received by the collective broadcast."""
+        self._load_state(tensors, version, f"broadcast v{version}")
+
+    @torch.inference_mode()
+    def _load_state(self, state: Mapping[str, torch.Tensor], version: int, source: str) -> None:
+        """Check the whole state before copying anything (a bad one leaves the old weights serving)."""
         params = self.model.state_dict()
-        _check_state(state, params, Path(path))
+        _check_state(state, params, source)
         for name, tensor in state.items():
             params[name].copy_(tensor)
         self.version = version
@@ -443,7 +451,7 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _check_state(state: dict[str, torch.Tensor], params: dict[str, torch.Tensor], path: Path) -> None:
+def _check_state(state: Mapping[str, torch.Tensor], params: dict[str, torch.Tensor], source: str) -> None:
     """Raise WeightLoadError unless `state` covers the model's parameters with the right shapes.
 
     A parameter tied to another (same storage, e.g. lm_head and the embedding) may be missing as long as
@@ -452,14 +460,14 @@ def _check_state(state: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
     unexpected = sorted(set(state) - set(params))
     if unexpected:
         raise WeightLoadError(
-            f"load_weights: {str(path)!r} has {len(unexpected)} unexpected tensors, e.g. {unexpected[0]!r}"
+            f"load_weights: {source} has {len(unexpected)} unexpected tensors, e.g. {unexpected[0]!r}"
         )
     groups: dict[int | str, list[str]] = {}
     for name, tensor in params.items():  # empty tensors share data_ptr 0 without being tied
         groups.setdefault(tensor.data_ptr() if tensor.numel() else name, []).append(name)
     for names in groups.values():
         if not any(n in state for n in names):
-            raise WeightLoadError(f"load_weights: {str(path)!r} lacks tensor {names[0]!r}")
+            raise WeightLoadError(f"load_weights: {source} lacks tensor {names[0]!r}")
     for name, tensor in state.items():
         want = params[name]
         if tuple(tensor.shape) != tuple(want.shape):
