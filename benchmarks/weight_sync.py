@@ -393,7 +393,7 @@ class Learner:
             self.hub = BroadcastHub.from_config(self.cfg, "127.0.0.1")
             child.ask("broadcast_join", port=self.cfg.port + 1, timeout_s=self.cfg.timeout_s)
             deadline = time.monotonic() + 60
-            while not (self.hub.waiting or self.hub.members):  # the member joins on its own thread
+            while not (self.hub.waiting() or self.hub.members):  # the member joins on its own thread
                 if time.monotonic() > deadline:
                     raise SystemExit("broadcast: the worker did not join the rendezvous in 60 s")
                 time.sleep(0.01)
