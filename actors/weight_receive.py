@@ -72,6 +72,7 @@ class ReceivedWeights:
     tensors: dict[str, torch.Tensor]  # name -> tensor (views into one flat tensor per dtype)
     seconds: float  # from the manifest seen to the last bucket verified
     bytes: int
+    started_at: float  # time.monotonic() when its manifest was seen (the worker first heard of it)
 
 
 class _Rejoin(Exception):
@@ -248,7 +249,7 @@ class BroadcastMember:
     ) -> ReceivedWeights:
         """One version: every bucket received in place and verified; bucket i + 1 is posted before i is
         hashed, so hashing overlaps the transfer."""
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.monotonic()
         flats = {d: torch.empty(n, dtype=getattr(torch, d), device=self.device) for d, n in manifest.streams}
         views = [flats[b.dtype][b.start : b.start + b.numel] for b in manifest.buckets]
         works = [start_broadcast(group, views[0])] if views else []
@@ -260,7 +261,8 @@ class BroadcastMember:
         tensors = {
             e.name: flats[e.dtype][e.offset : e.offset + e.numel].view(e.shape) for e in manifest.entries
         }
-        return ReceivedWeights(manifest.version, tensors, time.perf_counter() - start, manifest.nbytes)
+        seconds = time.perf_counter() - start
+        return ReceivedWeights(manifest.version, tensors, seconds, manifest.nbytes, started_at)
 
     def _fail(self, exc: BaseException) -> None:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -10,7 +10,13 @@ is decoded greedily; a sample that finished generating frees its engine slot at 
 (LeaseRequest credit) and is streamed when scored; on Abort every unfinished sample goes back INTERRUPTED
 with its tokens and log-probs, and AbortDone is sent only once the engine is idle, naming the samples
 still being scored; weights are verified by sha256 before loading and a failed load keeps the old ones;
-after every (re)connect and whenever the broker says it does not know this worker, the WorkerHello
+weights reach the worker by the transport the learner announced (`actors.weight_sync`: the learner's file
+where this host sees it, else fetched from the learner's weight service on a background thread), so the
+loop never waits on the network: a version is loaded between engine steps once its bytes are local and
+verified, each WeightsLoaded says how the bytes came (`transport`) and the seconds from first hearing of
+the version to the engine serving it (`sync_s`), a version that cannot be had is answered
+WeightsLoaded(ok=False) once, and a worker that missed versions gets only the newest; after every
+(re)connect and whenever the broker says it does not know this worker, the WorkerHello
 names the leases still held. Heartbeats, liveness and reconnecting with backoff are `april.peer_link`'s.
 
 The engine may fail (actors/engine.py says how) and the worker outlives it. A request the engine failed
@@ -19,8 +25,9 @@ frees its slot and is counted. An engine that cannot serve at all (EngineUnavail
 EngineError no request was blamed for) is down: every sample it held goes back as a partial, the broker
 hears EngineHealth(ok=False) and leases nothing more, and the engine is probed with the peer link's
 backoff (on a helper thread, so that heartbeats go on while a probe waits on a hung server) until it
-serves; then the worker says so, loads the newest weights it was told of (again: a restarted server holds
-its launch weights), and grants its slots again. Samples being scored are not the engine's and are
+serves; then the worker says so, loads the newest weights version it has ready (again: a restarted server
+holds its launch weights; a newer one still being fetched follows when it is ready), and grants its slots
+again. Samples being scored are not the engine's and are
 unaffected. `actors.engine_health` keeps the schedule and the counts.
 """
 
@@ -35,7 +42,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
 
@@ -46,14 +52,16 @@ from actors.engine import (
     GenerationOutput,
     GenerationRequest,
     SamplingParams,
+    TensorLoading,
 )
 from actors.engine_health import EngineHealth, one_line
 from actors.engines.sim_engine import SampleIdentity
 from actors.reward_runner import RewardRunner
 from actors.slot_meter import SlotMeter
 from actors.tokenizer import Tokenizer
+from actors.weight_sync import Ready, Unavailable, WeightSync
 from april import protocol
-from april.config import WorkerConfig
+from april.config import WeightsConfig, WorkerConfig
 from april.files import sha256_file
 from april.keys import ClientKeys
 from april.peer_link import PeerLink
@@ -71,14 +79,6 @@ class Held:
 
     lease_id: int
     sample: Sample
-
-
-def weights_path(uri: str) -> Path | None:
-    """The local file of a weights URI (file:// or a plain path); None for sim:// (nothing to load)."""
-    if uri.startswith("sim://"):
-        return None
-    parsed = urlparse(uri)
-    return Path(parsed.path if parsed.scheme == "file" else uri)
 
 
 def apply_output(sample: Sample, out: GenerationOutput) -> Sample:
@@ -118,6 +118,8 @@ class Worker:
         make_engine: EngineFactory,
         seed: int,
         curve: ClientKeys | None = None,
+        weights: WeightsConfig | None = None,
+        weights_keys: ClientKeys | None = None,
     ) -> None:
         self.cfg = cfg
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -133,6 +135,10 @@ class Worker:
         # broker's liveness window): until then it is "starting", and the broker leases it nothing
         self.health = EngineHealth(down=True, detail=protocol.ENGINE_STARTING)
         self.weights: protocol.WeightsReady | None = None  # the newest weights the broker announced
+        # how announced versions become local files (`weights_keys`: CURVE keys for the weight service)
+        self.sync = WeightSync(weights or WeightsConfig(), self.worker_id, weights_keys)
+        self.ready: Ready | None = None  # the newest version ready to load (loaded again after a restart)
+        self.tried = -1  # the newest version a load was tried of (a failed one is not tried again)
         self.prober: ThreadPoolExecutor | None = None  # runs Engine.probe while the engine is down
         self.probing: Future[Engine | None] | None = None
         self.sampling: SamplingParams | None = None  # from the first Welcome: how engines are built
@@ -146,7 +152,10 @@ class Worker:
         try:
             while not should_stop():
                 busy = self.engine is not None and not self.health.down and self.engine.active > 0
-                self._read_broker(0 if busy else 50)
+                # idle, the loop waits on the broker socket; a fetch finishing does not wake it, so it
+                # looks every 5 ms while one is on its way (a version loads promptly, sync_s is honest)
+                self._read_broker(0 if busy else 5 if self.sync.busy else 50)
+                self._sync_weights()
                 self._meter_usage()
                 if self.health.down:
                     self._probe(time.monotonic())
@@ -199,6 +208,8 @@ class Worker:
 
     def _engine_built(self, engine: Engine) -> None:
         self.engine = engine
+        if isinstance(engine, TensorLoading):  # it can take the learner's broadcast, when one is announced
+            self.sync.accept_broadcast(self.cfg.device)
         self.meter = SlotMeter(engine.slots, time.monotonic())
         log.info("worker %s: engine %s ready (%d slots)", self.worker_id, engine.name, engine.slots)
 
@@ -339,31 +350,69 @@ class Worker:
     def _on_weights(self, msg: protocol.WeightsReady) -> None:
         if self.weights is None or msg.version > self.weights.version:
             self.weights = msg
-        if self.engine is None or self.health.down or msg.version <= self.engine.version:
-            return  # a down engine loads the newest announced version once it serves again
-        self._load(msg.version, msg.uri, msg.sha256)
+        if self.engine is not None and msg.version <= self.engine.version:
+            return
+        self.sync.announce(msg)  # fetched (or found) in the background, loaded by _sync_weights when ready
 
-    def _load(self, version: int, uri: str, sha256: str) -> None:
-        """Verify and load between decode steps; on any failure keep serving the old version."""
+    def _sync_weights(self) -> None:
+        """Versions whose bytes became local: keep the newest, load it when the engine serves; answer
+        versions that could not be had. A down or starting engine loads it once it serves again."""
+        for result in self.sync.poll():
+            if isinstance(result, Unavailable):
+                sync_s = time.monotonic() - result.heard_at
+                log.error(
+                    "weights v%d cannot be had (%s): %s", result.version, result.transport, result.error
+                )
+                self._send(
+                    protocol.WeightsLoaded(
+                        result.version, False, result.error[:500], result.transport, sync_s
+                    )
+                )
+            elif self.ready is None or result.version > self.ready.version:
+                self.ready = result
+        ready = self.ready
+        if ready is None or ready.version <= self.tried or self.engine is None or self.health.down:
+            return
+        if ready.version > self.engine.version:
+            self._load(ready)
+
+    def _load(self, ready: Ready) -> None:
+        """Verify (unless verified as it came) and load between decode steps; on any failure keep serving
+        the old version."""
         assert self.engine is not None
+        version = ready.version
+        self.tried = max(self.tried, version)
         started = time.monotonic()
         try:
-            path = weights_path(uri)
-            if path is not None:
+            path = ready.path
+            if path is not None and not ready.verified:
                 if not path.exists():
                     raise EngineError(f"weights file {path} does not exist")
                 got = sha256_file(path)
-                if got != sha256:
-                    raise EngineError(f"sha256 of {path} is {got}, announced {sha256}")
-            self.engine.load_weights(path or Path(uri), version)
+                if got != ready.sha256:
+                    raise EngineError(f"sha256 of {path} is {got}, announced {ready.sha256}")
+            if ready.tensors is not None:  # broadcast: the version itself, for an engine that takes tensors
+                assert isinstance(self.engine, TensorLoading)
+                self.engine.load_tensors(ready.tensors, version)
+                self.ready = None  # the engine holds it now: free the received copy (an in-process engine)
+            else:
+                self.engine.load_weights(path or Path(ready.source), version)
         except (EngineError, OSError) as exc:
             log.error("weights v%d not loaded, still serving v%d: %s", version, self.engine.version, exc)
-            self._send(protocol.WeightsLoaded(version, False, str(exc)[:500]))
+            sync_s = time.monotonic() - ready.heard_at
+            self._send(protocol.WeightsLoaded(version, False, str(exc)[:500], ready.transport, sync_s))
             if isinstance(exc, EngineUnavailable):
                 self._engine_down(exc, exc.partials)
             return
-        log.info("weights v%d loaded in %.3fs", version, time.monotonic() - started)
-        self._send(protocol.WeightsLoaded(version, True, ""))
+        now = time.monotonic()
+        log.info(
+            "weights v%d loaded in %.3fs (%s, %.3fs since announced)",
+            version,
+            now - started,
+            ready.transport or "nothing to load",
+            now - ready.heard_at,
+        )
+        self._send(protocol.WeightsLoaded(version, True, "", ready.transport, now - ready.heard_at))
 
     def _meter_usage(self) -> None:
         """Account slot usage up to now, and report it when due (cumulative: a lost report loses nothing)."""
@@ -466,8 +515,8 @@ class Worker:
         self.health.come_up()
         log.info("engine serves again: leasing resumes")
         self._report_health()
-        if self.weights is not None and self.weights.version >= self.engine.version:
-            self._load(self.weights.version, self.weights.uri, self.weights.sha256)
+        if self.ready is not None and self.ready.version >= self.engine.version:
+            self._load(self.ready)
         if not self.health.down:
             self._send(protocol.LeaseRequest(max(0, self.cfg.slots - len(self.held))))
 
@@ -501,6 +550,7 @@ class Worker:
             self._send_scored()
         self._send(protocol.Disconnect("shutdown"))
         self.rewards.close()
+        self.sync.close()
         if self.prober is not None:
             self.prober.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:

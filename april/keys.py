@@ -4,12 +4,19 @@ One directory (`broker.curve_keys_dir`) in pyzmq's certificate format (`zmq.auth
 
     broker.key, broker.key_secret    the broker's pair (the secret stays on the broker's host)
     client.key, client.key_secret    the default client pair (workers, learner, `april status`, dashboard)
-    authorized/*.key                 public keys the broker accepts (a copy of client.key to begin with)
+    weights.key, weights.key_secret  the learner's weight service (`learner.weight_service`); the secret
+                                     stays on the learner's host
+    authorized/*.key                 public keys the broker and the weight service accept (a copy of
+                                     client.key to begin with)
     clients/NAME/                    `april keys add-client`: a ready-to-copy directory for another host
-                                     (its broker.key, and NAME's pair as client.key / client.key_secret)
+                                     (its broker.key and weights.key, and NAME's pair as client.key /
+                                     client.key_secret)
 
-The broker reads broker.key_secret and authorized/; a client reads client.key_secret and broker.key from
-the directory its own config names. Secret files are created 0600 inside a 0700 staging directory, so
+The broker reads broker.key_secret and authorized/; the weight service weights.key_secret and authorized/
+(the same clients may fetch weights as may talk to the broker); a client reads client.key_secret and
+broker.key (and, fetching weights, weights.key) from the directory its own config names. The weight
+service has its own pair so that the broker's secret never needs to be on the learner's host.
+Secret files are created 0600 inside a 0700 staging directory, so
 they are never readable by others, not even for a moment. Every problem is a `KeysError`: one line
 naming the file and what is wrong.
 
@@ -31,7 +38,7 @@ import zmq.utils.z85
 
 from april.config import ConfigError
 
-BROKER, CLIENT = "broker", "client"
+BROKER, CLIENT, WEIGHTS = "broker", "client", "weights"
 AUTHORIZED, CLIENTS = "authorized", "clients"
 KEY_CHARS = 40  # a Z85-encoded 32-byte Curve25519 key
 
@@ -119,6 +126,37 @@ def client_keys(keys_dir: Path) -> ClientKeys:
     return ClientKeys(public, secret, read_public(keys_dir / f"{BROKER}.key"))
 
 
+def _missing_weights_pair(path: Path) -> KeysError:
+    return KeysError(
+        f"{path}: no such file (the weight service's keys; this key directory predates them: "
+        f"run `april keys add-weights {path.parent}` and copy weights.key to the workers)"
+    )
+
+
+def weights_server_keys(keys_dir: Path) -> ServerKeys:
+    """The learner's weight service: its own pair and the authorised client keys (the broker's)."""
+    _check_dir(keys_dir)
+    secret = keys_dir / f"{WEIGHTS}.key_secret"
+    if not secret.is_file():
+        raise _missing_weights_pair(secret)
+    public, secret_key = read_pair(secret)
+    authorized = keys_dir / AUTHORIZED
+    if not authorized.is_dir():
+        raise KeysError(f"{authorized}: no such directory (public keys of the clients the service accepts)")
+    authorized_keys(authorized)
+    return ServerKeys(public, secret_key, authorized)
+
+
+def weights_client_keys(keys_dir: Path) -> ClientKeys:
+    """A worker fetching weights: its client pair and the weight service's public key."""
+    _check_dir(keys_dir)
+    public = keys_dir / f"{WEIGHTS}.key"
+    if not public.is_file():
+        raise _missing_weights_pair(public)
+    pair = read_pair(keys_dir / f"{CLIENT}.key_secret")
+    return ClientKeys(pair[0], pair[1], read_public(public))
+
+
 def configured_client_keys(curve_keys_dir: str) -> ClientKeys | None:
     """The client keys `broker.curve_keys_dir` names; None when it is empty (no CURVE)."""
     return client_keys(Path(curve_keys_dir)) if curve_keys_dir else None
@@ -146,13 +184,14 @@ def _refuse_overwrite(paths: list[Path], force: bool) -> None:
 
 
 def generate(keys_dir: Path, force: bool = False) -> list[Path]:
-    """The broker pair, the default client pair and authorized/client.key in `keys_dir`; the files made."""
-    made = [keys_dir / f"{n}.{ext}" for n in (BROKER, CLIENT) for ext in ("key", "key_secret")]
+    """The broker pair, the default client pair, the weight service's pair and authorized/client.key in
+    `keys_dir`; the files made."""
+    made = [keys_dir / f"{n}.{ext}" for n in (BROKER, CLIENT, WEIGHTS) for ext in ("key", "key_secret")]
     made.append(keys_dir / AUTHORIZED / f"{CLIENT}.key")
     _refuse_overwrite(made, force)
     keys_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=keys_dir, prefix=".staging-") as tmp:  # mode 0700
-        for name in (BROKER, CLIENT):
+        for name in (BROKER, CLIENT, WEIGHTS):
             _mint(Path(tmp), name, keys_dir, name)
     (keys_dir / AUTHORIZED).mkdir(exist_ok=True)
     shutil.copyfile(keys_dir / f"{CLIENT}.key", keys_dir / AUTHORIZED / f"{CLIENT}.key")
@@ -160,8 +199,9 @@ def generate(keys_dir: Path, force: bool = False) -> list[Path]:
 
 
 def add_client(keys_dir: Path, name: str, force: bool = False) -> Path:
-    """A new client pair `name`: authorized/NAME.key, and clients/NAME/ holding broker.key and the pair
-    as client.key / client.key_secret (copy that directory to the client's host). Returns clients/NAME."""
+    """A new client pair `name`: authorized/NAME.key, and clients/NAME/ holding broker.key, weights.key
+    and the pair as client.key / client.key_secret (copy that directory to the client's host).
+    Returns clients/NAME."""
     if not name or name in (".", "..") or any(c in name for c in "/\\\0") or name == BROKER:
         raise KeysError(f"client name {name!r}: expected a plain file name other than {BROKER!r}")
     broker_public = keys_dir / f"{BROKER}.key"
@@ -175,6 +215,20 @@ def add_client(keys_dir: Path, name: str, force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=keys_dir, prefix=".staging-") as tmp:
         _mint(Path(tmp), name, out, CLIENT)
     shutil.copyfile(broker_public, out / f"{BROKER}.key")
+    if (keys_dir / f"{WEIGHTS}.key").is_file():  # a directory made before the weight service had keys
+        shutil.copyfile(keys_dir / f"{WEIGHTS}.key", out / f"{WEIGHTS}.key")
     (keys_dir / AUTHORIZED).mkdir(exist_ok=True)
     shutil.copyfile(out / f"{CLIENT}.key", keys_dir / AUTHORIZED / f"{name}.key")
     return out
+
+
+def add_weights(keys_dir: Path, force: bool = False) -> list[Path]:
+    """The weight service's pair alone (a key directory made before it had one); the files made."""
+    _check_dir(keys_dir)
+    made = [keys_dir / f"{WEIGHTS}.key", keys_dir / f"{WEIGHTS}.key_secret"]
+    _refuse_overwrite(made, force)
+    with tempfile.TemporaryDirectory(dir=keys_dir, prefix=".staging-") as tmp:
+        _mint(Path(tmp), WEIGHTS, keys_dir, WEIGHTS)
+    for client_dir in sorted((keys_dir / CLIENTS).glob("*/")):  # every copyable client directory too
+        shutil.copyfile(made[0], client_dir / f"{WEIGHTS}.key")
+    return made

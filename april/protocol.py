@@ -4,7 +4,8 @@ One frozen dataclass per message; `KIND_OF` is the explicit registry (kind codes
 format: never renumber, only append). `encode(msg) -> frames` and `decode(frames) -> msg` wrap the strict
 codec in `april.codec`. docs/protocol.md documents the same messages for implementers in other languages.
 
-Directions: W = worker, B = broker, L = learner, S = any read-only client (`april status`).
+Directions: W = worker, B = broker, L = learner, S = any read-only client (`april status`). The weight
+chunk messages (kinds 50-52) travel between a worker and the learner's weight service, never the broker.
 """
 
 from __future__ import annotations
@@ -370,6 +371,55 @@ class StatusReply:
     status: BrokerStatus
 
 
+MAX_WEIGHTS_CHUNK = 64 * 1024 * 1024  # bytes: the most one WeightsChunkRequest may ask for (64 MiB)
+MAX_WEIGHTS_WINDOW = 128  # chunk requests a worker keeps in flight at most (the service queues no more)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsChunkRequest:
+    """W->L (the learner's weight service, not the broker). Send bytes [offset, offset + length) of the
+    published file of `version`. A worker keeps a window of these in flight (`weights.window`)."""
+
+    version: int
+    offset: int
+    length: int
+
+    def validate(self) -> None:
+        _check_non_negative(self, "version", "offset")
+        if not 1 <= self.length <= MAX_WEIGHTS_CHUNK:
+            raise ValueError(f"length = {self.length}, must be in 1..{MAX_WEIGHTS_CHUNK}")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsChunk:
+    """L->W. Bytes of `version`'s file starting at `offset` (`data`, its own frame; shorter than asked
+    only at the end of the file). `size` is the whole file's size in bytes."""
+
+    version: int
+    offset: int
+    size: int
+    data: UInt8Array
+
+    def validate(self) -> None:
+        _check_non_negative(self, "version", "offset", "size")
+        if len(self.data) > MAX_WEIGHTS_CHUNK:
+            raise ValueError(f"data has {len(self.data)} bytes, at most {MAX_WEIGHTS_CHUNK} allowed")
+        if self.offset + len(self.data) > self.size:
+            raise ValueError(f"offset {self.offset} + {len(self.data)} bytes runs past size {self.size}")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsGone:
+    """L->W. The service no longer has (or never had) `version`: pruned by newer versions, or not
+    published. `newest` is the newest version it serves (0: none). A gone version never comes back."""
+
+    version: int
+    newest: int
+
+    def validate(self) -> None:
+        _check_non_negative(self, "version", "newest")
+
+
 # The registry. Kind codes are wire format: append only.
 KIND_OF: dict[type, int] = {
     Heartbeat: 1,
@@ -393,6 +443,9 @@ KIND_OF: dict[type, int] = {
     LearnerPhaseReport: 34,
     StatusRequest: 40,
     StatusReply: 41,
+    WeightsChunkRequest: 50,
+    WeightsChunk: 51,
+    WeightsGone: 52,
 }
 TYPE_OF: dict[int, type] = {kind: cls for cls, kind in KIND_OF.items()}
 MESSAGE_TYPES = tuple(KIND_OF)
@@ -419,6 +472,9 @@ Message = (
     | LearnerPhaseReport
     | StatusRequest
     | StatusReply
+    | WeightsChunkRequest
+    | WeightsChunk
+    | WeightsGone
 )
 
 

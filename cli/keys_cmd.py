@@ -1,8 +1,9 @@
 """`april keys`: create the CurveZMQ key files a broker needs to bind a non-loopback address.
 
 `april keys generate DIR` makes the broker's and the default client's key pairs and authorises the client;
-`april keys add-client DIR NAME` mints one more client pair, ready to copy to another host. The file
-layout and every check are `april.keys`'; this module only parses options and prints what it made.
+`april keys add-client DIR NAME` mints one more client pair, ready to copy to another host;
+`april keys add-weights DIR` mints the learner's weight-service pair in a directory made before it had one.
+The file layout and every check are `april.keys`'; this module only parses options and prints what it made.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ ForceOpt = Annotated[
 
 @keys_app.command("generate")
 def generate_command(keys_dir: DirArg, force: ForceOpt = False) -> None:
-    """Create DIR/broker.key[_secret], DIR/client.key[_secret] and DIR/authorized/client.key."""
+    """Create DIR/broker.key[_secret], DIR/client.key[_secret], DIR/weights.key[_secret] (the learner's
+    weight service) and DIR/authorized/client.key."""
     made = keys.generate(keys_dir, force)
     for path in made:
         print(path)
     print(
         f"set broker.curve_keys_dir = {str(keys_dir)!r} for every role; "
-        f"keep {keys_dir / 'broker.key_secret'} on the broker's host only"
+        f"keep {keys_dir / 'broker.key_secret'} on the broker's host only and "
+        f"{keys_dir / 'weights.key_secret'} on the learner's"
     )
 
 
@@ -48,3 +51,11 @@ def add_client_command(
         f"{out}: copy this directory to the client's host and set broker.curve_keys_dir to it there "
         "(a running broker picks up the new key by itself)"
     )
+
+
+@keys_app.command("add-weights")
+def add_weights_command(keys_dir: DirArg, force: ForceOpt = False) -> None:
+    """Create DIR/weights.key[_secret], the learner's weight-service pair (copied into DIR/clients/*/)."""
+    for path in keys.add_weights(keys_dir, force):
+        print(path)
+    print(f"copy {keys_dir / 'weights.key'} into the key directory of every worker on another host")

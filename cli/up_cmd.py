@@ -24,9 +24,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from april.config import BrokerConfig, Config, Mode, write_config
+from april.config import BrokerConfig, Config, Mode, WeightsTransport, write_config
 from april.files import read_jsonl
-from april.keys import configured_client_keys, server_keys
+from april.keys import configured_client_keys, server_keys, weights_client_keys, weights_server_keys
 from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
 from cli.dashboard_state import DashboardState, add_alert, add_event
@@ -149,6 +149,9 @@ def preflight(config: Config) -> None:
     if b.curve_keys_dir:  # the broker's and the children's CurveZMQ keys (KeysError: one line)
         server_keys(Path(b.curve_keys_dir))
         configured_client_keys(b.curve_keys_dir)
+        if config.weights.transport != WeightsTransport.FILE:  # the learner's weight service, its clients
+            weights_server_keys(Path(b.curve_keys_dir))
+            weights_client_keys(Path(b.curve_keys_dir))
     for name in ("worker_port", "learner_port", "pub_port"):
         port = getattr(b, name)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from actors.engine import Engine, SamplingParams
 from actors.engines.sim_engine import Identify
 from actors.factory import check_worker, make_engine, make_tokenizer
 from actors.reward_runner import RewardRunner
 from actors.worker import Worker
-from april.config import Config, WorkerConfig
-from april.keys import configured_client_keys
+from april.config import Config, WeightsTransport, WorkerConfig
+from april.keys import ClientKeys, configured_client_keys, weights_client_keys
 from cli.process import setup_logging, stop_requested
 
 # (worker settings, sampling, the worker's sample identity hook, starting version) -> engine
@@ -23,6 +24,7 @@ def run_worker(config: Config, build_engine: EngineBuilder = make_engine) -> Non
     setup_logging()
     cfg = config.worker
     curve = configured_client_keys(config.broker.curve_keys_dir)  # bad keys: one error line, before any load
+    weights_keys = configured_weights_keys(config)
     check_worker(cfg)  # an unknown engine would only fail at the first lease
     tokenizer = make_tokenizer(cfg)
     rewards = RewardRunner(cfg.reward, cfg.reward_timeout_s)
@@ -31,5 +33,23 @@ def run_worker(config: Config, build_engine: EngineBuilder = make_engine) -> Non
     def engine_factory(sampling: SamplingParams, version: int) -> Engine:
         return build_engine(cfg, sampling, worker.identify, version)
 
-    worker = Worker(cfg, tokenizer, rewards, engine_factory, seed=config.run.seed, curve=curve)
+    worker = Worker(
+        cfg,
+        tokenizer,
+        rewards,
+        engine_factory,
+        seed=config.run.seed,
+        curve=curve,
+        weights=config.weights,
+        weights_keys=weights_keys,
+    )
     worker.run(stop_requested())
+
+
+def configured_weights_keys(config: Config) -> ClientKeys | None:
+    """CURVE keys for the learner's weight service (None: no CURVE, or transport file, which never
+    fetches). A key directory without weights.key is one error line, before anything loads."""
+    keys_dir = config.broker.curve_keys_dir
+    if not keys_dir or config.weights.transport == WeightsTransport.FILE:
+        return None
+    return weights_client_keys(Path(keys_dir))

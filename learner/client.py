@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 
@@ -85,6 +86,18 @@ class BrokerClient:
         """Tell the broker what the learner does from now on (shown in its status)."""
         self.latest_phase = protocol.LearnerPhaseReport(phase, detail[: protocol.MAX_PHASE_DETAIL])
         self.link.send(self.latest_phase)
+
+    def workers_behind(self, version: int, timeout_s: float) -> int | None:
+        """Live workers not yet serving `version` (the broker's status); None if it did not answer within
+        `timeout_s`. Keeps the link alive meanwhile."""
+        self.link.send(protocol.StatusRequest())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = self.link.recv(50)
+            if isinstance(msg, protocol.StatusReply):
+                return sum(1 for w in msg.status.workers if w.alive and w.version < version)
+            self.link.keep_alive()
+        return None
 
     def ack(self, batch_id: int, metrics: dict[str, float]) -> None:
         """Ack a trained batch; `metrics` (the step's figures) go to the broker's status feed."""

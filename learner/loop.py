@@ -11,6 +11,11 @@ writes weights and metrics, and shares each batch. Rank 0 connects before the mo
 (and the dashboard) hear what the learner is doing while it starts (`learner.phases`).
 `--resume` restarts from the latest saved point; the broker re-sends any batch it still holds, and
 `last_batch_id` makes sure a trained batch is never trained again.
+Weights reach workers by `weights.transport` (docs/design.md section 6): rank 0 runs the weight service
+(`learner.weight_service`) unless the transport is `file`, and announces each version's URI
+(`april.weights_uri`): the file (file), the service and the file (auto), the service (network), the
+service flagged broadcast (broadcast). The simulated learner's stand-in files are always announced as
+files: the sim engine loads nothing.
 Composes the pieces; owns none of their logic. Imports no torch (the simulated learner runs without it).
 """
 
@@ -26,6 +31,7 @@ from april import protocol
 from april.config import AlgoConfig, Config
 from april.keys import configured_client_keys
 from learner.client import BatchError, BrokerClient, check_batch
+from learner.handoff import WeightsHandOff
 from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
 from learner.phases import PhaseClock
 from learner.ranks import share_batch
@@ -60,7 +66,13 @@ def run_learner(
     leader = trainer.rank == 0
     saved_point = trainer.resume_point() if resume else None
     point = saved_point or FRESH
-    client = connect(config, point) if leader else None
+    handoff = WeightsHandOff.open(config, run_dir) if leader else None
+    try:
+        client = connect(config, point) if leader else None
+    except BaseException:
+        if handoff is not None:
+            handoff.close()
+        raise
     phases = PhaseClock(client.report_phase if client is not None else None)
     metrics: MetricsLog | None = None
     try:
@@ -92,11 +104,12 @@ def run_learner(
             stats = trainer.train(batch, version)
             computed = time.monotonic()
             phases.enter(Phase.PUBLISHING_WEIGHTS, f"v{version + 1}")
-            published = trainer.publish(run_dir / "weights", version + 1)
+            broadcast = handoff.broadcast if handoff is not None else None
+            published = trainer.publish(run_dir / "weights", version + 1, broadcast)
             acked: dict[str, float] | None = None  # the figures the ack carries (rank 0)
-            if client is not None and metrics is not None and published is not None:
+            if client is not None and metrics is not None and published is not None and handoff is not None:
                 path, sha = published
-                client.publish(version + 1, path.resolve().as_uri(), sha)
+                client.publish(version + 1, handoff.uri(path), sha)
                 announced = time.monotonic()
                 record = step_record(
                     step=step,
@@ -106,7 +119,8 @@ def run_learner(
                     step_time_s=announced - started,
                     learner_time_s=computed - waited,
                     weight_sync_s=announced - computed,
-                    train={**stats, "wait_s": waited - started},
+                    train={**stats, **handoff.figures(), "wait_s": waited - started},
+                    weights_transport=config.weights.transport.value,
                 )
                 acked = ack_metrics(record)
                 metrics.append(record)
@@ -125,9 +139,13 @@ def run_learner(
         if trainer.checkpoint_every and saved < step:
             phases.enter(Phase.CHECKPOINTING, f"step {step}")
             trainer.save(ResumePoint(step, version, last_batch_id))
+        if client is not None and handoff is not None and step >= config.run.steps:
+            handoff.serve_last(client, version)
     finally:
         if client is not None:
             client.close()
+        if handoff is not None:
+            handoff.close()
         if metrics is not None:
             metrics.close()
     if leader:

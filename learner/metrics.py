@@ -53,6 +53,7 @@ def step_record(
     learner_time_s: float,
     weight_sync_s: float,
     train: dict[str, float],
+    weights_transport: str = "",
 ) -> dict[str, Any]:
     """The metrics line of one step. `train` holds the learner's figures (loss, clip_frac, ...)."""
     samples = batch.samples
@@ -93,6 +94,7 @@ def step_record(
         "rollout_s": float(stats.get("rollout_s", 0.0)),
         "learner_time_s": learner_time_s,
         "weight_sync_s": weight_sync_s,
+        "weights_transport": weights_transport,  # weights.transport: how versions were offered (section 6)
         # the workers serving the version this batch's round ran on, how their weights came, the slowest
         # one's seconds from hearing of the version to serving it (the broker's WeightsLoaded reports)
         **{k: float(stats.get(k, 0.0)) for k in WORKER_SYNC_STATS},

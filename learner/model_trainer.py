@@ -18,7 +18,7 @@ from april import protocol
 from april.config import Config
 from learner import checkpoint, weights
 from learner.losses import LossConfig
-from learner.trainer import PhaseReport, ResumePoint, launched_rank, launched_world_size
+from learner.trainer import BroadcastSend, PhaseReport, ResumePoint, launched_rank, launched_world_size
 
 if TYPE_CHECKING:
     from learner.engine import TrainEngine
@@ -160,11 +160,16 @@ class ModelTrainer:
         )
         return {**metrics, **overlong.metrics()}
 
-    def publish(self, weights_dir: Path, version: int) -> tuple[Path, str] | None:
+    def publish(
+        self, weights_dir: Path, version: int, broadcast: BroadcastSend | None = None
+    ) -> tuple[Path, str] | None:
         state = self.engine.state_dict_for_publish()  # a collective under ZeRO-3: every rank calls it
         if self.engine.rank != 0:
             return None
-        return weights.publish(state, weights_dir, version, keep=self.config.learner.keep_weights)
+        published = weights.publish(state, weights_dir, version, keep=self.config.learner.keep_weights)
+        if broadcast is not None:  # after the file: a member that misses this version fetches it
+            broadcast(state, version)
+        return published
 
     def save(self, point: ResumePoint) -> None:
         lc = self.config.learner

@@ -26,7 +26,7 @@ import numpy as np
 from april import protocol
 from april.config import Config
 from april.files import sha256_file, write_text_atomic
-from learner.trainer import PhaseReport, ResumePoint
+from learner.trainer import BroadcastSend, PhaseReport, ResumePoint
 
 KEEP_WEIGHTS = 3  # simulated weight files kept (the announced one and its predecessors)
 STATE_FILE = "sim_learner.json"  # the simulated learner's checkpoint: step, version, last_batch_id
@@ -66,8 +66,11 @@ class SimTrainer:
         time.sleep(sim_step_s(self.config, batch))
         return {"loss": 0.0}
 
-    def publish(self, weights_dir: Path, version: int) -> tuple[Path, str]:
-        """A small real file standing for `version`: (path, sha256). Keeps the newest few."""
+    def publish(
+        self, weights_dir: Path, version: int, broadcast: BroadcastSend | None = None
+    ) -> tuple[Path, str]:
+        """A small real file standing for `version`: (path, sha256). Keeps the newest few. Nothing to
+        broadcast: there is no model."""
         weights_dir.mkdir(parents=True, exist_ok=True)
         path = weights_dir / f"v{version:06d}.sim.json"
         write_text_atomic(path, json.dumps({"version": version, "simulated": True}) + "\n")

@@ -74,7 +74,7 @@ class Cluster:
         }
         sections["learner"] = {"broker": f"tcp://127.0.0.1:{self.ports[1]}"}
         for name, values in config.items():
-            sections[name].update(values)
+            sections.setdefault(name, {}).update(values)
         self.config = sections
         self.config_path = tmp / "april.toml"
         self.config_path.write_text(

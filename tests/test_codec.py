@@ -174,7 +174,9 @@ EXAMPLES: dict[type, Any] = {
     P.Abort: P.Abort(round_id=7),
     P.AbortDone: P.AbortDone(round_id=7, credit=8, scoring=np.array([3, 4], np.int64)),
     P.WeightsReady: P.WeightsReady(version=4, uri="file:///runs/r/weights/v4.safetensors", sha256=SHA),
-    P.WeightsLoaded: P.WeightsLoaded(version=4, ok=False, error="sha256 mismatch"),
+    P.WeightsLoaded: P.WeightsLoaded(
+        version=4, ok=False, error="sha256 mismatch", transport="network", sync_s=1.25
+    ),
     P.Disconnect: P.Disconnect(reason="shutdown"),
     P.LearnerHello: P.LearnerHello(learner_id="learner-0", version=3, pid=77),
     P.BatchRequest: P.BatchRequest(step=3, last_batch_id=2),
@@ -192,6 +194,11 @@ EXAMPLES: dict[type, Any] = {
     P.LearnerPhaseReport: P.LearnerPhaseReport(P.LearnerPhase.INITIALISING_ENGINE, "DeepSpeed ZeRO-2 on cpu"),
     P.StatusRequest: P.StatusRequest(),
     P.StatusReply: P.StatusReply(status=_broker_status()),
+    P.WeightsChunkRequest: P.WeightsChunkRequest(version=4, offset=8 << 20, length=4 << 20),
+    P.WeightsChunk: P.WeightsChunk(
+        version=4, offset=8, size=32, data=np.frombuffer(b"safetensors-bytes", np.uint8).copy()
+    ),
+    P.WeightsGone: P.WeightsGone(version=2, newest=4),
 }
 
 
@@ -326,6 +333,9 @@ def test_registry_is_consistent() -> None:
         "LearnerPhaseReport": 34,
         "StatusRequest": 40,
         "StatusReply": 41,
+        "WeightsChunkRequest": 50,
+        "WeightsChunk": 51,
+        "WeightsGone": 52,
     }
 
 
@@ -710,6 +720,33 @@ BODY_CASES = [
     ),
     pytest.param(
         P.WeightsReady, lambda b: b.update(version=-1), "invalid_value", ["version = -1"], id="v_neg"
+    ),
+    pytest.param(
+        P.WeightsChunkRequest,
+        lambda b: b.update(length=0),
+        "invalid_value",
+        ["WeightsChunkRequest", "length = 0"],
+        id="chunk_empty",
+    ),
+    pytest.param(
+        P.WeightsChunkRequest,
+        lambda b: b.update(length=P.MAX_WEIGHTS_CHUNK + 1),
+        "invalid_value",
+        ["length = 67108865"],
+        id="chunk_huge",
+    ),
+    pytest.param(
+        P.WeightsChunkRequest, lambda b: b.update(offset=-1), "invalid_value", ["offset = -1"], id="chunk_neg"
+    ),
+    pytest.param(
+        P.WeightsChunk,
+        lambda b: b.update(size=10),
+        "invalid_value",
+        ["WeightsChunk", "runs past size 10"],
+        id="chunk_past_end",
+    ),
+    pytest.param(
+        P.WeightsGone, lambda b: b.update(newest=-1), "invalid_value", ["newest = -1"], id="gone_neg"
     ),
     pytest.param(
         P.LeaseRequest, lambda b: b.update(credit=65537), "invalid_value", ["credit = 65537"], id="credit"

@@ -35,7 +35,7 @@ from actors.reward_runner import RewardResult
 from actors.tokenizer import ByteTokenizer
 from actors.worker import Held, Worker
 from april import protocol
-from april.config import WorkerConfig
+from april.config import WeightsConfig, WorkerConfig
 from april.peer_link import BACKOFF_MIN_S
 from april.ports import free_ports
 from april.records import FinishReason, Sample, SampleStatus
@@ -121,6 +121,12 @@ class BareBroker:
         self.ctx.term()
 
 
+def assert_loaded(msg: protocol.WeightsLoaded, version: int) -> None:
+    """Loaded `version`: sim:// weights carry no bytes (transport ""), timed from when it was heard of."""
+    assert (msg.version, msg.ok, msg.error, msg.transport) == (version, True, "", "")
+    assert msg.sync_s > 0
+
+
 @dataclasses.dataclass
 class Running:
     worker: Worker
@@ -134,9 +140,10 @@ class Running:
 
 
 @contextmanager
-def running_worker(script: EngineScript) -> Iterator[Running]:
+def running_worker(script: EngineScript, weights: WeightsConfig | None = None) -> Iterator[Running]:
     """A worker loop on a thread, welcomed by the bare broker (which then owns the conversation); on
-    exit the worker is stopped and must have left cleanly (Disconnect), never died."""
+    exit the worker is stopped and must have left cleanly (Disconnect), never died. `weights`: its
+    [weights] settings (tests/test_weight_fetch.py)."""
     broker = BareBroker()
     engines: list[ScriptedEngine] = []
     rewards = HeldRewards()
@@ -147,7 +154,7 @@ def running_worker(script: EngineScript) -> Iterator[Running]:
         engines.append(ScriptedEngine(script, SLOTS, sampling, worker.identify, version))
         return engines[-1]
 
-    worker = Worker(cfg, ByteTokenizer(), rewards, make, seed=0)  # type: ignore[arg-type]
+    worker = Worker(cfg, ByteTokenizer(), rewards, make, seed=0, weights=weights)  # type: ignore[arg-type]
     stop = threading.Event()
     died: list[BaseException] = []
 
@@ -295,7 +302,7 @@ def test_an_engine_down_returns_every_lease_leases_nothing_and_comes_back_after_
         assert not still.ok and still.detail == "scripted: connection refused (server restarting)"
         up = w.broker.expect(protocol.EngineHealth)
         assert up.ok and up.detail == "" and up.returned_by_engine == 4
-        assert w.broker.expect(protocol.WeightsLoaded) == protocol.WeightsLoaded(1, True, "")
+        assert_loaded(w.broker.expect(protocol.WeightsLoaded), 1)
         assert w.broker.expect(protocol.LeaseRequest).credit == SLOTS  # leasing resumes
         assert w.engine.version == 1
         assert w.broker.keepalives > kept  # the connection was kept alive while down
@@ -343,7 +350,7 @@ def test_a_step_error_no_request_is_blamed_for_takes_the_engine_down_not_the_wor
     longs = groups_where(long_enough(script, 4), 2, script)
     with running_worker(script) as w:
         w.broker.send(protocol.WeightsReady(1, "sim://weights/v1", "0" * 64))
-        assert w.broker.expect(protocol.WeightsLoaded) == protocol.WeightsLoaded(1, True, "")
+        assert_loaded(w.broker.expect(protocol.WeightsLoaded), 1)
         w.broker.send(lease([(1, longs[0]), (2, longs[1])]))
         down = w.broker.expect(protocol.EngineHealth)
         assert not down.ok and "malformed answer" in down.detail
@@ -351,7 +358,7 @@ def test_a_step_error_no_request_is_blamed_for_takes_the_engine_down_not_the_wor
         assert all(s.response_len == 1 for s in back.values())  # taken back by an abort: 1 token each
         assert w.broker.expect(protocol.EngineHealth).ok
         # loaded again though the engine says it has v1: a restarted server would serve its launch weights
-        assert w.broker.expect(protocol.WeightsLoaded) == protocol.WeightsLoaded(1, True, "")
+        assert_loaded(w.broker.expect(protocol.WeightsLoaded), 1)
         assert w.engine.loads == 2
         assert w.broker.expect(protocol.LeaseRequest).credit == SLOTS
 
@@ -369,7 +376,9 @@ def test_a_weight_load_that_finds_the_engine_down_keeps_the_old_weights_and_load
         back = results(w.broker.expect(protocol.SampleResult))
         assert all(seg.version == 0 for s in back.values() for seg in s.segments)  # made by v0
         assert w.broker.expect(protocol.EngineHealth).ok
-        assert w.broker.expect(protocol.WeightsLoaded) == protocol.WeightsLoaded(1, True, "")
+        loaded = w.broker.expect(protocol.WeightsLoaded)
+        assert_loaded(loaded, 1)
+        assert loaded.sync_s > refused.sync_s  # timed from the first WeightsReady, across the failure
         assert w.broker.expect(protocol.LeaseRequest).credit == SLOTS
         assert w.engine.version == 1
 

@@ -46,7 +46,7 @@ def test_generate_creates_both_pairs_secrets_0600_and_authorises_the_client(tmp_
     d = tmp_path / "keys"
     result = runner.invoke(app, ["keys", "generate", str(d)])
     assert result.exit_code == 0, result.output
-    for name in ("broker", "client"):
+    for name in ("broker", "client", "weights"):
         assert stat.S_IMODE((d / f"{name}.key_secret").stat().st_mode) == 0o600
         public, secret = zmq.auth.load_certificate(d / f"{name}.key_secret")
         assert secret is not None and zmq.curve_public(secret) == public
@@ -77,6 +77,8 @@ def test_add_client_makes_a_copyable_directory_and_authorises_it(tmp_path: Path)
     assert result.exit_code == 0, result.output
     node = keys.client_keys(d / "clients" / "node7")
     assert node.server_public == keys.server_keys(d).public
+    fetching = keys.weights_client_keys(d / "clients" / "node7")  # the weight service's key travels too
+    assert fetching.server_public == keys.weights_server_keys(d).public != node.server_public
     assert stat.S_IMODE((d / "clients" / "node7" / "client.key_secret").stat().st_mode) == 0o600
     assert zmq.utils.z85.decode(node.public) in keys.authorized_keys(d / "authorized")
     again = runner.invoke(app, ["keys", "add-client", str(d), "node7"])
