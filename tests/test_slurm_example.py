@@ -332,6 +332,9 @@ def test_roles_reach_the_head_with_keys_and_workers_cache_weights_locally(
         assert client_keys(node_keys).server_public == read_public(keys / "broker.key")
         assert zmq.utils.z85.decode(read_public(node_keys / "client.key")) in authorized, node
         assert not (node_keys / "broker.key_secret").exists(), node
+        # the weight service's public key, to fetch over CURVE; its secret stays with the learner
+        assert read_public(node_keys / "weights.key") == read_public(keys / "weights.key"), node
+        assert not (node_keys / "weights.key_secret").exists(), node
         # weights over the network into a cache on the node's own disk, outside the learner's run dir
         assert config.weights.transport == WeightsTransport.NETWORK
         assert Path(config.weights.cache_dir).is_relative_to(local), config.weights.cache_dir
