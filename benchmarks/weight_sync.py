@@ -104,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="a [weights] setting (chunk_bytes, window, bucket_bytes, ...); default: the config's defaults",
     )
+    ap.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="where the worker's network cache goes (default: the system temp; /dev/shm: no disk)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench-out/weight_sync.json"))
     ap.add_argument("--smoke", action="store_true", help="seconds: a ~1M-parameter model, one round")
@@ -232,7 +238,6 @@ class Worker:
 
     def network(self, uri: str, version: int, sha256: str, cfg: dict[str, Any]) -> dict[str, Any]:
         from actors.weight_fetch import Fetched, WeightFetcher
-
         from april.config import WeightsConfig
         from april.weights_uri import parse
 
@@ -280,8 +285,8 @@ class Worker:
             self.member.close()
 
 
-def child_main() -> None:
-    with tempfile.TemporaryDirectory(prefix="april-weight-sync-cache-") as cache:
+def child_main(cache_dir: Path | None) -> None:
+    with tempfile.TemporaryDirectory(prefix="april-weight-sync-cache-", dir=cache_dir) as cache:
         worker = Worker(Path(cache))
         try:
             for line in sys.stdin:
@@ -303,13 +308,13 @@ def child_main() -> None:
 class Child:
     """The worker process of one size: answers one command at a time (JSON lines)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_dir: Path | None) -> None:
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
         }
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child"],
+            [sys.executable, __file__, "--child", *(["--cache-dir", str(cache_dir)] if cache_dir else [])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -414,9 +419,8 @@ class Learner:
                 "bytes": path.stat().st_size}  # fmt: skip
 
     def network(self) -> dict[str, Any]:
-        from learner.weight_service import announce_location
-
         from april.config import WeightsTransport
+        from learner.weight_service import announce_location
 
         path, sha256, publish_s = self.publish()
         location = announce_location(WeightsTransport.NETWORK, path, self.service.endpoint)
@@ -467,7 +471,7 @@ def measure_size(name: str, args: argparse.Namespace, transports: list[str]) -> 
     print(
         f"{name}: {parameters / 1e6:.1f}M parameters built in {time.perf_counter() - built:.0f} s", flush=True
     )
-    child = Child()
+    child = Child(args.cache_dir)
     raw: dict[str, list[dict[str, Any]]] = {t: [] for t in ["loopback", *transports]}
     with tempfile.TemporaryDirectory(prefix="april-weight-sync-") as scratch:
         learner = Learner(state, Path(scratch) / "weights", transports, child, args.set)
@@ -512,7 +516,7 @@ def print_table(sizes: list[dict[str, Any]]) -> None:
 def main() -> None:
     args = parse_args()
     if args.child:
-        child_main()
+        child_main(args.cache_dir)
         return
     from april.provenance import provenance
 
