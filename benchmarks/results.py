@@ -126,6 +126,12 @@ STEPS: tuple[Step, ...] = (
         "python benchmarks/learner_memory.py --out {out}/learner_memory.json",
         minutes=40,
     ),
+    Step(
+        "weight-sync",
+        "results/weight-sync",
+        "python benchmarks/weight_sync.py --out {out}/weight_sync.json",
+        minutes=8,
+    ),
     Step("sft", "results/sft", "april sft --out {work}/tiny --report {out}/sft.json", minutes=6),
     Step(
         "accuracy",
@@ -396,6 +402,37 @@ def block_learner_memory() -> str:
     )
 
 
+def block_weight_sync() -> str:
+    doc = load("results/weight-sync/weight_sync.json")
+    rows = [
+        "| model | transport | sync s (publish, transfer, load) | transfer s | transfer GB/s | x loopback |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size in doc["sizes"]:
+        model = f"{size['parameters'] / 1e6:.0f}M ({size['loopback']['bytes'] / 1e9:.2f} GB)"
+        lb = size["loopback"]
+        rows.append(
+            f"| {model} | loopback TCP | - | {lb['transfer_s']:.3f} | {lb['transfer_gbps']:.2f} | 1 |"
+        )
+        for name, t in size["transports"].items():
+            rows.append(
+                f"| {model} | {name} | {t['sync_s']:.3f} | {t['transfer_s']:.3f} | "
+                f"{t['transfer_gbps']:.2f} | {t['vs_loopback']:.2f} |"
+            )
+    notes = [f"Medians of {doc['args']['rounds']} rounds after a warm-up."]
+    if "network" in doc["transports"]:
+        ratios = ", ".join(
+            f"{s['size']} {s['transports']['network']['vs_loopback']:.2f}x" for s in doc["sizes"]
+        )
+        notes.append(
+            f"Target: network transfer at {doc['target_network_vs_loopback']}x loopback or better; "
+            f"measured {ratios}."
+        )
+    if doc["skipped"]:
+        notes.append("Not measured: " + "; ".join(f"{t} ({why})" for t, why in doc["skipped"].items()) + ".")
+    return "\n".join([*rows, "", " ".join(notes), "", source("weight-sync")])
+
+
 def block_accuracy() -> str:
     text = (DOCS / "results/accuracy/accuracy.md").read_text()
     body = re.sub(r"^# .*\n+", "", text)  # the file's own title: the doc has its heading
@@ -513,6 +550,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "torch-tiny": lambda: bench_table("torch-tiny"),
     "components": block_components,
     "learner-memory": block_learner_memory,
+    "weight-sync": block_weight_sync,
     "accuracy": block_accuracy,
     "accuracy-summary": block_accuracy_summary,
     "soak": block_soak,

@@ -169,6 +169,44 @@ def check_learner_memory(tmp_path: Path) -> None:
     assert "peak RSS" in printed
 
 
+def check_weight_sync(tmp_path: Path) -> None:
+    out = tmp_path / "weight_sync.json"
+    printed = run_smoke("weight_sync.py", out, tmp_path)
+    report = json.loads(out.read_text())
+    args = report["args"]
+    assert report["benchmark"] == "weight_sync" and args["smoke"] is True
+    stamp = report["provenance"]
+    assert (
+        stamp["command"].startswith("python benchmarks/weight_sync.py") and "load_avg_1m" in stamp["machine"]
+    )
+    # every transport asked for is measured, or skipped with its reason (its modules are not in the tree)
+    assert set(report["transports"]) | set(report["skipped"]) == {"file", "network", "broadcast"}
+    assert "file" in report["transports"]
+    (size,) = report["sizes"]
+    assert size["size"] == args["sizes"] and size["parameters"] > 0
+    lb = size["loopback"]
+    assert (
+        len(lb["rounds"]) == args["rounds"] and positive(lb["transfer_s"]) and positive(lb["transfer_gbps"])
+    )
+    assert set(size["transports"]) == set(report["transports"])
+    for name, t in size["transports"].items():
+        assert len(t["rounds"]) == args["rounds"], name
+        # the loopback stream moves exactly as many bytes as the published file holds
+        assert all(r.get("file_bytes", r["bytes"]) == lb["bytes"] for r in t["rounds"]), name
+        # fp32: 4 bytes a parameter, plus the safetensors header for a file
+        assert (
+            t["bytes"] == 4 * size["parameters"]
+            if name == "broadcast"
+            else t["bytes"] > 4 * size["parameters"]
+        )
+        for key in ("sync_s", "publish_s", "transfer_s"):
+            assert positive(t[key]), (name, key)
+        assert t["sync_s"] >= t["publish_s"] + t["transfer_s"] - 1e-9, name  # the phases lie within the sync
+        assert t["transfer_gbps"] == pytest.approx(t["bytes"] / t["transfer_s"] / 1e9), name
+        assert t["vs_loopback"] == pytest.approx(t["transfer_gbps"] / lb["transfer_gbps"]), name
+    assert "x loopback" in printed and f"{args['sizes']}      file" in printed
+
+
 def check_accuracy(tmp_path: Path) -> None:
     out = tmp_path / "accuracy"
     printed = run_smoke("accuracy.py", out, tmp_path)
@@ -237,6 +275,7 @@ CHECKS: dict[str, Callable[[Path], None]] = {
     "engine_throughput.py": check_engine_throughput,
     "learner_step.py": check_learner_step,
     "learner_memory.py": check_learner_memory,
+    "weight_sync.py": check_weight_sync,
     "accuracy.py": check_accuracy,
     "soak.py": check_soak,
     "results.py": check_results,

@@ -1,7 +1,9 @@
-"""compose/, checked without a Docker engine: the file parses and validates against the compose
-specification; every service runs a valid `april` command, whose resolved config agrees with the broker's
-on ports and addresses; volumes are declared and mounted where the weights hand-off needs them; the image
-builds from files that exist; and the entrypoint gives each worker replica its own id."""
+"""compose/, checked without a Docker engine: both files (one machine, and the multi-node template) parse
+and validate against the compose specification; every service runs a valid `april` command, whose resolved
+config agrees with the broker's on ports and addresses; volumes are declared and mounted where the weights
+hand-off needs them (on one machine a shared run directory; across machines none: no worker sees the
+learner's run volume, each keeps its own cache and fetches over the network with CurveZMQ keys); the
+image builds from files that exist; and the entrypoint gives each worker replica its own id."""
 
 from __future__ import annotations
 
@@ -28,27 +30,43 @@ from cli.main import app
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_DIR = REPO / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+MULTINODE_FILE = COMPOSE_DIR / "docker-compose.multinode.yml"
 ROLE_SERVICES = {"broker", "worker", "learner", "worker-gpu", "learner-gpu"}
-_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+WORKER_SERVICES = {"worker", "worker-gpu"}
+# The multi-node file's required host variables, as a user sets them on the head node.
+HEAD_HOST = "10.0.0.1"
+MULTINODE_VARS = {"HEAD_HOST": HEAD_HOST, "KEYS_DIR": "../keys"}
+_VAR = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 
 
-def interpolate(node: Any) -> Any:
-    """Compose's ${VAR:-default} interpolation with every variable unset (so: the defaults)."""
+def interpolate(node: Any, given: dict[str, str] | None = None) -> Any:
+    """Compose's interpolation with only the `given` variables set: ${VAR:-default} takes the default,
+    ${VAR:?message} (a required variable) must be given."""
+    given = given or {}
+
+    def value(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        if name in given:
+            return given[name]
+        assert "?" not in op, f"${{{name}}} is required ({arg}) but the test did not set it"
+        return arg
+
     if isinstance(node, str):
-        return _VAR.sub(lambda m: m.group(2) or "", node)
+        return _VAR.sub(value, node)
     if isinstance(node, dict):
-        return {k: interpolate(v) for k, v in node.items()}
+        return {k: interpolate(v, given) for k, v in node.items()}
     if isinstance(node, list):
-        return [interpolate(v) for v in node]
+        return [interpolate(v, given) for v in node]
     return node
 
 
-def load() -> dict[str, Any]:
-    doc: dict[str, Any] = interpolate(yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8")))
+def load(path: Path = COMPOSE_FILE, given: dict[str, str] | None = None) -> dict[str, Any]:
+    doc: dict[str, Any] = interpolate(yaml.safe_load(path.read_text(encoding="utf-8")), given)
     return doc
 
 
 SERVICES: dict[str, dict[str, Any]] = load()["services"]
+MULTINODE: dict[str, dict[str, Any]] = load(MULTINODE_FILE, MULTINODE_VARS)["services"]
 
 
 def environment(service: dict[str, Any]) -> dict[str, str]:
@@ -59,14 +77,15 @@ def environment(service: dict[str, Any]) -> dict[str, str]:
 
 
 def commands() -> list[tuple[str, list[str]]]:
-    """(where, argv) for every service command and healthcheck command."""
+    """(where, argv) for every service command and healthcheck command of both files."""
     out = []
-    for name, service in SERVICES.items():
-        out.append((name, service["command"]))
-        test = service.get("healthcheck", {}).get("test")
-        if test:
-            assert test[0] == "CMD", f"{name}: healthcheck test {test!r}: expected the exec form [CMD, ...]"
-            out.append((f"{name} healthcheck", test[1:]))
+    for label, services in (("", SERVICES), ("multinode ", MULTINODE)):
+        for name, service in services.items():
+            out.append((label + name, service["command"]))
+            test = service.get("healthcheck", {}).get("test")
+            if test:
+                assert test[0] == "CMD", f"{name}: healthcheck {test!r}: expected the exec form [CMD, ...]"
+                out.append((f"{label}{name} healthcheck", test[1:]))
     return out
 
 
@@ -92,12 +111,13 @@ def test_services_and_profiles() -> None:
         assert "container_name" not in SERVICES[name] and "ports" not in SERVICES[name], name
 
 
-def test_validates_against_the_compose_specification() -> None:
+@pytest.mark.parametrize("path", [COMPOSE_FILE, MULTINODE_FILE], ids=lambda p: p.name)
+def test_validates_against_the_compose_specification(path: Path) -> None:
     exe = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
     if not Path(exe).exists():
         pytest.skip("check-jsonschema is not installed (pip install -e '.[dev]')")
     done = subprocess.run(
-        [exe, "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)],
+        [exe, "--builtin-schema", "vendor.compose-spec", str(path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -119,6 +139,7 @@ class Resolved:
     config: Config | None = None
     run_dir: Path | None = None
     status_address: str | None = None
+    status_keys: str | None = None
 
 
 def resolve(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Resolved:
@@ -136,6 +157,10 @@ def resolve(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatc
     def status(address: str, timeout_s: float, curve: object = None) -> None:
         got.status_address = address
 
+    def status_keys(keys_dir: str) -> None:  # the key files exist only where the container runs
+        got.status_keys = keys_dir
+
+    monkeypatch.setattr(cli.status_cmd, "configured_client_keys", status_keys)
     monkeypatch.setattr(cli.main, "run_broker", role)
     monkeypatch.setattr(cli.worker_cmd, "run_worker", role)
     monkeypatch.setattr(cli.learner_cmd, "run_learner_process", role)
@@ -187,13 +212,19 @@ def test_peers_connect_to_the_ports_the_broker_binds(monkeypatch: pytest.MonkeyP
     assert_connects(resolve(health, {}, monkeypatch).status_address or "", bc.learner_port, "healthcheck")
 
 
-def test_named_volumes_are_declared_and_the_run_directory_is_shared() -> None:
-    declared = set(load().get("volumes") or {})
+@pytest.mark.parametrize("path", [COMPOSE_FILE, MULTINODE_FILE], ids=lambda p: p.name)
+def test_named_volumes_are_declared(path: Path) -> None:
+    doc = load(path, MULTINODE_VARS)
+    declared = set(doc.get("volumes") or {})
+    for name, service in doc["services"].items():
+        for m in mounts(service):
+            if m["type"] == "volume" and m.get("source"):  # no source: an anonymous, per-container volume
+                assert m["source"] in declared, f"{name}: volume {m['source']!r} is not declared"
+
+
+def test_the_run_directory_is_shared() -> None:
     runs_target: str | None = None
     for name, service in SERVICES.items():
-        for m in mounts(service):
-            if m["type"] == "volume":
-                assert m["source"] in declared, f"{name}: volume {m['source']!r} is not declared"
         if name not in ROLE_SERVICES:
             continue
         runs = [m for m in mounts(service) if m["type"] == "volume" and m["source"] == "runs"]
@@ -213,8 +244,90 @@ def test_named_volumes_are_declared_and_the_run_directory_is_shared() -> None:
         assert model in targets, f"{name}: model {model} is not mounted (bind mounts: {targets})"
 
 
+def test_multinode_services_run_on_their_hosts_network() -> None:
+    assert set(MULTINODE) == set(SERVICES), "the template offers the same services as the one-host file"
+    for name, service in MULTINODE.items():
+        assert service.get("profiles") == SERVICES[name].get("profiles"), name
+        assert service.get("network_mode") == "host", f"{name}: peers on other hosts must reach its ports"
+        assert "ports" not in service and "container_name" not in service, name
+    for name in WORKER_SERVICES:  # `up worker` on a worker node must not start a broker there too
+        assert "depends_on" not in MULTINODE[name], f"{name}: depends on {MULTINODE[name]['depends_on']}"
+
+
+def mounted_at(service: dict[str, Any], path: str) -> dict[str, Any]:
+    """The mount whose target holds `path` (the deepest one), or fail naming the service's mounts."""
+    held = [m for m in mounts(service) if Path(path).is_relative_to(m["target"])]
+    assert held, f"{path} is on no mount (mounts: {[m['target'] for m in mounts(service)]})"
+    return max(held, key=lambda m: len(Path(m["target"]).parts))
+
+
+def is_loopback(host: str) -> bool:
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
+def test_multinode_roles_reach_each_other_through_the_head_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cli.broker_cmd import check_bind_host
+
+    for var in [k for k in os.environ if k.startswith("APRIL_")]:
+        monkeypatch.delenv(var)
+    broker = resolve(MULTINODE["broker"]["command"], environment(MULTINODE["broker"]), monkeypatch)
+    assert broker.config is not None
+    bc, wc = broker.config.broker, broker.config.weights
+    assert not is_loopback(bc.bind_host), "the broker must be reachable from the worker nodes"
+    check_bind_host(bc.bind_host, bc.curve_keys_dir)  # the very check `april broker` makes: keys are set
+    shared = {s: config_to_dict(broker.config)[s] for s in ("run", "algo", "data", "broker", "weights")}
+    for name, service in MULTINODE.items():
+        got = resolve(service["command"], environment(service), monkeypatch)
+        if got.status_address is not None:
+            keys_dir = got.status_keys
+        else:
+            assert got.config is not None, name
+            keys_dir = got.config.broker.curve_keys_dir
+        assert keys_dir, f"{name}: no CurveZMQ keys, but every peer is reached on a non-loopback address"
+        keys = mounted_at(service, keys_dir)
+        assert keys["type"] == "bind" and keys.get("read_only"), f"{name}: keys {keys_dir} mounted as {keys}"
+        if got.status_address is not None:
+            assert got.status_address == f"tcp://{HEAD_HOST}:{bc.learner_port}", name
+            continue
+        assert got.config is not None, name
+        sections = {s: config_to_dict(got.config)[s] for s in shared}
+        assert sections == shared, f"{name}: its {list(shared)} sections differ from the broker's"
+        role = service["command"][1]
+        if role == "worker":
+            assert got.config.worker.broker == f"tcp://{HEAD_HOST}:{bc.worker_port}", name
+        elif role == "learner":
+            assert got.config.learner.broker == f"tcp://{HEAD_HOST}:{bc.learner_port}", name
+            assert got.run_dir == broker.run_dir, f"{name}: run dir {got.run_dir}, broker's {broker.run_dir}"
+    # the weights: served by the learner on the head node, fetched by workers that share no disk with it
+    assert wc.transport.value == "network"
+    assert not is_loopback(wc.bind_host) and wc.advertise_host == HEAD_HOST
+    assert {wc.port, wc.port + 1}.isdisjoint({bc.worker_port, bc.learner_port, bc.pub_port})
+
+
+def test_no_multinode_worker_sees_the_learners_run_directory() -> None:
+    learner_volumes = {
+        m["source"]
+        for name in ("learner", "learner-gpu")
+        for m in mounts(MULTINODE[name])
+        if m["type"] == "volume" and m.get("source")
+    }
+    assert "runs" in learner_volumes  # the learner writes run/weights there
+    env = environment(MULTINODE["worker"])
+    for name in WORKER_SERVICES:
+        service = MULTINODE[name]
+        for m in mounts(service):
+            assert not (m["type"] == "volume" and m.get("source") in learner_volumes), (
+                f"{name}: mounts the learner's volume {m['source']!r} at {m['target']}"
+            )
+            assert not Path("/runs").is_relative_to(m["target"]), f"{name}: {m['target']} holds /runs"
+        # the cache: a volume of the worker's own (anonymous: one per replica), written, never read-only
+        cache = mounted_at(service, env["APRIL_WEIGHTS_CACHE_DIR"])
+        assert cache["type"] == "volume" and not cache.get("source") and not cache.get("read_only"), cache
+        assert environment(service)["APRIL_WEIGHTS_CACHE_DIR"] == env["APRIL_WEIGHTS_CACHE_DIR"]
+
+
 def test_every_service_builds_from_the_one_dockerfile() -> None:
-    for name, service in SERVICES.items():
+    for name, service in [*SERVICES.items(), *MULTINODE.items()]:
         build = service["build"]
         context = (COMPOSE_DIR / build["context"]).resolve()
         assert context == REPO, f"{name}: build context {context}, expected the repository root"
