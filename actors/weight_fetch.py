@@ -12,8 +12,8 @@ One background thread per worker. `fetch` of a version newer than the one in pro
 (a worker that missed versions fetches only the latest); an older or equal one is ignored. The thread keeps
 `cfg.window` WeightsChunkRequests of `cfg.chunk_bytes` in flight on one DEALER socket (memory: at most
 window x chunk_bytes in flight whatever the model size), writes each chunk at its offset into
-`vNNNNNN.safetensors.part` in the cache directory, and a second thread hashes the file as its contiguous
-prefix grows (reading it back from the page cache: hashing overlaps the transfer).
+`vNNNNNN.safetensors.part` in the cache directory, and a second thread hashes the chunks' bytes as they
+join the contiguous prefix (hashing overlaps the transfer; at most 2 x window chunks wait for it).
 A dropped connection (the socket's monitor reports it) or a chunk unanswered for `cfg.timeout_s` closes
 the socket and resumes from the contiguous prefix on a new one. When every byte is in, the sha256 is
 checked, the file renamed to `vNNNNNN.safetensors`, and older versions deleted from the cache (the newest
@@ -33,6 +33,7 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +50,6 @@ from april.weights_uri import WeightsLocation
 
 log = logging.getLogger("april.weights")
 POLL_MS = 50
-HASH_PIECE = 4 << 20  # bytes read back and hashed at a time
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 32.0
 PART_SUFFIX = ".part"
 _VERSION_FILE = re.compile(r"^v(\d{6,})\.safetensors$")
@@ -116,23 +116,26 @@ class _Job:
 
 
 class _PrefixHasher:
-    """The sha256 of a file's contiguous prefix, computed on a thread of its own as the prefix grows
-    (read back from the page cache, HASH_PIECE bytes at a time), so that hashing overlaps receiving and
-    writing instead of adding to them."""
+    """The sha256 of a file's contiguous prefix, computed on a thread of its own from the chunks' bytes as
+    they join the prefix (hashing overlaps receiving and writing instead of adding to them, and nothing is
+    read back). At most `limit` chunks wait to be hashed: `feed` waits for room beyond that, so memory
+    stays bounded whatever the model size."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
         self.digest = hashlib.sha256()
         self.hashed = 0  # bytes hashed so far
-        self.target = 0  # the contiguous prefix written so far
+        self.queue: deque[memoryview] = deque()  # chunks of the prefix, in order, not yet hashed
         self.closed = False
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="weight-hash", daemon=True)
         self.thread.start()
 
-    def advance(self, prefix: int) -> None:
+    def feed(self, chunk: memoryview) -> None:
+        """The next chunk of the prefix (the caller keeps the order)."""
         with self.cond:
-            self.target = prefix
+            self.cond.wait_for(lambda: len(self.queue) < self.limit or self.closed)
+            self.queue.append(chunk)
             self.cond.notify_all()
 
     def hexdigest(self, size: int) -> str:
@@ -144,54 +147,53 @@ class _PrefixHasher:
     def close(self) -> None:
         with self.cond:
             self.closed = True
+            self.queue.clear()
             self.cond.notify_all()
         self.thread.join()
 
     def _run(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.closed or self.hashed < self.target)
+                self.cond.wait_for(lambda: self.closed or bool(self.queue))
                 if self.closed:
                     return
-                start, end = self.hashed, self.target
-            while start < end:  # outside the lock: pread and sha256 release the GIL on large buffers
-                piece = os.pread(self.fd, min(HASH_PIECE, end - start), start)
-                if not piece:  # the file is shorter than written (it cannot be): end with what was hashed
-                    with self.cond:
-                        self.closed = True
-                        self.cond.notify_all()
-                    return
-                self.digest.update(piece)
-                start += len(piece)
-                with self.cond:
-                    self.hashed = start
-                    self.cond.notify_all()
+                chunk = self.queue[0]
+            self.digest.update(chunk)  # outside the lock: sha256 releases the GIL on large buffers
+            with self.cond:
+                if self.queue:
+                    self.queue.popleft()
+                self.hashed += len(chunk)
+                self.cond.notify_all()
 
 
 @dataclass(slots=True)
 class _Part:
-    """A download in progress: the .part file, its contiguous prefix and the hash of that prefix."""
+    """A download in progress: the .part file, its contiguous prefix and the hash of that prefix. Chunks
+    that came ahead of the prefix are kept (at most a window of them) until the prefix reaches them."""
 
     path: Path
     fd: int
     size: int
+    window: int
     prefix: int = 0
-    ahead: dict[int, int] = field(default_factory=dict)  # offset -> length of chunks past the prefix
+    ahead: dict[int, memoryview] = field(default_factory=dict)  # offset -> chunk past the prefix
     hasher: _PrefixHasher | None = None
 
     def __post_init__(self) -> None:
-        self.hasher = _PrefixHasher(self.fd)
+        self.hasher = _PrefixHasher(2 * self.window)
 
     def write(self, offset: int, data: memoryview) -> None:
         os.pwrite(self.fd, data, offset)
         if offset != self.prefix:
-            self.ahead[offset] = len(data)
+            self.ahead[offset] = data
             return
+        assert self.hasher is not None
+        self.hasher.feed(data)
         self.prefix += len(data)
         while self.prefix in self.ahead:  # chunks that came early join the prefix
-            self.prefix += self.ahead.pop(self.prefix)
-        assert self.hasher is not None
-        self.hasher.advance(self.prefix)
+            chunk = self.ahead.pop(self.prefix)
+            self.hasher.feed(chunk)
+            self.prefix += len(chunk)
 
     def hexdigest(self) -> str:
         assert self.hasher is not None
@@ -202,7 +204,7 @@ class _Part:
         assert self.hasher is not None
         self.hasher.close()
         os.ftruncate(self.fd, 0)
-        self.prefix, self.hasher = 0, _PrefixHasher(self.fd)
+        self.prefix, self.hasher = 0, _PrefixHasher(2 * self.window)
         self.ahead.clear()
 
     def close(self) -> None:
@@ -323,7 +325,8 @@ class WeightFetcher:
             return None
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         path = self.cache_dir / (job.location.file_name + PART_SUFFIX)
-        return _Part(path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644), job.location.size)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        return _Part(path, fd, job.location.size, self.window)
 
     def _finish(self, job: _Job, part: _Part) -> None:
         """Every byte is in and verified: into the cache under its name, older versions out."""

@@ -23,9 +23,10 @@ and for tests and fault injection: `pause()` / `resume()` (read requests, answer
 Protocol (docs/protocol.md, "The weight service"): a worker's DEALER sends `WeightsChunkRequest(version,
 offset, length)`; the service's ROUTER answers each with `WeightsChunk(version, offset, size, data)`, or
 `WeightsGone(version, newest)` when it does not have that version, or `Error` for a malformed request.
-A published file is immutable once renamed into place (`learner.weights`), so chunks are read with
-`os.pread` from an fd kept per version: a version the learner prunes while a worker fetches it is still
-served from the open fd; one pruned before anyone asked for it is gone. With CurveZMQ keys
+A published file is immutable once renamed into place (`learner.weights`), so each version is opened
+once and mapped read-only: a chunk goes to the socket straight from the page cache (`os.pread` where a
+filesystem cannot map). A version the learner prunes while a worker fetches it is still served from the
+open file; one pruned before anyone asked for it is gone. With CurveZMQ keys
 (`broker.curve_keys_dir`), the service is a CURVE server with its own pair (weights.key_secret) accepting
 the broker's authorised clients; binding a non-loopback address without keys is refused.
 
@@ -38,6 +39,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -129,6 +131,9 @@ class _OpenVersion:
     size: int
     inode: int
     used_at: float
+    # the file mapped read-only: a chunk goes to the socket straight from the page cache (no copy in this
+    # process); never closed explicitly, as frames still being sent hold views of it (freed with the last)
+    mapped: mmap.mmap | None = None
 
 
 @dataclass(slots=True)
@@ -292,12 +297,16 @@ class WeightService:
             detail = f"v{request.version}: offset {request.offset} is past the end ({opened.size} bytes)"
             self._send(router, identity, protocol.Error("bad_range", detail))
             return
-        try:
-            data = os.pread(opened.fd, min(request.length, opened.size - request.offset), request.offset)
-        except OSError as exc:  # a failing disk: this worker hears it, the service goes on
-            self._send(router, identity, protocol.Error("read_failed", f"v{request.version}: {exc}"[:200]))
-            return
-        chunk = np.frombuffer(data, dtype=np.uint8)
+        length = min(request.length, opened.size - request.offset)
+        if opened.mapped is not None:  # a view of the mapped file: zmq sends it without a copy here
+            chunk = np.frombuffer(opened.mapped, dtype=np.uint8, count=length, offset=request.offset)
+        else:
+            try:
+                chunk = np.frombuffer(os.pread(opened.fd, length, request.offset), dtype=np.uint8)
+            except OSError as exc:  # a failing disk: this worker hears it, the service goes on
+                detail = f"v{request.version}: {exc}"[:200]
+                self._send(router, identity, protocol.Error("read_failed", detail))
+                return
         self._send(
             router, identity, protocol.WeightsChunk(request.version, request.offset, opened.size, chunk)
         )
@@ -332,7 +341,11 @@ class WeightService:
         except OSError:
             return None
         stat = os.fstat(fd)
-        self._open[version] = _OpenVersion(fd, stat.st_size, stat.st_ino, now)
+        try:  # published files are immutable (written aside, renamed into place): safe to map
+            mapped = mmap.mmap(fd, stat.st_size, access=mmap.ACCESS_READ) if stat.st_size else None
+        except (OSError, ValueError):  # a filesystem that cannot map: served by pread
+            mapped = None
+        self._open[version] = _OpenVersion(fd, stat.st_size, stat.st_ino, now, mapped)
         while len(self._open) > MAX_OPEN_VERSIONS:  # the least recently used goes
             oldest = min(self._open, key=lambda v: self._open[v].used_at)
             os.close(self._open.pop(oldest).fd)
