@@ -47,6 +47,8 @@ def leases_for(sock: zmq.Socket[bytes], want: int, timeout: float) -> tuple[int,
         msg = recv(sock, 100)
         if isinstance(msg, protocol.Welcome | protocol.WeightsReady):
             version = msg.version
+            if version:  # "loaded": the broker leases work only to workers serving its version
+                send(sock, protocol.WeightsLoaded(version, True, "", "file", 0.0))
         elif isinstance(msg, protocol.Lease):
             got += list(zip(msg.lease_ids.tolist(), msg.samples.to_samples(), strict=True))
     assert len(got) >= want, f"the rogue got {len(got)} leases in {timeout}s"
