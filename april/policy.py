@@ -93,6 +93,18 @@ def drop_reason(group: Group, algo: AlgoConfig) -> str | None:
     return None
 
 
+def serves_current_weights(worker_version: int, failed_version: int, version: int, algo: AlgoConfig) -> bool:
+    """Whether a worker may be leased work now: it serves the broker's weights `version`, or it reported
+    that version unloadable (it keeps serving its own, older one) and that one lags `version` by at most
+    `max_staleness`. A worker still getting the version gets nothing meanwhile: every token it generated
+    would be of an older policy than the learner's. One whose load failed keeps working within the
+    staleness bound (a single bad announcement does not stall the run), and past it gets nothing until it
+    loads a newer version."""
+    if worker_version >= version:
+        return True
+    return failed_version >= version and version - worker_version <= algo.max_staleness
+
+
 def dispatch_key(group_id: int, index: int, min_version: int | None) -> tuple[int, int, int]:
     """Order of dispatch: partials oldest-first (by the version of their oldest token), then samples
     that have no token yet in issue order."""

@@ -33,6 +33,7 @@ class WorkerPeer(Peer):
     version: int = 0  # weights version the worker reports loaded
     weights_transport: str = ""  # how that version's bytes came (file, network, broadcast)
     weights_sync_s: float = 0.0  # seconds from the worker hearing of that version to serving it
+    failed_version: int = -1  # the newest version it reported it could not load (it serves an older one)
     pid: int = 0
     host: str = ""
     tokens_generated: int = 0  # new response tokens accepted from this worker (for its tokens/s)

@@ -82,6 +82,7 @@ class Broker:
         )
         self.exporter = PrometheusExporter(self.cfg.metrics_port) if self.cfg.metrics_port > 0 else None
         self.workers = Workers(self.cfg.heartbeat_interval_s, self.cfg.liveness)
+        self.behind_warned = 0  # the last version no worker with free slots served (warned once each)
         now = time.monotonic()
         if resume and not snapshot.exists(run_dir / "broker"):
             # Killed before its first snapshot: nothing was persisted, and no batch was handed out (a batch
@@ -268,6 +269,7 @@ class Broker:
                     peer.version = version
                     peer.weights_transport, peer.weights_sync_s = msg.transport, msg.sync_s
                 elif not ok:  # e.g. a sha256 mismatch: the worker keeps serving its old weights
+                    peer.failed_version = max(peer.failed_version, version)
                     self.rejections.count(worker_id, "weights_not_loaded")
                     log.warning("worker %s failed to load weights v%d: %s", worker_id, version, error)
             case protocol.Disconnect(reason=reason):
@@ -392,22 +394,32 @@ class Broker:
         (`policy.spread_leases`), so no engine runs more sequences than its share while another idles.
         Samples leave the dispatch queue in its order whoever gets them.
 
-        Only workers serving the broker's weights version get work: one still syncing the newest version
-        (a network fetch takes a while) or that failed to load it would generate every token under an
-        older policy than the learner's, which no mode's staleness guarantee allows. Its spread share is
-        kept for it (the first worker to load a version does not take a whole round) and it is leased work
-        once its WeightsLoaded says it serves the version."""
+        Only workers on current weights get work (`policy.serves_current_weights`): one still syncing the
+        newest version (a network fetch takes a while) would generate every token under an older policy
+        than the learner's. Its spread share is kept for it (the first worker to load a version does not
+        take a whole round) and it is leased work once its WeightsLoaded says it serves the version (or
+        that it cannot load it: then it works on within the staleness bound)."""
         if self.abort is not None or len(self.workers) < self.cfg.min_workers:
             return
         peers = self.workers.with_credit()
         if not peers:
             return
-        current = [p.version >= self.state.version for p in peers]
+        current = [
+            policy.serves_current_weights(p.version, p.failed_version, self.state.version, self.state.algo)
+            for p in peers
+        ]
         work = [
             self.evals.take_work(p.peer_id, p.credit, self.state.new_lease_id) if ok else []
             for p, ok in zip(peers, current, strict=True)
         ]
         greedy = [len(w) for w in work]
+        if not any(current) and self.behind_warned < self.state.version:
+            self.behind_warned = self.state.version  # once per version: the run waits on a load
+            log.warning(
+                "no worker with free slots serves weights v%d (or failed it within max_staleness): leasing "
+                "nothing until one loads it (status: each worker's version)",
+                self.state.version,
+            )
         if train and self.state.dispatch_allowed():
             self._lease_training(peers, work, current)
         for peer, items, n_greedy in zip(peers, work, greedy, strict=True):

@@ -526,3 +526,14 @@ def test_spread_leases_levels_free_fractions(available: int, workers: list[tuple
 def test_spread_leases_rejects_mismatched_lists() -> None:
     with pytest.raises(ValueError, match="2 free counts for 1 workers"):
         policy.spread_leases(3, [1, 2], [4])
+
+
+def test_work_goes_to_workers_on_current_weights_or_failed_within_the_staleness_bound() -> None:
+    algo = AlgoConfig(max_staleness=1)
+    assert policy.serves_current_weights(3, -1, 3, algo)  # serves the broker's version
+    assert policy.serves_current_weights(4, -1, 3, algo)  # a newer one (the broker heard of it later)
+    assert not policy.serves_current_weights(2, -1, 3, algo)  # still getting v3: nothing meanwhile
+    assert not policy.serves_current_weights(2, 2, 3, algo)  # failed an older version, v3 not answered
+    assert policy.serves_current_weights(2, 3, 3, algo)  # cannot load v3: works on v2, 1 behind
+    assert not policy.serves_current_weights(1, 3, 3, algo)  # 2 behind: past max_staleness 1
+    assert policy.serves_current_weights(1, 3, 3, AlgoConfig(max_staleness=2))
