@@ -296,3 +296,14 @@ def test_parse_override() -> None:
         parse_override("algo.top_k")
     with pytest.raises(ConfigError, match=r"no '\.'"):
         parse_override("top_k=5")
+
+
+def test_the_readme_example_configuration_loads(tmp_path: Path) -> None:
+    """The TOML the README shows is a configuration april accepts (sections, keys and values)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "april.toml"
+    path.write_text(example)
+    config = load_config(path)
+    assert config.weights.transport.value == "auto" and config.weights.bind_host == "0.0.0.0"
+    assert config.learner.max_tokens_per_micro_batch == 16384
