@@ -5,7 +5,8 @@ Each run is a real `april up --headless` (broker, one worker, the plain-torch le
 is about the engine) with evaluation at the end. The contract: steps 0..2 trained on versions 1..3,
 exactly 8 x 8 samples a step, the ledger balanced on every line, and the engine really serving the last
 version (evaluated at version 3; SGLang's `/model_info` says weight_version 3; the vLLM worker logged
-loading v3). Marked `gpu` (deselected by default: `pytest -m gpu tests/test_gpu.py`); each test skips
+loading v3). Also the weights broadcast's NCCL path between two GPUs (the gloo path runs in the default
+suite). Marked `gpu` (deselected by default: `pytest -m gpu tests/test_gpu.py`); each test skips
 with its reason where there is no CUDA device or its engine package is not installed for CUDA.
 """
 
@@ -18,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,3 +141,62 @@ def test_april_up_with_vllm_on_cuda(tmp_path: Path) -> None:
     assert code == 0, f"{out}\n--- worker log ---\n{tail(worker_log)}"
     check_contract(run_dir, out)
     assert f"weights v{STEPS} loaded" in worker_log.read_text(errors="replace")
+
+
+# A member process on its own GPU: receives one version over NCCL and saves it (cloned to the CPU).
+NCCL_MEMBER = """
+import sys, time
+import torch
+from safetensors.torch import save_file
+from actors.weight_receive import BroadcastMember
+port, out = int(sys.argv[1]), sys.argv[2]
+torch.cuda.set_device(1)
+member = BroadcastMember("gpu-1", timeout_s=120.0, backend="nccl", device="cuda:1")
+member.join("127.0.0.1", port)
+deadline = time.monotonic() + 600
+while time.monotonic() < deadline:
+    got = member.poll()
+    if got is not None:
+        save_file({k: v.to("cpu").clone() for k, v in got.tensors.items()}, out)
+        break
+    for line in member.errors():
+        print(line, flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_weight_broadcast_over_nccl_between_two_gpus(tmp_path: Path) -> None:
+    """The broadcast transport's NCCL path (the gloo path is in the default suite): the learner's hub on
+    GPU 0 sends a version in buckets to a member process on GPU 1, which gets it equal. NCCL needs a GPU
+    per rank, so this skips on a one-GPU machine."""
+    need_cuda()
+    import torch
+    from safetensors.torch import load_file
+
+    from learner.weight_broadcast import BroadcastHub
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"NCCL needs a GPU per rank: {torch.cuda.device_count()} CUDA device(s) here, 2 needed")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # a member's fault ends the group only
+    torch.cuda.set_device(0)
+    port = free_ports(1)[0]
+    hub = BroadcastHub("127.0.0.1", port, "127.0.0.1", 1 << 20, 120.0, backend="nccl", device="cuda")
+    out = tmp_path / "received.safetensors"
+    member = subprocess.Popen([sys.executable, "-c", NCCL_MEMBER, str(port), str(out)], cwd=REPO)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        state = {f"w{i}": torch.randn(256, 256, generator=gen).to("cuda") for i in range(8)}
+        state["half"] = torch.randn(1024, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+        deadline = time.monotonic() + RUN_S
+        while hub.waiting() < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        report = hub.broadcast(state, 1)
+        assert report.reached == ("gpu-1",) and report.error == "", report
+        assert report.buckets < len(state)  # 2 MiB of float32 in 1 MiB buckets, and one bfloat16 bucket
+        member.wait(RUN_S)
+        got = load_file(str(out))
+        assert set(got) == set(state) and all(torch.equal(got[k], v.cpu()) for k, v in state.items())
+    finally:
+        member.kill()
+        member.wait(60)
+        hub.close()
