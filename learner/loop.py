@@ -11,11 +11,9 @@ writes weights and metrics, and shares each batch. Rank 0 connects before the mo
 (and the dashboard) hear what the learner is doing while it starts (`learner.phases`).
 `--resume` restarts from the latest saved point; the broker re-sends any batch it still holds, and
 `last_batch_id` makes sure a trained batch is never trained again.
-Weights reach workers by `weights.transport` (docs/design.md section 6): rank 0 runs the weight service
-(`learner.weight_service`) unless the transport is `file`, and announces each version's URI
-(`april.weights_uri`): the file (file), the service and the file (auto), the service (network), the
-service flagged broadcast (broadcast). The simulated learner's stand-in files are always announced as
-files: the sim engine loads nothing.
+Weights reach workers by `weights.transport` (docs/design.md section 6): rank 0's `learner.handoff`
+serves them (the weight service, and the broadcast hub with transport broadcast), says what each
+version's announcement names, and after the last step keeps serving until the workers have it.
 Composes the pieces; owns none of their logic. Imports no torch (the simulated learner runs without it).
 """
 
