@@ -16,3 +16,16 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (the weight service's and its broadcast rendezvous's, `weights.port`)."""
+    for _ in range(100):
+        (port,) = free_ports(1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise OSError("no two consecutive free ports on 127.0.0.1")

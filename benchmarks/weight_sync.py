@@ -57,6 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from april.config import ConfigError, WeightsConfig, load_config  # noqa: E402
+from april.ports import free_port_pair  # noqa: E402
 
 GB = 1e9
 TARGET_NETWORK_VS_LOOPBACK = 0.5  # the issue's target, reported (never asserted)
@@ -142,25 +143,6 @@ def weights_config(settings: list[str], **fixed: Any) -> WeightsConfig:
 
 def available(transport: str) -> bool:
     return all(importlib.util.find_spec(module) is not None for module in NEEDS[transport])
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 free too (the weight service's and the broadcast rendezvous's)."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise SystemExit("weight_sync: no two consecutive free loopback ports")
 
 
 def state_dict(size: Size, seed: int) -> dict[str, Any]:

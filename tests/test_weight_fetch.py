@@ -25,11 +25,11 @@ from test_engine_failures import NOISE, BareBroker, running_worker
 from typer.testing import CliRunner
 
 from actors.weight_fetch import Fetched, FetchFailed, FetchResult, WeightFetcher
-from actors.weight_sync import FILE, NETWORK, Ready, Unavailable, WeightSync
+from actors.weight_sync import BROADCAST, FILE, NETWORK, Ready, Unavailable, WeightSync
 from april import keys, protocol
 from april.config import WeightsConfig, WeightsTransport
 from april.keys import KeysError
-from april.ports import free_ports
+from april.ports import free_port_pair, free_ports
 from april.weights_uri import WeightsLocation, parse
 from cli.main import app
 from learner.weight_service import WeightService, WeightServiceError, announce_location
@@ -311,6 +311,51 @@ def ready_of(sync: WeightSync, version: int) -> Ready | Unavailable:
     return found[0]
 
 
+def test_broadcast_versions_come_from_the_group_and_the_rest_over_the_network(tmp_path: Path) -> None:
+    """WeightSync with an engine that takes tensors, against a real hub and weight service: a version
+    announced before its member is in a group comes over the network at once; one broadcast to the group
+    comes from the broadcast; one the group never sends comes over the network once weights.timeout_s
+    has passed."""
+    pytest.importorskip("torch")
+    import torch
+
+    from learner.weight_broadcast import BroadcastHub
+
+    port = free_port_pair()
+    cfg = config(port, transport="broadcast", timeout_s=2.0)
+    files = {v: publish(tmp_path / "weights", v, 2 * CHUNK) for v in (1, 2, 3)}
+    sync = WeightSync(cfg, "w0", cache_dir=tmp_path / "cache")
+    sync.accept_broadcast("cpu")
+    hub = BroadcastHub("127.0.0.1", port + 1, "127.0.0.1", bucket_bytes=1024, timeout_s=10.0)
+    state = {"w": torch.arange(300, dtype=torch.float32)}
+    try:
+        with serving(tmp_path / "weights", cfg) as service:
+
+            def announce(version: int) -> None:
+                path, _, sha = files[version]
+                uri = announce_location(WeightsTransport.BROADCAST, path, service.endpoint).uri()
+                sync.announce(protocol.WeightsReady(version, uri, sha))
+
+            announce(1)  # joins now: in no group yet, so the network it is
+            first = ready_of(sync, 1)
+            assert isinstance(first, Ready) and first.transport == NETWORK and first.tensors is None
+            wait_for(lambda: hub.waiting() == 1, DEADLINE_S, "the member to join")
+            report = hub.broadcast(state, 2)  # the learner broadcasts before it announces
+            assert report.reached == ("w0",), report
+            announce(2)
+            second = ready_of(sync, 2)
+            assert isinstance(second, Ready) and second.transport == BROADCAST and second.tensors is not None
+            assert torch.equal(second.tensors["w"], state["w"])
+            announce(3)  # never broadcast: after timeout_s the network
+            third = ready_of(sync, 3)
+            assert isinstance(third, Ready) and third.transport == NETWORK
+            assert third.path is not None and third.path.read_bytes() == files[3][1]
+            assert service.stats().chunks_served.get(2, 0) == 0  # v2 came only from the broadcast
+    finally:
+        sync.close()
+        hub.close()
+
+
 def test_a_worker_reads_the_file_it_sees_and_fetches_what_it_does_not(tmp_path: Path) -> None:
     weights = tmp_path / "weights"
     cfg = config(free_ports(1)[0])
@@ -465,7 +510,7 @@ def run_two_workers(
     from april.hf import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
-    port = free_ports(2)[0]  # the broadcast rendezvous takes port + 1
+    port = free_port_pair()  # the broadcast rendezvous takes port + 1
     c = cluster(
         # sync mode: a version comes a round of generation after the last (a worker that is sent versions
         # faster than it loads them skips to the newest, by design); stopped by the fixture after the test
