@@ -134,7 +134,6 @@ class Worker:
         # the engine is built on a thread after the first Welcome (a vLLM or SGLang start can outlast the
         # broker's liveness window): until then it is "starting", and the broker leases it nothing
         self.health = EngineHealth(down=True, detail=protocol.ENGINE_STARTING)
-        self.weights: protocol.WeightsReady | None = None  # the newest weights the broker announced
         # how announced versions become local files (`weights_keys`: CURVE keys for the weight service)
         self.sync = WeightSync(weights or WeightsConfig(), self.worker_id, weights_keys)
         self.ready: Ready | None = None  # the newest version ready to load (loaded again after a restart)
@@ -348,8 +347,6 @@ class Worker:
         return sum(1 for o in outputs if o.finish_reason == FinishReason.ABORT)
 
     def _on_weights(self, msg: protocol.WeightsReady) -> None:
-        if self.weights is None or msg.version > self.weights.version:
-            self.weights = msg
         if self.engine is not None and msg.version <= self.engine.version:
             return
         self.sync.announce(msg)  # fetched (or found) in the background, loaded by _sync_weights when ready

@@ -104,9 +104,12 @@ class Workers:
     def remove(self, worker_id: str) -> None:
         self.peers.pop(worker_id, None)
 
+    def alive(self, peer: WorkerPeer, now: float) -> bool:
+        """Heard from within the liveness window (liveness x heartbeat interval)."""
+        return now - peer.last_seen <= self.liveness * self.interval
+
     def dead(self, now: float) -> list[str]:
-        limit = self.liveness * self.interval
-        return [w for w, p in self.peers.items() if now - p.last_seen > limit]
+        return [w for w, p in self.peers.items() if not self.alive(p, now)]
 
     def due_heartbeat(self, now: float) -> list[WorkerPeer]:
         return [p for p in self.peers.values() if now - p.last_sent >= self.interval]

@@ -589,11 +589,10 @@ class Broker:
     def _weights_sync_stats(self, now: float) -> dict[str, float]:
         """For metrics.jsonl: how many live workers serve the broker's version, and the slowest one's sync
         seconds for it (from hearing of the version to serving it; 0 when none reported one yet)."""
-        window = self.cfg.heartbeat_interval_s * self.cfg.liveness
         current = [
             p
             for p in self.workers.peers.values()
-            if p.version == self.state.version and now - p.last_seen <= window and not p.restored
+            if p.version == self.state.version and self.workers.alive(p, now) and not p.restored
         ]
         by_transport = {
             f"workers_synced_{t}": float(sum(1 for p in current if p.weights_transport == t))

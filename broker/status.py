@@ -87,7 +87,6 @@ def _workers(broker: Broker, now: float) -> list[WorkerStatus]:
     leases = Counter(lease.worker_id for lease in broker.state.leases.values())
     if broker.evals.run is not None:
         leases.update(worker_id for worker_id, _ in broker.evals.run.leases.values())
-    window = broker.workers.liveness * broker.workers.interval
     return [
         WorkerStatus(
             id=p.peer_id,
@@ -101,7 +100,7 @@ def _workers(broker: Broker, now: float) -> list[WorkerStatus]:
             host=p.host,
             last_seen_s=round(now - p.last_seen, 3),
             restored=p.restored,
-            alive=now - p.last_seen <= window,
+            alive=broker.workers.alive(p, now),
             engine_ok=p.engine_ok,
             engine_detail=p.engine_detail,
             failed_by_engine=p.failed_by_engine,
