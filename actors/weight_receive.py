@@ -52,13 +52,13 @@ from april.broadcast_group import (
     end_key,
     here_key,
     join_key,
-    local_address,
     manifest_key,
     open_group,
     open_store,
     roster_key,
     start_broadcast,
 )
+from april.ports import route_address
 
 POLL_S = 0.05  # how often an idle member looks at the store (for a call, a manifest or the group's end)
 BACKOFF_S = (0.5, 8.0)  # first and longest pause before joining anew after a failure
@@ -156,7 +156,7 @@ class BroadcastMember:
             groups = self._groups
             try:
                 store = open_store(host, port, self.timeout_s)
-                address = self.address or local_address(host, port)
+                address = self.address or route_address(host)
                 self._serve(store, address, stop)
             except (BroadcastError, RuntimeError, OSError, ValueError, KeyError, TypeError) as exc:
                 if stop.is_set():

@@ -224,14 +224,6 @@ def check_bucket(buffer: torch.Tensor, expected: str, index: int) -> None:
         raise BroadcastError(f"broadcast bucket {index}: sha256 {got[:12]}... expected {expected[:12]}...")
 
 
-def local_address(host: str, port: int) -> str:
-    """This machine's address on its route to (host, port): a UDP socket connected there (sends nothing)."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(info[0], socket.SOCK_DGRAM) as probe:
-        probe.connect(info[4])
-        return str(probe.getsockname()[0])
-
-
 def open_store(host: str, port: int, timeout_s: float, bind: bool = False) -> Store:
     """The rendezvous store at (host, port) under ROOT: hosted here (`bind`: listening on exactly that
     address, not on every interface) or reached as a client; waits at most `timeout_s` to connect."""

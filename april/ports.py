@@ -1,5 +1,6 @@
 """Free TCP ports on 127.0.0.1: the ports a run, a benchmark or a test binds when it must not collide with
-whatever else runs on the machine (the OS picks them; they were free a moment ago)."""
+whatever else runs on the machine (the OS picks them; they were free a moment ago); and this machine's
+address on its route to another host, which peers there can reach it at."""
 
 from __future__ import annotations
 
@@ -29,3 +30,12 @@ def free_port_pair() -> int:
                 continue
         return port
     raise OSError("no two consecutive free ports on 127.0.0.1")
+
+
+def route_address(host: str) -> str:
+    """This machine's address on its route to `host` (a name or an address): a UDP socket connected there
+    sends nothing, it only asks the kernel which source address it would use. OSError when there is none."""
+    family, _, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(target)
+        return str(probe.getsockname()[0])

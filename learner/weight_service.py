@@ -41,7 +41,6 @@ import ipaddress
 import logging
 import mmap
 import os
-import socket
 import threading
 import time
 from collections import Counter, deque
@@ -56,6 +55,7 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import ConfigError, WeightsConfig, WeightsTransport
 from april.keys import ServerKeys
+from april.ports import route_address
 from april.transport import configure, curve_server
 from april.weights_uri import WeightsLocation
 from april.zap import ZapHandler
@@ -78,18 +78,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def route_address(host: str) -> str:
-    """The local address of this host's route to `host` (a UDP connect sends nothing; it only asks the
-    kernel which source address it would use). 127.0.0.1 when there is none."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
-
-
 def advertised_host(cfg: WeightsConfig, broker_host: str) -> str:
     """The address workers reach the service at: weights.advertise_host, else the bind address when it
     is one address, else this host's address on its route to the broker."""
@@ -97,7 +85,10 @@ def advertised_host(cfg: WeightsConfig, broker_host: str) -> str:
         return cfg.advertise_host
     if cfg.bind_host not in ("0.0.0.0", "::", "*", ""):
         return cfg.bind_host
-    return route_address(broker_host)
+    try:
+        return route_address(broker_host)
+    except OSError:  # no route (or no such name): only this host can reach the service
+        return "127.0.0.1"
 
 
 def announce_location(transport: WeightsTransport, path: Path, endpoint: str) -> WeightsLocation:
