@@ -30,7 +30,6 @@ import enum
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
 from collections import deque
@@ -46,13 +45,12 @@ from april.config import WeightsConfig
 from april.files import sha256_file
 from april.keys import ClientKeys
 from april.transport import configure, curve_client
-from april.weights_uri import WeightsLocation
+from april.weights_uri import WeightsLocation, published_versions, version_path
 
 log = logging.getLogger("april.weights")
 POLL_MS = 50
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 32.0
 PART_SUFFIX = ".part"
-_VERSION_FILE = re.compile(r"^v(\d{6,})\.safetensors$")
 DROPPED_EVENTS = zmq.EVENT_DISCONNECTED
 REFUSED_EVENTS = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -460,12 +458,11 @@ class WeightFetcher:
 
     def _prune(self, version: int) -> None:
         """Keep the newest `cfg.keep` versions in the cache (always `version`); drop stale .part files."""
-        found = (_VERSION_FILE.match(p.name) for p in self.cache_dir.iterdir())
-        cached = sorted(int(m.group(1)) for m in found if m)
+        cached = published_versions(self.cache_dir)
         keep = {version, *cached[-self.cfg.keep :]}
         for v in cached:
             if v not in keep:
-                (self.cache_dir / f"v{v:06d}.safetensors").unlink(missing_ok=True)
+                version_path(self.cache_dir, v).unlink(missing_ok=True)
         for p in self.cache_dir.glob(f"v*.safetensors{PART_SUFFIX}"):
             with self._lock:
                 busy = self._wanted is not None and p.name.startswith(self._wanted.location.file_name)

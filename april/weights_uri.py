@@ -13,15 +13,18 @@ size; `path` (transport auto) is the learner's own file, which a worker that see
 instead of pulling it; `broadcast` says the learner also sends each version through a collective to
 engines that joined its group (rendezvous at PORT + 1).
 
-Also names how a version's bytes came, as workers report it (WeightsLoaded.transport) and the broker
-counts it in each batch's stats (`WORKER_SYNC_STATS`, copied into metrics.jsonl). Owns the format only:
-fetching is `actors.weight_fetch`'s, serving `learner.weight_service`'s.
+Also names the files versions live in, in the learner's weights/ and in a worker's cache alike
+(`version_path`, `file_version`, `published_versions`), and how a version's bytes came, as workers
+report it (WeightsLoaded.transport) and the broker counts it in each batch's stats (`WORKER_SYNC_STATS`,
+copied into metrics.jsonl). Owns the format only: fetching is `actors.weight_fetch`'s, serving
+`learner.weight_service`'s.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlparse
 
 from april.config import ConfigError
@@ -34,6 +37,25 @@ WORKER_SYNC_STATS = (
     *(f"workers_synced_{t}" for t in WEIGHT_TRANSPORTS),  # of them, how many got it by each transport
 )
 _VERSION_FILE = re.compile(r"^v(\d{6,})\.safetensors$")
+
+
+def version_path(directory: Path, version: int) -> Path:
+    """Version `version`'s file in `directory` (the learner's weights/ or a worker's cache)."""
+    return Path(directory) / f"v{version:06d}.safetensors"
+
+
+def file_version(name: str) -> int | None:
+    """The version a file named `name` holds; None for any other name (a temp or .part file, ...)."""
+    match = _VERSION_FILE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def published_versions(directory: Path) -> list[int]:
+    """Versions with a complete file in `directory`, ascending."""
+    if not Path(directory).is_dir():
+        return []
+    found = (file_version(p.name) for p in Path(directory).iterdir())
+    return sorted(v for v in found if v is not None)
 
 
 class WeightsURIError(ConfigError):
@@ -52,7 +74,7 @@ class WeightsLocation:
 
     @property
     def file_name(self) -> str:
-        return f"v{self.version:06d}.safetensors"
+        return version_path(Path(), self.version).name
 
     @property
     def broadcast_rendezvous(self) -> tuple[str, int]:
@@ -91,11 +113,10 @@ def parse(uri: str, version: int) -> WeightsLocation | None:
         host, port = parsed.hostname, parsed.port
     except ValueError:
         host = port = None
-    name = parsed.path.removeprefix("/")
-    match = _VERSION_FILE.match(name)
+    named = file_version(parsed.path.removeprefix("/"))
     query = parse_qs(parsed.query)
     size = query.get("size", [""])[0]
-    if not host or not port or not match or int(match.group(1)) != version or not size.isdigit():
+    if not host or not port or named != version or not size.isdigit():
         raise WeightsURIError(
             f"weights URI {uri!r}: expected {SERVICE_SCHEME}://HOST:PORT/v{version:06d}.safetensors?size=N"
         )

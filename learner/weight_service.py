@@ -57,7 +57,7 @@ from april.config import ConfigError, WeightsConfig, WeightsTransport
 from april.keys import ServerKeys
 from april.ports import route_address
 from april.transport import configure, curve_server
-from april.weights_uri import WeightsLocation
+from april.weights_uri import WeightsLocation, file_version, published_versions, version_path
 from april.zap import ZapHandler
 
 log = logging.getLogger("april.weights")
@@ -95,7 +95,9 @@ def announce_location(transport: WeightsTransport, path: Path, endpoint: str) ->
     """What the learner announces for the published file `path` (vNNNNNN.safetensors) per transport:
     file: the file; auto: the service and the file (a worker that sees it reads it); network: the
     service only; broadcast: the service, flagged broadcast (the collective comes on top)."""
-    version = int(path.name[1:].split(".")[0])
+    version = file_version(path.name)
+    if version is None:
+        raise ValueError(f"announce_location: {path.name} is not a published version's file")
     if transport == WeightsTransport.FILE or not endpoint:
         return WeightsLocation(version, path=str(path))
     size = path.stat().st_size
@@ -310,7 +312,7 @@ class WeightService:
     # ------------------------------------------------------------------ files
 
     def _path(self, version: int) -> Path:
-        return self.weights_dir / f"v{version:06d}.safetensors"
+        return version_path(self.weights_dir, version)
 
     def _version(self, version: int) -> _OpenVersion | None:
         """The open file of `version`; None when it is not (or no longer) published."""
@@ -351,9 +353,7 @@ class WeightService:
 
     def _newest(self) -> int:
         """The newest version published (0: none)."""
-        names = (p.name for p in self.weights_dir.glob("v*.safetensors"))
-        versions = [int(n[1:].split(".")[0]) for n in names if n[1:].split(".")[0].isdigit()]
-        return max([*versions, *self._open], default=0)
+        return max([*published_versions(self.weights_dir), *self._open], default=0)
 
 
 def broker_host_of(address: str) -> str:

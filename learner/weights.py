@@ -12,34 +12,21 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from april.files import fsync_dir, sha256_file
+from april.weights_uri import published_versions, version_path
 
 if TYPE_CHECKING:
     import torch
 
-_VERSION_FILE = re.compile(r"^v(\d{6,})\.safetensors$")
 TEMP_SUFFIX = ".tmp"
 
 
 class WeightsError(Exception):
     """A weights file is missing, fails its sha256 or is not valid safetensors."""
-
-
-def version_path(weights_dir: Path, version: int) -> Path:
-    return Path(weights_dir) / f"v{version:06d}.safetensors"
-
-
-def published_versions(weights_dir: Path) -> list[int]:
-    """Versions with a complete file in `weights_dir`, ascending."""
-    if not Path(weights_dir).is_dir():
-        return []
-    found = (_VERSION_FILE.match(p.name) for p in Path(weights_dir).iterdir())
-    return sorted(int(m.group(1)) for m in found if m)
 
 
 def publish(

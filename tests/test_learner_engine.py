@@ -31,6 +31,7 @@ from ranks import launch_ranks  # noqa: E402
 
 from april.files import sha256_file  # noqa: E402
 from april.hf import load_model, make_tiny_model  # noqa: E402
+from april.weights_uri import published_versions  # noqa: E402
 from learner import checkpoint, weights  # noqa: E402
 from learner.ds_config import deepspeed_config  # noqa: E402
 from learner.engine import (  # noqa: E402
@@ -424,19 +425,19 @@ def test_crash_mid_write_never_leaves_a_partial_version(tmp_path: Path, monkeypa
     with pytest.raises(OSError, match="disk full"):
         weights.publish(tensors, tmp_path, 2)
     monkeypatch.undo()
-    assert weights.published_versions(tmp_path) == [1]  # no v000002.safetensors, half or whole
+    assert published_versions(tmp_path) == [1]  # no v000002.safetensors, half or whole
     assert not (tmp_path / "v000002.safetensors").exists()
     weights.publish(tensors, tmp_path, 2)
-    assert weights.published_versions(tmp_path) == [1, 2]
+    assert published_versions(tmp_path) == [1, 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000001.safetensors", "v000002.safetensors"]
 
 
 def test_publish_keeps_the_last_versions(tmp_path: Path) -> None:
     for v in range(6):
         weights.publish({"w": torch.full((2,), float(v))}, tmp_path, v, keep=3)
-    assert weights.published_versions(tmp_path) == [3, 4, 5]
+    assert published_versions(tmp_path) == [3, 4, 5]
     weights.publish({"w": torch.zeros(2)}, tmp_path, 6, keep=2)
-    assert weights.published_versions(tmp_path) == [5, 6]
+    assert published_versions(tmp_path) == [5, 6]
     with pytest.raises(ValueError, match="keep"):
         weights.publish({"w": torch.zeros(2)}, tmp_path, 7, keep=1)
 

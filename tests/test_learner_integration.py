@@ -22,8 +22,9 @@ def test_learner_trains_exactly_n_and_publishes_versions(
 ) -> None:
     from april.files import sha256_file
     from april.hf import load_model, make_tiny_model
+    from april.weights_uri import version_path
     from learner.metrics import REQUIRED
-    from learner.weights import load_published, version_path
+    from learner.weights import load_published
 
     model_dir = make_tiny_model(tmp_path / "tiny", seed=0)
     # a user reward with variance (a random model never matches the exact answers: all-zero advantages)
