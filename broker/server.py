@@ -83,6 +83,7 @@ class Broker:
         self.exporter = PrometheusExporter(self.cfg.metrics_port) if self.cfg.metrics_port > 0 else None
         self.workers = Workers(self.cfg.heartbeat_interval_s, self.cfg.liveness)
         self.behind_warned = 0  # the last version no worker with free slots served (warned once each)
+        self.behind_since: float | None = None  # since when no worker with free slots may be leased work
         now = time.monotonic()
         if resume and not snapshot.exists(run_dir / "broker"):
             # Killed before its first snapshot: nothing was persisted, and no batch was handed out (a batch
@@ -413,7 +414,13 @@ class Broker:
             for p, ok in zip(peers, current, strict=True)
         ]
         greedy = [len(w) for w in work]
-        if not any(current) and self.behind_warned < self.state.version:
+        if any(current):
+            self.behind_since = None
+        elif self.behind_since is None:
+            self.behind_since = now  # usual for a moment after each publish, while workers load it
+        elif now - self.behind_since > self.cfg.liveness * self.cfg.heartbeat_interval_s and (
+            self.behind_warned < self.state.version
+        ):
             self.behind_warned = self.state.version  # once per version: the run waits on a load
             log.warning(
                 "no worker with free slots serves weights v%d (or failed it within max_staleness): leasing "
