@@ -32,11 +32,12 @@ def result(lease_ids: list[int], samples: list[Sample], credit: int = 0) -> prot
 
 
 def finished(sample: Sample, version: int) -> Sample:
-    """A valid return of a leased sample: two more tokens, stop, a reward."""
+    """A valid return of a leased sample: one more token (a resumed partial may have only one left in its
+    budget), stop, a reward."""
     last = sample.segments[-1].version if sample.segments else 0
     if sample.prompt_ids.shape[0] == 0:
         sample = dataclasses.replace(sample, prompt_ids=np.array([1, 2, 3], np.int32))
-    return sample.extend([5, 6], [-0.5, -0.25], max(last, version), FinishReason.STOP).scored(1.0)
+    return sample.extend([5], [-0.5], max(last, version), FinishReason.STOP).scored(1.0)
 
 
 def leases_for(sock: zmq.Socket[bytes], want: int, timeout: float) -> tuple[int, list[tuple[int, Sample]]]:
