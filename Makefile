@@ -20,7 +20,7 @@ SGLANG_TORCH_SPEC ?= torch==2.13.0+cpu
 SGLANG_IMPORTS := numpy triton transformers==5.19.0 aiohttp IPython tqdm pillow starlette pydantic pybase64 \
 	orjson psutil requests msgspec xxhash zstandard pyzmq
 
-.PHONY: install up test test-vllm test-sglang lint bench results docs clean
+.PHONY: install up test test-vllm test-sglang lint bench results docs wheelhouse base-image compose-test clean
 
 install: $(STAMP)
 
@@ -81,6 +81,26 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mypy compose/compose_test.py
+
+# docker-compose (compose/). The wheelhouse: every wheel the CPU image installs (torch's CPU build,
+# DeepSpeed built here against it, april's dependencies, the build backend), so that the image builds
+# with `pip install --no-index` and reaches no registry; for this machine's Python version only.
+WHEELHOUSE := compose/wheelhouse
+wheelhouse: install
+	$(BIN)/python -m pip wheel --quiet --wheel-dir $(WHEELHOUSE) --no-build-isolation \
+		'.[worker,learner]' '$(TORCH_SPEC)' 'setuptools>=68' wheel
+	rm -f $(WHEELHOUSE)/april_rl-*.whl  # the image installs april from its sources
+	$(BIN)/python -c "import sys; print('%d.%d' % sys.version_info[:2])" > $(WHEELHOUSE)/python-version
+
+# A base image from Debian's packages (debootstrap), for machines without Docker Hub: april-base:bookworm.
+base-image:
+	sh compose/base_image.sh
+
+# The compose setup for real: engine, images, broker + 2 torch workers + learner for 3 steps, the run's
+# files checked, then everything removed (compose/compose_test.py; skips where Docker cannot run).
+compose-test: install
+	$(BIN)/python compose/compose_test.py
 
 # april bench: the paper-like workload in each mode with real processes (sim engine, ~1 min a mode)
 bench: install
@@ -99,3 +119,4 @@ docs: install
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	find $(WHEELHOUSE) -mindepth 1 ! -name README.md -delete

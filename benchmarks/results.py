@@ -150,6 +150,12 @@ STEPS: tuple[Step, ...] = (
         minutes=14,
     ),
     Step(
+        "compose",
+        "results/compose",
+        "python compose/compose_test.py --report {out}/compose_test.json",
+        minutes=5,
+    ),
+    Step(
         "fuzz",
         "results/fuzz",
         "python tests/codec_fuzz.py --inputs 1000000 --seed 1",
@@ -499,6 +505,38 @@ def block_soak_table() -> str:
     return "\n".join([*rows, "", source("soak")])
 
 
+def block_compose() -> str:
+    """README's docker-compose figures: the images and each phase of `make compose-test`."""
+    r = load("results/compose/compose_test.json")
+    if r["outcome"] != "passed":
+        raise SystemExit(
+            f"results: docs/results/compose holds a run that {r['outcome']}: {r.get('reason', '')}"
+        )
+    img, run = r["images_mb"], r["run"]
+    names = {
+        "install_engine": "install Debian's docker.io",
+        "base_image": "base image from Debian's packages",
+        "wheelhouse": "`make wheelhouse`",
+        "build": "build april's image",
+        "up": "`up` until every service runs",
+        "train": f"{run['steps']} steps of {run['samples_per_step']} samples, {run['workers']} torch workers",
+    }
+    rows = ["| phase of `make compose-test` | seconds |", "|---|---|"]
+    rows += [f"| {names.get(k, k)} | {v:.0f} |" for k, v in r["phases_s"].items()]
+    rows.append(f"| all, checks and `down -v` included | {r['total_s']:.0f} |")
+    return "\n".join(
+        [
+            f"Image `april:cpu` {img['april'] / 1e3:.2f} GB on `{r['base_image']}` ({img['base']:.0f} MB), "
+            f"of which torch {img['torch_in_april'] / 1e3:.2f} GB. Workers loaded weights by "
+            f"{run['weights_transports']}.",
+            "",
+            *rows,
+            "",
+            source("compose"),
+        ]
+    )
+
+
 def block_fuzz() -> str:
     f = load("results/fuzz/fuzz.json")
     top = ", ".join(f"{k} {v:,}" for k, v in list(f["outcomes"].items())[:6])
@@ -556,6 +594,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "soak": block_soak,
     "soak-table": block_soak_table,
     "fuzz": block_fuzz,
+    "compose": block_compose,
 }
 MARKER = re.compile(r"<!-- measured:([\w-]+) -->(.*?)<!-- /measured:\1 -->", re.S)
 
