@@ -42,4 +42,9 @@ else
     $pip install --no-build-isolation "deepspeed>=0.15"
     $pip install "$src[$extras]"
 fi
+# What never runs in the image: torch's C++ test programs (torch/test, the test binaries in torch/bin) and,
+# in the CPU image, which has no compiler to build extensions with, torch's C++ headers.
+torch_dir=$($venv/bin/python -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+rm -rf "$torch_dir/test" "$torch_dir"/bin/test_* "$torch_dir"/bin/*Test
+if [ "$variant" = cpu ]; then rm -rf "$torch_dir/include"; fi
 $venv/bin/python -c 'import april, broker, actors.engines, learner, cli, torch; print("april-install: torch", torch.__version__)'
