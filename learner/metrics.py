@@ -204,7 +204,8 @@ def ack_metrics(record: dict[str, Any]) -> dict[str, float]:
 
 
 def write_summary(run_dir: Path, metrics_path: Path) -> None:
-    """summary.json: the final ledger, totals and throughput over the run's metrics lines."""
+    """summary.json: totals and throughput over the run's metrics lines, and the last line's ledger (taken
+    as its batch was formed: that batch's groups are still complete_waiting)."""
     lines = read_jsonl(metrics_path)
     if not lines:
         return
