@@ -5,7 +5,8 @@ group with every sample in its latest known state (partials with their tokens, l
 the lease table, the complete queue and the unacked batch (as group ids), the ledger counters, the data
 cursor and the weights version. `complete.log` holds the samples of complete groups, appended once when a
 group completes (complete groups can be most of the data, and never change), and rewritten without the
-trained groups when it grows to more than twice what is live.
+trained groups when it grows to more than twice what is live: the live groups' records are copied as
+they are, not encoded again (the store knows where each record is).
 
 Both are written with the protocol codec (the same strict decoding on load as for a peer's message) as
 length-prefixed frames. The log is appended and fsynced before the state file that refers to it is
@@ -21,10 +22,10 @@ import dataclasses
 import os
 import struct
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -186,14 +187,14 @@ class LoggedGroup:
 
 
 class SnapshotStore:
-    """The pair of files in one directory; remembers which complete groups the log already holds."""
+    """The pair of files in one directory; remembers where in the log each complete group's record is."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.state_path = directory / FILE_NAME
         self.log_path = directory / LOG_NAME
-        self._logged: set[int] | None = None  # group ids in the log, read on first use
-        self._records = 0
+        self._logged: dict[int, tuple[int, int]] | None = None  # group id -> its record's (start, end)
+        self._records = 0  # records in the log, trained groups' included
 
     def save(self, live: BrokerSnapshot, complete: Mapping[int, Sequence[Sample]]) -> Path:
         """Persist `live` (samples of in-flight/partial groups) and make sure the log holds every group in
@@ -201,18 +202,29 @@ class SnapshotStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         logged = self._index()
         if self._records > 2 * len(complete) + 64:  # mostly trained groups: rewrite with the live ones
+            # A logged group's record is copied as it is (its samples never change once complete), so a
+            # rewrite encodes only the groups it logs for the first time.
+            with open(self.log_path, "rb") as old:
+                records = [
+                    (gid, self._logged_record(old, logged, gid, samples)) for gid, samples in complete.items()
+                ]
             tmp = self.directory / f".{LOG_NAME}.tmp"
-            _fsync_write(tmp, self._encode_groups(complete), "wb")
+            _fsync_write(tmp, b"".join(record for _, record in records), "wb")
             os.replace(tmp, self.log_path)
             fsync_dir(self.directory)
             logged.clear()
-            logged.update(complete)
-            self._records = len(complete)
+            self._note(records, 0)
+            self._records = len(records)
         else:
-            new = {gid: samples for gid, samples in complete.items() if gid not in logged}
+            new = [
+                (gid, self._encode_group(gid, samples))
+                for gid, samples in complete.items()
+                if gid not in logged
+            ]
             if new:
-                _fsync_write(self.log_path, self._encode_groups(new), "ab")
-                logged.update(new)
+                end = self.log_path.stat().st_size if self.log_path.exists() else 0
+                _fsync_write(self.log_path, b"".join(record for _, record in new), "ab")
+                self._note(new, end)
                 self._records += len(new)
         tmp = self.directory / f".{FILE_NAME}.tmp"
         _fsync_write(tmp, _frames_bytes(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb")
@@ -242,28 +254,48 @@ class SnapshotStore:
         samples = live.samples.to_samples() + [s for gid in sorted(groups) for s in groups[gid].to_samples()]
         return dataclasses.replace(live, samples=SampleBatch.from_samples(samples))
 
-    def _encode_groups(self, groups: Mapping[int, Sequence[Sample]]) -> bytes:
-        return b"".join(
-            _frames_bytes(
-                encode_frames(SNAPSHOT_FORMAT, LOG_KIND, LoggedGroup(gid, SampleBatch.from_samples(samples)))
-            )
-            for gid, samples in groups.items()
-        )
+    @staticmethod
+    def _encode_group(gid: int, samples: Sequence[Sample]) -> bytes:
+        group = LoggedGroup(gid, SampleBatch.from_samples(list(samples)))
+        return _frames_bytes(encode_frames(SNAPSHOT_FORMAT, LOG_KIND, group))
 
-    def _index(self) -> set[int]:
+    def _logged_record(
+        self, log: BinaryIO, logged: Mapping[int, tuple[int, int]], gid: int, samples: Sequence[Sample]
+    ) -> bytes:
+        """Group `gid`'s record: read from the log where it is there, encoded otherwise."""
+        if gid not in logged:
+            return self._encode_group(gid, samples)
+        start, end = logged[gid]
+        log.seek(start)
+        return log.read(end - start)
+
+    def _note(self, records: Sequence[tuple[int, bytes]], start: int) -> None:
+        """Index `records`, written one after another from byte `start` of the log."""
+        assert self._logged is not None
+        for gid, record in records:
+            self._logged[gid] = (start, start + len(record))
+            start += len(record)
+
+    def _index(self) -> dict[int, tuple[int, int]]:
         if self._logged is None:
-            groups = self._read_log()
-            self._logged = set(groups)
-            self._records = len(groups)
+            spans: dict[int, tuple[int, int]] = {}
+            self._records = 0
+            for gid, _, span in self._scan_log():
+                spans[gid] = span
+                self._records += 1
+            self._logged = spans
         return self._logged
 
     def _read_log(self) -> dict[int, SampleBatch]:
-        """Every record of the log (the last record of a group wins); a torn tail is cut off."""
+        """Every group in the log (the last record of a group wins)."""
+        return {gid: samples for gid, samples, _ in self._scan_log()}
+
+    def _scan_log(self) -> Iterator[tuple[int, SampleBatch, tuple[int, int]]]:
+        """Each record of the log: group id, samples, (start, end); a torn tail is cut off."""
         try:
             data = self.log_path.read_bytes()
         except FileNotFoundError:
-            return {}
-        groups: dict[int, SampleBatch] = {}
+            return
         pos = 0
         while pos < len(data):
             try:
@@ -272,12 +304,11 @@ class SnapshotStore:
                 record: LoggedGroup = decode_body(LoggedGroup, frames, max_bytes=len(data) + 1)
             except (struct.error, ProtocolError):
                 break  # a record torn by a crash: never referenced by a durable snapshot
-            groups[record.group_id] = record.samples
+            yield record.group_id, record.samples, (pos, end)
             pos = end
         if pos < len(data):
             with open(self.log_path, "r+b") as f:
                 f.truncate(pos)
-        return groups
 
 
 def write(snapshot: BrokerSnapshot, directory: Path) -> Path:

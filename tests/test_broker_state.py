@@ -20,7 +20,7 @@ import pytest
 from april import policy
 from april.config import AlgoConfig, Mode
 from april.data import SyntheticPromptSource
-from april.records import FinishReason, Sample, SampleStatus, Segment
+from april.records import FinishReason, Sample, SampleStatus, Segment, new_group_samples
 from broker import snapshot
 from broker.snapshot import SnapshotError
 from broker.state import LEASE_EPOCH_SHIFT, BrokerState, PendingBatch, ResultRejected
@@ -849,6 +849,51 @@ def test_snapshot_of_a_fresh_state(tmp_path: Path) -> None:
     snapshot.write(snapshot.capture(state), tmp_path)
     new = snapshot.restore(snapshot.read(tmp_path), Mode.SYNC, state.algo, source())
     assert_same_books(state, new)
+
+
+def complete_group(gid: int, rng: np.random.Generator) -> list[Sample]:
+    """Two finished samples of group `gid`, with responses of random length."""
+    prompt = rng.integers(1, 50, size=4).astype(np.int32)
+    out = []
+    for s in new_group_samples(gid, 2, prompt, f"prompt {gid}", {"answer": str(gid)}):
+        n = int(rng.integers(1, 9))
+        tokens, logprobs = rng.integers(1, 50, size=n).tolist(), (-rng.random(n)).tolist()
+        out.append(s.extend(tokens, logprobs, 0, FinishReason.STOP).scored(float(gid % 2)))
+    return out
+
+
+def test_the_complete_log_keeps_every_live_group_through_rewrites_and_restarts(tmp_path: Path) -> None:
+    """complete.log over a long run: groups complete, are trained and leave; the log is rewritten without
+    them (copying the live groups' records) whenever it holds more than twice what is live. After every
+    save, a fresh store (a restarted broker) loads exactly the live complete groups, also after a restart
+    mid-run and after a torn record at the log's tail."""
+    rng = np.random.default_rng(0)
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    groups = {gid: complete_group(gid, rng) for gid in range(400)}
+    store = snapshot.SnapshotStore(tmp_path)
+    rewrites, last_size = 0, 0
+    for first in range(0, 380, 3):  # 20 groups live at a time, 3 trained and 3 completed per save
+        if first == 180:
+            store = snapshot.SnapshotStore(tmp_path)  # a restart: the index is read from the log
+        if first == 240:
+            with open(tmp_path / snapshot.LOG_NAME, "ab") as f:
+                f.write(b"\x05\x00\x00")  # a record torn by a crash, cut off when the log is opened
+            store = snapshot.SnapshotStore(tmp_path)
+        live = {gid: groups[gid] for gid in range(first, first + 20)}
+        store.save(dataclasses.replace(live_part, complete_order=list(live)), live)
+        size = (tmp_path / snapshot.LOG_NAME).stat().st_size
+        rewrites += size < last_size
+        last_size = size
+        loaded = snapshot.SnapshotStore(tmp_path).load()
+        by_gid: dict[int, list[Sample]] = {}
+        for sample in loaded.samples.to_samples():
+            by_gid.setdefault(sample.group_id, []).append(sample)
+        assert sorted(by_gid) == sorted(live), first
+        for gid, samples in by_gid.items():
+            for x, y in zip(samples, live[gid], strict=True):
+                assert_samples_equal(x, y)
+    assert rewrites >= 3  # the log was rewritten, after the restart and the torn tail too
+    assert last_size < 3 * sum(len(store._encode_group(g, groups[g])) for g in range(first, first + 20))
 
 
 @pytest.mark.parametrize("cut", [0, 5, 0.5, -1], ids=["empty", "5-bytes", "half", "last-byte"])
