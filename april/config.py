@@ -21,6 +21,7 @@ from typing import Any
 from april.engine_cost import DEFAULT_COST as SIM_COST
 from april.engine_cost import EngineCost
 from april.files import write_text_atomic
+from april.ports import endpoint_problem
 
 
 class ConfigError(ValueError):
@@ -79,6 +80,11 @@ def _fmt(value: object) -> str:
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{name} = {_fmt(value)}: {expected}")
+
+
+def _endpoint(name: str, address: str) -> None:
+    problem = endpoint_problem(address)
+    _check(problem is None, name, address, problem or "")
 
 
 def _positive(section: object, prefix: str, *names: str) -> None:
@@ -264,6 +270,7 @@ class WorkerConfig:
     vllm_max_model_len: int = 0  # vllm engine: context length; 0 = the model's
 
     def __post_init__(self) -> None:
+        _endpoint("worker.broker", self.broker)
         _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads")
         _check(self.sim_time_scale >= 0, "worker.sim_time_scale", self.sim_time_scale, "must be >= 0")
         for name in ("sim_decode_ms", "sim_decode_ms_per_seq", "sim_prefill_ms_per_token"):
@@ -335,6 +342,7 @@ class LearnerConfig:
     sim_step_s_per_token: float = 0.0  # backend sim: simulated seconds added per trained response token
 
     def __post_init__(self) -> None:
+        _endpoint("learner.broker", self.broker)
         _positive(self, "learner", "lr", "micro_batches", "torch_threads", "updates_per_batch", "adam_eps")
         _check(self.keep_checkpoints >= 1, "learner.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
         for name in ("beta1", "beta2"):

@@ -1,10 +1,27 @@
 """Free TCP ports on 127.0.0.1: the ports a run, a benchmark or a test binds when it must not collide with
-whatever else runs on the machine (the OS picks them; they were free a moment ago); and this machine's
-address on its route to another host, which peers there can reach it at."""
+whatever else runs on the machine (the OS picks them; they were free a moment ago); this machine's
+address on its route to another host, which peers there can reach it at; and whether an address a user
+gave is one a ZeroMQ socket can connect to."""
 
 from __future__ import annotations
 
+import re
 import socket
+
+# tcp://HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 one; ipc://PATH
+_TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
+
+
+def endpoint_problem(address: str) -> str | None:
+    """Why ZeroMQ could not connect to `address` (what to give instead), or None when it is well formed."""
+    if address.startswith("ipc://") and len(address) > len("ipc://"):
+        return None
+    m = _TCP_ENDPOINT.fullmatch(address)
+    if m is None:
+        return "must look like tcp://HOST:PORT (or ipc://PATH)"
+    if not 1 <= int(m.group(2)) <= 65535:
+        return "its port must be in 1..65535"
+    return None
 
 
 def free_ports(n: int) -> list[int]:

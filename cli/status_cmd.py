@@ -23,6 +23,7 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import BrokerConfig
 from april.keys import ClientKeys, configured_client_keys
+from april.ports import endpoint_problem
 from april.status import BrokerStatus, WorkerStatus
 from april.transport import dealer, recv, send
 from cli.dashboard_feed import StatusFeed, watch
@@ -193,6 +194,10 @@ def status_command(
     ] = "",
 ) -> None:
     """Print a running broker's state (workers, in flight, buffers, ledger); --watch: the live dashboard."""
+    for option, address in (("--broker", broker_address), ("--pub", pub or "")):
+        problem = endpoint_problem(address) if address else None
+        if problem:
+            raise StatusError(f"{option} {address!r}: {problem}")
     curve = configured_client_keys(keys)
     if not watch_:
         print_status(fetch_status(broker_address, timeout, curve), as_json)

@@ -20,6 +20,7 @@ from april.config import (
     parse_override,
     write_config,
 )
+from april.ports import endpoint_problem
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -307,3 +308,20 @@ def test_the_readme_example_configuration_loads(tmp_path: Path) -> None:
     config = load_config(path)
     assert config.weights.transport.value == "auto" and config.weights.bind_host == "0.0.0.0"
     assert config.learner.max_tokens_per_micro_batch == 16384
+
+
+@pytest.mark.parametrize(
+    "address", ["tcp://127.0.0.1:5555", "tcp://head-node.cluster:1", "tcp://[::1]:65535", "ipc:///tmp/april"]
+)
+def test_connectable_broker_addresses_are_accepted(address: str) -> None:
+    assert endpoint_problem(address) is None
+    config = load_config(env={}, overrides={"worker.broker": address, "learner.broker": address})
+    assert config.worker.broker == config.learner.broker == address
+
+
+@pytest.mark.parametrize(
+    "address", ["nowhere", "127.0.0.1:5555", "tcp://host", "tcp://host:0", "tcp://host:65536", "ipc://", ""]
+)
+def test_a_broker_address_zeromq_cannot_connect_to_is_a_config_error(address: str) -> None:
+    with pytest.raises(ConfigError, match=r"worker\.broker"):
+        load_config(env={}, overrides={"worker.broker": address})

@@ -122,8 +122,12 @@ CASES = [
     case("worker", "negative count", "worker --engine sim --slots -1", "slots", "-1"),
     case("worker", "malformed --set", "worker --engine sim --set slots=3", "--set", "slots"),
     case("worker", "unknown config key", "worker --engine sim --set worker.bogus=1", "bogus"),
+    case("worker", "malformed broker address", "worker --engine sim --broker nowhere", "worker.broker",
+         "'nowhere'", "tcp://HOST:PORT"),
 
     case("learner", "missing --run-dir", "learner", "--run-dir"),
+    case("learner", "malformed broker address", "learner --run-dir {out} --broker tcp://h", "learner.broker",
+         "'tcp://h'"),
     case("learner", "missing config", f"learner --run-dir {{out}} --config {M}/a.toml", "--config", "a.toml"),
     case("learner", "missing model dir", f"learner --run-dir {{tmp}}/run --model {M}/m", f"{M}/m", NOT_FOUND),
     case("learner", "missing keys dir",
@@ -139,6 +143,8 @@ CASES = [
     case("status", "bad value", "status --timeout soon", "--timeout", "'soon'"),
     case("status", "negative timeout", "status --timeout -1", "--timeout", "-1"),
     case("status", "malformed address", "status --watch --broker localhost", "--broker", "'localhost'"),
+    case("status", "malformed address, one status", "status --broker nowhere", "--broker", "'nowhere'"),
+    case("status", "port out of range", "status --broker tcp://127.0.0.1:70000", "--broker", "1..65535"),
 
     case("sft", "unwritable --out", "sft --out {file}/model --steps 1 --eval-prompts 0", "{file}/model"),
     case("sft", "negative count", "sft --steps -1 --out {out}", "--steps", "-1"),
