@@ -104,9 +104,14 @@ class Workers:
     def remove(self, worker_id: str) -> None:
         self.peers.pop(worker_id, None)
 
+    @property
+    def window(self) -> float:
+        """The liveness window in seconds: liveness x heartbeat interval."""
+        return self.liveness * self.interval
+
     def alive(self, peer: WorkerPeer, now: float) -> bool:
-        """Heard from within the liveness window (liveness x heartbeat interval)."""
-        return now - peer.last_seen <= self.liveness * self.interval
+        """Heard from within the liveness window."""
+        return now - peer.last_seen <= self.window
 
     def dead(self, now: float) -> list[str]:
         return [w for w, p in self.peers.items() if not self.alive(p, now)]

@@ -418,9 +418,7 @@ class Broker:
             self.behind_since = None
         elif self.behind_since is None:
             self.behind_since = now  # usual for a moment after each publish, while workers load it
-        elif now - self.behind_since > self.cfg.liveness * self.cfg.heartbeat_interval_s and (
-            self.behind_warned < self.state.version
-        ):
+        elif now - self.behind_since > self.workers.window and (self.behind_warned < self.state.version):
             self.behind_warned = self.state.version  # once per version: the run waits on a load
             log.warning(
                 "no worker with free slots serves weights v%d (or failed it within max_staleness): leasing "
