@@ -39,6 +39,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from april.ledger import Ledger
+from april.weights_uri import version_path
+
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = REPO / "compose" / "docker-compose.yml"
 WHEELHOUSE = REPO / "compose" / "wheelhouse"
@@ -281,13 +284,13 @@ def wait_for_learner(project: Project) -> None:
 
 
 def balanced(ledger: dict[str, Any]) -> bool:
-    """docs/design.md section 8: issued == trained + complete_waiting + in_flight + partial + dropped."""
-    parts = ("trained", "complete_waiting", "in_flight", "partial")
-    return bool(ledger["issued"] == sum(ledger[k] for k in parts) + sum(ledger["dropped"].values()))
+    """A ledger as metrics.jsonl and the status write it balances (docs/design.md section 8)."""
+    return Ledger(**ledger).balanced
 
 
-def check_run_directory(project: Project) -> int:
-    """The run's files against the contract; returns the last weights version published."""
+def check_run_directory(project: Project) -> tuple[int, int]:
+    """The run's files against the contract; returns the last weights version published and B (groups a
+    batch)."""
     config = tomllib.loads(project.read("config.toml"))
     b, n = config["algo"]["rollout_batch_size"], config["algo"]["n_samples_per_prompt"]
     steps = config["run"]["steps"]
@@ -313,15 +316,16 @@ def check_run_directory(project: Project) -> int:
     assert_that(totals == (STEPS, STEPS * b * n, metrics[-1]["ledger"]), f"summary.json: {summary}")
     last = int(summary["final_version"])
     published = set(project("exec", "-T", "broker", "ls", f"/runs/{RUN_NAME}/weights").stdout.split())
-    assert_that(f"v{last:06d}.safetensors" in published, f"weights/ holds {sorted(published)}, not v{last}")
+    last_file = version_path(Path(), last).name
+    assert_that(last_file in published, f"weights/ holds {sorted(published)}, not {last_file}")
     REPORT["run"] = {"steps": STEPS, "samples_per_step": b * n, "workers": WORKERS, "last_version": last}
     say(f"run directory: {STEPS} steps of exactly {b * n} samples, ledgers balanced, v{last} in weights/")
-    return last
+    return last, b
 
 
-def check_workers_serve(project: Project, version: int) -> None:
-    """Both workers alive on the last version, by the broker's status; the ledger as the learner left it."""
-    b = tomllib.loads(project.read("config.toml"))["algo"]["rollout_batch_size"]
+def check_workers_serve(project: Project, version: int, b: int) -> None:
+    """Both workers alive on the last version, by the broker's status; the ledger as the learner left it
+    (B x STEPS groups trained)."""
     deadline = time.monotonic() + SYNC_TIMEOUT_S
     while True:
         status = project.status()
@@ -363,8 +367,8 @@ def compose_run(base: str) -> None:
             project("up", "-d", "--scale", f"worker={WORKERS}", *ROLES, timeout=300)
         with step("train", f"the learner trained {STEPS} steps and exited 0"):
             wait_for_learner(project)
-        last = check_run_directory(project)
-        check_workers_serve(project, last)
+        last, b = check_run_directory(project)
+        check_workers_serve(project, last, b)
     except Failed as failure:
         for service in failure.services or ROLES:
             print(f"--- last {LOG_LINES} log lines of {service} ---\n{project.logs(service)}", flush=True)
