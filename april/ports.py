@@ -8,8 +8,9 @@ from __future__ import annotations
 import re
 import socket
 
-# tcp://HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 one; ipc://PATH
-_TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(\d{1,5})")
+# tcp://HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 one (not `*`: that binds, it does not
+# connect); ipc://PATH
+_TCP_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]*]+):(\d{1,5})")
 
 
 def endpoint_problem(address: str) -> str | None:

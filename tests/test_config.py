@@ -319,9 +319,39 @@ def test_connectable_broker_addresses_are_accepted(address: str) -> None:
     assert config.worker.broker == config.learner.broker == address
 
 
-@pytest.mark.parametrize(
-    "address", ["nowhere", "127.0.0.1:5555", "tcp://host", "tcp://host:0", "tcp://host:65536", "ipc://", ""]
-)
+REFUSED_ADDRESSES = [
+    "nowhere", "127.0.0.1:5555", "tcp://host", "tcp://host:0", "tcp://host:65536", "ipc://", "", "tcp://*:5555",
+    "tcp://a b:1", "tcp://127.0.0.1:5555 ",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("address", REFUSED_ADDRESSES)
 def test_a_broker_address_zeromq_cannot_connect_to_is_a_config_error(address: str) -> None:
     with pytest.raises(ConfigError, match=r"worker\.broker"):
         load_config(env={}, overrides={"worker.broker": address})
+
+
+@pytest.mark.parametrize(
+    "address", ["tcp://127.0.0.1:5555", "tcp://head-node.cluster:1", "tcp://[::1]:65535", *REFUSED_ADDRESSES]
+)
+def test_endpoint_check_agrees_with_zeromq(address: str) -> None:
+    """Against libzmq itself: a DEALER connects to every address the check accepts, and every address
+    libzmq refuses the check refuses too (it also refuses ports 0 and above 65535, which libzmq parses
+    but no broker listens on)."""
+    import zmq
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IPV6, 1)
+    try:
+        sock.connect(address)
+        zmq_accepts = True
+    except zmq.ZMQError:
+        zmq_accepts = False
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    if endpoint_problem(address) is None:
+        assert zmq_accepts, address
+    if not zmq_accepts:
+        assert endpoint_problem(address) is not None, address
