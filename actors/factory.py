@@ -83,6 +83,7 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
             stop_token_id=stop,
             version=version,
             identify=identify,
+            prompt_corr=cfg.sim_prompt_corr,
         )
     if cfg.engine == "torch":
         from actors.engines.torch_engine import TorchEngine

@@ -66,6 +66,7 @@ from april.files import sha256_file
 from april.keys import ClientKeys
 from april.peer_link import PeerLink
 from april.records import FinishReason, Sample
+from april.sample_draw import prompt_key
 from april.wire_records import SampleBatch
 
 log = logging.getLogger("april.worker")
@@ -560,4 +561,5 @@ class Worker:
     def identify(self, request: GenerationRequest) -> SampleIdentity:
         """Sample identity for the sim engine: stable across resumes and workers."""
         sample = self.held[request.request_id].sample
-        return SampleIdentity.of_sample(sample.group_id, sample.index, int(sample.prompt_ids.shape[0]))
+        ids = sample.prompt_ids
+        return SampleIdentity.of_sample(sample.group_id, sample.index, int(ids.shape[0]), prompt_key(ids))

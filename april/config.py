@@ -41,6 +41,17 @@ class Algorithm(enum.StrEnum):
     GSPO = "gspo"
 
 
+class OverSampling(enum.StrEnum):
+    FIXED = "fixed"  # every april round keeps over_sampling_batch_size groups
+    AUTO = "auto"  # each round's target is planned from observed lengths, capped there (april/round_plan.py)
+
+
+class PromptOrder(enum.StrEnum):
+    ISSUE = "issue"  # prompts are issued in the data's order
+    SHORTEST_FIRST = "shortest_first"  # predicted shortest of the next `prompt_window` first (policy)
+    LONGEST_FIRST = "longest_first"  # predicted longest of the next `prompt_window` first
+
+
 class OffPolicy(enum.StrEnum):
     NONE = "none"
     MASK = "mask"
@@ -117,7 +128,10 @@ class RunConfig:
 class AlgoConfig:
     algorithm: Algorithm = Algorithm.GRPO  # advantage estimator and loss (docs/learner.md)
     rollout_batch_size: int = 8  # prompts per train step
-    over_sampling_batch_size: int = 16  # prompts in flight per step (>= rollout_batch_size)
+    over_sampling_batch_size: int = 16  # prompts in flight per step (>= rollout_batch_size); auto: the cap
+    over_sampling: OverSampling = OverSampling.FIXED  # april: fixed target, or planned per round (auto)
+    prompt_order: PromptOrder = PromptOrder.ISSUE  # which drawn prompt is issued next (length history)
+    prompt_window: int = 64  # prompt_order: prompts drawn ahead; each is issued within this many groups
     n_samples_per_prompt: int = 4  # samples per group (GRPO's baseline is taken over a group)
     max_new_tokens: int = 256  # response budget per sample, across all its resumed segments
     temperature: float = 1.0  # sampling temperature (> 0)
@@ -135,7 +149,7 @@ class AlgoConfig:
     overlong_filter: bool = False  # DAPO overlong filtering: truncated samples (budget used up) get no loss
 
     def __post_init__(self) -> None:
-        _positive(self, "algo", "rollout_batch_size", "over_sampling_batch_size")
+        _positive(self, "algo", "rollout_batch_size", "over_sampling_batch_size", "prompt_window")
         _positive(self, "algo", "n_samples_per_prompt", "max_new_tokens", "temperature")
         _check(
             self.over_sampling_batch_size >= self.rollout_batch_size,
@@ -193,10 +207,11 @@ class DataConfig:
     synthetic_prompt_len_min: int = 8  # synthetic source: shortest prompt, in tokens
     synthetic_prompt_len_max: int = 64  # synthetic source: longest prompt, in tokens
     synthetic_vocab_size: int = 1000  # synthetic source: prompt token ids are drawn below this
+    synthetic_size: int = 10000  # synthetic source: prompts in the dataset (an epoch)
     eval_size: int = 32  # held-out prompts per evaluation (never issued for training)
 
     def __post_init__(self) -> None:
-        _positive(self, "data", "synthetic_prompt_len_min", "synthetic_vocab_size")
+        _positive(self, "data", "synthetic_prompt_len_min", "synthetic_vocab_size", "synthetic_size")
         _check(self.eval_size >= 0, "data.eval_size", self.eval_size, "must be >= 0")
         _check(
             self.synthetic_prompt_len_max >= self.synthetic_prompt_len_min,
@@ -259,6 +274,7 @@ class WorkerConfig:
     sglang_weights_dir: str = ""  # sglang: a directory per weights version, for its servers (empty: temp)
     sim_lengths: str = "lognormal:median=64,sigma=1.0,cap=512"  # sim engine: response-length spec
     sim_time_scale: float = 1.0  # sim engine: wall seconds per simulated second
+    sim_prompt_corr: float = 0.0  # sim engine: how much a length is the prompt's, in [0, 1) (sample_draw)
     # one cost model with april simulate's engines: april/engine_cost.py holds the defaults and formula
     sim_decode_ms: float = SIM_COST.decode_ms  # sim engine: A, ms a step (A + B x active + C x prefilled)
     sim_decode_ms_per_seq: float = SIM_COST.decode_ms_per_seq  # sim engine: B, ms per active sequence
@@ -273,6 +289,9 @@ class WorkerConfig:
         _endpoint("worker.broker", self.broker)
         _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads")
         _check(self.sim_time_scale >= 0, "worker.sim_time_scale", self.sim_time_scale, "must be >= 0")
+        _check(
+            0 <= self.sim_prompt_corr < 1, "worker.sim_prompt_corr", self.sim_prompt_corr, "must be in [0, 1)"
+        )
         for name in ("sim_decode_ms", "sim_decode_ms_per_seq", "sim_prefill_ms_per_token"):
             _check(getattr(self, name) >= 0, f"worker.{name}", getattr(self, name), "must be >= 0")
         _check(

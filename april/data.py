@@ -237,6 +237,7 @@ def open_source(data_config: DataConfig, seed: int) -> PromptSource:
         return TaskPromptSource(seed=seed)
     if data_config.source == "synthetic":
         return SyntheticPromptSource(
+            data_config.synthetic_size,
             seed=seed,
             prompt_len_min=data_config.synthetic_prompt_len_min,
             prompt_len_max=data_config.synthetic_prompt_len_max,

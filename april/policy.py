@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from april.config import AlgoConfig, Mode
+from april.config import AlgoConfig, Mode, PromptOrder
 from april.records import Group
 
 NEVER_GENERATED = 1 << 62  # sort key of a sample with no tokens yet: after every partial
@@ -44,9 +44,12 @@ def is_round_based(mode: Mode) -> bool:
     return mode in (Mode.SYNC, Mode.APRIL)
 
 
-def round_target(mode: Mode, algo: AlgoConfig) -> int:
-    """Groups kept in a round (in flight + partial + complete): the batch, or the over-sampled batch."""
-    return algo.rollout_batch_size if mode == Mode.SYNC else algo.over_sampling_batch_size
+def round_target(mode: Mode, algo: AlgoConfig, planned: int | None = None) -> int:
+    """Groups kept in a round (in flight + partial + complete): the batch, or the over-sampled batch
+    (`over_sampling = "auto"`: the round's `planned` target, see april/round_plan.py)."""
+    if mode == Mode.SYNC:
+        return algo.rollout_batch_size
+    return algo.over_sampling_batch_size if planned is None else planned
 
 
 def admission_limit(algo: AlgoConfig, version: int) -> int:
@@ -55,7 +58,12 @@ def admission_limit(algo: AlgoConfig, version: int) -> int:
 
 
 def fresh_group_allowance(
-    mode: Mode, algo: AlgoConfig, counts: PoolCounts, version: int, round_open: bool
+    mode: Mode,
+    algo: AlgoConfig,
+    counts: PoolCounts,
+    version: int,
+    round_open: bool,
+    planned: int | None = None,
 ) -> int:
     """How many new groups may be issued now (partials and queued samples are dispatched first).
 
@@ -65,7 +73,8 @@ def fresh_group_allowance(
     if is_round_based(mode):
         if not round_open:
             return 0
-        return max(0, round_target(mode, algo) - counts.in_flight - counts.partial - counts.complete)
+        target = round_target(mode, algo, planned)
+        return max(0, target - counts.in_flight - counts.partial - counts.complete)
     return max(0, admission_limit(algo, version) - counts.accepted)
 
 
@@ -258,3 +267,21 @@ class DispatchQueue:
 
     def ordered(self) -> list[tuple[int, int]]:
         return [key for _, key in sorted(self._heap)]
+
+
+def pick_prompt(
+    waiting: Sequence[tuple[int, float | None]], issued: int, order: PromptOrder, window: int
+) -> int:
+    """Which of the drawn, not yet issued prompts to issue next: an index into `waiting`, given as
+    (issue count when it was drawn, predicted response length or None) in draw order.
+
+    `order = "issue"`: the first. Otherwise the shortest (or longest) predicted first, a prompt never seen
+    counting as the median of those seen; but a prompt drawn `window` issues ago or more goes first, so
+    every prompt is issued within `window` groups of its turn: the epoch's prompts and their proportions
+    stay those of the data, only their order within the window changes."""
+    if order == PromptOrder.ISSUE or waiting[0][0] + window <= issued:
+        return 0
+    known = sorted(p for _, p in waiting if p is not None)
+    default = known[len(known) // 2] if known else 0.0
+    sign = 1.0 if order == PromptOrder.SHORTEST_FIRST else -1.0
+    return min(range(len(waiting)), key=lambda i: (sign * (waiting[i][1] or default), i))

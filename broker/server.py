@@ -567,7 +567,7 @@ class Broker:
                 self._reject(self.learner_sock, identity, "unexpected_message", type(msg).__name__)
 
     def _ack(self, batch_id: int, now: float) -> bool:
-        if not self.state.ack_batch(batch_id):
+        if not self.state.ack_batch(batch_id, slots=sum(p.slots for p in self.workers.peers.values())):
             return False
         # No snapshot here: if the broker dies before the next one, the restored broker still holds this
         # batch, and the learner's next BatchRequest (last_batch_id) acks it again.

@@ -33,11 +33,12 @@ from april.codec import Int64Array, ProtocolError, decode_body, decode_header, e
 from april.config import AlgoConfig, Mode
 from april.data import PromptSource
 from april.files import fsync_dir
+from april.length_history import HistoryWire, LengthHistory
 from april.records import Sample, SampleStatus
 from april.wire_records import SampleBatch
-from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch
+from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, WaitingPrompt
 
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2  # 2: the length history
 SNAPSHOT_KIND = 0
 LOG_KIND = 1
 FILE_NAME = "state.snap"
@@ -74,6 +75,11 @@ class BrokerSnapshot:
     batch_version: int
     batch_groups: list[int]
     batch_stats: dict[str, float]
+    length_history: HistoryWire
+    group_ids: Int64Array  # every live group, with the data cursor it was issued from
+    group_cursors: Int64Array
+    waiting_cursors: Int64Array  # prompts drawn ahead, not issued (algo.prompt_order), in draw order
+    waiting_drawn_at: Int64Array
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +141,11 @@ def capture_refs(state: BrokerState) -> SnapshotRefs:
         "trained": state.trained,
         "dropped": dict(state.dropped),
         "round_open": state.round_open,
+        "length_history": state.history.to_wire(),
+        "group_ids": np.array(list(state.groups), dtype=np.int64),
+        "group_cursors": np.array([g.cursor for g in state.groups.values()], dtype=np.int64),
+        "waiting_cursors": np.array([w.cursor for w in state.waiting], dtype=np.int64),
+        "waiting_drawn_at": np.array([w.drawn_at for w in state.waiting], dtype=np.int64),
     }
     return SnapshotRefs(
         scalars=scalars,
@@ -354,12 +365,19 @@ def restore(snap: BrokerSnapshot, mode: Mode, algo: AlgoConfig, source: PromptSo
     )
     state.issued, state.trained, state.dropped = snap.issued, snap.trained, Counter(snap.dropped)
     state.round_open = snap.round_open
+    state.history = LengthHistory.from_wire(snap.length_history)
+    cursors = dict(zip(snap.group_ids.tolist(), snap.group_cursors.tolist(), strict=True))
+    state.waiting = [
+        WaitingPrompt(c, d, source.get(c).prompt_index)
+        for c, d in zip(snap.waiting_cursors.tolist(), snap.waiting_drawn_at.tolist(), strict=True)
+    ]
     by_group: dict[int, list] = {}  # type: ignore[type-arg]
     for s in snap.samples.to_samples():
         by_group.setdefault(s.group_id, []).append(s)
     for gid, samples in by_group.items():
         samples.sort(key=lambda s: s.index)
-        entry = GroupEntry(gid, samples)
+        cursor = cursors[gid]
+        entry = GroupEntry(gid, samples, cursor=cursor, prompt_index=source.get(cursor).prompt_index)
         state.groups[gid] = entry
         if gid in snap.complete_order or gid in snap.batch_groups:
             continue

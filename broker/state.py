@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from april import policy
-from april.config import AlgoConfig, Mode
-from april.data import PromptSource
+from april.config import AlgoConfig, Mode, OverSampling, PromptOrder
+from april.data import PromptRecord, PromptSource
 from april.ledger import Ledger, LedgerError
+from april.length_history import LengthHistory
 from april.records import FinishReason, Group, Sample, SampleStatus, new_group_samples
+from april.round_plan import CarriedGroup, plan_round_target
 
 LEASE_EPOCH_SHIFT = 40
 
@@ -34,6 +36,8 @@ class GroupEntry:
     group_id: int
     samples: list[Sample]
     counts: Counter[SampleStatus] = field(default_factory=Counter)
+    cursor: int = -1  # the data cursor it was issued from (persisted; -1: unknown)
+    prompt_index: int = -1  # the prompt's position in the dataset (-1: unknown), for the length history
 
     def __post_init__(self) -> None:
         self.counts = Counter(s.status for s in self.samples)
@@ -80,6 +84,15 @@ class PendingBatch:
     sends: int = 0  # times handed to a learner (more than once if it crashed before acking)
 
 
+@dataclass(frozen=True, slots=True)
+class WaitingPrompt:
+    """A prompt drawn from the source ahead of its issue (`algo.prompt_order`)."""
+
+    cursor: int
+    drawn_at: int  # groups issued when it was drawn
+    prompt_index: int
+
+
 class ResultRejected(Exception):
     """A returned sample that does not match its lease. `reason` is the counter key."""
 
@@ -108,6 +121,7 @@ class BrokerState:
         self.weights_uri = ""
         self.weights_sha256 = ""
         self.cursor = 0  # prompts drawn from the source
+        self.waiting: list[WaitingPrompt] = []  # drawn, not issued yet (prompt_order), in draw order
         self.next_group_id = 0
         self.next_batch_id = 0
         self.next_lease = epoch << LEASE_EPOCH_SHIFT
@@ -125,6 +139,8 @@ class BrokerState:
         self.round_open = True  # sync/april: generation allowed in this round
         self.round = RoundCounters()
         self.totals = RoundCounters()
+        self.history = LengthHistory()  # response lengths seen, per prompt (persisted in the snapshot)
+        self.planned_target: int | None = None  # over_sampling auto: this round's target (None: the cap)
 
     # ------------------------------------------------------------------ counts and ledger
 
@@ -189,20 +205,36 @@ class BrokerState:
     # ------------------------------------------------------------------ issuing and leasing
 
     def issue_group(self) -> GroupEntry:
-        record = self.source.get(self.cursor)
-        self.cursor += 1
+        cursor, record = self._next_prompt()
         gid = self.next_group_id
         self.next_group_id += 1
         samples = new_group_samples(
             gid, self.algo.n_samples_per_prompt, record.prompt_ids, record.text, record.metadata
         )
-        entry = GroupEntry(gid, samples)
+        entry = GroupEntry(gid, samples, cursor=cursor, prompt_index=record.prompt_index)
         self.groups[gid] = entry
         self.issued += 1
         self.in_flight += 1
         for s in samples:
             self.queue.push(s.key, None)
         return entry
+
+    def _next_prompt(self) -> tuple[int, PromptRecord]:
+        """The cursor and record of the prompt to issue next (`policy.pick_prompt` over the window of
+        drawn prompts `self.waiting`, topped up to `prompt_window` from the source)."""
+        if self.algo.prompt_order == PromptOrder.ISSUE and not self.waiting:
+            self.cursor += 1
+            return self.cursor - 1, self.source.get(self.cursor - 1)
+        while len(self.waiting) < self.algo.prompt_window:
+            self.waiting.append(
+                WaitingPrompt(self.cursor, self.issued, self.source.get(self.cursor).prompt_index)
+            )
+            self.cursor += 1
+        candidates = [(w.drawn_at, self.history.predict(w.prompt_index)) for w in self.waiting]
+        chosen = self.waiting.pop(
+            policy.pick_prompt(candidates, self.issued, self.algo.prompt_order, self.algo.prompt_window)
+        )
+        return chosen.cursor, self.source.get(chosen.cursor)
 
     def dispatch_allowed(self) -> bool:
         return self.round_open or not policy.is_round_based(self.mode)
@@ -214,7 +246,7 @@ class BrokerState:
             return 0
         n = self.algo.n_samples_per_prompt
         allowance = policy.fresh_group_allowance(
-            self.mode, self.algo, self.counts(), self.version, self.round_open
+            self.mode, self.algo, self.counts(), self.version, self.round_open, self.planned_target
         )
         room = (self.max_live_samples - len(self.groups) * n) // n
         return len(self.queue) + n * max(0, min(allowance, room))
@@ -247,7 +279,7 @@ class BrokerState:
         while len(out) < credit:
             if not self.queue:
                 allowance = policy.fresh_group_allowance(
-                    self.mode, self.algo, self.counts(), self.version, self.round_open
+                    self.mode, self.algo, self.counts(), self.version, self.round_open, self.planned_target
                 )
                 live = len(self.groups) * self.algo.n_samples_per_prompt
                 if allowance <= 0 or live + self.algo.n_samples_per_prompt > self.max_live_samples:
@@ -319,6 +351,8 @@ class BrokerState:
         else:
             self.round.samples_finished += 1
             self.totals.samples_finished += 1
+            if sample.status == SampleStatus.FINISHED:
+                self.history.record(entry.prompt_index, sample.response_len)
             if entry.state == "done":
                 self._complete_group(entry)
         return new_tokens
@@ -402,8 +436,9 @@ class BrokerState:
             "offpolicy_token_frac": offpolicy / tokens if tokens else 0.0,
         }
 
-    def ack_batch(self, batch_id: int) -> bool:
-        """The learner trained the batch: count it and forget it. False if no such batch is pending."""
+    def ack_batch(self, batch_id: int, slots: int = 0) -> bool:
+        """The learner trained the batch: count it and forget it. False if no such batch is pending.
+        `slots`: the workers' slots now, for planning the next round (`over_sampling = "auto"`)."""
         if self.batch is None or self.batch.batch_id != batch_id:
             return False
         for gid in self.batch.group_ids:
@@ -412,7 +447,30 @@ class BrokerState:
         self.batch = None
         if policy.is_round_based(self.mode):
             self.round_open = True  # the next round runs on the weights published before the ack
+            self.plan_round(slots, seed=batch_id)
         return True
+
+    def plan_round(self, slots: int, seed: int) -> None:
+        """april with `over_sampling = "auto"`: choose the opening round's target (april/round_plan.py)
+        from the live groups, the observed lengths and `slots`; otherwise the configured one."""
+        if self.mode != Mode.APRIL or self.algo.over_sampling != OverSampling.AUTO:
+            self.planned_target = None
+            return
+        carried = [
+            CarriedGroup(tuple(s.response_len for s in g.samples if s.status != SampleStatus.FINISHED))
+            for g in self.groups.values()
+            if g.group_id not in self.complete
+        ]
+        self.planned_target = plan_round_target(
+            self.algo.rollout_batch_size,
+            self.algo.over_sampling_batch_size,
+            len(self.complete),
+            carried,
+            self.algo.n_samples_per_prompt,
+            slots,
+            self.history.recent(),
+            seed,
+        )
 
     def set_weights(self, version: int, uri: str, sha256: str) -> bool:
         """A newer weight version was published. False if it is not newer (a replay)."""

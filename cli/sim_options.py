@@ -11,11 +11,13 @@ from typing import Annotated
 
 import typer
 
+from april.config import OverSampling, PromptOrder
 from april.engine_cost import DEFAULT_COST
 
 COST = DEFAULT_COST  # the default step cost (A, B, C)
 LEARNER_STEP_S = 20.0  # default simulated learner step (train + publish), s
 PROMPT_LEN = 256  # default prompt tokens of every simulated sample
+DATASET_SIZE = 10000  # default prompts in the simulated dataset (data.synthetic_size's default)
 MODES = "sync,april,async"
 PANEL = "Simulated cluster (april simulate; april bench --engine sim)"
 
@@ -38,3 +40,31 @@ PromptLen = Annotated[int, typer.Option(help="Prompt tokens of every sample.", m
 SamplesPerPrompt = Annotated[int, typer.Option(help="Samples per group.", min=1)]
 MaxStaleness = Annotated[int, typer.Option(help="async: versions a sample may lag (eta).", min=0)]
 Modes = Annotated[str, typer.Option(help="Comma list of modes, run in this order.")]
+PromptCorr = Annotated[
+    float,
+    typer.Option(
+        help="How much a response's length is its prompt's, in [0, 1): lengths of one prompt's samples "
+        "(and of the prompt in every epoch) correlate (april/sample_draw.py); 0: independent.",
+        min=0,
+        max=0.999,
+        rich_help_panel=PANEL,
+    ),
+]
+DatasetSize = Annotated[
+    int, typer.Option(help="Prompts in the dataset: they recur every epoch.", min=1, rich_help_panel=PANEL)
+]
+OverSamplingOpt = Annotated[
+    OverSampling,
+    typer.Option(help="april: a fixed round target, or auto (planned per round, the batch size is the cap)."),
+]
+PromptOrderOpt = Annotated[
+    PromptOrder,
+    typer.Option(
+        help="Which drawn prompt is issued next: the data's order, or the shortest / longest predicted "
+        "(per-prompt length history) of the next --prompt-window first."
+    ),
+]
+PromptWindow = Annotated[
+    int,
+    typer.Option(help="--prompt-order: prompts drawn ahead; each is issued within this many groups.", min=1),
+]

@@ -21,23 +21,29 @@ from rich.console import Console
 from rich.table import Table
 
 from actors.lengths import EmpiricalLength, LengthSpec
-from april.config import AlgoConfig, Mode
+from april.config import AlgoConfig, Mode, OverSampling, PromptOrder
 from april.engine_cost import EngineCost
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
 from cli.options import UserError
 from cli.sim_options import (
     COST,
+    DATASET_SIZE,
     LEARNER_STEP_S,
     MODES,
     PROMPT_LEN,
+    DatasetSize,
     DecodeMs,
     DecodeMsPerSeq,
     LearnerStepS,
     MaxStaleness,
     Modes,
+    OverSamplingOpt,
     PrefillMsPerToken,
+    PromptCorr,
     PromptLen,
+    PromptOrderOpt,
+    PromptWindow,
     SamplesPerPrompt,
 )
 
@@ -177,6 +183,11 @@ def setting_json(cfg: SimConfig, lengths: LengthSpec) -> dict[str, Any]:
         "steps": cfg.steps,
         "prompt_len": cfg.prompt_len,
         "seed": cfg.seed,
+        "dataset_size": cfg.dataset_size,
+        "prompt_corr": cfg.prompt_corr,
+        "over_sampling": a.over_sampling.value,
+        "prompt_order": a.prompt_order.value,
+        "prompt_window": a.prompt_window,
     }
 
 
@@ -185,7 +196,10 @@ def header(cfg: SimConfig, lengths: LengthSpec) -> str:
     return (
         f"lengths {lengths.describe()}\n"
         f"{a.rollout_batch_size} x {a.n_samples_per_prompt} samples a step (over-sampling "
-        f"{a.over_sampling_batch_size}), {a.max_new_tokens} tokens max, {cfg.engines} engines x {cfg.slots} "
+        f"{a.over_sampling_batch_size}{' auto' if a.over_sampling == OverSampling.AUTO else ''}, "
+        f"prompts {a.prompt_order.value}), {cfg.dataset_size} prompts (length correlation "
+        f"{cfg.prompt_corr:g}), "
+        f"{a.max_new_tokens} tokens max, {cfg.engines} engines x {cfg.slots} "
         f"slots, step {c.decode_ms:g} + {c.decode_ms_per_seq:g} ms/seq, prefill {c.prefill_ms_per_token:g} "
         f"ms/token, learner {cfg.learner_step_s:g} s, eta {a.max_staleness}, {cfg.steps} steps"
     )
@@ -259,6 +273,11 @@ def simulate_command(
             "samples `april bench --engine sim --seed SEED` runs.",
         ),
     ] = False,
+    prompt_corr: PromptCorr = 0.0,
+    dataset_size: DatasetSize = DATASET_SIZE,
+    over_sampling: OverSamplingOpt = OverSampling.FIXED,
+    prompt_order: PromptOrderOpt = PromptOrder.ISSUE,
+    prompt_window: PromptWindow = 64,
     modes: Modes = MODES,
     sweep: Annotated[
         list[str] | None,
@@ -289,6 +308,9 @@ def simulate_command(
         n_samples_per_prompt=n_samples_per_prompt,
         max_new_tokens=max_new_tokens,
         max_staleness=max_staleness,
+        over_sampling=over_sampling,
+        prompt_order=prompt_order,
+        prompt_window=prompt_window,
     )
     base = SimConfig(
         Mode.SYNC,
@@ -301,6 +323,8 @@ def simulate_command(
         prompt_len=prompt_len,
         seed=seed,
         per_sample_lengths=per_sample_lengths,
+        dataset_size=dataset_size,
+        prompt_corr=prompt_corr,
     )
     started = time.perf_counter()
     results = [(p, run_point(apply_point(base, p), spec, chosen)) for p in points]

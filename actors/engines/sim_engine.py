@@ -46,7 +46,7 @@ from actors.engine import EngineError, GenerationOutput, GenerationRequest, Weig
 from actors.lengths import LengthSpec
 from april.engine_cost import EngineCost
 from april.records import FinishReason
-from april.sample_draw import draw_length, sample_key
+from april.sample_draw import LengthDraw, sample_key
 from april.sample_draw import mix as _mix
 from april.sample_draw import splitmix64 as _splitmix64
 
@@ -60,11 +60,13 @@ class SampleIdentity:
 
     key: int  # stable across resumes of one sample (any int; hashed with the seed)
     prompt_len: int  # input_ids[:prompt_len] is the prompt, the rest is the response so far
+    prompt: int = 0  # the prompt's identity (april.sample_draw.prompt_key; 0: unknown)
 
     @staticmethod
-    def of_sample(group_id: int, index: int, prompt_len: int) -> SampleIdentity:
-        """The identity of sample (group_id, index): what a worker's `identify` hook returns."""
-        return SampleIdentity(sample_key(group_id, index), prompt_len)
+    def of_sample(group_id: int, index: int, prompt_len: int, prompt: int = 0) -> SampleIdentity:
+        """The identity of sample (group_id, index) of a prompt of `prompt_len` tokens whose identity is
+        `prompt` (april.sample_draw.prompt_key): what a worker's `identify` hook returns."""
+        return SampleIdentity(sample_key(group_id, index), prompt_len, prompt)
 
 
 Identify = Callable[[GenerationRequest], SampleIdentity]
@@ -122,6 +124,7 @@ class SimEngine:
         stop_token_id: int = 2,
         version: int = 0,
         identify: Identify | None = None,
+        prompt_corr: float = 0.0,
     ) -> None:
         if slots < 1:
             raise EngineError(f"sim engine: slots = {slots}, expected >= 1")
@@ -132,6 +135,9 @@ class SimEngine:
         if time_scale < 0:
             raise EngineError(f"sim engine: time_scale = {time_scale}, expected >= 0")
         self.lengths = LengthSpec.parse(lengths) if isinstance(lengths, str) else lengths
+        if not 0.0 <= prompt_corr < 1.0:
+            raise EngineError(f"sim engine: prompt_corr = {prompt_corr}, expected a number in [0, 1)")
+        self._draw = LengthDraw(self.lengths, seed, prompt_corr)
         self.slots = slots
         self.version = version
         self.seed = seed
@@ -152,9 +158,10 @@ class SimEngine:
     def active(self) -> int:
         return len(self._running) + len(self._ready)
 
-    def drawn_length(self, key: int) -> int:
-        """The total response length of the sample with identity `key` under this engine's seed."""
-        return draw_length(self.lengths, self.seed, key)
+    def drawn_length(self, key: int, prompt: int = 0) -> int:
+        """The total response length of the sample with identity `key` (of prompt `prompt`) under this
+        engine's seed."""
+        return self._draw(key, prompt)
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
         admit(
@@ -191,7 +198,7 @@ class SimEngine:
     def _start(self, req: GenerationRequest) -> None:
         ids = np.asarray(req.input_ids, dtype=np.int32)
         ident = self._identity(req, ids)
-        drawn = self.drawn_length(ident.key)
+        drawn = self.drawn_length(ident.key, ident.prompt)
         done = len(ids) - ident.prompt_len  # response tokens generated before this request
         left = drawn - done
         n = max(0, min(left, req.max_new_tokens))

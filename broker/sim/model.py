@@ -35,11 +35,11 @@ import numpy as np
 
 from april import policy
 from april.config import AlgoConfig, ConfigError, Mode
-from april.data import PromptRecord
+from april.data import SyntheticPromptSource
 from april.engine_cost import EngineCost
 from april.ledger import Ledger
 from april.records import Sample
-from april.sample_draw import LengthSampler, draw_length, sample_key
+from april.sample_draw import LengthDraw, LengthSampler, prompt_key, sample_key
 from broker.sim.engines import Abort, EngineModel, Lease, Output, ToEngine, Weights
 from broker.sim.figures import Figures, Meter, Tally, compute_figures
 from broker.state import BrokerState
@@ -62,6 +62,10 @@ class SimConfig:
     learner_step_s: float = 20.0  # one optimizer step + weights publish, per batch
     steps: int = 20  # learner steps simulated
     prompt_len: int = 256  # tokens of every prompt (prefilled with each fresh or resumed sample)
+    # the prompts: `april.data.SyntheticPromptSource` of this size (an epoch), seeded by `seed`, as
+    # `april bench --engine sim` configures its runs; prompts recur every `dataset_size` groups
+    dataset_size: int = 10000
+    prompt_corr: float = 0.0  # how much a response's length is its prompt's (april.sample_draw.LengthDraw)
     seed: int = 0  # response lengths are drawn per sample from this seed: the same in every mode
     # True: each sample's length drawn from (seed, group, index) exactly as the sim engine draws it
     # (april.sample_draw), so `april bench --engine sim` runs the very same samples; False: one seeded stream
@@ -69,9 +73,11 @@ class SimConfig:
     check_ledger_every_event: bool = False  # debug: the books balance after every event (slow)
 
     def __post_init__(self) -> None:
-        for name in ("engines", "slots", "steps", "prompt_len"):
+        for name in ("engines", "slots", "steps", "prompt_len", "dataset_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"simulate: {name} = {getattr(self, name)}, expected >= 1")
+        if not 0 <= self.prompt_corr < 1:
+            raise ConfigError(f"simulate: prompt_corr = {self.prompt_corr}, expected a number in [0, 1)")
         if not self.learner_step_s >= 0:
             raise ConfigError(f"simulate: learner_step_s = {self.learner_step_s}, expected >= 0")
         c = self.cost
@@ -124,33 +130,16 @@ class LengthTable:
 class SampleLengths:
     """The drawn total response length of a sample as the sim engine draws it (april.sample_draw)."""
 
-    def __init__(self, sampler: LengthSampler, seed: int) -> None:
-        self.sampler = sampler
-        self.seed = seed
+    def __init__(self, sampler: LengthSampler, seed: int, prompt_corr: float = 0.0) -> None:
+        self.draw = LengthDraw(sampler, seed, prompt_corr)
         self.drawn: dict[tuple[int, int], int] = {}
 
     def __call__(self, sample: Sample) -> int:
-        key = (sample.group_id, sample.index)
+        key = sample.key
         if key not in self.drawn:
-            self.drawn[key] = max(1, draw_length(self.sampler, self.seed, sample_key(*key)))
+            prompt = prompt_key(sample.prompt_ids) if self.draw.prompt_corr else 0
+            self.drawn[key] = max(1, self.draw(sample_key(*key), prompt))
         return self.drawn[key]
-
-
-class _Prompts:
-    """An endless prompt source of `prompt_len` tokens each (the simulation needs lengths, not text)."""
-
-    def __init__(self, prompt_len: int) -> None:
-        self.ids = np.full(prompt_len, 3, dtype=np.int32)
-        self.ids.flags.writeable = False
-
-    def __len__(self) -> int:
-        return 1 << 40
-
-    def get(self, cursor: int) -> PromptRecord:
-        return PromptRecord(cursor, self.ids, "", {})
-
-    def describe(self) -> str:
-        return f"simulated prompts of {self.ids.shape[0]} tokens"
 
 
 class Simulation:
@@ -158,12 +147,18 @@ class Simulation:
 
     def __init__(self, config: SimConfig, lengths: LengthSampler) -> None:
         self.cfg = config
-        self.state = BrokerState(config.mode, config.algo, _Prompts(config.prompt_len))
+        prompts = SyntheticPromptSource(
+            config.dataset_size,
+            seed=config.seed,
+            prompt_len_min=config.prompt_len,
+            prompt_len_max=config.prompt_len,
+        )
+        self.state = BrokerState(config.mode, config.algo, prompts)
         self.round_based = policy.is_round_based(config.mode)
         self.meter = Meter(config.engines)
         table: LengthTable | SampleLengths = (
-            SampleLengths(lengths, config.seed)
-            if config.per_sample_lengths
+            SampleLengths(lengths, config.seed, config.prompt_corr)
+            if config.per_sample_lengths or config.prompt_corr
             else LengthTable(lengths, config.seed, config.algo.n_samples_per_prompt)
         )
         self.engines = [
@@ -365,7 +360,7 @@ class Simulation:
             )
         )
         self._on_weights(self.state.version + 1)
-        self.state.ack_batch(batch.batch_id)
+        self.state.ack_batch(batch.batch_id, slots=self.cfg.engines * self.cfg.slots)
         self.state.check_ledger(f"after acking batch {batch.batch_id}")
         self.trained += 1
         if self.trained >= self.cfg.steps:
