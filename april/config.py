@@ -11,6 +11,7 @@ Does not own: any role logic. Roles read the fields they need; nothing here star
 computes anything, and nothing is done at import time.
 """
 
+import dataclasses
 import enum
 import os
 from collections.abc import Mapping
@@ -577,6 +578,20 @@ def load_config(
         if partial_from:
             merged["run"]["mode"] = Mode.APRIL
     return Config(**{s: cls(**merged[s]) for s, cls in _SECTIONS.items()})
+
+
+def replace_fields(config: Config, overrides: Mapping[str, object]) -> Config:
+    """`config` with "section.key" fields replaced, parsed and checked as `--set` values are (ConfigError
+    names the field). For settings built in code (april bench's run variants), not a file."""
+    by_section: dict[str, dict[str, Any]] = {}
+    for (section, key), (value, _) in _override_layer(overrides).items():
+        if section == "run" and key == "partial_rollout":
+            raise ConfigError("override run.partial_rollout: set run.mode instead")
+        by_section.setdefault(section, {})[key] = value
+    return dataclasses.replace(
+        config,
+        **{s: dataclasses.replace(getattr(config, s), **fields_) for s, fields_ in by_section.items()},
+    )
 
 
 def parse_override(text: str) -> tuple[str, str]:

@@ -23,18 +23,21 @@ from april.config import AlgoConfig
 from april.engine_cost import EngineCost
 from april.hf import check_model_dir
 from broker.sim.figures import Figures, with_speedups
-from cli.bench_plan import BenchSetting, choose_time_scale, predict
+from cli.bench_plan import BenchSetting, choose_time_scale, parse_variant, predict
 from cli.bench_report import bench_json, bench_markdown, bench_png
 from cli.sim_options import (
     COST,
+    DATASET_SIZE,
     LEARNER_STEP_S,
     MODES,
     PROMPT_LEN,
+    DatasetSize,
     DecodeMs,
     DecodeMsPerSeq,
     LearnerStepS,
     Modes,
     PrefillMsPerToken,
+    PromptCorr,
     PromptLen,
     SamplesPerPrompt,
 )
@@ -126,6 +129,16 @@ def bench_command(
     model: Annotated[
         Path, typer.Option(help="torch, or sim with --real-learner: the model directory.")
     ] = TINY_MODEL,
+    prompt_corr: PromptCorr = 0.0,
+    dataset_size: DatasetSize = DATASET_SIZE,
+    variant: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="LABEL:MODE[:section.key=value,...] (repeat): one more run after the modes', e.g. "
+            "april-auto:april:algo.over_sampling=auto,algo.over_sampling_batch_size=128; compared with the "
+            "same sync run."
+        ),
+    ] = None,
     real_learner: Annotated[
         bool,
         typer.Option(
@@ -164,6 +177,9 @@ def bench_command(
         model=str(model.resolve()),
         real_learner=real_learner,
         async_staleness=staleness,
+        variants=tuple(parse_variant(v, algo) for v in variant or []),
+        dataset_size=dataset_size,
+        prompt_corr=prompt_corr,
     )
     run_bench(setting, out, target_s, time_scale)
 

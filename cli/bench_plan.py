@@ -20,11 +20,14 @@ from april.config import (
     AlgoConfig,
     BrokerConfig,
     Config,
+    ConfigError,
     DataConfig,
     LearnerConfig,
     Mode,
     RunConfig,
     WorkerConfig,
+    parse_override,
+    replace_fields,
 )
 from april.engine_cost import EngineCost
 from broker.sim.figures import Figures, with_speedups
@@ -35,11 +38,31 @@ ENGINES = ("sim", "torch")
 
 @dataclass(frozen=True, slots=True)
 class BenchRun:
-    """One run of a bench: its label in bench.json (the mode's name, or async-etaN), mode and settings."""
+    """One run of a bench: its label in bench.json (the mode's name, async-etaN or a variant's), mode and
+    settings; `overrides` ("section.key" -> value, as `--set` takes them) are applied to its config last."""
 
     label: str
     mode: Mode
     algo: AlgoConfig
+    overrides: tuple[tuple[str, str], ...] = ()
+
+
+def parse_variant(text: str, base: AlgoConfig) -> BenchRun:
+    """--variant LABEL:MODE[:section.key=value,...]: one more run, e.g. a mode with a policy option on."""
+    label, _, rest = text.partition(":")
+    mode_name, _, fields_ = rest.partition(":")
+    label = label.strip()
+    if not label or not label.replace("-", "").replace("_", "").isalnum():
+        raise ConfigError(f"--variant {text!r}: expected LABEL:MODE[:section.key=value,...], LABEL a word")
+    try:
+        mode = Mode(mode_name.strip())
+    except ValueError:
+        raise ConfigError(
+            f"--variant {text!r}: mode {mode_name.strip()!r}, expected sync, april or async"
+        ) from None
+    pairs = tuple(parse_override(f) for f in fields_.split(",") if f.strip())
+    algo = replace_fields(Config(algo=base), dict(pairs)).algo  # checks every field now, in one line
+    return BenchRun(label, mode, algo, pairs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +83,9 @@ class BenchSetting:
     model: str = ""  # torch, or sim with real_learner: the model directory (workers and learner)
     real_learner: bool = False  # sim: train the model for real (DeepSpeed) instead of the simulated learner
     async_staleness: tuple[int, ...] = ()  # async once per bound (eta), labelled async-etaN; () = algo's
+    variants: tuple[BenchRun, ...] = ()  # more runs after the modes' (--variant)
+    dataset_size: int = 10000  # sim: prompts in the synthetic dataset (they recur every epoch)
+    prompt_corr: float = 0.0  # sim: how much a length is its prompt's (april.sample_draw.LengthDraw)
 
     def runs(self) -> list[BenchRun]:
         """The runs, in order: one per mode, and async once per bound of `async_staleness` when it names
@@ -74,7 +100,12 @@ class BenchSetting:
             else:
                 eta = self.async_staleness[0] if self.async_staleness else self.algo.max_staleness
                 out.append(BenchRun(mode.value, mode, dataclasses.replace(self.algo, max_staleness=eta)))
-        return out
+        labels = [r.label for r in out]
+        for v in self.variants:
+            if v.label in labels:
+                raise ConfigError(f"--variant {v.label}: a run with this label exists already")
+            labels.append(v.label)
+        return out + list(self.variants)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -105,10 +136,14 @@ class BenchSetting:
                 learner_step_s=self.learner_step_s,
                 prompt_len=self.prompt_len,
                 time_scale=self.time_scale,
+                dataset_size=self.dataset_size,
+                prompt_corr=self.prompt_corr,
             )
             out["learner"] = "real" if self.real_learner else "sim"
         if self.engine == "torch" or self.real_learner:
             out["model"] = self.model
+        if self.variants:
+            out["variants"] = {v.label: {"mode": v.mode.value, **dict(v.overrides)} for v in self.variants}
         return out
 
 
@@ -124,6 +159,8 @@ def sim_config(setting: BenchSetting, run: BenchRun) -> SimConfig:
         prompt_len=setting.prompt_len,
         seed=setting.seed,
         per_sample_lengths=True,
+        dataset_size=setting.dataset_size,
+        prompt_corr=setting.prompt_corr,
     )
 
 
@@ -141,6 +178,10 @@ def choose_time_scale(predicted: dict[str, Figures], target_s: float) -> float:
 
 def run_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
     """The `april up` config of one run (ports are the runner's)."""
+    return replace_fields(_base_config(setting, bench_run, name), dict(bench_run.overrides))
+
+
+def _base_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
     run = RunConfig(name=name, seed=setting.seed, steps=setting.steps, mode=bench_run.mode)
     broker = BrokerConfig(min_workers=setting.engines)  # every engine starts together, as simulated
     learner = LearnerConfig(checkpoint_every=0, tensorboard=False)
@@ -149,6 +190,7 @@ def run_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
             source="synthetic",
             synthetic_prompt_len_min=setting.prompt_len,
             synthetic_prompt_len_max=setting.prompt_len,
+            synthetic_size=setting.dataset_size,
             eval_size=0,
         )
         worker = WorkerConfig(
@@ -160,6 +202,7 @@ def run_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
             sim_decode_ms=setting.cost.decode_ms,
             sim_decode_ms_per_seq=setting.cost.decode_ms_per_seq,
             sim_prefill_ms_per_token=setting.cost.prefill_ms_per_token,
+            sim_prompt_corr=setting.prompt_corr,
         )
         learner = dataclasses.replace(learner, backend="sim", sim_step_s=setting.learner_step_s)
         if setting.real_learner:  # sim tokens the model can train on: its vocabulary, its tokenizer

@@ -173,3 +173,51 @@ def test_a_bad_staleness_list_is_one_error(text: str) -> None:
     with pytest.raises(SimulateError, match="--max-staleness"):
         parse_staleness(text)
     assert parse_staleness("2") == (2,) and parse_staleness("1, 2") == (1, 2)
+
+
+def test_a_variant_is_one_more_run_with_its_fields_set_and_predicted_alike() -> None:
+    """`--variant LABEL:MODE:section.key=value,...`: the option reaches the run's config (every section)
+    and, for algo fields, the simulator's prediction of the same run."""
+    from actors.lengths import LengthSpec
+    from april.config import AlgoConfig, ConfigError, Mode, OverSampling, config_to_dict
+    from cli.bench_plan import BenchSetting, parse_variant, predict, run_config
+
+    base = AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2)
+    auto = parse_variant("april-auto:april:algo.over_sampling=auto, algo.over_sampling_batch_size=6", base)
+    assert (auto.label, auto.mode, auto.algo.over_sampling, auto.algo.over_sampling_batch_size) == (
+        "april-auto",
+        Mode.APRIL,
+        OverSampling.AUTO,
+        6,
+    )
+    lease = parse_variant("slow:sync:broker.abort_retries=9", base)
+    setting = BenchSetting(
+        "sim", (Mode.SYNC, Mode.APRIL), 2, "w", LengthSpec.parse("fixed:8"), base, 2, 4,
+        variants=(auto, lease), dataset_size=32, prompt_corr=0.5,
+    )  # fmt: skip
+    runs = setting.runs()
+    assert [r.label for r in runs] == ["sync", "april", "april-auto", "slow"]
+    plain, auto_cfg, slow = (config_to_dict(run_config(setting, r, "b")) for r in (runs[1], runs[2], runs[3]))
+    assert auto_cfg["algo"].pop("over_sampling") == "auto" and plain["algo"].pop("over_sampling") == "fixed"
+    assert auto_cfg["algo"].pop("over_sampling_batch_size") == 6
+    plain["algo"].pop("over_sampling_batch_size")
+    assert auto_cfg == plain
+    assert slow["broker"]["abort_retries"] == 9 and slow["run"]["mode"] == "sync"
+    assert plain["data"]["synthetic_size"] == 32 and plain["worker"]["sim_prompt_corr"] == 0.5
+    assert list(predict(setting)) == ["sync", "april", "april-auto", "slow"]
+    assert setting.to_json()["variants"]["april-auto"]["mode"] == "april"
+    for bad, match in [
+        ("x", "mode ''"),
+        ("a b:april", "LABEL a word"),
+        ("x:april:algo.nope=1", "nope"),
+        ("x:april:algo.over_sampling=sometimes", "over_sampling"),
+        ("x:april:algo.prompt_window", "section.key=value"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            parse_variant(bad, base)
+    dup = BenchSetting(
+        "sim", (Mode.SYNC,), 2, "w", LengthSpec.parse("fixed:8"), base, 2, 4,
+        variants=(parse_variant("sync:april", base),),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="exists already"):
+        dup.runs()
