@@ -160,9 +160,25 @@ def apply_point(base: SimConfig, point: dict[str, float]) -> SimConfig:
     return dataclasses.replace(cfg, algo=algo)
 
 
-def run_point(cfg: SimConfig, lengths: LengthSpec, modes: list[Mode]) -> dict[str, Figures]:
-    by_mode = {m.value: simulate(dataclasses.replace(cfg, mode=m), lengths).figures for m in modes}
-    return with_speedups(by_mode)
+Waits = dict[str, dict[str, float]]  # mode -> cause -> simulated seconds the learner waited
+
+
+def run_point(cfg: SimConfig, lengths: LengthSpec, modes: list[Mode]) -> tuple[dict[str, Figures], Waits]:
+    """Each mode at one sweep point: its figures (speedups over sync) and why its learner waited."""
+    results = {m.value: simulate(dataclasses.replace(cfg, mode=m), lengths) for m in modes}
+    return with_speedups({m: r.figures for m, r in results.items()}), {m: r.waits for m, r in results.items()}
+
+
+def wait_lines(results: list[tuple[dict[str, float], dict[str, Figures], Waits]], steps: int) -> list[str]:
+    """One line per (sweep point, mode): the learner's wait per step, by cause (broker.sim.model)."""
+    out = []
+    for point, _, waits in results:
+        at = "".join(f"{k}={v:g} " for k, v in point.items())
+        for mode, causes in waits.items():
+            total = sum(causes.values())
+            shares = ", ".join(f"{c} {100 * w / total:.0f}%" for c, w in causes.items() if w > 0)
+            out.append(f"  {at}{mode}: {total / steps:,.1f} s per step ({shares or 'never waited'})")
+    return out
 
 
 def setting_json(cfg: SimConfig, lengths: LengthSpec) -> dict[str, Any]:
@@ -205,7 +221,7 @@ def header(cfg: SimConfig, lengths: LengthSpec) -> str:
     )
 
 
-def render(results: list[tuple[dict[str, float], dict[str, Figures]]]) -> Table:
+def render(results: list[tuple[dict[str, float], dict[str, Figures], Waits]]) -> Table:
     """One row per (sweep point, mode)."""
     keys = list(results[0][0]) if results else []
     table = Table(box=None, pad_edge=False)
@@ -214,7 +230,7 @@ def render(results: list[tuple[dict[str, float], dict[str, Figures]]]) -> Table:
     heads = ("mode", "samples/s", "speedup", "tok/s", "eff tok/s", "util", "bubble", "offpol", "stale")
     for head in (*heads, "aborted", "resumed", "wasted", "wall s"):
         table.add_column(head, justify="left" if head == "mode" else "right")
-    for point, by_mode in results:
+    for point, by_mode, _ in results:
         for mode, f in by_mode.items():
             table.add_row(
                 *(f"{point[k]:g}" for k in keys),
@@ -327,13 +343,16 @@ def simulate_command(
         prompt_corr=prompt_corr,
     )
     started = time.perf_counter()
-    results = [(p, run_point(apply_point(base, p), spec, chosen)) for p in points]
+    results = [(p, *run_point(apply_point(base, p), spec, chosen)) for p in points]
     elapsed = time.perf_counter() - started
     if as_json:
         out: dict[str, Any] = {"setting": setting_json(base, spec)}
-        modes_json = [{m: f.to_json() for m, f in by_mode.items()} for _, by_mode in results]
+        modes_json = [
+            {m: {**f.to_json(), "learner_wait_s": waits[m]} for m, f in by_mode.items()}
+            for _, by_mode, waits in results
+        ]
         if sweep:
-            out["sweep"] = [{"point": p, "modes": mj} for (p, _), mj in zip(results, modes_json, strict=True)]
+            out["sweep"] = [{"point": r[0], "modes": mj} for r, mj in zip(results, modes_json, strict=True)]
         else:
             out["modes"] = modes_json[0]
         print(json.dumps(out, indent=2))
@@ -341,4 +360,9 @@ def simulate_command(
     console = Console(width=max(MIN_WIDTH, Console().width))  # a narrower table would elide figures
     console.print(header(base, spec))
     console.print(render(results))
+    console.print(
+        "learner waiting for its batch, by what held it (admission bound / generation / staleness rule):"
+    )
+    for line in wait_lines(results, base.steps):
+        console.print(line, highlight=False)
     console.print(f"simulated in {elapsed:.1f} s (virtual time; speedup = samples/s over sync)")

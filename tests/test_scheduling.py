@@ -27,7 +27,7 @@ from april.round_plan import (
 )
 from april.sample_draw import LengthDraw, draw_length, prompt_key, sample_key
 from broker import snapshot
-from broker.sim.model import SampleLengths, SimConfig, Simulation, simulate
+from broker.sim.model import WAIT_CAUSES, SampleLengths, SimConfig, Simulation, simulate
 from broker.state import BrokerState
 from tests.test_broker_state import Driver, assert_same_books, source
 
@@ -307,3 +307,19 @@ def test_every_prompt_order_runs_the_simulator_to_a_balanced_ledger() -> None:
             cfg = SimConfig(mode, algo, engines=1, slots=8, steps=5, dataset_size=16, prompt_corr=0.5)
             result = simulate(cfg, LONG_TAIL)
             assert result.ledger.trained == 20 and result.figures.wasted_tokens == 0
+
+
+def test_the_learners_wait_is_split_by_what_held_its_batch() -> None:
+    algo = AlgoConfig(
+        rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=4, max_new_tokens=2000
+    )
+    for mode in Mode:
+        result = simulate(SimConfig(mode, algo, engines=2, slots=16, steps=8), LONG_TAIL)
+        assert set(result.waits) == set(WAIT_CAUSES)
+        assert sum(result.waits.values()) == pytest.approx(result.figures.rollout_s)
+        if (
+            mode != Mode.ASYNC
+        ):  # rounds: only generation holds a batch (no admission bound, no staleness rule)
+            assert result.waits["admission"] == result.waits["staleness"] == 0 < result.waits["generation"]
+        else:  # a long tail against a bound of (1 + 1) batches: the bound is what holds async
+            assert result.waits["admission"] > 0

@@ -355,6 +355,9 @@ def test_cli_json_schema(tmp_path: Path) -> None:
     assert doc["setting"]["engines"] == 2 and doc["setting"]["lengths"] == f"file:{lengths}"
     assert list(doc["modes"]) == ["sync", "april", "async"]
     for figures in doc["modes"].values():
+        waits = figures.pop("learner_wait_s")  # seconds the learner waited, by cause
+        assert set(waits) == {"admission", "generation", "staleness"}
+        assert sum(waits.values()) == pytest.approx(figures["rollout_s"])
         assert set(figures) == FIGURE_KEYS
         assert figures["accuracy_final"] is None and figures["wasted_tokens"] == 0
     assert doc["modes"]["sync"]["speedup"] == 1.0

@@ -107,6 +107,27 @@ class SimResult:
     steps: tuple[StepRecord, ...]
     abort_rounds: int
     events: int
+    # simulated seconds the learner waited for a batch, by what held it (see `WAIT_CAUSES`)
+    waits: dict[str, float] = field(default_factory=dict)
+
+
+# Why a batch could not be formed while the learner waited for one, checked in this order:
+WAIT_CAUSES = (
+    "admission",  # async: fewer than a batch of complete groups, and the admission bound reached
+    "generation",  # fewer than a batch of complete groups, more may be issued (or a round is running)
+    "staleness",  # async: a batch of complete groups, but taking it now would break max_staleness later
+)
+
+
+def wait_cause(state: BrokerState) -> str:
+    """Which of WAIT_CAUSES holds the learner's next batch now (state: no batch could be formed)."""
+    if len(state.complete) >= state.algo.rollout_batch_size:
+        return "staleness"
+    if state.mode == Mode.ASYNC and state.counts().accepted >= policy.admission_limit(
+        state.algo, state.version
+    ):
+        return "admission"
+    return "generation"
 
 
 class LengthTable:
@@ -171,6 +192,8 @@ class Simulation:
         self.abort_rounds = 0
         self.learner_waiting: int | None = 0  # step of the pending BatchRequest
         self.waiting_since = 0.0
+        self.waits = dict.fromkeys(WAIT_CAUSES, 0.0)
+        self.wait_mark: tuple[float, str] | None = None  # (since, cause) while the learner waits
         self.rollout_s = 0.0
         self.trained = 0
         self.records: list[StepRecord] = []
@@ -332,8 +355,10 @@ class Simulation:
         if self.learner_waiting is None:
             return
         if state.batch is None and len(state.complete) < state.algo.rollout_batch_size:
+            self._note_wait(wait_cause(state))
             return  # select_batch needs a batch worth of complete groups
         batch = state.form_batch(self.learner_waiting)
+        self._note_wait(None if batch is not None else wait_cause(state))
         if batch is None:
             return
         state.check_ledger(f"after forming batch {batch.batch_id}")
@@ -342,6 +367,13 @@ class Simulation:
         if self.round_based:
             self.meter.in_phase = False
         self._push(self.now + self.cfg.learner_step_s, -1)
+
+    def _note_wait(self, cause: str | None) -> None:
+        """The learner waits because of `cause` from now on (None: it got its batch)."""
+        if self.wait_mark is not None:
+            since, before = self.wait_mark
+            self.waits[before] += self.now - since
+        self.wait_mark = None if cause is None else (self.now, cause)
 
     # ------------------------------------------------------------------ the learner
 
@@ -388,7 +420,7 @@ class Simulation:
             resumed=self.state.totals.resumed,
         )
         ledger = self.state.check_ledger("at the end of the simulation")
-        return SimResult(figs, ledger, tuple(self.records), self.abort_rounds, self.events)
+        return SimResult(figs, ledger, tuple(self.records), self.abort_rounds, self.events, dict(self.waits))
 
 
 def simulate(config: SimConfig, lengths: LengthSampler) -> SimResult:
