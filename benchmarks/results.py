@@ -103,6 +103,12 @@ STEPS: tuple[Step, ...] = (
         minutes=6,
     ),
     Step(
+        "scheduling",
+        "results/scheduling",
+        "python benchmarks/scheduling.py --out {out}/scheduling.json",
+        minutes=8,
+    ),
+    Step(
         "broker-throughput",
         "results/broker-throughput",
         "python benchmarks/broker_throughput.py --out {out}/broker_throughput.json",
@@ -579,7 +585,35 @@ def block_headline() -> str:
     )
 
 
+def block_scheduling() -> str:
+    doc = load("results/scheduling/scheduling.json")
+    settings = list(dict.fromkeys((r["workload"], r["prompt_corr"]) for r in doc["results"]))
+    head = (
+        "| run | "
+        + " | ".join(f"{w}{', lengths follow the prompt' if c else ''}" for w, c in settings)
+        + " | example command (math-long-tail; add --seed S) |"
+    )
+    rows = [head, "|---" * (len(settings) + 2) + "|"]
+    for label in dict.fromkeys(r["run"] for r in doc["results"]):
+        cells = []
+        for w, c in settings:
+            (r,) = [r for r in doc["results"] if (r["run"], r["workload"], r["prompt_corr"]) == (label, w, c)]
+            cells.append(f"{x(r['speedup_mean'])} (stale {r['staleness_mean']:.2f}/{r['staleness_max']})")
+        example = next(r["command"] for r in doc["results"] if r["run"] == label)
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | `{example}` |")
+    p = doc["params"]
+    seeds = ", ".join(map(str, p["seeds"]))
+    note = (
+        f"Samples/s over the same seed's sync run, mean over seeds {seeds}; stale: mean/max staleness of "
+        f"trained samples. {p['steps']} learner steps each; correlated lengths: prompt_corr "
+        f"{p['correlated'][0]:g}, {p['correlated'][1]} prompts. Min-max over seeds and slot utilisation per "
+        "run are in the JSON."
+    )
+    return "\n".join([*rows, "", note, "", source("scheduling")])
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "scheduling": block_scheduling,
     "headline": block_headline,
     "up-run": block_up_run,
     "simulate": block_simulate,

@@ -270,6 +270,22 @@ def check_results(tmp_path: Path) -> None:
         assert {"commit", "dirty", "date", "machine", "wall_s"} <= set(stamp) and positive(stamp["wall_s"])
 
 
+def check_scheduling(tmp_path: Path) -> None:
+    out = tmp_path / "scheduling.json"
+    run_smoke("scheduling.py", out, tmp_path)
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "scheduling" and doc["params"]["smoke"] is True
+    rows = doc["results"]
+    settings = {(r["workload"], r["prompt_corr"]) for r in rows}
+    assert settings == {(w, c) for w in ("math-long-tail", "short-answer") for c in (0.0, 0.8)}
+    for r in rows:
+        assert r["command"].startswith(f"april simulate --lengths {r['workload']}"), r["command"]
+        assert r["wasted_tokens"] == 0 and r["speedup_min"] <= r["speedup_mean"] <= r["speedup_max"]
+        if r["run"] == "sync":
+            assert r["speedup_mean"] == 1.0 and r["staleness_max"] == 0
+    assert {r["run"] for r in rows} == {"sync", "april", "april-auto128"}
+
+
 CHECKS: dict[str, Callable[[Path], None]] = {
     "broker_throughput.py": check_broker_throughput,
     "engine_throughput.py": check_engine_throughput,
@@ -278,6 +294,7 @@ CHECKS: dict[str, Callable[[Path], None]] = {
     "weight_sync.py": check_weight_sync,
     "accuracy.py": check_accuracy,
     "soak.py": check_soak,
+    "scheduling.py": check_scheduling,
     "results.py": check_results,
 }
 
