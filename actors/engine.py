@@ -125,6 +125,9 @@ class GenerationOutput:
 class Engine(Protocol):
     name: str
     slots: int  # most requests it runs at once
+    # whether a prefix cache can outlive a weight update (worker.resume_kv = "reuse"); engines that flush
+    # it on every update, as SGLang and vLLM do, say False and the worker refuses "reuse" at start
+    can_reuse_kv: bool
     version: int  # weights version loaded now
 
     @property
