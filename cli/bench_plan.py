@@ -23,6 +23,7 @@ from april.config import (
     DataConfig,
     LearnerConfig,
     Mode,
+    ResumeKV,
     RunConfig,
     WorkerConfig,
 )
@@ -60,6 +61,7 @@ class BenchSetting:
     model: str = ""  # torch, or sim with real_learner: the model directory (workers and learner)
     real_learner: bool = False  # sim: train the model for real (DeepSpeed) instead of the simulated learner
     async_staleness: tuple[int, ...] = ()  # async once per bound (eta), labelled async-etaN; () = algo's
+    resume_kv: ResumeKV = ResumeKV.RECOMPUTE  # sim: the engines' prefix caches across a weight update
 
     def runs(self) -> list[BenchRun]:
         """The runs, in order: one per mode, and async once per bound of `async_staleness` when it names
@@ -102,6 +104,9 @@ class BenchSetting:
                 decode_ms=self.cost.decode_ms,
                 decode_ms_per_seq=self.cost.decode_ms_per_seq,
                 prefill_ms_per_token=self.cost.prefill_ms_per_token,
+                prefix_cache_tokens=self.cost.prefix_cache_tokens,
+                resume_kv=self.resume_kv.value,
+                resume_affinity=a.resume_affinity,
                 learner_step_s=self.learner_step_s,
                 prompt_len=self.prompt_len,
                 time_scale=self.time_scale,
@@ -124,6 +129,7 @@ def sim_config(setting: BenchSetting, run: BenchRun) -> SimConfig:
         prompt_len=setting.prompt_len,
         seed=setting.seed,
         per_sample_lengths=True,
+        resume_kv=setting.resume_kv,
     )
 
 
@@ -160,6 +166,8 @@ def run_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
             sim_decode_ms=setting.cost.decode_ms,
             sim_decode_ms_per_seq=setting.cost.decode_ms_per_seq,
             sim_prefill_ms_per_token=setting.cost.prefill_ms_per_token,
+            sim_prefix_cache_tokens=setting.cost.prefix_cache_tokens,
+            resume_kv=setting.resume_kv,
         )
         learner = dataclasses.replace(learner, backend="sim", sim_step_s=setting.learner_step_s)
         if setting.real_learner:  # sim tokens the model can train on: its vocabulary, its tokenizer

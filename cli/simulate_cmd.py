@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from actors.lengths import EmpiricalLength, LengthSpec
-from april.config import AlgoConfig, Mode
+from april.config import AlgoConfig, Mode, ResumeKV
 from april.engine_cost import EngineCost
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
@@ -37,7 +37,10 @@ from cli.sim_options import (
     MaxStaleness,
     Modes,
     PrefillMsPerToken,
+    PrefixCacheTokens,
     PromptLen,
+    ResumeAffinity,
+    ResumeKVOption,
     SamplesPerPrompt,
 )
 
@@ -173,6 +176,9 @@ def setting_json(cfg: SimConfig, lengths: LengthSpec) -> dict[str, Any]:
         "decode_ms": cfg.cost.decode_ms,
         "decode_ms_per_seq": cfg.cost.decode_ms_per_seq,
         "prefill_ms_per_token": cfg.cost.prefill_ms_per_token,
+        "prefix_cache_tokens": cfg.cost.prefix_cache_tokens,
+        "resume_affinity": a.resume_affinity,
+        "resume_kv": cfg.resume_kv.value,
         "learner_step_s": cfg.learner_step_s,
         "steps": cfg.steps,
         "prompt_len": cfg.prompt_len,
@@ -187,7 +193,9 @@ def header(cfg: SimConfig, lengths: LengthSpec) -> str:
         f"{a.rollout_batch_size} x {a.n_samples_per_prompt} samples a step (over-sampling "
         f"{a.over_sampling_batch_size}), {a.max_new_tokens} tokens max, {cfg.engines} engines x {cfg.slots} "
         f"slots, step {c.decode_ms:g} + {c.decode_ms_per_seq:g} ms/seq, prefill {c.prefill_ms_per_token:g} "
-        f"ms/token, learner {cfg.learner_step_s:g} s, eta {a.max_staleness}, {cfg.steps} steps"
+        f"ms/token, learner {cfg.learner_step_s:g} s, eta {a.max_staleness}, {cfg.steps} steps\n"
+        f"prefix cache {c.prefix_cache_tokens:,} tokens an engine, resume_kv {cfg.resume_kv.value}, resume "
+        f"affinity {'on' if a.resume_affinity else 'off'}"
     )
 
 
@@ -198,7 +206,7 @@ def render(results: list[tuple[dict[str, float], dict[str, Figures]]]) -> Table:
     for key in keys:
         table.add_column(SWEEP_KEYS[key], justify="right", no_wrap=True)
     heads = ("mode", "samples/s", "speedup", "tok/s", "eff tok/s", "util", "bubble", "offpol", "stale")
-    for head in (*heads, "aborted", "resumed", "wasted", "wall s"):
+    for head in (*heads, "reprefill", "aborted", "resumed", "wasted", "wall s"):
         table.add_column(head, justify="left" if head == "mode" else "right")
     for point, by_mode in results:
         for mode, f in by_mode.items():
@@ -213,6 +221,7 @@ def render(results: list[tuple[dict[str, float], dict[str, Figures]]]) -> Table:
                 f"{f.bubble_frac:.3f}",
                 f"{f.offpolicy_token_frac:.3f}",
                 f"{f.staleness_mean:.2f}/{f.staleness_max}",
+                "-" if f.reprefill_frac is None else f"{f.reprefill_frac:.4f}",
                 str(f.aborted),
                 str(f.resumed),
                 str(f.wasted_tokens),
@@ -244,8 +253,11 @@ def simulate_command(
     decode_ms: DecodeMs = COST.decode_ms,
     decode_ms_per_seq: DecodeMsPerSeq = COST.decode_ms_per_seq,
     prefill_ms_per_token: PrefillMsPerToken = COST.prefill_ms_per_token,
+    prefix_cache_tokens: PrefixCacheTokens = COST.prefix_cache_tokens,
     learner_step_s: LearnerStepS = LEARNER_STEP_S,
     max_staleness: MaxStaleness = 1,
+    resume_affinity: ResumeAffinity = False,
+    resume_kv: ResumeKVOption = ResumeKV.RECOMPUTE,
     steps: Annotated[int, typer.Option(help="Learner steps simulated per mode.", min=1)] = 20,
     prompt_len: PromptLen = PROMPT_LEN,
     seed: Annotated[
@@ -289,18 +301,20 @@ def simulate_command(
         n_samples_per_prompt=n_samples_per_prompt,
         max_new_tokens=max_new_tokens,
         max_staleness=max_staleness,
+        resume_affinity=resume_affinity,
     )
     base = SimConfig(
         Mode.SYNC,
         algo,
         engines=engines,
         slots=slots,
-        cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token),
+        cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token, prefix_cache_tokens),
         learner_step_s=learner_step_s,
         steps=steps,
         prompt_len=prompt_len,
         seed=seed,
         per_sample_lengths=per_sample_lengths,
+        resume_kv=resume_kv,
     )
     started = time.perf_counter()
     results = [(p, run_point(apply_point(base, p), spec, chosen)) for p in points]

@@ -15,7 +15,8 @@ Owns the definitions:
     staleness_mean / staleness_max: over trained samples (learner version - oldest token's version).
   - aborted / resumed: samples returned interrupted / leased again with a partial response.
   - reprefill_frac: share of engine time (time in decode steps, all engines) spent prefilling resumed
-    partials' prompt + response so far again, less what the engine's prefix cache still held.
+    partials' prompt + response so far again, less what the engine's prefix cache still held (None in
+    a real run's figures: the processes do not report it).
   - speedup: samples_per_s / sync's (None without a sync run); accuracy_final: None (no model here).
 """
 
@@ -95,7 +96,7 @@ class Figures:
     resumed: int
     accuracy_final: float | None = None
     speedup: float | None = None
-    reprefill_frac: float = 0.0
+    reprefill_frac: float | None = None  # None: not measured (a real run's figures)
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
