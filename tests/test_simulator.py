@@ -44,6 +44,7 @@ FIGURE_KEYS = {
     "resumed",
     "accuracy_final",
     "speedup",
+    "reprefill_frac",
 }
 
 
@@ -357,7 +358,9 @@ def test_cli_json_schema(tmp_path: Path) -> None:
     for figures in doc["modes"].values():
         assert set(figures) == FIGURE_KEYS
         assert figures["accuracy_final"] is None and figures["wasted_tokens"] == 0
+        assert 0 <= figures["reprefill_frac"] < 1
     assert doc["modes"]["sync"]["speedup"] == 1.0
+    assert doc["modes"]["sync"]["reprefill_frac"] == 0.0  # nothing is ever resumed in sync
 
 
 def test_cli_sweep_json_and_table() -> None:
