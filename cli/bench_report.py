@@ -36,6 +36,7 @@ COLUMNS = (
     ("aborted", "aborted", "{:d}"),
     ("resumed", "resumed", "{:d}"),
     ("re-prefill", "reprefill_frac", "{:.4f}"),
+    ("stale KV", "stale_kv_token_frac", "{:.3f}"),
     ("wall s", "wall_s", "{:.1f}"),
     ("rollout s", "rollout_s", "{:.1f}"),
     ("accuracy", "accuracy_final", "{:.3f}"),

@@ -206,7 +206,7 @@ def render(results: list[tuple[dict[str, float], dict[str, Figures]]]) -> Table:
     for key in keys:
         table.add_column(SWEEP_KEYS[key], justify="right", no_wrap=True)
     heads = ("mode", "samples/s", "speedup", "tok/s", "eff tok/s", "util", "bubble", "offpol", "stale")
-    for head in (*heads, "reprefill", "aborted", "resumed", "wasted", "wall s"):
+    for head in (*heads, "reprefill", "stale KV", "aborted", "resumed", "wasted", "wall s"):
         table.add_column(head, justify="left" if head == "mode" else "right")
     for point, by_mode in results:
         for mode, f in by_mode.items():
@@ -222,6 +222,7 @@ def render(results: list[tuple[dict[str, float], dict[str, Figures]]]) -> Table:
                 f"{f.offpolicy_token_frac:.3f}",
                 f"{f.staleness_mean:.2f}/{f.staleness_max}",
                 "-" if f.reprefill_frac is None else f"{f.reprefill_frac:.4f}",
+                "-" if f.stale_kv_token_frac is None else f"{f.stale_kv_token_frac:.3f}",
                 str(f.aborted),
                 str(f.resumed),
                 str(f.wasted_tokens),

@@ -135,9 +135,9 @@ def model_step_times(model: EngineModel, until_first_finish: bool) -> tuple[list
 
 def test_april_up_and_april_simulate_model_the_same_machine() -> None:
     """A full engine of fresh samples runs until the first finishes, is aborted, new weights are loaded,
-    and every partial is resumed (re-prefilling prompt + partial) and run to the end: each step takes the same model time in
-    the sim engine of `april up --engine sim` (default config) as in `april simulate`'s engines (default
-    options), and the same samples finish at the same steps."""
+    and every partial is resumed (re-prefilling prompt + partial) and run to the end: each step takes the
+    same model time in the sim engine of `april up --engine sim` (default config) as in `april
+    simulate`'s engines (default options), and the same samples finish at the same steps."""
     engine = up_engine()
     slots = engine.slots
     samples = new_group_samples(0, slots, PROMPT, "", {})

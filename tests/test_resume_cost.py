@@ -136,6 +136,7 @@ class Pair:
 
     def agree(self) -> int:
         assert self.sim.reprefill_tokens == self.model.reprefill_tokens
+        assert self.sim.stale_kv_tokens == self.model.stale_kv_tokens
         assert self.sim.elapsed_s == pytest.approx(self.model.busy_s)
         assert self.sim.reprefill_s == pytest.approx(COST.prefill_s(self.model.reprefill_tokens))
         return self.model.reprefill_tokens
@@ -162,6 +163,7 @@ def test_the_sim_engine_and_the_simulator_charge_the_same_reprefill(keep: bool) 
     p.lease(1, 3)
     p.steps(1)
     assert p.agree() == 21 + (16 + 4) + (0 if keep else 16 + 7)
+    assert p.model.stale_kv_tokens == (1 if keep else 0)  # reuse: 1's next token attends to v0's KV
 
 
 def test_an_abort_before_the_first_step_leaves_only_what_the_cache_gave() -> None:
@@ -296,10 +298,12 @@ def run(mode: Mode, affinity: bool, kv: ResumeKV) -> tuple[float, int]:
         resume_kv=kv,
     )
     result = simulate(cfg, resolve_lengths("lognormal:median=200,sigma=1.2,cap=2048"))
-    assert result.figures.wasted_tokens == 0
-    frac = result.figures.reprefill_frac
-    assert frac is not None
-    return frac, result.figures.resumed
+    f = result.figures
+    assert f.wasted_tokens == 0
+    assert f.reprefill_frac is not None and f.stale_kv_token_frac is not None
+    # only a prefix kept across a weight update makes tokens attend to KV of older weights
+    assert (f.stale_kv_token_frac > 0) == (kv is ResumeKV.REUSE and f.resumed > 0)
+    return f.reprefill_frac, f.resumed
 
 
 @pytest.mark.parametrize("mode", [Mode.APRIL, Mode.ASYNC])

@@ -23,7 +23,8 @@ Prefix cache (`april.prefix_cache`, `cost.prefix_cache_tokens` of capacity): an 
 its prefix behind, and a resume of the same sample on this engine prefills only what the cache no longer
 holds. `keep_kv_across_updates` (worker.resume_kv = "reuse") keeps the cache across `load_weights`;
 otherwise a load empties it, as SGLang and vLLM do. `reprefill_tokens` / `reprefill_s` count what resumes
-re-prefilled (tokens, model seconds), `elapsed_s` all the model time, for the re-prefill share.
+re-prefilled (tokens, model seconds), `elapsed_s` all the model time, for the re-prefill share;
+`stale_kv_tokens` the tokens drawn while attending to KV of older weights than the loaded ones.
 
 Time: `elapsed_s` accumulates model time (seconds a real GPU would spend). With `sleep=True` steps keep
 to a wall-clock schedule of `model time x time_scale` (sleeping what is left of each step; the caller's
@@ -163,6 +164,7 @@ class SimEngine:
         self.cache = PrefixCache(self.cost.prefix_cache_tokens, keep_kv_across_updates, version)
         self.reprefill_tokens = 0  # input tokens re-prefilled by resumed requests (what the cache missed)
         self.reprefill_s = 0.0  # their share of elapsed_s (model time)
+        self.stale_kv_tokens = 0  # tokens generated attending to KV of older weights than the loaded ones
 
     @property
     def active(self) -> int:
@@ -262,6 +264,7 @@ class SimEngine:
                 reprefill += run.prefill_tokens
             run.prefill_tokens = 0
             run.prefilled = True
+            self.stale_kv_tokens += run.kv_version < self.version
         self.reprefill_tokens += reprefill
         self.reprefill_s += self.cost.prefill_s(reprefill)
         self._advance(self.cost.step_s(len(self._running), prefill))

@@ -7,8 +7,9 @@ Cost model: `april.engine_cost.EngineCost`, the one the sim engine a worker runs
 step over `active` sequences, plus the prefill of every input token admitted in that step). A fresh
 sample's input is its prompt; a resumed partial re-prefills prompt + the response so far (the resume
 hand-off cost), less what this engine's prefix cache still holds of it (`april.prefix_cache`, the rule
-the sim engine follows too: the same re-prefill for the same events). `busy_s` and `reprefill_s` give
-the re-prefill share of engine time.
+the sim engine follows too: the same re-prefill for the same events). `busy_s` and `reprefill_tokens`
+give the re-prefill share of engine time; `stale_kv_tokens` counts tokens generated while attending to
+KV computed under older weights than the loaded ones (what resume_kv "reuse" costs in exactness).
 
 Vectorised: all sequences of an engine advance together, so between two events an engine is an
 arithmetic progression of step boundaries (the first step longer by its prefill). It is woken only at a
@@ -105,6 +106,7 @@ class EngineModel:
         self.admitted = False  # sequences admitted since the last step
         self.reprefill_tokens = 0  # paid, every lease
         self.busy_s = 0.0  # time spent in decode steps
+        self.stale_kv_tokens = 0  # tokens generated attending to KV of older weights than the loaded ones
 
     @property
     def active(self) -> int:
@@ -146,6 +148,7 @@ class EngineModel:
             self.produced += steps
             self.remaining -= steps
             self.tokens += steps * self.active
+            self.stale_kv_tokens += steps * sum(seq.kv_version < self.version for seq in self.seqs)
             self.busy_s += now - self.t_base
             if self.admitted:  # their first step ran (even one whose whole input was cached)
                 for seq in self.seqs:

@@ -17,6 +17,10 @@ Owns the definitions:
   - reprefill_frac: share of engine time (time in decode steps, all engines) spent prefilling resumed
     partials' prompt + response so far again, less what the engine's prefix cache still held (None in
     a real run's figures: the processes do not report it).
+  - stale_kv_token_frac: generated tokens drawn while attending to KV computed under older weights than
+    the engine had loaded (a prefix kept across a weight update, resume_kv "reuse"); their version tag
+    and log-prob are the engine's, but the policy that drew them mixed two weight versions (None: not
+    measured).
   - speedup: samples_per_s / sync's (None without a sync run); accuracy_final: None (no model here).
 """
 
@@ -97,6 +101,7 @@ class Figures:
     accuracy_final: float | None = None
     speedup: float | None = None
     reprefill_frac: float | None = None  # None: not measured (a real run's figures)
+    stale_kv_token_frac: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -116,6 +121,7 @@ def compute_figures(
     resumed: int,
     busy_s: float = 0.0,
     reprefill_s: float = 0.0,
+    stale_kv_tokens: int = 0,
 ) -> Figures:
     wall = max(wall_s, 1e-12)
     return Figures(
@@ -134,6 +140,7 @@ def compute_figures(
         aborted=aborted,
         resumed=resumed,
         reprefill_frac=reprefill_s / busy_s if busy_s > 0 else 0.0,
+        stale_kv_token_frac=stale_kv_tokens / generated if generated else 0.0,
     )
 
 

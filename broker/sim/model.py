@@ -403,6 +403,7 @@ class Simulation:
             resumed=self.state.totals.resumed,
             busy_s=sum(e.busy_s for e in self.engines),
             reprefill_s=self.cfg.cost.prefill_s(sum(e.reprefill_tokens for e in self.engines)),
+            stale_kv_tokens=sum(e.stale_kv_tokens for e in self.engines),
         )
         ledger = self.state.check_ledger("at the end of the simulation")
         return SimResult(figs, ledger, tuple(self.records), self.abort_rounds, self.events)
