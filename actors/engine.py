@@ -162,6 +162,17 @@ class Engine(Protocol):
 
 
 @runtime_checkable
+class CostModelled(Protocol):
+    """An engine that models its own cost (the sim engine): cumulative model seconds in decode steps, the
+    part re-prefilling resumed partials, and tokens drawn attending to KV of older weights (reported in
+    `EngineUsage`, for the re-prefill share of a real run)."""
+
+    elapsed_s: float
+    reprefill_s: float
+    stale_kv_tokens: int
+
+
+@runtime_checkable
 class TensorLoading(Protocol):
     """An engine that can take a version as named tensors in this process (the collective broadcast,
     `actors.weight_receive`) instead of a file: the built-in torch engine. Same contract as

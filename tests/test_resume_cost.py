@@ -5,19 +5,28 @@ broker's books), and the resume_kv setting (config, engine capability)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
+import zmq
+from harness import free_ports
 
 from actors.engine import EngineError, GenerationOutput, GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.factory import check_worker, engine_class
-from april import policy
+from april import policy, protocol
 from april.config import AlgoConfig, ConfigError, Mode, ResumeKV, WorkerConfig, load_config
 from april.data import SyntheticPromptSource
 from april.engine_cost import EngineCost
 from april.prefix_cache import MISS, CachedPrefix, PrefixCache
 from april.records import FinishReason, Sample, SampleStatus, new_group_samples
+from april.transport import dealer, recv, send
+from april.wire_records import SampleBatch
+from broker.server import Broker
 from broker.sim.engines import EngineModel
 from broker.sim.figures import Meter
 from broker.sim.model import SimConfig, simulate
@@ -359,3 +368,128 @@ def test_the_recorded_logprobs_are_the_engines_whatever_the_cache() -> None:
         a, b = (np.concatenate([getattr(o, field) for o in runs[k]]) for k in (False, True))
         assert np.array_equal(a, b), field
     assert np.concatenate([o.versions for o in runs[True]]).tolist() == [0, 0, 0, 1, 1]
+
+
+# ---------------------------------------------------------------------- a live broker
+
+
+M = TypeVar("M")
+
+
+def next_of(sock: zmq.Socket[bytes], kind: type[M], timeout_s: float = 60.0) -> M:
+    """The next message of `kind` the broker sends this peer, skipping heartbeats and the like."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = recv(sock, 200)
+        if isinstance(msg, kind):
+            return msg
+    raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+
+def keys(lease: protocol.Lease) -> set[tuple[int, int]]:
+    return {s.key for s in lease.samples.to_samples()}
+
+
+def give_back(sock: zmq.Socket[bytes], lease: protocol.Lease, finished: bool) -> None:
+    """Return every leased sample with two new tokens: finished (freeing its slot) or interrupted."""
+    samples = lease.samples.to_samples()
+    if finished:
+        done = [s.extend([5, 6], [-0.5, -0.5], 0, FinishReason.STOP).scored(1.0) for s in samples]
+        send(sock, protocol.SampleResult(lease.lease_ids, SampleBatch.from_samples(done), len(done)))
+    else:
+        out = [interrupted(s) for s in samples]
+        send(sock, protocol.SampleResult(lease.lease_ids, SampleBatch.from_samples(out), 0))
+
+
+class LiveBroker:
+    """An in-process async broker (B = 1, groups of 4, eta 1) with two workers of 2 slots each."""
+
+    def __init__(self, tmp_path: Path, affinity: bool) -> None:
+        ports = free_ports(3)
+        config = load_config(
+            overrides={
+                "run.mode": "async",
+                "algo.rollout_batch_size": 1,
+                "algo.over_sampling_batch_size": 1,
+                "algo.n_samples_per_prompt": 4,
+                "algo.max_new_tokens": 8,
+                "algo.resume_affinity": affinity,
+                "data.eval_size": 0,
+                "broker.worker_port": ports[0],
+                "broker.learner_port": ports[1],
+                "broker.pub_port": ports[2],
+            }
+        )
+        self.broker = Broker(config, tmp_path / "run")
+        self.broker.bind()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.broker.serve, args=(self.stop.is_set,), daemon=True)
+        self.thread.start()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.worker_address = f"tcp://127.0.0.1:{ports[0]}"
+        self.learner = dealer(self.ctx, f"tcp://127.0.0.1:{ports[1]}", "learner")
+
+    def worker(self, worker_id: str) -> zmq.Socket[bytes]:
+        sock = dealer(self.ctx, self.worker_address, worker_id)
+        send(sock, protocol.WorkerHello(worker_id, "sim", 2, 0, 1, "node", np.zeros(0, np.int64)))
+        return sock
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        self.ctx.destroy(linger=0)
+        self.broker.close()
+
+
+def resumed_after_new_weights(tmp_path: Path, affinity: bool) -> dict[str, set[tuple[int, int]]]:
+    """w0 and w1 each hold two samples when weights v1 are published: both abort, load v1, and get
+    their slots back in the same dispatch (when the abort round ends). Returns the partials each worker
+    held ("w0", "w1") and those it was leased after the abort ("w0 after", "w1 after"). Crossed on
+    purpose: w1's partials come first in dispatch order and w0 is served first, so leasing the queue in
+    order gives each worker the other's partials."""
+    b = LiveBroker(tmp_path, affinity)
+    try:
+        w0 = b.worker("w0")
+        first = next_of(w0, protocol.Lease)  # group 0, samples 0 and 1
+        w1 = b.worker("w1")
+        lease1 = next_of(w1, protocol.Lease)  # group 0, samples 2 and 3
+        give_back(w0, first, finished=True)
+        lease0 = next_of(w0, protocol.Lease)  # group 1, samples 0 and 1 (eta 1 admits a second group)
+        send(b.learner, protocol.LearnerHello("learner", 0, 1))
+        next_of(b.learner, protocol.Welcome)
+        send(b.learner, protocol.WeightsReady(1, "sim://v1", "0" * 64))
+        for sock, lease in ((w0, lease0), (w1, lease1)):
+            next_of(sock, protocol.WeightsReady)
+            send(sock, protocol.WeightsLoaded(1, True, ""))
+            abort = next_of(sock, protocol.Abort)
+            give_back(sock, lease, finished=False)
+            send(sock, protocol.AbortDone(abort.round_id, 2, np.zeros(0, np.int64)))
+        after0, after1 = (next_of(sock, protocol.Lease) for sock in (w0, w1))
+        return {"w0": keys(lease0), "w1": keys(lease1), "w0 after": keys(after0), "w1 after": keys(after1)}
+    finally:
+        b.close()
+
+
+def test_a_live_broker_sends_each_partial_back_to_the_worker_that_holds_its_prefix(tmp_path: Path) -> None:
+    got = resumed_after_new_weights(tmp_path / "on", affinity=True)
+    assert got["w0"] <= got["w0 after"] and got["w1"] <= got["w1 after"]
+    # without affinity the same events lease the queue in order: each worker resumes the other's
+    off = resumed_after_new_weights(tmp_path / "off", affinity=False)
+    assert off["w1"] <= off["w0 after"] and off["w0"] <= off["w1 after"]
+
+
+def test_a_live_broker_resumes_a_partial_elsewhere_when_its_holder_has_no_room(tmp_path: Path) -> None:
+    """w0 returns its two samples interrupted but keeps its slots (credit 0): w1, with room, gets them at
+    once rather than leaving them to wait for w0."""
+    b = LiveBroker(tmp_path, affinity=True)
+    try:
+        w0 = b.worker("w0")
+        lease0 = next_of(w0, protocol.Lease)
+        w1 = b.worker("w1")
+        lease1 = next_of(w1, protocol.Lease)
+        give_back(w0, lease0, finished=False)
+        give_back(w1, lease1, finished=True)  # w1 frees its two slots
+        resumed = next_of(w1, protocol.Lease).samples.to_samples()
+        assert {s.key for s in resumed} == keys(lease0) and all(s.response_len == 2 for s in resumed)
+    finally:
+        b.close()
