@@ -125,8 +125,8 @@ class BrokerState:
         self.round_open = True  # sync/april: generation allowed in this round
         self.round = RoundCounters()
         self.totals = RoundCounters()
-        # the worker each partial last came back from (resume affinity); kept until it finishes. Not in
-        # snapshots: after a restart partials resume anywhere
+        # the worker each queued partial came back from (resume affinity), until it is leased again. Not
+        # in snapshots: after a restart partials resume anywhere
         self.holders: dict[tuple[int, int], str] = {}
 
     # ------------------------------------------------------------------ counts and ledger
@@ -270,6 +270,7 @@ class BrokerState:
 
     def _lease(self, worker_id: str, entry: GroupEntry, before: Sample) -> tuple[int, int, Sample]:
         """Lease `before`, out of the queue already, to `worker_id`."""
+        self.holders.pop(before.key, None)
         leased = before.resumed()
         lease_id = self.new_lease_id()
         self.leases[lease_id] = LeaseEntry(lease_id, worker_id, before)
@@ -353,7 +354,6 @@ class BrokerState:
             self.queue.push(sample.key, sample.min_version)
             self.holders[sample.key] = worker_id
         else:
-            self.holders.pop(sample.key, None)
             self.round.samples_finished += 1
             self.totals.samples_finished += 1
             if entry.state == "done":

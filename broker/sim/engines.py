@@ -107,6 +107,7 @@ class EngineModel:
         self.reprefill_tokens = 0  # paid, every lease
         self.busy_s = 0.0  # time spent in decode steps
         self.stale_kv_tokens = 0  # tokens generated attending to KV of older weights than the loaded ones
+        self.stale_seqs = 0  # running sequences attending to such KV (kept up to date: advance is hot)
 
     @property
     def active(self) -> int:
@@ -148,7 +149,7 @@ class EngineModel:
             self.produced += steps
             self.remaining -= steps
             self.tokens += steps * self.active
-            self.stale_kv_tokens += steps * sum(seq.kv_version < self.version for seq in self.seqs)
+            self.stale_kv_tokens += steps * self.stale_seqs
             self.busy_s += now - self.t_base
             if self.admitted:  # their first step ran (even one whose whole input was cached)
                 for seq in self.seqs:
@@ -196,6 +197,7 @@ class EngineModel:
             self.prefill += input_len - hit.tokens
             if done:
                 self.reprefill += input_len - hit.tokens
+            self.stale_seqs += seq.kv_version < self.version
             self.admitted = True
         if produced:
             self.produced = np.concatenate([self.produced, np.asarray(produced, dtype=np.int64)])
@@ -222,6 +224,7 @@ class EngineModel:
             return
         self.version = version
         self.cache.update(version)
+        self.stale_seqs = self.active  # every running sequence's KV predates these weights
         for seq, n in zip(self.seqs, self.produced.tolist(), strict=True):
             if seq.marks[-1][0] == n:
                 seq.marks[-1] = (n, version)
@@ -231,6 +234,7 @@ class EngineModel:
     def _keep(self, mask: npt.NDArray[np.bool_]) -> None:
         before = self.active
         self.seqs = [seq for seq, keep in zip(self.seqs, mask.tolist(), strict=True) if keep]
+        self.stale_seqs = sum(seq.kv_version < self.version for seq in self.seqs)
         self.produced = self.produced[mask]
         self.remaining = self.remaining[mask]
         self.meter.engine_changed(before, self.active, self.slots)
