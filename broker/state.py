@@ -344,6 +344,8 @@ class BrokerState:
             # returned with nothing generated (its worker's engine was still starting or went down, or an
             # abort beat the first token): the lease comes back as it was leased, which is no abort
             self._requeue_as_leased(lease)
+            if lease.at_lease.response_len:  # a partial: its prefix (if cached anywhere) is on that worker
+                self.holders[sample.key] = worker_id
             return 0
         self.round.tokens_generated += new_tokens
         self.totals.tokens_generated += new_tokens

@@ -269,6 +269,16 @@ def test_affinity_only_chooses_among_what_this_dispatch_leases_and_keeps_version
     newer.check_ledger()
 
 
+def test_a_partial_returned_with_nothing_new_is_held_by_the_worker_that_returned_it() -> None:
+    state, held = state_with_partials()
+    key = next(k for k, w in held.items() if w == "w0")
+    leases = state.take_work("w1", 4, 0)
+    lease_id, _, sample = next(item for item in leases if item[2].key == key)
+    state.accept_result("w1", lease_id, sample.extend([], [], 0, FinishReason.ABORT))  # nothing new
+    assert state.holders == {key: "w1"}
+    state.check_ledger()
+
+
 def test_without_holders_nothing_is_taken() -> None:
     state = BrokerState(Mode.ASYNC, AlgoConfig(n_samples_per_prompt=2), source())
     assert state.take_held_partials(["w0"], [4], [0]) == [[]]
