@@ -13,7 +13,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 import zmq
-from harness import free_ports
+from harness import free_ports, wait_for
 
 from actors.engine import EngineError, GenerationOutput, GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
@@ -499,6 +499,8 @@ def test_a_live_broker_resumes_a_partial_elsewhere_when_its_holder_has_no_room(t
         w1 = b.worker("w1")
         lease1 = next_of(w1, protocol.Lease)
         give_back(w0, lease0, finished=False)
+        # two sockets, no order between them: w1's slots must free only once w0's partials are queued
+        wait_for(lambda: keys(lease0) <= set(b.broker.state.holders), 60, "w0's partials queued")
         give_back(w1, lease1, finished=True)  # w1 frees its two slots
         resumed = next_of(w1, protocol.Lease).samples.to_samples()
         assert {s.key for s in resumed} == keys(lease0) and all(s.response_len == 2 for s in resumed)
