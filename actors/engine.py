@@ -125,6 +125,9 @@ class GenerationOutput:
 class Engine(Protocol):
     name: str
     slots: int  # most requests it runs at once
+    # whether a prefix cache can outlive a weight update (worker.resume_kv = "reuse"); engines that flush
+    # it on every update, as SGLang and vLLM do, say False and the worker refuses "reuse" at start
+    can_reuse_kv: bool
     version: int  # weights version loaded now
 
     @property
@@ -156,6 +159,17 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class CostModelled(Protocol):
+    """An engine that models its own cost (the sim engine): cumulative model seconds in decode steps, the
+    part re-prefilling resumed partials, and tokens drawn attending to KV of older weights (reported in
+    `EngineUsage`, for the re-prefill share of a real run)."""
+
+    elapsed_s: float
+    reprefill_s: float
+    stale_kv_tokens: int
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ from actors.engine import ENGINES, Engine, EngineError, SamplingParams
 from actors.engines.sim_engine import Identify
 from actors.engines.vllm_engine import VLLMSettings
 from actors.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from april.config import WorkerConfig
+from april.config import ResumeKV, WorkerConfig
 from april.hf import check_model_dir
 
 
@@ -24,6 +24,30 @@ def check_worker(cfg: WorkerConfig) -> None:
         check_model_dir(cfg.model)
     if cfg.engine == "vllm":  # a device vLLM cannot run on (EngineError)
         vllm_settings(cfg)
+    if cfg.resume_kv is ResumeKV.REUSE and not engine_class(cfg.engine).can_reuse_kv:
+        raise EngineError(
+            f"worker.resume_kv = 'reuse': engine {cfg.engine!r} cannot keep its prefix cache across a weight "
+            "update (it flushes it, or has none); expected 'recompute'"
+        )
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The class of engine `name`, imported only now (torch's imports torch)."""
+    if name == "sim":
+        from actors.engines.sim_engine import SimEngine
+
+        return SimEngine
+    if name == "torch":
+        from actors.engines.torch_engine import TorchEngine
+
+        return TorchEngine
+    if name == "sglang":
+        from actors.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine
+    from actors.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine
 
 
 def vllm_settings(cfg: WorkerConfig) -> VLLMSettings:
@@ -84,6 +108,7 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
             version=version,
             identify=identify,
             prompt_corr=cfg.sim_prompt_corr,
+            keep_kv_across_updates=cfg.resume_kv is ResumeKV.REUSE,
         )
     if cfg.engine == "torch":
         from actors.engines.torch_engine import TorchEngine

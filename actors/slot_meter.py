@@ -4,12 +4,16 @@ Owns three time integrals (wall seconds, cumulative since the worker started) of
 occupancy: running sequences x time (`busy_slot_s`), slots x time (`slot_s`) and time with at least one
 free slot (`free_slot_s`: a worker keeps no local queue, so a free slot means nothing to run). The worker
 calls `observe(now, active)` once per loop iteration (the count holds until the next call) and sends
-`report()` as an `EngineUsage` when `due(now, active)` says so. Knows nothing of phases or batches: the
+`report()` as an `EngineUsage` when `due(now, active)` says so (with the engine's own cost counters when
+it models its cost, `actors.engine.CostModelled`). Knows nothing of phases or batches: the
 broker differences the reports and splits them over its rollout phases.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from actors.engine import CostModelled
 from april.protocol import EngineUsage
 
 BUSY_REPORT_S = 0.1  # report period while sequences run (the broker's phase split is this fine)
@@ -44,7 +48,16 @@ class SlotMeter:
             return since >= BUSY_REPORT_S
         return self.reported_active > 0 or since >= idle_period_s
 
-    def report(self, now: float) -> EngineUsage:
+    def report(self, now: float, engine: object = None) -> EngineUsage:
+        """The cumulative report; `engine`'s own cost counters join it when it models its cost."""
         self.observe(now, self.active)
         self.reported_at, self.reported_active = now, self.active
-        return EngineUsage(self.busy_slot_s, self.slot_s, self.free_slot_s, now - self.started)
+        usage = EngineUsage(self.busy_slot_s, self.slot_s, self.free_slot_s, now - self.started)
+        if isinstance(engine, CostModelled):
+            usage = replace(
+                usage,
+                model_busy_s=engine.elapsed_s,
+                reprefill_s=engine.reprefill_s,
+                stale_kv_tokens=engine.stale_kv_tokens,
+            )
+        return usage

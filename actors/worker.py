@@ -419,7 +419,7 @@ class Worker:
         now = time.monotonic()
         self.meter.observe(now, 0 if self.health.down else self.engine.active)
         if self.meter.due(now, self.link.interval):
-            self._send(self.meter.report(now))
+            self._send(self.meter.report(now, self.engine))
 
     # ------------------------------------------------------------------ engine down and back
 

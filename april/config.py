@@ -76,6 +76,13 @@ class KLEstimator(enum.StrEnum):
     K3 = "k3"  # exp(-d) - 1 + d
 
 
+class ResumeKV(enum.StrEnum):
+    """What a resumed partial's prefix KV is after a weight update (april.prefix_cache)."""
+
+    RECOMPUTE = "recompute"  # flushed with the update: re-prefilled under the new weights (exact)
+    REUSE = "reuse"  # kept: the resume attends to KV of the weights that generated it (cheaper)
+
+
 class WeightsTransport(enum.StrEnum):
     """How a published weights version reaches the workers (docs/design.md section 6)."""
 
@@ -148,6 +155,7 @@ class AlgoConfig:
     overlong_buffer: int = -1  # DAPO soft overlong punishment ramp (tokens); 0 = off; < 0: dapo 1/5 of max
     overlong_penalty: float = 1.0  # reward lost by a response at max_new_tokens (soft overlong punishment)
     overlong_filter: bool = False  # DAPO overlong filtering: truncated samples (budget used up) get no loss
+    resume_affinity: bool = False  # a partial goes back to the worker it left (its prefix cache) if room
 
     def __post_init__(self) -> None:
         _positive(self, "algo", "rollout_batch_size", "over_sampling_batch_size", "prompt_window")
@@ -280,6 +288,8 @@ class WorkerConfig:
     sim_decode_ms: float = SIM_COST.decode_ms  # sim engine: A, ms a step (A + B x active + C x prefilled)
     sim_decode_ms_per_seq: float = SIM_COST.decode_ms_per_seq  # sim engine: B, ms per active sequence
     sim_prefill_ms_per_token: float = SIM_COST.prefill_ms_per_token  # sim engine: C, ms per prefilled token
+    sim_prefix_cache_tokens: int = SIM_COST.prefix_cache_tokens  # sim engine: KV tokens kept for partials
+    resume_kv: ResumeKV = ResumeKV.RECOMPUTE  # cached prefixes at a weight update: recompute (flush) | reuse
     vllm_kv_cache_gib: float = 1.0  # vllm on CPU: KV cache GiB; 0 = vLLM's default (most of host memory)
     vllm_gpu_memory_utilization: float = 0.0  # vllm on CUDA: GPU memory share (weights, KV); 0 = vLLM's own
     vllm_dtype: str = ""  # vllm engine: empty = float32 on CPU, vLLM's "auto" on CUDA; or bfloat16, ...
@@ -295,6 +305,12 @@ class WorkerConfig:
         )
         for name in ("sim_decode_ms", "sim_decode_ms_per_seq", "sim_prefill_ms_per_token"):
             _check(getattr(self, name) >= 0, f"worker.{name}", getattr(self, name), "must be >= 0")
+        _check(
+            self.sim_prefix_cache_tokens >= 0,
+            "worker.sim_prefix_cache_tokens",
+            self.sim_prefix_cache_tokens,
+            "must be >= 0 (0 = no prefix cache)",
+        )
         _check(
             self.vllm_kv_cache_gib >= 0, "worker.vllm_kv_cache_gib", self.vllm_kv_cache_gib, "must be >= 0"
         )
@@ -317,7 +333,12 @@ class WorkerConfig:
     @property
     def sim_cost(self) -> EngineCost:
         """The sim engine's step cost, from the three sim_* fields."""
-        return EngineCost(self.sim_decode_ms, self.sim_decode_ms_per_seq, self.sim_prefill_ms_per_token)
+        return EngineCost(
+            self.sim_decode_ms,
+            self.sim_decode_ms_per_seq,
+            self.sim_prefill_ms_per_token,
+            self.sim_prefix_cache_tokens,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,9 +14,12 @@ wall time by `worker.sim_time_scale`, the simulator keeps it virtual):
     step_ms = decode_ms + decode_ms_per_seq x active + prefill_ms_per_token x prefill_tokens
 
 `active` is the number of sequences decoded in the step (each produces one token); `prefill_tokens` the
-input tokens admitted since the previous step and prefilled in this one: a fresh sample's prompt, or a
-resumed partial's prompt + response so far (its KV cache did not survive the abort). Decode on a GPU
-is memory-bound, so `decode_ms` dominates and a step at 64 sequences costs about twice one at 1.
+input tokens admitted since the previous step and prefilled in this one: a fresh sample's prompt, or the
+part of a resumed partial's prompt + response so far that the engine's prefix cache no longer holds
+(`april.prefix_cache`, `prefix_cache_tokens` of capacity; under `worker.resume_kv = "recompute"`, what
+real engines do, a weight update empties it, so a partial resumed in a later round re-prefills all of it).
+Decode on a GPU is memory-bound, so `decode_ms` dominates and a step at 64 sequences costs about twice one
+at 1.
 
 Does not own: when a sequence finishes, what it generates, or any clock: the two engines do that.
 """
@@ -37,12 +40,18 @@ class EngineCost:
     decode_ms: float = 6.0  # A: the fixed part of a decode step, ms
     decode_ms_per_seq: float = 0.1  # B: added per active sequence, ms
     prefill_ms_per_token: float = 0.02  # C: per input token prefilled (prompt, or prompt + partial), ms
+    # KV tokens an engine keeps for interrupted samples (april.prefix_cache). A 4B model's KV (Qwen3-4B:
+    # 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes) is 144 KiB a token; an 80 GB H100 with ~8 GB of
+    # weights and ~60 GB for the KV pool holds ~420k tokens, of which 400k is the round figure taken here
+    prefix_cache_tokens: int = 400_000
 
     def __post_init__(self) -> None:
         for name in ("decode_ms", "decode_ms_per_seq", "prefill_ms_per_token"):
             value = getattr(self, name)
             if not value >= 0:  # also refuses NaN
                 raise ValueError(f"engine cost: {name} = {value!r}, expected a number of ms >= 0")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"engine cost: prefix_cache_tokens = {self.prefix_cache_tokens}, expected >= 0")
 
     def step_ms(self, active: int, prefill_tokens: int = 0) -> float:
         """Model time of one decode step over `active` sequences that also prefills `prefill_tokens`."""
@@ -51,6 +60,10 @@ class EngineCost:
     def step_s(self, active: int, prefill_tokens: int = 0) -> float:
         """`step_ms` in seconds."""
         return self.step_ms(active, prefill_tokens) / 1000.0
+
+    def prefill_s(self, tokens: int) -> float:
+        """The prefill part of a step's time for `tokens` input tokens, in seconds."""
+        return self.prefill_ms_per_token * tokens / 1000.0
 
 
 DEFAULT_COST = EngineCost()

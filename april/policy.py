@@ -268,6 +268,33 @@ class DispatchQueue:
     def ordered(self) -> list[tuple[int, int]]:
         return [key for _, key in sorted(self._heap)]
 
+    def head(self, n: int) -> list[tuple[int, int]]:
+        """The first `n` keys in dispatch order (the ones a dispatch of `n` samples would lease)."""
+        return [key for _, key in heapq.nsmallest(n, self._heap)] if n > 0 else []
+
+    def remove(self, keys: set[tuple[int, int]]) -> None:
+        """Take `keys` out of the queue wherever they are (resume affinity leases them to their holder)."""
+        if keys:
+            self._heap = [entry for entry in self._heap if entry[1] not in keys]
+            heapq.heapify(self._heap)
+
+
+def resume_affinity(holders: Sequence[int | None], free: Sequence[int]) -> list[int | None]:
+    """Where queued partials go with resume affinity (`algo.resume_affinity`): given, in dispatch order, the
+    index of the worker each partial last left (None: unknown, or that worker is gone) and every worker's
+    free slots, the worker each one goes back to: its holder while the holder has a free slot left, else
+    None (the usual spread places it on any worker, so nothing waits for its holder). The holder's engine
+    may still cache its prefix (april.prefix_cache), so the resume re-prefills less there."""
+    left = list(free)
+    out: list[int | None] = []
+    for holder in holders:
+        if holder is not None and 0 <= holder < len(left) and left[holder] > 0:
+            left[holder] -= 1
+            out.append(holder)
+        else:
+            out.append(None)
+    return out
+
 
 def pick_prompt(
     waiting: Sequence[tuple[int, float | None]], issued: int, order: PromptOrder, window: int

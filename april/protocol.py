@@ -216,15 +216,23 @@ class EngineUsage:
     """W->B. How the worker's engine slots were used since it started (cumulative, wall seconds): the
     broker takes differences between reports, so a lost report loses nothing. `busy_slot_s` = integral of
     running sequences, `slot_s` = integral of slots, `free_slot_s` = time the engine had a free slot and
-    nothing to run (no local queue: a free slot means nothing to run), `elapsed_s` = time measured."""
+    nothing to run (no local queue: a free slot means nothing to run), `elapsed_s` = time measured.
+    An engine that models its own cost (the sim engine) also reports, in its model seconds, the time
+    spent in decode steps (`model_busy_s`) and the part of it re-prefilling resumed partials
+    (`reprefill_s`), and the tokens it drew attending to KV of older weights (`stale_kv_tokens`,
+    resume_kv "reuse"); other engines report 0."""
 
     busy_slot_s: float
     slot_s: float
     free_slot_s: float
     elapsed_s: float
+    model_busy_s: float = 0.0
+    reprefill_s: float = 0.0
+    stale_kv_tokens: int = 0
 
     def validate(self) -> None:
-        for name in ("busy_slot_s", "slot_s", "free_slot_s", "elapsed_s"):
+        fields = ("busy_slot_s", "slot_s", "free_slot_s", "elapsed_s", "model_busy_s", "reprefill_s")
+        for name in (*fields, "stale_kv_tokens"):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):  # NaN fails too
                 raise ValueError(f"{name} = {value}, must be finite and >= 0")
@@ -233,6 +241,8 @@ class EngineUsage:
                 f"busy_slot_s {self.busy_slot_s} > slot_s {self.slot_s} or free_slot_s {self.free_slot_s} "
                 f"> elapsed_s {self.elapsed_s}"
             )
+        if self.reprefill_s > self.model_busy_s * (1 + 1e-9):
+            raise ValueError(f"reprefill_s {self.reprefill_s} > model_busy_s {self.model_busy_s}")
 
 
 MAX_ENGINE_DETAIL = 500  # characters: why an engine is down, one line

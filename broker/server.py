@@ -437,8 +437,15 @@ class Broker:
         """Add each `current` worker's spread share of training samples to `work` (the others' shares stay
         queued for them). A worker on older weights than a partial's last segment gets fewer (take_work
         leaves that partial queued): what it left goes to the current workers with credit left, most free
-        first."""
+        first. With `algo.resume_affinity` partials first go back to the worker they left, if it has room
+        (`BrokerState.take_held_partials`)."""
         free = [p.credit - len(w) for p, w in zip(peers, work, strict=True)]
+        if self.state.algo.resume_affinity:
+            room = [f if ok else 0 for f, ok in zip(free, current, strict=True)]
+            held = self.state.take_held_partials([p.peer_id for p in peers], room, [p.version for p in peers])
+            for i, items in enumerate(held):
+                work[i] += items
+                free[i] -= len(items)
         shares = policy.spread_leases(self.state.leasable_samples(), free, [p.slots for p in peers])
         short = False
         for peer, items, share, ok in zip(peers, work, shares, current, strict=True):

@@ -141,6 +141,9 @@ class BrokerState:
         self.totals = RoundCounters()
         self.history = LengthHistory()  # response lengths seen, per prompt (persisted in the snapshot)
         self.planned_target: int | None = None  # over_sampling auto: this round's target (None: the cap)
+        # the worker each queued partial came back from (resume affinity), until it is leased again. Not
+        # in snapshots: after a restart partials resume anywhere
+        self.holders: dict[tuple[int, int], str] = {}
 
     # ------------------------------------------------------------------ counts and ledger
 
@@ -295,14 +298,47 @@ class BrokerState:
             ):
                 skipped.append(before)
                 continue
-            leased = before.resumed()
-            lease_id = self.new_lease_id()
-            self.leases[lease_id] = LeaseEntry(lease_id, worker_id, before)
-            self._update(entry, leased)
-            if before.response_len:
-                self.round.resumed += 1
-                self.totals.resumed += 1
-            out.append((lease_id, leased.budget(self.algo.max_new_tokens), leased))
+            out.append(self._lease(worker_id, entry, before))
+
+    def _lease(self, worker_id: str, entry: GroupEntry, before: Sample) -> tuple[int, int, Sample]:
+        """Lease `before`, out of the queue already, to `worker_id`."""
+        self.holders.pop(before.key, None)
+        leased = before.resumed()
+        lease_id = self.new_lease_id()
+        self.leases[lease_id] = LeaseEntry(lease_id, worker_id, before)
+        self._update(entry, leased)
+        if before.response_len:
+            self.round.resumed += 1
+            self.totals.resumed += 1
+        return (lease_id, leased.budget(self.algo.max_new_tokens), leased)
+
+    def take_held_partials(
+        self, worker_ids: list[str], free: list[int], versions: list[int | None]
+    ) -> list[list[tuple[int, int, Sample]]]:
+        """Resume affinity: lease each worker (up to its `free` slots) the partials it last held among
+        the first sum(free) of the dispatch queue, the ones this dispatch leases anyway
+        (`policy.resume_affinity`), so affinity changes who resumes a partial, never which partials are
+        resumed now. A partial newer than its holder's `versions` entry stays queued. Returns one list of
+        (lease_id, budget, leased sample) per worker; the caller spreads the rest as usual."""
+        out: list[list[tuple[int, int, Sample]]] = [[] for _ in worker_ids]
+        if not self.holders or not self.dispatch_allowed():
+            return out
+        index = {w: i for i, w in enumerate(worker_ids)}
+        keys = [k for k in self.queue.head(sum(free)) if k in self.holders]
+        picks = policy.resume_affinity([index.get(self.holders[k]) for k in keys], free)
+        taken: set[tuple[int, int]] = set()
+        for (gid, idx), i in zip(keys, picks, strict=True):
+            if i is None:
+                continue
+            entry = self.groups[gid]
+            before = entry.samples[idx]
+            version = versions[i]
+            if version is not None and before.segments and before.segments[-1].version > version:
+                continue
+            taken.add((gid, idx))
+            out[i].append(self._lease(worker_ids[i], entry, before))
+        self.queue.remove(taken)
+        return out
 
     def new_lease_id(self) -> int:
         """The next lease id of this epoch (also for evaluation leases, so ids never collide)."""
@@ -340,6 +376,8 @@ class BrokerState:
             # returned with nothing generated (its worker's engine was still starting or went down, or an
             # abort beat the first token): the lease comes back as it was leased, which is no abort
             self._requeue_as_leased(lease)
+            if lease.at_lease.response_len:  # a partial: its prefix (if cached anywhere) is on that worker
+                self.holders[sample.key] = worker_id
             return 0
         self.round.tokens_generated += new_tokens
         self.totals.tokens_generated += new_tokens
@@ -348,6 +386,7 @@ class BrokerState:
             self.round.aborted += 1
             self.totals.aborted += 1
             self.queue.push(sample.key, sample.min_version)
+            self.holders[sample.key] = worker_id
         else:
             self.round.samples_finished += 1
             self.totals.samples_finished += 1

@@ -4,7 +4,10 @@ Workers report cumulative slot integrals (`EngineUsage`); this module difference
 each worker and adds them to the figures of the batch being gathered:
   - slot_utilization = busy slot-seconds / slot-seconds over the rollout phases (sync/april: from the
     round opening, i.e. the previous batch's ack, to this batch being formed; async: all the time);
-  - bubble_frac = engine-seconds with a free slot and nothing to run / engine-seconds, all the time.
+  - bubble_frac = engine-seconds with a free slot and nothing to run / engine-seconds, all the time;
+  - for engines that model their cost (the sim engine), the model seconds in decode steps, of which
+    re-prefilling resumed partials, and the tokens drawn attending to KV of older weights, all the time
+    (the re-prefill share and stale-KV fraction of `april bench`'s measured figures).
 Nothing counts before generation starts (the first lease) nor after the run's last step was trained, as
 in the simulator, whose engines start at t = 0 with work and whose run ends with its last step. A report
 covers the broker-time interval since the worker's previous report (the first one, and the first of a
@@ -32,12 +35,19 @@ class Integrals:
     phase_slot_s: float = 0.0  # slot-seconds inside rollout phases
     free_engine_s: float = 0.0  # engine-seconds with a free slot, all time
     engine_s: float = 0.0  # engine-seconds, all time
+    # engines that model their cost (the sim engine): model seconds in decode steps, of which re-prefill
+    model_busy_s: float = 0.0
+    reprefill_s: float = 0.0
+    stale_kv_tokens: float = 0.0  # tokens drawn attending to KV of older weights (resume_kv reuse)
 
     def add(self, other: Integrals) -> None:
         self.busy_phase_slot_s += other.busy_phase_slot_s
         self.phase_slot_s += other.phase_slot_s
         self.free_engine_s += other.free_engine_s
         self.engine_s += other.engine_s
+        self.model_busy_s += other.model_busy_s
+        self.reprefill_s += other.reprefill_s
+        self.stale_kv_tokens += other.stale_kv_tokens
 
     def stats(self) -> dict[str, float]:
         """Batch stats: the two ratios (NaN without data) and the integrals behind them."""
@@ -49,6 +59,9 @@ class Integrals:
             "phase_slot_s": self.phase_slot_s,
             "free_engine_s": self.free_engine_s,
             "engine_s": self.engine_s,
+            "model_busy_s": self.model_busy_s,
+            "reprefill_s": self.reprefill_s,
+            "stale_kv_tokens": self.stale_kv_tokens,
         }
 
 
@@ -117,6 +130,9 @@ class SlotUsage:
             phase_slot_s=slots * share,
             free_engine_s=max(0.0, usage.free_slot_s - before.free_slot_s) * running,
             engine_s=max(0.0, usage.elapsed_s - before.elapsed_s) * running,
+            model_busy_s=max(0.0, usage.model_busy_s - before.model_busy_s) * running,
+            reprefill_s=max(0.0, usage.reprefill_s - before.reprefill_s) * running,
+            stale_kv_tokens=max(0, usage.stale_kv_tokens - before.stale_kv_tokens) * running,
         )
         self.window.add(delta)
         self.total.add(delta)

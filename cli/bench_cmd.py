@@ -19,7 +19,7 @@ from typing import Annotated
 import typer
 
 from actors.lengths import EmpiricalLength, LengthSpec
-from april.config import AlgoConfig
+from april.config import AlgoConfig, ResumeKV
 from april.engine_cost import EngineCost
 from april.hf import check_model_dir
 from broker.sim.figures import Figures, with_speedups
@@ -37,8 +37,11 @@ from cli.sim_options import (
     LearnerStepS,
     Modes,
     PrefillMsPerToken,
+    PrefixCacheTokens,
     PromptCorr,
     PromptLen,
+    ResumeAffinity,
+    ResumeKVOption,
     SamplesPerPrompt,
 )
 from cli.simulate_cmd import SimulateError, parse_modes, resolve_lengths
@@ -116,8 +119,11 @@ def bench_command(
     decode_ms: DecodeMs = COST.decode_ms,
     decode_ms_per_seq: DecodeMsPerSeq = COST.decode_ms_per_seq,
     prefill_ms_per_token: PrefillMsPerToken = COST.prefill_ms_per_token,
+    prefix_cache_tokens: PrefixCacheTokens = COST.prefix_cache_tokens,
     learner_step_s: LearnerStepS = LEARNER_STEP_S,
     prompt_len: PromptLen = PROMPT_LEN,
+    resume_affinity: ResumeAffinity = False,
+    resume_kv: ResumeKVOption = ResumeKV.RECOMPUTE,
     target_s: Annotated[
         float,
         typer.Option(help="sim: wall seconds the slowest mode's run should take (sets the time scale)."),
@@ -159,6 +165,7 @@ def bench_command(
         n_samples_per_prompt=n_samples_per_prompt,
         max_new_tokens=max_new_tokens or int(d["max_new_tokens"]),
         max_staleness=staleness[0],
+        resume_affinity=resume_affinity,
     )
     name = workload or str(d["workload"])
     setting = BenchSetting(
@@ -171,7 +178,7 @@ def bench_command(
         engines=engines or int(d["engines"]),
         slots=slots or int(d["slots"]),
         seed=seed,
-        cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token),
+        cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token, prefix_cache_tokens),
         learner_step_s=learner_step_s,
         prompt_len=prompt_len,
         model=str(model.resolve()),
@@ -180,6 +187,7 @@ def bench_command(
         variants=tuple(parse_variant(v, algo) for v in variant or []),
         dataset_size=dataset_size,
         prompt_corr=prompt_corr,
+        resume_kv=resume_kv,
     )
     run_bench(setting, out, target_s, time_scale)
 

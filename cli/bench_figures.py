@@ -11,6 +11,9 @@ Same names and definitions as `broker.sim.figures.Figures` (the simulator's), me
   - staleness_mean / staleness_max / offpolicy_token_frac: over the trained samples of every step.
   - aborted / resumed: the broker's totals when the last step was acked; accuracy_final: the last
     evaluation's accuracy, if any (none with the sim engine).
+  - reprefill_frac / stale_kv_token_frac: from the sim engines' own cost counters (EngineUsage), summed
+    over the steps: re-prefill model seconds / model seconds in decode steps, and tokens drawn attending
+    to KV of older weights / tokens generated; None when no engine models its cost (torch).
 Reads files only: metrics.jsonl (learner), broker_totals.json (broker), eval.jsonl (broker).
 """
 
@@ -50,6 +53,9 @@ def run_figures(run_dir: Path) -> Figures:
     free = sum(x["free_engine_s"] for x in lines)
     engine = sum(x["engine_s"] for x in lines)
     rollout = lines[0]["run_s"] + sum(x["learner/wait_s"] for x in lines[1:])
+    model_busy = sum(x.get("model_busy_s", 0.0) for x in lines)  # 0: no engine models its cost
+    reprefill = sum(x.get("reprefill_s", 0.0) for x in lines)
+    stale_kv = sum(x.get("stale_kv_tokens", 0.0) for x in lines)
     evals = read_jsonl(run_dir / "eval.jsonl")
     return Figures(
         wall_s=wall,
@@ -67,6 +73,8 @@ def run_figures(run_dir: Path) -> Figures:
         aborted=int(at_last["aborted"]),
         resumed=int(at_last["resumed"]),
         accuracy_final=float(evals[-1]["accuracy"]) if evals else None,
+        reprefill_frac=reprefill / model_busy if model_busy > 0 else None,
+        stale_kv_token_frac=stale_kv / at_last["tokens_generated"] if model_busy > 0 else None,
     )
 
 

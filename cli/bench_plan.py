@@ -24,6 +24,7 @@ from april.config import (
     DataConfig,
     LearnerConfig,
     Mode,
+    ResumeKV,
     RunConfig,
     WorkerConfig,
     parse_override,
@@ -86,6 +87,7 @@ class BenchSetting:
     variants: tuple[BenchRun, ...] = ()  # more runs after the modes' (--variant)
     dataset_size: int = 10000  # sim: prompts in the synthetic dataset (they recur every epoch)
     prompt_corr: float = 0.0  # sim: how much a length is its prompt's (april.sample_draw.LengthDraw)
+    resume_kv: ResumeKV = ResumeKV.RECOMPUTE  # sim: the engines' prefix caches across a weight update
 
     def runs(self) -> list[BenchRun]:
         """The runs, in order: one per mode, and async once per bound of `async_staleness` when it names
@@ -133,6 +135,9 @@ class BenchSetting:
                 decode_ms=self.cost.decode_ms,
                 decode_ms_per_seq=self.cost.decode_ms_per_seq,
                 prefill_ms_per_token=self.cost.prefill_ms_per_token,
+                prefix_cache_tokens=self.cost.prefix_cache_tokens,
+                resume_kv=self.resume_kv.value,
+                resume_affinity=a.resume_affinity,
                 learner_step_s=self.learner_step_s,
                 prompt_len=self.prompt_len,
                 time_scale=self.time_scale,
@@ -161,6 +166,7 @@ def sim_config(setting: BenchSetting, run: BenchRun) -> SimConfig:
         per_sample_lengths=True,
         dataset_size=setting.dataset_size,
         prompt_corr=setting.prompt_corr,
+        resume_kv=setting.resume_kv,
     )
 
 
@@ -203,6 +209,8 @@ def _base_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Confi
             sim_decode_ms_per_seq=setting.cost.decode_ms_per_seq,
             sim_prefill_ms_per_token=setting.cost.prefill_ms_per_token,
             sim_prompt_corr=setting.prompt_corr,
+            sim_prefix_cache_tokens=setting.cost.prefix_cache_tokens,
+            resume_kv=setting.resume_kv,
         )
         learner = dataclasses.replace(learner, backend="sim", sim_step_s=setting.learner_step_s)
         if setting.real_learner:  # sim tokens the model can train on: its vocabulary, its tokenizer

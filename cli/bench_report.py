@@ -35,6 +35,8 @@ COLUMNS = (
     ("stale mean/max", "staleness", "{}"),
     ("aborted", "aborted", "{:d}"),
     ("resumed", "resumed", "{:d}"),
+    ("re-prefill", "reprefill_frac", "{:.4f}"),
+    ("stale KV", "stale_kv_token_frac", "{:.3f}"),
     ("wall s", "wall_s", "{:.1f}"),
     ("rollout s", "rollout_s", "{:.1f}"),
     ("accuracy", "accuracy_final", "{:.3f}"),
@@ -120,8 +122,9 @@ def bench_markdown(
         lines.append(
             f"Sim cost: decode {w['decode_ms']:g} + {w['decode_ms_per_seq']:g} ms/seq, prefill "
             f"{w['prefill_ms_per_token']:g} ms/token, learner {w['learner_step_s']:g} s, prompts "
-            f"{w['prompt_len']} tokens; time scale {w['time_scale']:.4g} wall s per simulated s "
-            "(seconds below are wall seconds)."
+            f"{w['prompt_len']} tokens, prefix cache {w['prefix_cache_tokens']:,} tokens an engine, "
+            f"resume_kv {w['resume_kv']}, resume affinity {'on' if w['resume_affinity'] else 'off'}; time "
+            f"scale {w['time_scale']:.4g} wall s per simulated s (seconds below are wall seconds)."
         )
     m = doc["machine"]
     lines += [

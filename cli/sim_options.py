@@ -1,9 +1,9 @@
 """The options `april simulate` and `april bench --engine sim` share: the simulated cluster's cost model
-(decode step A + B x active sequences, prefill C per input token, learner step L), the prompt length, the
-samples per group, the staleness bound and the modes. One declaration each, so the two commands cannot
-drift apart in meaning, help or default. The step cost's defaults are `april.engine_cost.EngineCost`'s,
-the ones the sim engine of `april up --engine sim` also starts from (a 4B model on one H100-class GPU
-per engine)."""
+(decode step A + B x active sequences, prefill C per input token, learner step L, the engines' prefix
+caches), the prompt length, the samples per group, the staleness bound, the resume options and the
+modes. One declaration each, so the two commands cannot drift apart in meaning, help or default. The
+step cost's defaults are `april.engine_cost.EngineCost`'s, the ones the sim engine of `april up --engine
+sim` also starts from (a 4B model on one H100-class GPU per engine)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from april.config import OverSampling, PromptOrder
+from april.config import OverSampling, PromptOrder, ResumeKV
 from april.engine_cost import DEFAULT_COST
 
 COST = DEFAULT_COST  # the default step cost (A, B, C)
@@ -67,4 +67,23 @@ PromptOrderOpt = Annotated[
 PromptWindow = Annotated[
     int,
     typer.Option(help="--prompt-order: prompts drawn ahead; each is issued within this many groups.", min=1),
+]
+PrefixCacheTokens = Annotated[
+    int,
+    typer.Option(
+        help="KV tokens each engine keeps for interrupted samples (their prefix cache; 0 = none).",
+        min=0,
+        rich_help_panel=PANEL,
+    ),
+]
+ResumeAffinity = Annotated[
+    bool,
+    typer.Option(help="A partial goes back to the engine it left (its cached prefix) if that one has room."),
+]
+ResumeKVOption = Annotated[
+    ResumeKV,
+    typer.Option(
+        help="recompute: a weight update empties the prefix caches (exact; real engines); reuse: kept.",
+        case_sensitive=False,
+    ),
 ]

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from actors.lengths import EmpiricalLength, LengthSpec
-from april.config import AlgoConfig, Mode, OverSampling, PromptOrder
+from april.config import AlgoConfig, Mode, OverSampling, PromptOrder, ResumeKV
 from april.engine_cost import EngineCost
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
@@ -40,10 +40,13 @@ from cli.sim_options import (
     Modes,
     OverSamplingOpt,
     PrefillMsPerToken,
+    PrefixCacheTokens,
     PromptCorr,
     PromptLen,
     PromptOrderOpt,
     PromptWindow,
+    ResumeAffinity,
+    ResumeKVOption,
     SamplesPerPrompt,
 )
 
@@ -195,6 +198,9 @@ def setting_json(cfg: SimConfig, lengths: LengthSpec) -> dict[str, Any]:
         "decode_ms": cfg.cost.decode_ms,
         "decode_ms_per_seq": cfg.cost.decode_ms_per_seq,
         "prefill_ms_per_token": cfg.cost.prefill_ms_per_token,
+        "prefix_cache_tokens": cfg.cost.prefix_cache_tokens,
+        "resume_affinity": a.resume_affinity,
+        "resume_kv": cfg.resume_kv.value,
         "learner_step_s": cfg.learner_step_s,
         "steps": cfg.steps,
         "prompt_len": cfg.prompt_len,
@@ -217,7 +223,9 @@ def header(cfg: SimConfig, lengths: LengthSpec) -> str:
         f"{cfg.prompt_corr:g}), "
         f"{a.max_new_tokens} tokens max, {cfg.engines} engines x {cfg.slots} "
         f"slots, step {c.decode_ms:g} + {c.decode_ms_per_seq:g} ms/seq, prefill {c.prefill_ms_per_token:g} "
-        f"ms/token, learner {cfg.learner_step_s:g} s, eta {a.max_staleness}, {cfg.steps} steps"
+        f"ms/token, learner {cfg.learner_step_s:g} s, eta {a.max_staleness}, {cfg.steps} steps\n"
+        f"prefix cache {c.prefix_cache_tokens:,} tokens an engine, resume_kv {cfg.resume_kv.value}, resume "
+        f"affinity {'on' if a.resume_affinity else 'off'}"
     )
 
 
@@ -228,7 +236,7 @@ def render(results: list[tuple[dict[str, float], dict[str, Figures], Waits]]) ->
     for key in keys:
         table.add_column(SWEEP_KEYS[key], justify="right", no_wrap=True)
     heads = ("mode", "samples/s", "speedup", "tok/s", "eff tok/s", "util", "bubble", "offpol", "stale")
-    for head in (*heads, "aborted", "resumed", "wasted", "wall s"):
+    for head in (*heads, "reprefill", "stale KV", "aborted", "resumed", "wasted", "wall s"):
         table.add_column(head, justify="left" if head == "mode" else "right")
     for point, by_mode, _ in results:
         for mode, f in by_mode.items():
@@ -243,6 +251,8 @@ def render(results: list[tuple[dict[str, float], dict[str, Figures], Waits]]) ->
                 f"{f.bubble_frac:.3f}",
                 f"{f.offpolicy_token_frac:.3f}",
                 f"{f.staleness_mean:.2f}/{f.staleness_max}",
+                "-" if f.reprefill_frac is None else f"{f.reprefill_frac:.4f}",
+                "-" if f.stale_kv_token_frac is None else f"{f.stale_kv_token_frac:.3f}",
                 str(f.aborted),
                 str(f.resumed),
                 str(f.wasted_tokens),
@@ -274,8 +284,11 @@ def simulate_command(
     decode_ms: DecodeMs = COST.decode_ms,
     decode_ms_per_seq: DecodeMsPerSeq = COST.decode_ms_per_seq,
     prefill_ms_per_token: PrefillMsPerToken = COST.prefill_ms_per_token,
+    prefix_cache_tokens: PrefixCacheTokens = COST.prefix_cache_tokens,
     learner_step_s: LearnerStepS = LEARNER_STEP_S,
     max_staleness: MaxStaleness = 1,
+    resume_affinity: ResumeAffinity = False,
+    resume_kv: ResumeKVOption = ResumeKV.RECOMPUTE,
     steps: Annotated[int, typer.Option(help="Learner steps simulated per mode.", min=1)] = 20,
     prompt_len: PromptLen = PROMPT_LEN,
     seed: Annotated[
@@ -327,13 +340,14 @@ def simulate_command(
         over_sampling=over_sampling,
         prompt_order=prompt_order,
         prompt_window=prompt_window,
+        resume_affinity=resume_affinity,
     )
     base = SimConfig(
         Mode.SYNC,
         algo,
         engines=engines,
         slots=slots,
-        cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token),
+        cost=EngineCost(decode_ms, decode_ms_per_seq, prefill_ms_per_token, prefix_cache_tokens),
         learner_step_s=learner_step_s,
         steps=steps,
         prompt_len=prompt_len,
@@ -341,6 +355,7 @@ def simulate_command(
         per_sample_lengths=per_sample_lengths,
         dataset_size=dataset_size,
         prompt_corr=prompt_corr,
+        resume_kv=resume_kv,
     )
     started = time.perf_counter()
     results = [(p, *run_point(apply_point(base, p), spec, chosen)) for p in points]

@@ -40,7 +40,10 @@ REQUIRED = (
     "weight_sync_s", "loss", "ledger", "eval_accuracy", "eval_version",
 )  # fmt: skip
 
-USAGE_INTEGRALS = ("busy_phase_slot_s", "phase_slot_s", "free_engine_s", "engine_s")
+USAGE_INTEGRALS = (
+    "busy_phase_slot_s", "phase_slot_s", "free_engine_s", "engine_s", "model_busy_s", "reprefill_s",
+    "stale_kv_tokens",
+)  # fmt: skip
 
 
 def step_record(

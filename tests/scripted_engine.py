@@ -76,6 +76,7 @@ class _Request:
 
 class ScriptedEngine:
     name = "scripted"
+    can_reuse_kv = False
 
     def __init__(
         self, script: EngineScript, slots: int, sampling: SamplingParams, identify: Identify, version: int = 0

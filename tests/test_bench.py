@@ -82,6 +82,11 @@ def test_bench_smoke_with_real_processes(tmp_path: Path) -> None:
         assert f["wasted_tokens"] == 0, mode  # nothing generated is thrown away in any mode
         assert 0 < f["slot_utilization"] <= 1 and 0 <= f["bubble_frac"] <= 1, (mode, f)
     assert doc["modes"]["sync"]["aborted"] == 0 and doc["modes"]["sync"]["offpolicy_token_frac"] == 0.0
+    # the sim engines report their re-prefill (a share of their model time) and stale-KV tokens: none
+    # in sync (nothing resumes) and none of the latter under resume_kv recompute (the default)
+    for mode, f in doc["modes"].items():
+        assert 0 <= f["reprefill_frac"] < 1 and f["stale_kv_token_frac"] == 0.0, (mode, f)
+    assert doc["modes"]["sync"]["reprefill_frac"] == 0.0
     # the simulator's prediction of the same samples (virtual time, scaled to wall time) and its error
     # against the real processes are benchmark figures in bench.json, not a threshold: how close they come
     # depends on how busy the machine is

@@ -134,10 +134,10 @@ def model_step_times(model: EngineModel, until_first_finish: bool) -> tuple[list
 
 
 def test_april_up_and_april_simulate_model_the_same_machine() -> None:
-    """A full engine of fresh samples runs until the first finishes, is aborted, and every partial is
-    resumed (re-prefilling prompt + partial) and run to the end: each step takes the same model time in
-    the sim engine of `april up --engine sim` (default config) as in `april simulate`'s engines (default
-    options), and the same samples finish at the same steps."""
+    """A full engine of fresh samples runs until the first finishes, is aborted, new weights are loaded,
+    and every partial is resumed (re-prefilling prompt + partial) and run to the end: each step takes the
+    same model time in the sim engine of `april up --engine sim` (default config) as in `april
+    simulate`'s engines (default options), and the same samples finish at the same steps."""
     engine = up_engine()
     slots = engine.slots
     samples = new_group_samples(0, slots, PROMPT, "", {})
@@ -153,6 +153,10 @@ def test_april_up_and_april_simulate_model_the_same_machine() -> None:
     partials = {out.request_id: out.token_ids for out in engine.abort()}
     aborted: dict[int, Sample] = dict(model.abort())
     assert {i: s.response_len for i, s in aborted.items()} == {i: len(t) for i, t in partials.items()}
+    # the next round runs on new weights (resume_kv "recompute", the default): the prefix caches are
+    # emptied, so every partial re-prefills prompt + partial in both engines
+    engine.load_weights("", 1)
+    model.load(1)
     engine.add(
         [
             GenerationRequest(i + 100, np.concatenate([PROMPT, tokens]), MAX_NEW - len(tokens))

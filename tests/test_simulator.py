@@ -44,6 +44,8 @@ FIGURE_KEYS = {
     "resumed",
     "accuracy_final",
     "speedup",
+    "reprefill_frac",
+    "stale_kv_token_frac",
 }
 
 
@@ -360,7 +362,10 @@ def test_cli_json_schema(tmp_path: Path) -> None:
         assert sum(waits.values()) == pytest.approx(figures["rollout_s"])
         assert set(figures) == FIGURE_KEYS
         assert figures["accuracy_final"] is None and figures["wasted_tokens"] == 0
+        assert 0 <= figures["reprefill_frac"] < 1
+        assert figures["stale_kv_token_frac"] == 0.0  # resume_kv recompute: never KV of older weights
     assert doc["modes"]["sync"]["speedup"] == 1.0
+    assert doc["modes"]["sync"]["reprefill_frac"] == 0.0  # nothing is ever resumed in sync
 
 
 def test_cli_sweep_json_and_table() -> None:

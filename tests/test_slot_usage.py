@@ -77,3 +77,25 @@ def test_nothing_counts_after_the_run_stopped() -> None:
     u.report("w", usage(4.0, 8.0, 2.0, 2.0), now=2.0)  # [0, 2]: half of it in the run
     assert u.total.busy_phase_slot_s == pytest.approx(2.0)
     assert u.total.engine_s == pytest.approx(1.0)
+
+
+def test_a_cost_modelled_engine_reports_its_reprefill_and_stale_kv_counters() -> None:
+    """The sim engine's own counters ride on EngineUsage; the broker differences them like the rest, over
+    the run (after the first lease); an engine without a cost model reports zeros."""
+    from actors.engines.sim_engine import SimEngine
+
+    engine = SimEngine("fixed:4", slots=2, sleep=False)
+    engine.elapsed_s, engine.reprefill_s, engine.stale_kv_tokens = 2.0, 0.5, 7
+    m = SlotMeter(slots=2, now=0.0)
+    r = m.report(1.0, engine)
+    assert (r.model_busy_s, r.reprefill_s, r.stale_kv_tokens) == (2.0, 0.5, 7)
+    assert (m.report(1.0, object()).model_busy_s, m.report(1.0).reprefill_s) == (0.0, 0.0)
+    u = SlotUsage(now=0.0)
+    u.report("w", r, now=1.0)  # before generation: a baseline only
+    u.start(1.0)
+    later = EngineUsage(0.0, 4.0, 2.0, 2.0, model_busy_s=6.0, reprefill_s=1.5, stale_kv_tokens=10)
+    u.report("w", later, now=2.0)
+    stats = u.take_window()
+    assert (stats["model_busy_s"], stats["reprefill_s"], stats["stale_kv_tokens"]) == (4.0, 1.0, 3.0)
+    with pytest.raises(ValueError, match="reprefill_s"):
+        EngineUsage(0.0, 1.0, 0.0, 1.0, model_busy_s=1.0, reprefill_s=2.0).validate()

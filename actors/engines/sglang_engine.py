@@ -100,6 +100,9 @@ class SGLangEngine:
     """An Engine over SGLang servers at `urls` (see the module docstring)."""
 
     name = "sglang"
+    # the adapter flushes the radix cache with every update (/update_weights_from_disk flush_cache true,
+    # /flush_cache after a broadcast) and resubmits parked requests: a resume recomputes its prefix
+    can_reuse_kv = False
 
     def __init__(
         self,

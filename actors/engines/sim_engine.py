@@ -19,6 +19,13 @@ Sample identity (what makes a resume keep its length). A `GenerationRequest` car
     under the digest of `input + partial`, so resuming it *on this engine* is recognised. Resuming on
     another process draws a new length: use the hook for resume hand-off across workers.
 
+Prefix cache (`april.prefix_cache`, `cost.prefix_cache_tokens` of capacity): an aborted request leaves
+its prefix behind, and a resume of the same sample on this engine prefills only what the cache no longer
+holds. `keep_kv_across_updates` (worker.resume_kv = "reuse") keeps the cache across `load_weights`;
+otherwise a load empties it, as SGLang and vLLM do. `reprefill_tokens` / `reprefill_s` count what resumes
+re-prefilled (tokens, model seconds), `elapsed_s` all the model time, for the re-prefill share;
+`stale_kv_tokens` the tokens drawn while attending to KV of older weights than the loaded ones.
+
 Time: `elapsed_s` accumulates model time (seconds a real GPU would spend). With `sleep=True` steps keep
 to a wall-clock schedule of `model time x time_scale` (sleeping what is left of each step; the caller's
 work between steps is absorbed, as a GPU's host overhead), so a worker driving it behaves like a real
@@ -45,6 +52,7 @@ import numpy.typing as npt
 from actors.engine import EngineError, GenerationOutput, GenerationRequest, WeightLoadError, admit
 from actors.lengths import LengthSpec
 from april.engine_cost import EngineCost
+from april.prefix_cache import PrefixCache
 from april.records import FinishReason
 from april.sample_draw import LengthDraw, sample_key
 from april.sample_draw import mix as _mix
@@ -87,6 +95,10 @@ class _Running:
     finish: FinishReason  # reason once all of token_ids are out
     started_s: float
     prefill_tokens: int  # input tokens still to prefill (paid in the first step)
+    resumed: bool  # the input holds a partial response: its prefill is a re-prefill
+    cached: int  # input tokens whose KV the prefix cache gave back
+    kv_version: int  # weights version of the oldest KV this request attends to
+    prefilled: bool = False  # the first step ran: the KV of the whole input exists
     produced: int = 0
     marks: list[tuple[int, int]] = field(default_factory=list)  # (produced, version) at each change
 
@@ -110,6 +122,7 @@ class SimEngine:
     """A cost-model engine (see the module docstring). Implements actors.engine.Engine."""
 
     name = "sim"
+    can_reuse_kv = True  # a prefix cache kept across load_weights is a setting (keep_kv_across_updates)
 
     def __init__(
         self,
@@ -125,6 +138,7 @@ class SimEngine:
         version: int = 0,
         identify: Identify | None = None,
         prompt_corr: float = 0.0,
+        keep_kv_across_updates: bool = False,
     ) -> None:
         if slots < 1:
             raise EngineError(f"sim engine: slots = {slots}, expected >= 1")
@@ -153,6 +167,10 @@ class SimEngine:
         self._ready: list[GenerationOutput] = []
         self._memo: OrderedDict[bytes, SampleIdentity] = OrderedDict()
         self._wall_due = 0.0
+        self.cache = PrefixCache(self.cost.prefix_cache_tokens, keep_kv_across_updates, version)
+        self.reprefill_tokens = 0  # input tokens re-prefilled by resumed requests (what the cache missed)
+        self.reprefill_s = 0.0  # their share of elapsed_s (model time)
+        self.stale_kv_tokens = 0  # tokens generated attending to KV of older weights than the loaded ones
 
     @property
     def active(self) -> int:
@@ -204,6 +222,8 @@ class SimEngine:
         n = max(0, min(left, req.max_new_tokens))
         finish = FinishReason.STOP if left <= req.max_new_tokens else FinishReason.LENGTH
         tokens, logprobs = self._tokens(ident.key, done, n, stops=finish == FinishReason.STOP)
+        hit = self.cache.take(ident.key, len(ids)) if n else None  # only a request that runs takes it
+        cached = hit.tokens if hit else 0
         run = _Running(
             request_id=req.request_id,
             identity=ident,
@@ -213,7 +233,10 @@ class SimEngine:
             logprobs=logprobs,
             finish=finish,
             started_s=self.elapsed_s,
-            prefill_tokens=len(ids),
+            prefill_tokens=len(ids) - cached,
+            resumed=done > 0,
+            cached=cached,
+            kv_version=min(hit.kv_version, self.version) if hit and cached else self.version,
             marks=[(0, self.version)],
         )
         if req.max_new_tokens == 0:
@@ -241,10 +264,16 @@ class SimEngine:
         out, self._ready = self._ready, []
         if not self._running:
             return out
-        prefill = 0
+        prefill = reprefill = 0
         for run in self._running.values():
             prefill += run.prefill_tokens
+            if run.resumed:
+                reprefill += run.prefill_tokens
             run.prefill_tokens = 0
+            run.prefilled = True
+            self.stale_kv_tokens += run.kv_version < self.version
+        self.reprefill_tokens += reprefill
+        self.reprefill_s += self.cost.prefill_s(reprefill)
         self._advance(self.cost.step_s(len(self._running), prefill))
         self.steps += 1
         finished = []
@@ -274,6 +303,9 @@ class SimEngine:
         out, self._ready = self._ready, []
         for run in self._running.values():
             out.append(run.output(FinishReason.ABORT, self.elapsed_s))
+            # its KV stays on the engine: all of it once prefilled, else only what the cache gave back
+            kv = len(run.input_ids) + run.produced if run.prefilled else run.cached
+            self.cache.store(run.identity.key, kv, run.kv_version)
             if self.identify is None:
                 resumed_input = np.concatenate([run.input_ids, run.token_ids[: run.produced]])
                 self._memo[_digest(resumed_input)] = run.identity
@@ -296,6 +328,7 @@ class SimEngine:
         if version == self.version:
             return
         self.version = version
+        self.cache.update(version)
         for run in self._running.values():
             if run.marks[-1][0] == run.produced:
                 run.marks[-1] = (run.produced, version)

@@ -161,6 +161,7 @@ class TorchEngine:
     """Continuous batching with a KV cache over a local HF causal LM (see the module docstring)."""
 
     name = "torch"
+    can_reuse_kv = False  # no prefix cache: an aborted row's KV is freed, and a load re-prefills live rows
 
     def __init__(
         self,

@@ -178,6 +178,7 @@ class VLLMEngine:
     """An Engine over an in-process vLLM `AsyncLLM` (see the module docstring)."""
 
     name = "vllm"
+    can_reuse_kv = False  # load_weights calls reset_prefix_cache after the reload
 
     def __init__(
         self,

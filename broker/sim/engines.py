@@ -6,7 +6,10 @@ each has produced, when its next step boundary falls, and the broker messages it
 Cost model: `april.engine_cost.EngineCost`, the one the sim engine a worker runs also uses (a decode
 step over `active` sequences, plus the prefill of every input token admitted in that step). A fresh
 sample's input is its prompt; a resumed partial re-prefills prompt + the response so far (the resume
-hand-off cost: its KV cache did not survive the abort).
+hand-off cost), less what this engine's prefix cache still holds of it (`april.prefix_cache`, the rule
+the sim engine follows too: the same re-prefill for the same events). `busy_s` and `reprefill_tokens`
+give the re-prefill share of engine time; `stale_kv_tokens` counts tokens generated while attending to
+KV computed under older weights than the loaded ones (what resume_kv "reuse" costs in exactness).
 
 Vectorised: all sequences of an engine advance together, so between two events an engine is an
 arithmetic progression of step boundaries (the first step longer by its prefill). It is woken only at a
@@ -27,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from april.engine_cost import EngineCost
+from april.prefix_cache import PrefixCache
 from april.records import FinishReason, Sample
 from broker.sim.figures import Meter
 
@@ -63,12 +67,23 @@ class _Seq:
     sample: Sample  # as leased (RUNNING)
     finish: FinishReason  # STOP or LENGTH once its tokens are out
     marks: list[tuple[int, int]]  # (tokens produced in this lease, version from then on)
+    cached: int = 0  # input tokens the prefix cache gave back
+    kv_version: int = 0  # weights version of the oldest KV it attends to
+    prefilled: bool = False  # its first step ran: the KV of its whole input exists
 
 
 class EngineModel:
     """One simulated engine with `slots` concurrent sequences (see the module docstring)."""
 
-    def __init__(self, index: int, slots: int, cost: EngineCost, meter: Meter, length_of: LengthOf) -> None:
+    def __init__(
+        self,
+        index: int,
+        slots: int,
+        cost: EngineCost,
+        meter: Meter,
+        length_of: LengthOf,
+        keep_kv_across_updates: bool = False,
+    ) -> None:
         self.index = index
         self.worker_id = f"sim-{index}"
         self.slots = slots
@@ -86,6 +101,13 @@ class EngineModel:
         self.generation = 0  # bumped whenever `wake` is replaced, so stale queue entries are skipped
         self.tokens = 0  # response tokens generated, every lease
         self.busy = False  # inside a wake: new messages are read before it ends
+        self.cache = PrefixCache(cost.prefix_cache_tokens, keep_kv_across_updates)
+        self.reprefill = 0  # of `prefill`: input tokens of resumed samples the cache missed
+        self.admitted = False  # sequences admitted since the last step
+        self.reprefill_tokens = 0  # paid, every lease
+        self.busy_s = 0.0  # time spent in decode steps
+        self.stale_kv_tokens = 0  # tokens generated attending to KV of older weights than the loaded ones
+        self.stale_seqs = 0  # running sequences attending to such KV (kept up to date: advance is hot)
 
     @property
     def active(self) -> int:
@@ -127,7 +149,14 @@ class EngineModel:
             self.produced += steps
             self.remaining -= steps
             self.tokens += steps * self.active
-            self.prefill = 0
+            self.stale_kv_tokens += steps * self.stale_seqs
+            self.busy_s += now - self.t_base
+            if self.admitted:  # their first step ran (even one whose whole input was cached)
+                for seq in self.seqs:
+                    seq.prefilled = True
+                self.admitted = False
+            self.reprefill_tokens += self.reprefill
+            self.prefill = self.reprefill = 0
         self.t_base = now
 
     # ------------------------------------------------------------------ sequences
@@ -161,7 +190,15 @@ class EngineModel:
             self.seqs.append(seq)
             produced.append(0)
             remaining.append(n)
-            self.prefill += int(sample.prompt_ids.shape[0]) + done
+            input_len = int(sample.prompt_ids.shape[0]) + done
+            hit = self.cache.take(sample.key, input_len)
+            seq.cached = hit.tokens
+            seq.kv_version = min(hit.kv_version, self.version) if hit.tokens else self.version
+            self.prefill += input_len - hit.tokens
+            if done:
+                self.reprefill += input_len - hit.tokens
+            self.stale_seqs += seq.kv_version < self.version
+            self.admitted = True
         if produced:
             self.produced = np.concatenate([self.produced, np.asarray(produced, dtype=np.int64)])
             self.remaining = np.concatenate([self.remaining, np.asarray(remaining, dtype=np.int64)])
@@ -170,12 +207,15 @@ class EngineModel:
 
     def abort(self) -> list[Output]:
         """Every running sequence back as an INTERRUPTED partial with the tokens it has."""
-        out = [
-            (seq.lease_id, _output(seq, int(n), FinishReason.ABORT))
-            for seq, n in zip(self.seqs, self.produced.tolist(), strict=True)
-        ]
+        out = []
+        for seq, n in zip(self.seqs, self.produced.tolist(), strict=True):
+            out.append((seq.lease_id, _output(seq, n, FinishReason.ABORT)))
+            # its KV stays on the engine: all of it once prefilled, else only what the cache gave back
+            s = seq.sample
+            kv = int(s.prompt_ids.shape[0]) + s.response_len + n if seq.prefilled else seq.cached
+            self.cache.store(s.key, kv, seq.kv_version)
         self._keep(np.zeros(self.active, dtype=bool))
-        self.prefill = 0
+        self.prefill = self.reprefill = 0
         return out
 
     def load(self, version: int) -> None:
@@ -183,6 +223,8 @@ class EngineModel:
         if version <= self.version:
             return
         self.version = version
+        self.cache.update(version)
+        self.stale_seqs = self.active  # every running sequence's KV predates these weights
         for seq, n in zip(self.seqs, self.produced.tolist(), strict=True):
             if seq.marks[-1][0] == n:
                 seq.marks[-1] = (n, version)
@@ -192,6 +234,7 @@ class EngineModel:
     def _keep(self, mask: npt.NDArray[np.bool_]) -> None:
         before = self.active
         self.seqs = [seq for seq, keep in zip(self.seqs, mask.tolist(), strict=True) if keep]
+        self.stale_seqs = sum(seq.kv_version < self.version for seq in self.seqs)
         self.produced = self.produced[mask]
         self.remaining = self.remaining[mask]
         self.meter.engine_changed(before, self.active, self.slots)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from april import policy
-from april.config import AlgoConfig, ConfigError, Mode
+from april.config import AlgoConfig, ConfigError, Mode, ResumeKV
 from april.data import SyntheticPromptSource
 from april.engine_cost import EngineCost
 from april.ledger import Ledger
@@ -71,6 +71,7 @@ class SimConfig:
     # (april.sample_draw), so `april bench --engine sim` runs the very same samples; False: one seeded stream
     per_sample_lengths: bool = False
     check_ledger_every_event: bool = False  # debug: the books balance after every event (slow)
+    resume_kv: ResumeKV = ResumeKV.RECOMPUTE  # the engines' prefix caches across a weight update
 
     def __post_init__(self) -> None:
         for name in ("engines", "slots", "steps", "prompt_len", "dataset_size"):
@@ -182,8 +183,9 @@ class Simulation:
             if config.per_sample_lengths or config.prompt_corr
             else LengthTable(lengths, config.seed, config.algo.n_samples_per_prompt)
         )
+        keep = config.resume_kv is ResumeKV.REUSE
         self.engines = [
-            EngineModel(i, config.slots, config.cost, self.meter, table) for i in range(config.engines)
+            EngineModel(i, config.slots, config.cost, self.meter, table, keep) for i in range(config.engines)
         ]
         self.by_worker = {e.worker_id: e for e in self.engines}
         self.credit = [config.slots] * config.engines
@@ -315,8 +317,16 @@ class Simulation:
             return  # take_work would lease nothing to any worker
         engines = [e for e in self.engines if self.credit[e.index] > 0]
         free = [self.credit[e.index] for e in engines]
-        shares = policy.spread_leases(available, free, [e.slots for e in engines])
         work: list[list[tuple[int, int, Sample]]] = [[] for _ in engines]
+        room = list(free)
+        if state.algo.resume_affinity:
+            versions: list[int | None] = [self.peer_version[e.index] for e in engines]
+            held = state.take_held_partials([e.worker_id for e in engines], room, versions)
+            for i, items in enumerate(held):
+                work[i] += items
+                room[i] -= len(items)
+            available = state.leasable_samples()
+        shares = policy.spread_leases(available, room, [e.slots for e in engines])
         short = False
         for engine, items, share in zip(engines, work, shares, strict=True):
             if share:
@@ -418,6 +428,9 @@ class Simulation:
             engines=self.cfg.engines,
             aborted=self.state.totals.aborted,
             resumed=self.state.totals.resumed,
+            busy_s=sum(e.busy_s for e in self.engines),
+            reprefill_s=self.cfg.cost.prefill_s(sum(e.reprefill_tokens for e in self.engines)),
+            stale_kv_tokens=sum(e.stale_kv_tokens for e in self.engines),
         )
         ledger = self.state.check_ledger("at the end of the simulation")
         return SimResult(figs, ledger, tuple(self.records), self.abort_rounds, self.events, dict(self.waits))
