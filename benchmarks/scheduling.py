@@ -30,7 +30,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from april.config import AlgoConfig, Config, Mode, replace_fields  # noqa: E402
+from april.config import AlgoConfig, Config, Mode, ResumeKV, replace_fields  # noqa: E402
 from broker.sim.model import SimConfig, simulate  # noqa: E402
 from cli.simulate_cmd import resolve_lengths  # noqa: E402
 
@@ -42,23 +42,30 @@ class Run:
     overrides: tuple[tuple[str, str], ...] = ()
 
 
-def run(label: str, mode: str, **algo: object) -> Run:
-    return Run(label, Mode(mode), tuple((f"algo.{k}", str(v)) for k, v in algo.items()))
+def run(label: str, mode: str, resume_kv: str = "", **algo: object) -> Run:
+    """A run with `[algo]` fields set (and the workers' `resume_kv`)."""
+    pairs = [(f"algo.{k}", str(v).lower() if isinstance(v, bool) else str(v)) for k, v in algo.items()]
+    return Run(label, Mode(mode), tuple(pairs + ([("worker.resume_kv", resume_kv)] if resume_kv else [])))
 
 
+AUTO128: dict[str, object] = {"over_sampling": "auto", "over_sampling_batch_size": 128}
 RUNS: tuple[Run, ...] = (
     run("sync", "sync"),
     run("april", "april"),  # the paper's setting: over-sampling 2 x B
     run("april-os96", "april", over_sampling_batch_size=96),
     run("april-os128", "april", over_sampling_batch_size=128),
     run("april-os192", "april", over_sampling_batch_size=192),
-    run("april-auto128", "april", over_sampling="auto", over_sampling_batch_size=128),
+    run("april-auto128", "april", **AUTO128),
     run("april-auto192", "april", over_sampling="auto", over_sampling_batch_size=192),
     run("april-shortest", "april", prompt_order="shortest_first"),
     run("april-longest", "april", prompt_order="longest_first"),
+    run("april-affinity", "april", resume_affinity=True),
+    run("april-affinity-reuse", "april", resume_affinity=True, resume_kv="reuse"),
+    run("april-auto128-affinity-reuse", "april", resume_affinity=True, resume_kv="reuse", **AUTO128),
     run("async-eta1", "async", max_staleness=1),
     run("async-eta2", "async", max_staleness=2),
     run("async-eta2-shortest", "async", max_staleness=2, prompt_order="shortest_first"),
+    run("async-eta2-affinity-reuse", "async", max_staleness=2, resume_affinity=True, resume_kv="reuse"),
 )
 WORKLOADS = {"math-long-tail": 16384, "short-answer": 1024}  # name -> max_new_tokens
 CORRELATED = (0.8, 256)  # prompt_corr, dataset_size of the correlated setting (an epoch: 256 groups)
@@ -72,6 +79,7 @@ def simulate_run(r: Run, workload: str, corr: tuple[float, int], seed: int, step
         max_new_tokens=WORKLOADS[workload],
     )
     overrides = dict(r.overrides)
+    resume_kv = ResumeKV(overrides.pop("worker.resume_kv", ResumeKV.RECOMPUTE.value))
     if small and "algo.over_sampling_batch_size" in overrides:
         overrides["algo.over_sampling_batch_size"] = str(int(overrides["algo.over_sampling_batch_size"]) // 8)
     algo = replace_fields(Config(algo=base), overrides).algo
@@ -84,6 +92,7 @@ def simulate_run(r: Run, workload: str, corr: tuple[float, int], seed: int, step
         seed=seed,
         prompt_corr=corr[0],
         dataset_size=corr[1],
+        resume_kv=resume_kv,
     )
     return simulate(cfg, resolve_lengths(workload))
 
@@ -95,8 +104,8 @@ def command(r: Run, workload: str, corr: tuple[float, int], steps: int) -> str:
     if corr[0]:
         parts += [f"--prompt-corr {corr[0]:g}", f"--dataset-size {corr[1]}"]
     for key, value in r.overrides:
-        flag = key.removeprefix("algo.").replace("_", "-")
-        parts.append(f"--{flag} {value}")
+        flag = "--" + key.partition(".")[2].replace("_", "-")
+        parts.append(flag if value == "true" else f"{flag} {value}")
     return " ".join(parts)
 
 
@@ -141,6 +150,8 @@ def main() -> None:
                         "offpolicy_token_frac": statistics.mean(f.offpolicy_token_frac for f in figs),
                         "slot_utilization": statistics.mean(f.slot_utilization for f in figs),
                         "wasted_tokens": max(f.wasted_tokens for f in figs),
+                        "reprefill_frac": statistics.mean(f.reprefill_frac for f in figs),
+                        "stale_kv_token_frac": statistics.mean(f.stale_kv_token_frac for f in figs),
                     }
                 )
                 row = results[-1]
