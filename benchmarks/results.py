@@ -64,6 +64,15 @@ class Step:
 
 BENCH_FILES = ("bench/bench.json", "bench/bench.md", "bench/bench.png")
 PAPER = "april bench --engine sim --workload math-long-tail --steps 5 --max-staleness 1,2 --slots 64"
+# issue 17's options on and off, with real processes, each against the same sync run (the simulator's
+# ablation of every option, more seeds and steps is the `scheduling` step)
+SCHEDULING_VARIANTS = (
+    "--variant april-os96:april:algo.over_sampling_batch_size=96 "
+    "--variant april-auto128:april:algo.over_sampling=auto,algo.over_sampling_batch_size=128 "
+    "--variant april-affinity-reuse:april:algo.resume_affinity=true,worker.resume_kv=reuse "
+    "--variant async-eta2-affinity-reuse:async:algo.max_staleness=2,algo.resume_affinity=true,"
+    "worker.resume_kv=reuse"
+)
 STEPS: tuple[Step, ...] = (
     Step(
         "up-run",
@@ -94,6 +103,23 @@ STEPS: tuple[Step, ...] = (
         f"{PAPER} --engines 2 --target-s 90 --out {{work}}/bench",
         collect=BENCH_FILES,
         minutes=9,
+    ),
+    Step(
+        "scheduling-paper",
+        "bench/scheduling-paper",
+        "april bench --engine sim --workload math-long-tail --steps 8 --max-staleness 1,2 --slots 64 "
+        f"--engines 8 --target-s 100 {SCHEDULING_VARIANTS} --out {{work}}/bench",
+        collect=BENCH_FILES,
+        minutes=16,
+    ),
+    Step(
+        "scheduling-short",
+        "bench/scheduling-short",
+        "april bench --engine sim --workload short-answer --max-new-tokens 1024 --steps 8 "
+        f"--max-staleness 1,2 --slots 64 --engines 8 --target-s 60 {SCHEDULING_VARIANTS} "
+        "--out {work}/bench",
+        collect=BENCH_FILES,
+        minutes=10,
     ),
     Step(
         "torch-tiny",
@@ -620,6 +646,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "paper-sim": lambda: bench_table("paper-sim"),
     "saturated-sim": lambda: bench_table("saturated-sim"),
     "torch-tiny": lambda: bench_table("torch-tiny"),
+    "scheduling-paper": lambda: bench_table("scheduling-paper"),
+    "scheduling-short": lambda: bench_table("scheduling-short"),
     "components": block_components,
     "learner-memory": block_learner_memory,
     "weight-sync": block_weight_sync,

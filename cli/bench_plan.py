@@ -166,7 +166,7 @@ def sim_config(setting: BenchSetting, run: BenchRun) -> SimConfig:
         per_sample_lengths=True,
         dataset_size=setting.dataset_size,
         prompt_corr=setting.prompt_corr,
-        resume_kv=setting.resume_kv,
+        resume_kv=ResumeKV(dict(run.overrides).get("worker.resume_kv", setting.resume_kv)),
     )
 
 

@@ -184,8 +184,8 @@ def test_a_variant_is_one_more_run_with_its_fields_set_and_predicted_alike() -> 
     """`--variant LABEL:MODE:section.key=value,...`: the option reaches the run's config (every section)
     and, for algo fields, the simulator's prediction of the same run."""
     from actors.lengths import LengthSpec
-    from april.config import AlgoConfig, ConfigError, Mode, OverSampling, config_to_dict
-    from cli.bench_plan import BenchSetting, parse_variant, predict, run_config
+    from april.config import AlgoConfig, ConfigError, Mode, OverSampling, ResumeKV, config_to_dict
+    from cli.bench_plan import BenchSetting, parse_variant, predict, run_config, sim_config
 
     base = AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2)
     auto = parse_variant("april-auto:april:algo.over_sampling=auto, algo.over_sampling_batch_size=6", base)
@@ -210,6 +210,10 @@ def test_a_variant_is_one_more_run_with_its_fields_set_and_predicted_alike() -> 
     assert slow["broker"]["abort_retries"] == 9 and slow["run"]["mode"] == "sync"
     assert plain["data"]["synthetic_size"] == 32 and plain["worker"]["sim_prompt_corr"] == 0.5
     assert list(predict(setting)) == ["sync", "april", "april-auto", "slow"]
+    reuse = parse_variant("reuse:async:worker.resume_kv=reuse,algo.resume_affinity=true", base)
+    assert sim_config(setting, reuse).resume_kv == ResumeKV.REUSE and reuse.algo.resume_affinity
+    assert sim_config(setting, runs[1]).resume_kv == ResumeKV.RECOMPUTE
+    assert run_config(setting, reuse, "b").worker.resume_kv == ResumeKV.REUSE
     assert setting.to_json()["variants"]["april-auto"]["mode"] == "april"
     for bad, match in [
         ("x", "mode ''"),
