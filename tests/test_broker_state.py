@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from april import policy
+from april import codec, policy
 from april.config import AlgoConfig, Mode
 from april.data import SyntheticPromptSource
 from april.records import FinishReason, Sample, SampleStatus, Segment, new_group_samples
-from broker import snapshot
+from april.wire_records import SampleBatch
+from broker import complete_log, snapshot
 from broker.snapshot import SnapshotError
 from broker.state import LEASE_EPOCH_SHIFT, BrokerState, PendingBatch, ResultRejected
 
@@ -862,38 +863,119 @@ def complete_group(gid: int, rng: np.random.Generator) -> list[Sample]:
     return out
 
 
-def test_the_complete_log_keeps_every_live_group_through_rewrites_and_restarts(tmp_path: Path) -> None:
-    """complete.log over a long run: groups complete, are trained and leave; the log is rewritten without
-    them (copying the live groups' records) whenever it holds more than twice what is live. After every
-    save, a fresh store (a restarted broker) loads exactly the live complete groups, also after a restart
-    mid-run and after a torn record at the log's tail."""
+def loaded_groups(directory: Path) -> dict[int, list[Sample]]:
+    """What a restarted broker loads from `directory`: the samples of each complete group, by group id."""
+    by_gid: dict[int, list[Sample]] = {}
+    for sample in snapshot.SnapshotStore(directory).load().samples.to_samples():
+        by_gid.setdefault(sample.group_id, []).append(sample)
+    return by_gid
+
+
+def log_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("complete*.log"))
+
+
+def record_bytes(gid: int, samples: list[Sample]) -> int:
+    return len(complete_log.encode_group(gid, SampleBatch.from_samples(samples)))
+
+
+@pytest.mark.parametrize("straggler", [False, True], ids=["fifo", "straggler"])
+def test_the_complete_log_keeps_every_live_group_through_segments_and_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, straggler: bool
+) -> None:
+    """The complete-group log over a long run: groups complete, are trained and leave; segments whose
+    groups all left are deleted, and one kept by a straggler (a group live for the whole run) has its
+    live records copied out. After every save, a fresh store (a restarted broker) loads exactly the live
+    complete groups, also after a restart mid-run and after a torn record at a segment's tail; the log's
+    size on disk stays bounded by the live records and one segment."""
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_RECORDS", 8)
     rng = np.random.default_rng(0)
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(400)}
     store = snapshot.SnapshotStore(tmp_path)
-    rewrites, last_size = 0, 0
-    for first in range(0, 380, 3):  # 20 groups live at a time, 3 trained and 3 completed per save
-        if first == 180:
+    deleted: set[str] = set()
+    for first in range(1, 380, 3):  # 20 groups live at a time, 3 trained and 3 completed per save
+        if first == 181:
             store = snapshot.SnapshotStore(tmp_path)  # a restart: the index is read from the log
-        if first == 240:
-            with open(tmp_path / snapshot.LOG_NAME, "ab") as f:
+        if first == 241:
+            newest = max(tmp_path.glob("complete.*.log"))
+            with open(newest, "ab") as f:
                 f.write(b"\x05\x00\x00")  # a record torn by a crash, cut off when the log is opened
             store = snapshot.SnapshotStore(tmp_path)
         live = {gid: groups[gid] for gid in range(first, first + 20)}
+        if straggler:
+            live[0] = groups[0]
+        before = {p.name for p in tmp_path.glob("complete.*.log")}
         store.save(dataclasses.replace(live_part, complete_order=list(live)), live)
-        size = (tmp_path / snapshot.LOG_NAME).stat().st_size
-        rewrites += size < last_size
-        last_size = size
-        loaded = snapshot.SnapshotStore(tmp_path).load()
-        by_gid: dict[int, list[Sample]] = {}
-        for sample in loaded.samples.to_samples():
-            by_gid.setdefault(sample.group_id, []).append(sample)
+        deleted |= before - {p.name for p in tmp_path.glob("complete.*.log")}
+        by_gid = loaded_groups(tmp_path)
         assert sorted(by_gid) == sorted(live), first
         for gid, samples in by_gid.items():
             for x, y in zip(samples, live[gid], strict=True):
                 assert_samples_equal(x, y)
-    assert rewrites >= 3  # the log was rewritten, after the restart and the torn tail too
-    assert last_size < 3 * sum(len(store._encode_group(g, groups[g])) for g in range(first, first + 20))
+        # each old segment holds at least half live records; the newest at most max(8, live) + 3 records
+        biggest = max(record_bytes(g, groups[g]) for g in groups)
+        bound = 2 * sum(record_bytes(g, live[g]) for g in live) + (len(live) + 3) * biggest
+        assert log_bytes(tmp_path) <= bound, first
+    assert len(deleted) >= 10  # segments were deleted, also after the restart and the torn tail
+    assert not (tmp_path / ".state.snap.tmp").exists()
+
+
+def test_a_crash_between_the_log_and_the_state_keeps_the_previous_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state file is written after the log: a crash in between leaves the previous state file, and
+    every group it refers to is still in the log (no segment is deleted before a newer state is durable)."""
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_RECORDS", 2)
+    rng = np.random.default_rng(1)
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    groups = {gid: complete_group(gid, rng) for gid in range(12)}
+    old = {gid: groups[gid] for gid in range(0, 4)}
+    snapshot.SnapshotStore(tmp_path).save(dataclasses.replace(live_part, complete_order=list(old)), old)
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr(snapshot.os, "replace", crash)
+    new = {gid: groups[gid] for gid in range(8, 12)}  # every old group trained
+    with pytest.raises(OSError):
+        snapshot.SnapshotStore(tmp_path).save(dataclasses.replace(live_part, complete_order=list(new)), new)
+    by_gid = loaded_groups(tmp_path)
+    assert sorted(by_gid) == sorted(old)
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, old[gid], strict=True):
+            assert_samples_equal(x, y)
+
+
+def test_a_legacy_single_complete_log_is_read_and_deleted_once_dead(tmp_path: Path) -> None:
+    """A run directory written by an earlier version (one complete.log) resumes: its groups load, and the
+    file is deleted once no durable state refers to them."""
+    rng = np.random.default_rng(2)
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    groups = {gid: complete_group(gid, rng) for gid in range(6)}
+    legacy = tmp_path / complete_log.LEGACY_NAME
+    legacy.write_bytes(
+        b"".join(complete_log.encode_group(g, SampleBatch.from_samples(groups[g])) for g in range(3))
+    )
+    old = {gid: groups[gid] for gid in range(3)}
+    state = complete_log.frames_bytes(
+        codec.encode_frames(
+            complete_log.SNAPSHOT_FORMAT,
+            snapshot.SNAPSHOT_KIND,
+            dataclasses.replace(live_part, complete_order=list(old)),
+        )
+    )
+    (tmp_path / snapshot.FILE_NAME).write_bytes(state)
+    assert sorted(loaded_groups(tmp_path)) == [0, 1, 2]
+    store = snapshot.SnapshotStore(tmp_path)
+    keep = {gid: groups[gid] for gid in (2, 3, 4)}  # group 2 is still live: its record is copied out
+    store.save(dataclasses.replace(live_part, complete_order=list(keep)), keep)
+    assert not legacy.exists()
+    by_gid = loaded_groups(tmp_path)
+    assert sorted(by_gid) == [2, 3, 4]
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, keep[gid], strict=True):
+            assert_samples_equal(x, y)
 
 
 @pytest.mark.parametrize("cut", [0, 5, 0.5, -1], ids=["empty", "5-bytes", "half", "last-byte"])

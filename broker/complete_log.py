@@ -1,0 +1,213 @@
+"""The log of complete groups in `RUN_DIR/broker/`: segment files `complete.NNNNNNNN.log`.
+
+Each complete group's final samples are appended once, as one record, to the newest segment (fsynced
+before the state file that refers to the group is written; `broker.snapshot` orders the two). A group's
+samples never change once it is complete, so a record is never rewritten: a segment is deleted whole
+once no group the durable state refers to has its record there. Groups are mostly trained in the order
+they complete, so old segments die whole; a segment kept alive by a few stragglers (fewer live records
+than half of its records) has their records copied to the newest segment first (raw bytes, not encoded
+again), which bounds the disk the log takes to about twice the live records plus one segment.
+
+A record is a little-endian u64 frame count, then for each frame a u64 length and the bytes; the frames
+are codec frames with header `[SNAPSHOT_FORMAT, LOG_KIND]` and body `LoggedGroup`. A torn record at the
+end of a segment (a crash while appending) is cut off when the log is opened; when a group has records
+in several segments (copied, or appended again after a crash) the newest wins. A `complete.log` written
+by earlier versions (one file, compacted by rewriting) is read as the oldest segment.
+
+Knows nothing of the broker's books: callers hand it encoded records and the set of live group ids.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from april.codec import ProtocolError, decode_body, decode_header, encode_frames
+from april.files import fsync_dir
+from april.wire_records import SampleBatch
+
+SNAPSHOT_FORMAT = 1
+LOG_KIND = 1
+LEGACY_NAME = "complete.log"
+SEGMENT_PATTERN = re.compile(r"complete\.(\d{8})\.log")
+SEGMENT_MAX_BYTES = 64 << 20  # a new segment starts past this size ...
+SEGMENT_MIN_RECORDS = 64  # ... or past max(this, live groups) records
+_LEN = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedGroup:
+    """One record of the log: the final samples of one complete group."""
+
+    group_id: int
+    samples: SampleBatch
+
+
+def frames_bytes(frames: Sequence[Any]) -> bytes:
+    """One record: the frame count, then each frame's length and bytes."""
+    out = [_LEN.pack(len(frames))]
+    for frame in frames:
+        out += [_LEN.pack(len(frame)), bytes(frame)]
+    return b"".join(out)
+
+
+def read_record(data: bytes, pos: int) -> tuple[list[bytes], int]:
+    """The frames of the record at `pos` and the position after it; struct.error if torn."""
+    (count,) = _LEN.unpack_from(data, pos)
+    pos += _LEN.size
+    frames: list[bytes] = []
+    for _ in range(count):
+        (n,) = _LEN.unpack_from(data, pos)
+        pos += _LEN.size
+        if pos + n > len(data):
+            raise struct.error("truncated frame")
+        frames.append(data[pos : pos + n])
+        pos += n
+    return frames, pos
+
+
+def fsync_write(path: Path, payload: bytes, mode: str) -> None:
+    with open(path, mode) as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def encode_group(gid: int, samples: SampleBatch) -> bytes:
+    """The log record of complete group `gid`."""
+    return frames_bytes(encode_frames(SNAPSHOT_FORMAT, LOG_KIND, LoggedGroup(gid, samples)))
+
+
+@dataclass(slots=True)
+class Segment:
+    """One segment file and where each group's record is in it (the newest, if logged twice)."""
+
+    number: int  # -1: the legacy complete.log
+    path: Path
+    size: int = 0
+    records: int = 0  # records in the file, superseded ones included
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # group id -> (start, end)
+
+
+class CompleteLog:
+    """The segments in one directory, indexed on first use (a restarted broker scans them once)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._segments: list[Segment] | None = None  # oldest first
+        self._where: dict[int, Segment] = {}  # group id -> the segment of its newest record
+        self._current: Segment | None = None  # appended to; None until the first append of this process
+
+    def holds(self, gid: int) -> bool:
+        self._index()
+        return gid in self._where
+
+    def paths(self) -> list[Path]:
+        return [seg.path for seg in self._index()]
+
+    def append(self, records: Sequence[tuple[int, bytes]], live: int) -> None:
+        """Append records (group id, encoded record) durably; `live` is the number of live complete groups
+        (a segment holds up to max(SEGMENT_MIN_RECORDS, live) records)."""
+        if not records:
+            return
+        segments = self._index()
+        cur = self._current
+        if cur is None or cur.size >= SEGMENT_MAX_BYTES or cur.records >= max(SEGMENT_MIN_RECORDS, live):
+            number = max((seg.number for seg in segments), default=-1) + 1
+            cur = Segment(number, self.directory / f"complete.{number:08d}.log")
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fsync_write(cur.path, b"", "wb")
+            fsync_dir(self.directory)  # the new file's name is durable before any state refers to it
+            segments.append(cur)
+            self._current = cur
+        fsync_write(cur.path, b"".join(record for _, record in records), "ab")
+        for gid, record in records:
+            cur.spans[gid] = (cur.size, cur.size + len(record))
+            cur.size += len(record)
+            cur.records += 1
+            self._where[gid] = cur
+
+    def drop_dead(self, live: Collection[int]) -> None:
+        """Called once a state that refers to no group outside `live` is durable: delete every segment
+        (but the newest) holding no live group's newest record, after copying the live records of a
+        segment that holds fewer of them than half its records to the newest segment."""
+        segments = self._index()
+        for seg in list(segments):
+            if seg is self._current:
+                continue
+            mine = [gid for gid, span in seg.spans.items() if gid in live and self._where.get(gid) is seg]
+            if mine and 2 * len(mine) >= seg.records:
+                continue
+            if mine:
+                with open(seg.path, "rb") as f:
+                    copies = [(gid, _read_span(f, seg.spans[gid])) for gid in mine]
+                self.append(copies, len(live))  # durable before the old copy goes
+            for gid in seg.spans:
+                if self._where.get(gid) is seg:
+                    del self._where[gid]
+            seg.path.unlink(missing_ok=True)
+            segments.remove(seg)
+
+    def read(self, wanted: Collection[int]) -> dict[int, SampleBatch]:
+        """The samples of each wanted group that the log holds (its newest record)."""
+        out: dict[int, SampleBatch] = {}
+        for seg in _segment_files(self.directory):
+            for record, _ in _scan(seg.path):
+                if record.group_id in wanted:
+                    out[record.group_id] = record.samples
+        return out
+
+    def _index(self) -> list[Segment]:
+        if self._segments is None:
+            self._segments = []
+            for seg in _segment_files(self.directory):
+                for record, span in _scan(seg.path):
+                    seg.spans[record.group_id] = span
+                    seg.records += 1
+                    seg.size = span[1]
+                    self._where[record.group_id] = seg
+                self._segments.append(seg)
+        return self._segments
+
+
+def _read_span(f: Any, span: tuple[int, int]) -> bytes:
+    f.seek(span[0])
+    data: bytes = f.read(span[1] - span[0])
+    return data
+
+
+def _segment_files(directory: Path) -> list[Segment]:
+    """The segments on disk, oldest first (the legacy single log before every numbered one)."""
+    found = [Segment(-1, directory / LEGACY_NAME)] if (directory / LEGACY_NAME).is_file() else []
+    if directory.is_dir():
+        for path in directory.iterdir():
+            match = SEGMENT_PATTERN.fullmatch(path.name)
+            if match:
+                found.append(Segment(int(match.group(1)), path))
+    return sorted(found, key=lambda seg: seg.number)
+
+
+def _scan(path: Path) -> Iterator[tuple[LoggedGroup, tuple[int, int]]]:
+    """Each record of a segment with its (start, end); a torn tail is cut off."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    pos = 0
+    while pos < len(data):
+        try:
+            frames, end = read_record(data, pos)
+            decode_header(frames, SNAPSHOT_FORMAT)
+            record: LoggedGroup = decode_body(LoggedGroup, frames, max_bytes=len(data) + 1)
+        except (struct.error, ProtocolError):
+            break  # a record torn by a crash: never referenced by a durable snapshot
+        yield record, (pos, end)
+        pos = end
+    if pos < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(pos)
