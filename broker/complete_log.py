@@ -4,9 +4,10 @@ Each complete group's final samples are appended once, as one record, to the new
 before the state file that refers to the group is written; `broker.snapshot` orders the two). A group's
 samples never change once it is complete, so a record is never rewritten: a segment is deleted whole
 once no group the durable state refers to has its record there. Groups are mostly trained in the order
-they complete, so old segments die whole; a segment kept alive by a few stragglers (fewer live records
-than half of its records) has their records copied to the newest segment first (raw bytes, not encoded
-again), which bounds the disk the log takes to about twice the live records plus one segment.
+they complete, so old segments die whole; when stragglers keep old segments alive and the log holds
+more than twice the live records plus one segment's worth, the old segment with the fewest live records
+has them copied to the newest segment (raw bytes, not encoded again) and is deleted, which bounds the
+disk the log takes.
 
 A record is a little-endian u64 frame count, then for each frame a u64 length and the bytes; the frames
 are codec frames with header `[SNAPSHOT_FORMAT, LOG_KIND]` and body `LoggedGroup`. A torn record at the
@@ -134,24 +135,37 @@ class CompleteLog:
 
     def drop_dead(self, live: Collection[int]) -> None:
         """Called once a state that refers to no group outside `live` is durable: delete every segment
-        (but the newest) holding no live group's newest record, after copying the live records of a
-        segment that holds fewer of them than half its records to the newest segment."""
+        (but the newest) that holds no live group's newest record; then, while the log holds more than
+        2 x live + one segment's worth of records, copy the live records of the old segment with the
+        fewest of them to the newest segment and delete it (FIFO training never needs to)."""
         segments = self._index()
+        cap = max(SEGMENT_MIN_RECORDS, len(live))
+        alive: dict[int, list[int]] = {}  # id(segment) -> its live groups
         for seg in list(segments):
             if seg is self._current:
                 continue
-            mine = [gid for gid, span in seg.spans.items() if gid in live and self._where.get(gid) is seg]
-            if mine and 2 * len(mine) >= seg.records:
-                continue
+            mine = [gid for gid in seg.spans if gid in live and self._where.get(gid) is seg]
             if mine:
-                with open(seg.path, "rb") as f:
-                    copies = [(gid, _read_span(f, seg.spans[gid])) for gid in mine]
-                self.append(copies, len(live))  # durable before the old copy goes
-            for gid in seg.spans:
-                if self._where.get(gid) is seg:
-                    del self._where[gid]
-            seg.path.unlink(missing_ok=True)
-            segments.remove(seg)
+                alive[id(seg)] = mine
+            else:
+                self._delete(seg)
+        while sum(seg.records for seg in segments) > 2 * len(live) + cap:
+            old = [seg for seg in segments if seg is not self._current]
+            if not old:
+                return
+            seg = min(old, key=lambda seg: len(alive[id(seg)]))
+            with open(seg.path, "rb") as f:
+                copies = [(gid, _read_span(f, seg.spans[gid])) for gid in alive[id(seg)]]
+            self.append(copies, len(live))  # durable before the old copy goes
+            self._delete(seg)
+
+    def _delete(self, seg: Segment) -> None:
+        for gid in seg.spans:
+            if self._where.get(gid) is seg:
+                del self._where[gid]
+        seg.path.unlink(missing_ok=True)
+        assert self._segments is not None
+        self._segments.remove(seg)
 
     def read(self, wanted: Collection[int]) -> dict[int, SampleBatch]:
         """The samples of each wanted group that the log holds (its newest record)."""

@@ -86,25 +86,25 @@ class SnapshotRefs:
     samples only (O(live samples) pointer copies), so the costly encoding can run on another thread."""
 
     scalars: dict[str, Any]
-    samples: list[Sample]
+    groups: list[tuple[int, list[Sample]]]  # (group id, its samples) of every live group
     leases: list[LeaseEntry]
     complete_order: list[int]
     batch: PendingBatch | None
 
     def build(self) -> BrokerSnapshot:
         """The full snapshot, every sample included (for in-memory use and tests)."""
-        return self._snapshot(self.samples)
+        return self._snapshot([s for _, samples in self.groups for s in samples])
 
     def split(self) -> tuple[BrokerSnapshot, dict[int, list[Sample]]]:
         """For SnapshotStore.save: the snapshot of live groups, and the complete groups' samples."""
         held = set(self.complete_order) | set(self.batch.group_ids if self.batch else ())
         live: list[Sample] = []
         complete: dict[int, list[Sample]] = {}
-        for s in self.samples:
-            if s.group_id in held:
-                complete.setdefault(s.group_id, []).append(s)
+        for gid, samples in self.groups:
+            if gid in held:
+                complete[gid] = samples
             else:
-                live.append(s)
+                live += samples
         return self._snapshot(live), complete
 
     def _snapshot(self, samples: list[Sample]) -> BrokerSnapshot:
@@ -142,7 +142,10 @@ def capture_refs(state: BrokerState) -> SnapshotRefs:
     }
     return SnapshotRefs(
         scalars=scalars,
-        samples=[s for g in state.groups.values() for s in g.samples],
+        # a copy of each group's list (the books replace samples in it); complete groups' never change
+        groups=[
+            (gid, g.samples if gid in state.complete else list(g.samples)) for gid, g in state.groups.items()
+        ],
         leases=list(state.leases.values()),
         complete_order=list(state.complete),
         batch=state.batch,
