@@ -15,11 +15,15 @@ Owns the definitions:
     staleness_mean / staleness_max: over trained samples (learner version - oldest token's version).
   - aborted / resumed: samples returned interrupted / leased again with a partial response.
   - speedup: samples_per_s / sync's (None without a sync run); accuracy_final: None (no model here).
+  - broker_arrivals_per_s_mean / _peak: samples the engines return to the broker (every SampleResult
+    item: finished, failed or interrupted) per second of virtual time, over the run and in its busiest
+    ARRIVAL_WINDOW_S window: the load the cluster asks of the broker, to hold against the broker's
+    capacity measured by benchmarks/broker_throughput.py (None in a measured run's figures).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from april.records import Sample
@@ -93,6 +97,8 @@ class Figures:
     resumed: int
     accuracy_final: float | None = None
     speedup: float | None = None
+    broker_arrivals_per_s_mean: float | None = None  # None: not simulated (a measured run)
+    broker_arrivals_per_s_peak: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -110,6 +116,7 @@ def compute_figures(
     engines: int,
     aborted: int,
     resumed: int,
+    arrivals: ArrivalMeter | None = None,
 ) -> Figures:
     wall = max(wall_s, 1e-12)
     return Figures(
@@ -127,6 +134,8 @@ def compute_figures(
         staleness_max=tally.staleness_max,
         aborted=aborted,
         resumed=resumed,
+        broker_arrivals_per_s_mean=None if arrivals is None else arrivals.total / wall,
+        broker_arrivals_per_s_peak=None if arrivals is None else arrivals.peak_per_s(),
     )
 
 
@@ -136,3 +145,22 @@ def with_speedups(by_mode: dict[str, Figures]) -> dict[str, Figures]:
     if base is None or base.samples_per_s <= 0:
         return dict(by_mode)
     return {m: replace(f, speedup=f.samples_per_s / base.samples_per_s) for m, f in by_mode.items()}
+
+
+ARRIVAL_WINDOW_S = 1.0  # virtual seconds per bucket of ArrivalMeter
+
+
+@dataclass(slots=True)
+class ArrivalMeter:
+    """Samples returned to the broker, in total and per ARRIVAL_WINDOW_S bucket of virtual time."""
+
+    total: int = 0
+    buckets: dict[int, int] = field(default_factory=dict)  # window number -> samples returned in it
+
+    def add(self, now: float, samples: int) -> None:
+        self.total += samples
+        window = int(now // ARRIVAL_WINDOW_S)
+        self.buckets[window] = self.buckets.get(window, 0) + samples
+
+    def peak_per_s(self) -> float:
+        return max(self.buckets.values(), default=0) / ARRIVAL_WINDOW_S
