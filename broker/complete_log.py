@@ -1,7 +1,8 @@
 """The log of complete groups in `RUN_DIR/broker/`: segment files `complete.NNNNNNNN.log`.
 
-Each complete group's final samples are appended once, as one record, to the newest segment (fsynced
-before the state file that refers to the group is written; `broker.snapshot` orders the two). A group's
+Each complete group's final samples are appended once, as one record, to the newest segment, as soon as
+the group completes or at the latest with the state file that refers to it (fsynced before that state
+file is written; `broker.snapshot` orders the two). A group's
 samples never change once it is complete, so a record is never rewritten: a segment is deleted whole
 once no group the durable state refers to has its record there. Groups are mostly trained in the order
 they complete, so old segments die whole; when stragglers keep old segments alive and the log holds
@@ -49,12 +50,20 @@ class LoggedGroup:
     samples: SampleBatch
 
 
-def frames_bytes(frames: Sequence[Any]) -> bytes:
+Record = list[bytes | memoryview]  # a record's bytes in parts (the frames are not copied into one)
+IOV_MAX = 1024  # parts per writev (the POSIX minimum of IOV_MAX)
+
+
+def record_parts(frames: Sequence[bytes | memoryview]) -> Record:
     """One record: the frame count, then each frame's length and bytes."""
-    out = [_LEN.pack(len(frames))]
+    out: Record = [_LEN.pack(len(frames))]
     for frame in frames:
-        out += [_LEN.pack(len(frame)), bytes(frame)]
-    return b"".join(out)
+        out += [_LEN.pack(len(frame)), frame]
+    return out
+
+
+def frames_bytes(frames: Sequence[bytes | memoryview]) -> bytes:
+    return b"".join(record_parts(frames))
 
 
 def read_record(data: bytes, pos: int) -> tuple[list[bytes], int]:
@@ -79,9 +88,30 @@ def fsync_write(path: Path, payload: bytes, mode: str) -> None:
         os.fsync(f.fileno())
 
 
-def encode_group(gid: int, samples: SampleBatch) -> bytes:
+def write_parts(path: Path, parts: Sequence[bytes | memoryview], mode: str, fsync: bool) -> None:
+    """Write the parts' concatenation with writev (no joined copy), fsynced if `fsync`."""
+    with open(path, mode) as f:
+        fd = f.fileno()
+        for i in range(0, len(parts), IOV_MAX):
+            chunk = parts[i : i + IOV_MAX]
+            done = os.writev(fd, chunk)
+            for part in chunk:  # a short write (a signal, a full disk): the rest one part at a time
+                n = len(part)
+                if done < n:
+                    f.write(memoryview(part)[done:])
+                done = max(0, done - n)
+        f.flush()
+        if fsync:
+            os.fsync(fd)
+
+
+def encode_group(gid: int, samples: SampleBatch) -> Record:
     """The log record of complete group `gid`."""
-    return frames_bytes(encode_frames(SNAPSHOT_FORMAT, LOG_KIND, LoggedGroup(gid, samples)))
+    return record_parts(encode_frames(SNAPSHOT_FORMAT, LOG_KIND, LoggedGroup(gid, samples)))
+
+
+def record_size(record: Record) -> int:
+    return sum(len(part) for part in record)
 
 
 @dataclass(slots=True)
@@ -103,6 +133,8 @@ class CompleteLog:
         self._segments: list[Segment] | None = None  # oldest first
         self._where: dict[int, Segment] = {}  # group id -> the segment of its newest record
         self._current: Segment | None = None  # appended to; None until the first append of this process
+        self._unsynced: set[int] = set()  # numbers of segments appended to since the last sync
+        self._new_name = False  # a segment was created since the last sync
 
     def holds(self, gid: int) -> bool:
         self._index()
@@ -111,9 +143,10 @@ class CompleteLog:
     def paths(self) -> list[Path]:
         return [seg.path for seg in self._index()]
 
-    def append(self, records: Sequence[tuple[int, bytes]], live: int) -> None:
-        """Append records (group id, encoded record) durably; `live` is the number of live complete groups
-        (a segment holds up to max(SEGMENT_MIN_RECORDS, live) records)."""
+    def append(self, records: Sequence[tuple[int, Record]], live: int, durable: bool = True) -> None:
+        """Append records (group id, encoded record), durably unless `durable` is False (then `sync`
+        makes them durable); `live` is the number of live complete groups (a segment holds up to
+        max(SEGMENT_MIN_RECORDS, live) records)."""
         if not records:
             return
         segments = self._index()
@@ -122,16 +155,34 @@ class CompleteLog:
             number = max((seg.number for seg in segments), default=-1) + 1
             cur = Segment(number, self.directory / f"complete.{number:08d}.log")
             self.directory.mkdir(parents=True, exist_ok=True)
-            fsync_write(cur.path, b"", "wb")
-            fsync_dir(self.directory)  # the new file's name is durable before any state refers to it
+            cur.path.touch()
+            self._new_name = True
             segments.append(cur)
             self._current = cur
-        fsync_write(cur.path, b"".join(record for _, record in records), "ab")
+        write_parts(cur.path, [part for _, record in records for part in record], "ab", fsync=False)
+        self._unsynced.add(cur.number)
         for gid, record in records:
-            cur.spans[gid] = (cur.size, cur.size + len(record))
-            cur.size += len(record)
+            size = record_size(record)
+            cur.spans[gid] = (cur.size, cur.size + size)
+            cur.size += size
             cur.records += 1
             self._where[gid] = cur
+        if durable:
+            self.sync()
+
+    def sync(self) -> None:
+        """Make every record appended so far durable (and the names of new segments)."""
+        for seg in self._index():
+            if seg.number in self._unsynced:
+                fd = os.open(seg.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        self._unsynced.clear()
+        if self._new_name:
+            fsync_dir(self.directory)  # a new segment's name is durable before any state refers to it
+            self._new_name = False
 
     def drop_dead(self, live: Collection[int]) -> None:
         """Called once a state that refers to no group outside `live` is durable: delete every segment
@@ -155,8 +206,10 @@ class CompleteLog:
                 return
             seg = min(old, key=lambda seg: len(alive[id(seg)]))
             with open(seg.path, "rb") as f:
-                copies = [(gid, _read_span(f, seg.spans[gid])) for gid in alive[id(seg)]]
-            self.append(copies, len(live))  # durable before the old copy goes
+                copies: list[tuple[int, Record]] = [
+                    (gid, [_read_span(f, seg.spans[gid])]) for gid in alive[id(seg)]
+                ]
+            self.append(copies, len(live))  # durable (below) before the old copy goes
             self._delete(seg)
 
     def _delete(self, seg: Segment) -> None:

@@ -356,12 +356,15 @@ class Broker:
 
     def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
         peer = self.workers.peers[worker_id]
+        completed: list[tuple[int, list[Sample]]] = []
         for lease_id, sample in zip(msg.lease_ids.tolist(), msg.samples.to_samples(), strict=True):
             try:
                 if self.evals.owns(lease_id):
                     accepted = self.evals.accept_result(worker_id, lease_id, sample, self.state.version)
                 else:
                     accepted = self.state.accept_result(worker_id, lease_id, sample)
+                    if sample.group_id in self.state.complete:  # this sample completed it: log it now
+                        completed.append((sample.group_id, self.state.groups[sample.group_id].samples))
                 peer.tokens_generated += accepted
             except ResultRejected as exc:
                 self.rejections.count(worker_id, exc.reason)
@@ -369,6 +372,8 @@ class Broker:
                 self._send(self.worker_sock, worker_id.encode(), protocol.Error(exc.reason, str(exc)[:500]))
                 if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
                     self._reclaim(lease_id)
+        if completed:
+            self.snapshots.log_groups(completed)
         self._grant(worker_id, msg.credit)
 
     def _leases_of(self, worker_id: str) -> list[int]:

@@ -22,7 +22,7 @@ import dataclasses
 import os
 import struct
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,23 +163,31 @@ class SnapshotStore:
         self.directory = directory
         self.state_path = directory / FILE_NAME
         self.log = CompleteLog(directory)
+        self._live = 0  # complete groups the last saved state referred to (sizes the log's segments)
 
     def save(self, live: BrokerSnapshot, complete: Mapping[int, Sequence[Sample]]) -> Path:
         """Persist `live` (samples of in-flight/partial groups) and make sure the log holds every group in
         `complete` (complete or handed-out groups); returns the state file's path."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        new = [
-            (gid, encode_group(gid, SampleBatch.from_samples(list(samples))))
-            for gid, samples in complete.items()
-            if not self.log.holds(gid)
-        ]
-        self.log.append(new, len(complete))  # durable before the state that refers to them
+        self._live = len(complete)
+        self.log_groups(complete.items())
+        self.log.sync()  # every group the state refers to is durable before the state
         tmp = self.directory / f".{FILE_NAME}.tmp"
         fsync_write(tmp, frames_bytes(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb")
         os.replace(tmp, self.state_path)
         fsync_dir(self.directory)  # the rename itself survives a power loss
         self.log.drop_dead(complete.keys())  # no durable state refers to the other groups any more
         return self.state_path
+
+    def log_groups(self, groups: Iterable[tuple[int, Sequence[Sample]]]) -> None:
+        """Append the complete groups the log does not hold yet (a group never changes once complete, so it
+        is logged once); `save` makes them durable before any state refers to them."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        new = [
+            (gid, encode_group(gid, SampleBatch.from_samples(list(samples))))
+            for gid, samples in groups
+            if not self.log.holds(gid)
+        ]
+        self.log.append(new, self._live, durable=False)
 
     def load(self) -> BrokerSnapshot:
         """The full snapshot: live samples plus the logged samples of its complete and handed-out groups."""

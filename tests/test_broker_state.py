@@ -876,7 +876,7 @@ def log_bytes(directory: Path) -> int:
 
 
 def record_bytes(gid: int, samples: list[Sample]) -> int:
-    return len(complete_log.encode_group(gid, SampleBatch.from_samples(samples)))
+    return complete_log.record_size(complete_log.encode_group(gid, SampleBatch.from_samples(samples)))
 
 
 @pytest.mark.parametrize("straggler", [False, True], ids=["fifo", "straggler"])
@@ -957,7 +957,9 @@ def test_a_legacy_single_complete_log_is_read_and_deleted_once_dead(tmp_path: Pa
     groups = {gid: complete_group(gid, rng) for gid in range(6)}
     legacy = tmp_path / complete_log.LEGACY_NAME
     legacy.write_bytes(
-        b"".join(complete_log.encode_group(g, SampleBatch.from_samples(groups[g])) for g in range(3))
+        b"".join(
+            b"".join(complete_log.encode_group(g, SampleBatch.from_samples(groups[g]))) for g in range(3)
+        )
     )
     old = {gid: groups[gid] for gid in range(3)}
     state = complete_log.frames_bytes(
