@@ -20,8 +20,8 @@ Measured over a fixed window (`--seconds`) after a warm-up (`--warmup`) that sta
   from /proc over the window, divided by samples trained; plus the workers' and learner's CPU share.
 
 The broker runs as it does in production, including its snapshots: it writes `RUN_DIR/broker/state.snap`
-(and appends complete groups to `complete.log`), fsynced, whenever it forms a batch, whatever
-`snapshot_interval_s` says.
+(and fsyncs the log of complete groups, `complete.*.log`, which it appends to as groups complete),
+whenever it forms a batch, whatever `snapshot_interval_s` says.
 The learner does not decode the sample arrays (it reads the body map only), so that the harness takes as
 little CPU from the broker as it can; workers decode Leases with the strict codec, as a real worker does.
 
@@ -585,7 +585,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
                 learner.poll(5)
             cpu1 = CpuSample.take(broker.pid, worker_pids)
             assert cpu0 is not None
-            # state.snap (live groups) and complete.log (complete groups, appended once each)
+            # state.snap (live groups) and the complete.*.log segments (complete groups, appended once each)
             snapshot_bytes = sum(f.stat().st_size for f in (run_dir / "broker").glob("*") if f.is_file())
         finally:
             learner.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from april.records import FinishReason, Sample, SampleStatus, Segment, new_group
 from april.wire_records import SampleBatch
 from broker import complete_log, snapshot
 from broker.snapshot import SnapshotError
+from broker.snapshot_writer import SnapshotWriter
 from broker.state import LEASE_EPOCH_SHIFT, BrokerState, PendingBatch, ResultRejected
 
 MAX_NEW = 8
@@ -1083,3 +1085,37 @@ def random_run(mode: Mode, seed: int, dynamic: bool) -> None:
 def test_random_operations_keep_the_books(mode: Mode, dynamic: bool) -> None:
     for seed in range(40):
         random_run(mode, seed, dynamic)
+
+
+def test_the_snapshot_writer_logs_complete_groups_ahead_and_a_snapshot_makes_them_durable(
+    tmp_path: Path,
+) -> None:
+    """Groups handed to the writer as they complete are in the log before any snapshot refers to them; a
+    snapshot that refers to them (and to one never handed over) loads them all, field by field; groups
+    logged ahead of a snapshot do not disturb the previous one."""
+    rng = np.random.default_rng(3)
+    state = BrokerState(Mode.APRIL, algo(n=2), source())
+    groups = {gid: complete_group(gid, rng) for gid in range(6)}
+    writer = SnapshotWriter(tmp_path)
+    try:
+        first = writer.submit(snapshot.capture_refs(state))
+        assert writer.wait(first, timeout=60)
+        writer.log_groups([(gid, groups[gid]) for gid in range(5)])  # group 5 is never handed over
+        deadline = time.monotonic() + 60
+        while not all(writer.store.log.holds(gid) for gid in range(5)):
+            assert time.monotonic() < deadline, "the writer did not log the groups"
+            time.sleep(0.01)
+        assert loaded_groups(tmp_path) == {}  # the durable state refers to none of them yet
+        refs = snapshot.capture_refs(state)
+        refs = dataclasses.replace(
+            refs, groups=[*refs.groups, *((g, groups[g]) for g in (1, 3, 5))], complete_order=[1, 3, 5]
+        )
+        assert writer.wait(writer.submit(refs), timeout=60)
+    finally:
+        writer.close()
+    assert writer.error is None
+    by_gid = loaded_groups(tmp_path)
+    assert sorted(by_gid) == [1, 3, 5]
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, groups[gid], strict=True):
+            assert_samples_equal(x, y)
