@@ -128,20 +128,24 @@ class Segment:
 class CompleteLog:
     """The segments in one directory, indexed on first use (a restarted broker scans them once)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, trusted: Collection[int] = ()) -> None:
+        """`trusted`: the groups whose newest record on disk is known to be right (the complete groups of
+        the state this broker restored, which it read from those records). Any other record found on
+        disk may be stale: written after the last durable state by a broker that then died, for a group
+        id the restored broker issues again; such a group is logged again when it completes here."""
         self.directory = directory
+        self._trusted = set(trusted)
         self._segments: list[Segment] | None = None  # oldest first
         self._where: dict[int, Segment] = {}  # group id -> the segment of its newest record
+        self._logged: set[int] = set()  # groups whose newest record is right: trusted or appended here
         self._current: Segment | None = None  # appended to; None until the first append of this process
         self._unsynced: set[int] = set()  # numbers of segments appended to since the last sync
         self._new_name = False  # a segment was created since the last sync
 
     def holds(self, gid: int) -> bool:
+        """Whether the log holds the group's right record (then it need not be appended again)."""
         self._index()
-        return gid in self._where
-
-    def paths(self) -> list[Path]:
-        return [seg.path for seg in self._index()]
+        return gid in self._logged
 
     def append(self, records: Sequence[tuple[int, Record]], live: int, durable: bool = True) -> None:
         """Append records (group id, encoded record), durably unless `durable` is False (then `sync`
@@ -167,6 +171,7 @@ class CompleteLog:
             cur.size += size
             cur.records += 1
             self._where[gid] = cur
+            self._logged.add(gid)
         if durable:
             self.sync()
 
@@ -188,27 +193,29 @@ class CompleteLog:
         """Called once a state that refers to no group outside `live` is durable: delete every segment
         (but the newest) that holds no live group's newest record; then, while the log holds more than
         2 x live + one segment's worth of records, copy the live records of the old segment with the
-        fewest of them to the newest segment and delete it (FIFO training never needs to)."""
+        most dead records (of those, the fewest live) to the newest segment and delete it (FIFO
+        training never needs to)."""
         segments = self._index()
         cap = max(SEGMENT_MIN_RECORDS, len(live))
-        alive: dict[int, list[int]] = {}  # id(segment) -> its live groups
-        for seg in list(segments):
-            if seg is self._current:
-                continue
-            mine = [gid for gid in seg.spans if gid in live and self._where.get(gid) is seg]
-            if mine:
-                alive[id(seg)] = mine
-            else:
-                self._delete(seg)
+
+        def live_in(seg: Segment) -> list[int]:
+            return [gid for gid in seg.spans if gid in live and self._where.get(gid) is seg]
+
+        for seg in [seg for seg in segments if seg is not self._current and not live_in(seg)]:
+            self._delete(seg)
         while sum(seg.records for seg in segments) > 2 * len(live) + cap:
-            old = [seg for seg in segments if seg is not self._current]
+            old = []  # (dead records, -live records, segment, its live groups)
+            for seg in segments:
+                if seg is not self._current:
+                    mine = live_in(seg)
+                    old.append((seg.records - len(mine), -len(mine), seg, mine))
             if not old:
                 return
-            seg = min(old, key=lambda seg: len(alive[id(seg)]))
+            dead, _, seg, mine = max(old, key=lambda t: t[:2])
+            if dead == 0:
+                return  # every old record is live: copying would not shrink the log
             with open(seg.path, "rb") as f:
-                copies: list[tuple[int, Record]] = [
-                    (gid, [_read_span(f, seg.spans[gid])]) for gid in alive[id(seg)]
-                ]
+                copies: list[tuple[int, Record]] = [(gid, [_read_span(f, seg.spans[gid])]) for gid in mine]
             self.append(copies, len(live))  # durable (below) before the old copy goes
             self._delete(seg)
 
@@ -216,6 +223,7 @@ class CompleteLog:
         for gid in seg.spans:
             if self._where.get(gid) is seg:
                 del self._where[gid]
+                self._logged.discard(gid)
         seg.path.unlink(missing_ok=True)
         assert self._segments is not None
         self._segments.remove(seg)
@@ -239,6 +247,7 @@ class CompleteLog:
                     seg.size = span[1]
                     self._where[record.group_id] = seg
                 self._segments.append(seg)
+            self._logged = self._trusted & self._where.keys()
         return self._segments
 
 

@@ -91,18 +91,20 @@ class Broker:
             # refusing would make `april up`'s restart with --resume fail for good.
             log.warning("--resume: no snapshot in %s yet; starting the books afresh", run_dir / "broker")
             resume = False
+        trusted: set[int] = set()  # complete groups whose log records the books were restored from
         if resume:
             snap = snapshot.read(run_dir / "broker")
             self.state = snapshot.restore(snap, config.run.mode, config.algo, source)
             for worker_id in {lease.worker_id for lease in self.state.leases.values()}:
                 self.workers.register(worker_id, now, restored=True)
+            trusted = snapshot.restored_groups(self.state)
             # persist the new epoch at once: a second crash must not reuse this epoch's lease ids
-            snapshot.write(snapshot.capture(self.state), run_dir / "broker")
+            snapshot.write(snapshot.capture(self.state), run_dir / "broker", trusted)
         else:
             self.state = BrokerState(config.run.mode, config.algo, source)
             self.evals.on_version(0)  # a baseline: the starting weights on the held-out prompts
         self.state.max_live_samples = self.cfg.max_buffered_samples
-        self.snapshots = SnapshotWriter(run_dir / "broker")
+        self.snapshots = SnapshotWriter(run_dir / "broker", trusted)
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: LearnerPeer | None = None
         self.learner_identity = b""

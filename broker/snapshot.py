@@ -22,7 +22,7 @@ import dataclasses
 import os
 import struct
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +152,11 @@ def capture_refs(state: BrokerState) -> SnapshotRefs:
     )
 
 
+def restored_groups(state: BrokerState) -> set[int]:
+    """The complete and handed-out groups of a restored state: read from the log, so trusted by it."""
+    return set(state.complete) | set(state.batch.group_ids if state.batch else ())
+
+
 def capture(state: BrokerState) -> BrokerSnapshot:
     return capture_refs(state).build()
 
@@ -159,10 +164,11 @@ def capture(state: BrokerState) -> BrokerSnapshot:
 class SnapshotStore:
     """The state file and the log of complete groups (`broker.complete_log`) in one directory."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, trusted: Collection[int] = ()) -> None:
+        """`trusted`: complete groups read from this directory's log (see CompleteLog)."""
         self.directory = directory
         self.state_path = directory / FILE_NAME
-        self.log = CompleteLog(directory)
+        self.log = CompleteLog(directory, trusted)
         self._live = 0  # complete groups the last saved state referred to (sizes the log's segments)
 
     def save(self, live: BrokerSnapshot, complete: Mapping[int, Sequence[Sample]]) -> Path:
@@ -213,8 +219,9 @@ class SnapshotStore:
         return dataclasses.replace(live, samples=SampleBatch.from_samples(samples))
 
 
-def write(snapshot: BrokerSnapshot, directory: Path) -> Path:
-    """Persist a full snapshot (see SnapshotStore.save): complete groups go to the log."""
+def write(snapshot: BrokerSnapshot, directory: Path, trusted: Collection[int] = ()) -> Path:
+    """Persist a full snapshot (see SnapshotStore.save): complete groups go to the log. `trusted`: its
+    complete groups that were read from this directory's log (a restored broker's), not logged again."""
     complete_ids = set(snapshot.complete_order) | set(snapshot.batch_groups)
     live: list[Sample] = []
     complete: dict[int, list[Sample]] = {}
@@ -224,7 +231,7 @@ def write(snapshot: BrokerSnapshot, directory: Path) -> Path:
         else:
             live.append(s)
     live_snapshot = dataclasses.replace(snapshot, samples=SampleBatch.from_samples(live))
-    return SnapshotStore(directory).save(live_snapshot, complete)
+    return SnapshotStore(directory, trusted).save(live_snapshot, complete)
 
 
 def exists(directory: Path) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from pathlib import Path
 
 from april.records import Sample
@@ -23,8 +24,8 @@ log = logging.getLogger("april.broker")
 
 
 class SnapshotWriter:
-    def __init__(self, directory: Path) -> None:
-        self.store = snapshot.SnapshotStore(directory)
+    def __init__(self, directory: Path, trusted: Collection[int] = ()) -> None:
+        self.store = snapshot.SnapshotStore(directory, trusted)  # trusted: see CompleteLog
         self.durable_seq = 0
         self.error: Exception | None = None
         self._seq = 0

@@ -973,7 +973,7 @@ def test_a_legacy_single_complete_log_is_read_and_deleted_once_dead(tmp_path: Pa
     )
     (tmp_path / snapshot.FILE_NAME).write_bytes(state)
     assert sorted(loaded_groups(tmp_path)) == [0, 1, 2]
-    store = snapshot.SnapshotStore(tmp_path)
+    store = snapshot.SnapshotStore(tmp_path, trusted=[0, 1, 2])  # as a broker restored from it
     for keep_ids, legacy_kept in (((2, 3, 4), True), ((3, 4, 5), False)):  # group 2 is in the legacy log
         keep = {gid: groups[gid] for gid in keep_ids}
         store.save(dataclasses.replace(live_part, complete_order=list(keep)), keep)
@@ -1118,4 +1118,32 @@ def test_the_snapshot_writer_logs_complete_groups_ahead_and_a_snapshot_makes_the
     assert sorted(by_gid) == [1, 3, 5]
     for gid, samples in by_gid.items():
         for x, y in zip(samples, groups[gid], strict=True):
+            assert_samples_equal(x, y)
+
+
+def test_records_a_dead_broker_logged_after_its_last_snapshot_are_not_trusted(tmp_path: Path) -> None:
+    """A broker logs groups as they complete; killed before its next snapshot (here even after the log's
+    fsync), it leaves records of groups the restored broker issues again under the same ids with other
+    samples. The restored broker trusts only the records it restored from, logs its own completion of
+    those groups, and a later restart loads its samples, not the dead broker's."""
+    rng = np.random.default_rng(4)
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    dead = {gid: complete_group(gid, rng) for gid in range(5)}
+    again = {gid: complete_group(gid, rng) for gid in (3, 4)}  # the same ids, generated again
+    for gid in again:
+        assert not np.array_equal(dead[gid][0].response_ids, again[gid][0].response_ids)
+    first = {gid: dead[gid] for gid in range(3)}
+    store = snapshot.SnapshotStore(tmp_path)
+    store.save(dataclasses.replace(live_part, complete_order=list(first)), first)
+    store.log_groups([(gid, dead[gid]) for gid in (3, 4)])
+    store.log.sync()  # the broker dies here, before the state that would refer to groups 3 and 4
+    restored = snapshot.SnapshotStore(tmp_path).load()
+    assert sorted(restored.complete_order) == [0, 1, 2]
+    store = snapshot.SnapshotStore(tmp_path, trusted=restored.complete_order)
+    second = {**first, **again}
+    store.save(dataclasses.replace(live_part, complete_order=list(second)), second)
+    by_gid = loaded_groups(tmp_path)
+    assert sorted(by_gid) == [0, 1, 2, 3, 4]
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, second[gid], strict=True):
             assert_samples_equal(x, y)
