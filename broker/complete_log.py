@@ -11,7 +11,7 @@ has them copied to the newest segment (raw bytes, not encoded again) and is dele
 disk the log takes.
 
 A record is a little-endian u64 frame count, then for each frame a u64 length and the bytes; the frames
-are codec frames with header `[SNAPSHOT_FORMAT, LOG_KIND]` and body `LoggedGroup`. A torn record at the
+are codec frames with header `[LOG_FORMAT, LOG_KIND]` and body `LoggedGroup`. A torn record at the
 end of a segment (a crash while appending) is cut off when the log is opened; when a group has records
 in several segments (copied, or appended again after a crash) the newest wins. A `complete.log` written
 by earlier versions (one file, compacted by rewriting) is read as the oldest segment.
@@ -33,7 +33,7 @@ from april.codec import ProtocolError, decode_body, decode_header, encode_frames
 from april.files import fsync_dir
 from april.wire_records import SampleBatch
 
-SNAPSHOT_FORMAT = 1
+LOG_FORMAT = 1  # the log record's codec version (the state file has its own: broker.snapshot)
 LOG_KIND = 1
 LEGACY_NAME = "complete.log"
 SEGMENT_PATTERN = re.compile(r"complete\.(\d{8})\.log")
@@ -107,7 +107,7 @@ def write_parts(path: Path, parts: Sequence[bytes | memoryview], mode: str, fsyn
 
 def encode_group(gid: int, samples: SampleBatch) -> Record:
     """The log record of complete group `gid`."""
-    return record_parts(encode_frames(SNAPSHOT_FORMAT, LOG_KIND, LoggedGroup(gid, samples)))
+    return record_parts(encode_frames(LOG_FORMAT, LOG_KIND, LoggedGroup(gid, samples)))
 
 
 def record_size(record: Record) -> int:
@@ -278,7 +278,7 @@ def _scan(path: Path) -> Iterator[tuple[LoggedGroup, tuple[int, int]]]:
     while pos < len(data):
         try:
             frames, end = read_record(data, pos)
-            decode_header(frames, SNAPSHOT_FORMAT)
+            decode_header(frames, LOG_FORMAT)
             record: LoggedGroup = decode_body(LoggedGroup, frames, max_bytes=len(data) + 1)
         except (struct.error, ProtocolError):
             break  # a record torn by a crash: never referenced by a durable snapshot

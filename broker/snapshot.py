@@ -36,7 +36,6 @@ from april.files import fsync_dir
 from april.records import Sample, SampleStatus
 from april.wire_records import SampleBatch
 from broker.complete_log import (
-    SNAPSHOT_FORMAT,
     CompleteLog,
     encode_group,
     frames_bytes,
@@ -45,6 +44,7 @@ from broker.complete_log import (
 )
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch
 
+SNAPSHOT_FORMAT = 1  # the state file's codec version (log records have their own: complete_log)
 SNAPSHOT_KIND = 0
 FILE_NAME = "state.snap"
 

@@ -966,7 +966,7 @@ def test_a_legacy_single_complete_log_is_read_and_deleted_once_dead(tmp_path: Pa
     old = {gid: groups[gid] for gid in range(3)}
     state = complete_log.frames_bytes(
         codec.encode_frames(
-            complete_log.SNAPSHOT_FORMAT,
+            snapshot.SNAPSHOT_FORMAT,
             snapshot.SNAPSHOT_KIND,
             dataclasses.replace(live_part, complete_order=list(old)),
         )
