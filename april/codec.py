@@ -181,7 +181,7 @@ def _encode_value(value: Any, spec: _Spec, buffers: list[Frame]) -> Any:
             return value.value
         case _Optional(inner):
             return None if value is None else _encode_value(value, inner, buffers)
-        case _List(_Scalar(py)) if py is str:
+        case _List(_Scalar(py)) if py is not float:  # str, int, bool: encoded as they are
             return list(value)
         case _List(_Dict(_Scalar(py))) if py is str:
             return [dict(v) for v in value]

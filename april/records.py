@@ -151,8 +151,21 @@ class Sample:
     def resumed(self) -> Sample:
         """The sample as leased again after an interruption: RUNNING, one more resume."""
         resumes = self.resumes + 1 if self.response_len > 0 else self.resumes
-        return dataclasses.replace(
-            self, status=SampleStatus.RUNNING, finish_reason=FinishReason.NONE, resumes=resumes
+        # the constructor, not dataclasses.replace: the broker leases every sample through here
+        return Sample(
+            group_id=self.group_id,
+            index=self.index,
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            response_logprobs=self.response_logprobs,
+            segments=self.segments,
+            status=SampleStatus.RUNNING,
+            finish_reason=FinishReason.NONE,
+            resumes=resumes,
+            reward=self.reward,
+            prompt_text=self.prompt_text,
+            metadata=self.metadata,
+            error=self.error,
         )
 
     def scored(self, reward: float) -> Sample:

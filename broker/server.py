@@ -91,18 +91,20 @@ class Broker:
             # refusing would make `april up`'s restart with --resume fail for good.
             log.warning("--resume: no snapshot in %s yet; starting the books afresh", run_dir / "broker")
             resume = False
+        trusted: set[int] = set()  # complete groups whose log records the books were restored from
         if resume:
             snap = snapshot.read(run_dir / "broker")
             self.state = snapshot.restore(snap, config.run.mode, config.algo, source)
             for worker_id in {lease.worker_id for lease in self.state.leases.values()}:
                 self.workers.register(worker_id, now, restored=True)
+            trusted = snapshot.restored_groups(self.state)
             # persist the new epoch at once: a second crash must not reuse this epoch's lease ids
-            snapshot.write(snapshot.capture(self.state), run_dir / "broker")
+            snapshot.write(snapshot.capture(self.state), run_dir / "broker", trusted)
         else:
             self.state = BrokerState(config.run.mode, config.algo, source)
             self.evals.on_version(0)  # a baseline: the starting weights on the held-out prompts
         self.state.max_live_samples = self.cfg.max_buffered_samples
-        self.snapshots = SnapshotWriter(run_dir / "broker")
+        self.snapshots = SnapshotWriter(run_dir / "broker", trusted)
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: LearnerPeer | None = None
         self.learner_identity = b""
@@ -356,12 +358,15 @@ class Broker:
 
     def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
         peer = self.workers.peers[worker_id]
+        completed: list[tuple[int, list[Sample]]] = []
         for lease_id, sample in zip(msg.lease_ids.tolist(), msg.samples.to_samples(), strict=True):
             try:
                 if self.evals.owns(lease_id):
                     accepted = self.evals.accept_result(worker_id, lease_id, sample, self.state.version)
                 else:
                     accepted = self.state.accept_result(worker_id, lease_id, sample)
+                    if sample.group_id in self.state.complete:  # this sample completed it: log it now
+                        completed.append((sample.group_id, self.state.groups[sample.group_id].samples))
                 peer.tokens_generated += accepted
             except ResultRejected as exc:
                 self.rejections.count(worker_id, exc.reason)
@@ -369,6 +374,8 @@ class Broker:
                 self._send(self.worker_sock, worker_id.encode(), protocol.Error(exc.reason, str(exc)[:500]))
                 if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
                     self._reclaim(lease_id)
+        if completed:
+            self.snapshots.log_groups(completed)
         self._grant(worker_id, msg.credit)
 
     def _leases_of(self, worker_id: str) -> list[int]:

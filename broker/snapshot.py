@@ -3,15 +3,15 @@
 Two files make a restart lose nothing. `state.snap` holds the live books: every in-flight and partial
 group with every sample in its latest known state (partials with their tokens, log-probs and segments),
 the lease table, the complete queue and the unacked batch (as group ids), the ledger counters, the data
-cursor and the weights version. `complete.log` holds the samples of complete groups, appended once when a
-group completes (complete groups can be most of the data, and never change), and rewritten without the
-trained groups when it grows to more than twice what is live: the live groups' records are copied as
-they are, not encoded again (the store knows where each record is).
+cursor and the weights version. The log of complete groups (`broker.complete_log`) holds their samples,
+appended once when a group completes (complete groups can be most of the data, and never change); its
+segments are deleted whole once no durable state refers to their groups.
 
 Both are written with the protocol codec (the same strict decoding on load as for a peer's message) as
 length-prefixed frames. The log is appended and fsynced before the state file that refers to it is
-written to a temporary file, fsynced and renamed over the old one, so a crash at any point leaves a
-previous consistent pair; a torn record at the log's tail is cut off on open.
+written to a temporary file, fsynced and renamed over the old one, and a log segment is deleted only
+after a state file that no longer refers to it is durable, so a crash at any point leaves a previous
+consistent pair; a torn record at a segment's tail is cut off on open.
 
 Restoring starts a new lease epoch (see `broker.state`). Does not decide when to snapshot: the server does.
 """
@@ -22,10 +22,10 @@ import dataclasses
 import os
 import struct
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -36,14 +36,19 @@ from april.files import fsync_dir
 from april.length_history import HistoryWire, LengthHistory
 from april.records import Sample, SampleStatus
 from april.wire_records import SampleBatch
+from broker.complete_log import (
+    CompleteLog,
+    encode_group,
+    frames_bytes,
+    fsync_write,
+    read_record,
+)
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, WaitingPrompt
 
-SNAPSHOT_FORMAT = 2  # 2: the length history
+SNAPSHOT_FORMAT = 2  # the state file's codec version, 2: the length history and prompt window (log
+# records have their own: complete_log)
 SNAPSHOT_KIND = 0
-LOG_KIND = 1
 FILE_NAME = "state.snap"
-LOG_NAME = "complete.log"
-_LEN = struct.Struct("<Q")
 
 
 class SnapshotError(Exception):
@@ -88,25 +93,25 @@ class SnapshotRefs:
     samples only (O(live samples) pointer copies), so the costly encoding can run on another thread."""
 
     scalars: dict[str, Any]
-    samples: list[Sample]
+    groups: list[tuple[int, list[Sample]]]  # (group id, its samples) of every live group
     leases: list[LeaseEntry]
     complete_order: list[int]
     batch: PendingBatch | None
 
     def build(self) -> BrokerSnapshot:
         """The full snapshot, every sample included (for in-memory use and tests)."""
-        return self._snapshot(self.samples)
+        return self._snapshot([s for _, samples in self.groups for s in samples])
 
     def split(self) -> tuple[BrokerSnapshot, dict[int, list[Sample]]]:
         """For SnapshotStore.save: the snapshot of live groups, and the complete groups' samples."""
         held = set(self.complete_order) | set(self.batch.group_ids if self.batch else ())
         live: list[Sample] = []
         complete: dict[int, list[Sample]] = {}
-        for s in self.samples:
-            if s.group_id in held:
-                complete.setdefault(s.group_id, []).append(s)
+        for gid, samples in self.groups:
+            if gid in held:
+                complete[gid] = samples
             else:
-                live.append(s)
+                live += samples
         return self._snapshot(live), complete
 
     def _snapshot(self, samples: list[Sample]) -> BrokerSnapshot:
@@ -149,99 +154,58 @@ def capture_refs(state: BrokerState) -> SnapshotRefs:
     }
     return SnapshotRefs(
         scalars=scalars,
-        samples=[s for g in state.groups.values() for s in g.samples],
+        # a copy of each group's list (the books replace samples in it); complete groups' never change
+        groups=[
+            (gid, g.samples if gid in state.complete else list(g.samples)) for gid, g in state.groups.items()
+        ],
         leases=list(state.leases.values()),
         complete_order=list(state.complete),
         batch=state.batch,
     )
 
 
+def restored_groups(state: BrokerState) -> set[int]:
+    """The complete and handed-out groups of a restored state: read from the log, so trusted by it."""
+    return set(state.complete) | set(state.batch.group_ids if state.batch else ())
+
+
 def capture(state: BrokerState) -> BrokerSnapshot:
     return capture_refs(state).build()
 
 
-def _frames_bytes(frames: list[Any]) -> bytes:
-    out = [_LEN.pack(len(frames))]
-    for frame in frames:
-        out += [_LEN.pack(len(frame)), bytes(frame)]
-    return b"".join(out)
-
-
-def _read_record(data: bytes, pos: int) -> tuple[list[bytes], int]:
-    """The frames of the record at `pos` and the position after it; struct.error if torn."""
-    (count,) = _LEN.unpack_from(data, pos)
-    pos += _LEN.size
-    frames: list[bytes] = []
-    for _ in range(count):
-        (n,) = _LEN.unpack_from(data, pos)
-        pos += _LEN.size
-        if pos + n > len(data):
-            raise struct.error("truncated frame")
-        frames.append(data[pos : pos + n])
-        pos += n
-    return frames, pos
-
-
-def _fsync_write(path: Path, payload: bytes, mode: str) -> None:
-    with open(path, mode) as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-@dataclass(frozen=True, slots=True)
-class LoggedGroup:
-    """One record of complete.log: the final samples of one complete group."""
-
-    group_id: int
-    samples: SampleBatch
-
-
 class SnapshotStore:
-    """The pair of files in one directory; remembers where in the log each complete group's record is."""
+    """The state file and the log of complete groups (`broker.complete_log`) in one directory."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, trusted: Collection[int] = ()) -> None:
+        """`trusted`: complete groups read from this directory's log (see CompleteLog)."""
         self.directory = directory
         self.state_path = directory / FILE_NAME
-        self.log_path = directory / LOG_NAME
-        self._logged: dict[int, tuple[int, int]] | None = None  # group id -> its record's (start, end)
-        self._records = 0  # records in the log, trained groups' included
+        self.log = CompleteLog(directory, trusted)
+        self._live = 0  # complete groups the last saved state referred to (sizes the log's segments)
 
     def save(self, live: BrokerSnapshot, complete: Mapping[int, Sequence[Sample]]) -> Path:
         """Persist `live` (samples of in-flight/partial groups) and make sure the log holds every group in
         `complete` (complete or handed-out groups); returns the state file's path."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        logged = self._index()
-        if self._records > 2 * len(complete) + 64:  # mostly trained groups: rewrite with the live ones
-            # A logged group's record is copied as it is (its samples never change once complete), so a
-            # rewrite encodes only the groups it logs for the first time.
-            with open(self.log_path, "rb") as old:
-                records = [
-                    (gid, self._logged_record(old, logged, gid, samples)) for gid, samples in complete.items()
-                ]
-            tmp = self.directory / f".{LOG_NAME}.tmp"
-            _fsync_write(tmp, b"".join(record for _, record in records), "wb")
-            os.replace(tmp, self.log_path)
-            fsync_dir(self.directory)
-            logged.clear()
-            self._note(records, 0)
-            self._records = len(records)
-        else:
-            new = [
-                (gid, self._encode_group(gid, samples))
-                for gid, samples in complete.items()
-                if gid not in logged
-            ]
-            if new:
-                end = self.log_path.stat().st_size if self.log_path.exists() else 0
-                _fsync_write(self.log_path, b"".join(record for _, record in new), "ab")
-                self._note(new, end)
-                self._records += len(new)
+        self._live = len(complete)
+        self.log_groups(complete.items())
+        self.log.sync()  # every group the state refers to is durable before the state
         tmp = self.directory / f".{FILE_NAME}.tmp"
-        _fsync_write(tmp, _frames_bytes(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb")
+        fsync_write(tmp, frames_bytes(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb")
         os.replace(tmp, self.state_path)
         fsync_dir(self.directory)  # the rename itself survives a power loss
+        self.log.drop_dead(complete.keys())  # no durable state refers to the other groups any more
         return self.state_path
+
+    def log_groups(self, groups: Iterable[tuple[int, Sequence[Sample]]]) -> None:
+        """Append the complete groups the log does not hold yet (a group never changes once complete, so it
+        is logged once); `save` makes them durable before any state refers to them."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        new = [
+            (gid, encode_group(gid, SampleBatch.from_samples(list(samples))))
+            for gid, samples in groups
+            if not self.log.holds(gid)
+        ]
+        self.log.append(new, self._live, durable=False)
 
     def load(self) -> BrokerSnapshot:
         """The full snapshot: live samples plus the logged samples of its complete and handed-out groups."""
@@ -250,80 +214,26 @@ class SnapshotStore:
         except FileNotFoundError:
             raise SnapshotError(f"no broker snapshot at {self.state_path} (nothing to resume)") from None
         try:
-            frames, _ = _read_record(data, 0)
+            frames, _ = read_record(data, 0)
             decode_header(frames, SNAPSHOT_FORMAT)
             live: BrokerSnapshot = decode_body(BrokerSnapshot, frames, max_bytes=len(data) + 1)
         except (struct.error, ProtocolError) as exc:
             raise SnapshotError(f"broker snapshot {self.state_path} is unreadable: {exc}") from exc
         wanted = set(live.complete_order) | set(live.batch_groups)
-        groups = {gid: batch for gid, batch in self._read_log().items() if gid in wanted}
+        groups = self.log.read(wanted)
         missing = wanted - set(groups)
         if missing:
             raise SnapshotError(
-                f"{self.log_path} lacks complete groups {sorted(missing)[:5]} of the snapshot"
+                f"the complete-group log in {self.directory} lacks complete groups {sorted(missing)[:5]} "
+                "of the snapshot"
             )
         samples = live.samples.to_samples() + [s for gid in sorted(groups) for s in groups[gid].to_samples()]
         return dataclasses.replace(live, samples=SampleBatch.from_samples(samples))
 
-    @staticmethod
-    def _encode_group(gid: int, samples: Sequence[Sample]) -> bytes:
-        group = LoggedGroup(gid, SampleBatch.from_samples(list(samples)))
-        return _frames_bytes(encode_frames(SNAPSHOT_FORMAT, LOG_KIND, group))
 
-    def _logged_record(
-        self, log: BinaryIO, logged: Mapping[int, tuple[int, int]], gid: int, samples: Sequence[Sample]
-    ) -> bytes:
-        """Group `gid`'s record: read from the log where it is there, encoded otherwise."""
-        if gid not in logged:
-            return self._encode_group(gid, samples)
-        start, end = logged[gid]
-        log.seek(start)
-        return log.read(end - start)
-
-    def _note(self, records: Sequence[tuple[int, bytes]], start: int) -> None:
-        """Index `records`, written one after another from byte `start` of the log."""
-        assert self._logged is not None
-        for gid, record in records:
-            self._logged[gid] = (start, start + len(record))
-            start += len(record)
-
-    def _index(self) -> dict[int, tuple[int, int]]:
-        if self._logged is None:
-            spans: dict[int, tuple[int, int]] = {}
-            self._records = 0
-            for gid, _, span in self._scan_log():
-                spans[gid] = span
-                self._records += 1
-            self._logged = spans
-        return self._logged
-
-    def _read_log(self) -> dict[int, SampleBatch]:
-        """Every group in the log (the last record of a group wins)."""
-        return {gid: samples for gid, samples, _ in self._scan_log()}
-
-    def _scan_log(self) -> Iterator[tuple[int, SampleBatch, tuple[int, int]]]:
-        """Each record of the log: group id, samples, (start, end); a torn tail is cut off."""
-        try:
-            data = self.log_path.read_bytes()
-        except FileNotFoundError:
-            return
-        pos = 0
-        while pos < len(data):
-            try:
-                frames, end = _read_record(data, pos)
-                decode_header(frames, SNAPSHOT_FORMAT)
-                record: LoggedGroup = decode_body(LoggedGroup, frames, max_bytes=len(data) + 1)
-            except (struct.error, ProtocolError):
-                break  # a record torn by a crash: never referenced by a durable snapshot
-            yield record.group_id, record.samples, (pos, end)
-            pos = end
-        if pos < len(data):
-            with open(self.log_path, "r+b") as f:
-                f.truncate(pos)
-
-
-def write(snapshot: BrokerSnapshot, directory: Path) -> Path:
-    """Persist a full snapshot (see SnapshotStore.save): complete groups go to the log."""
+def write(snapshot: BrokerSnapshot, directory: Path, trusted: Collection[int] = ()) -> Path:
+    """Persist a full snapshot (see SnapshotStore.save): complete groups go to the log. `trusted`: its
+    complete groups that were read from this directory's log (a restored broker's), not logged again."""
     complete_ids = set(snapshot.complete_order) | set(snapshot.batch_groups)
     live: list[Sample] = []
     complete: dict[int, list[Sample]] = {}
@@ -333,7 +243,7 @@ def write(snapshot: BrokerSnapshot, directory: Path) -> Path:
         else:
             live.append(s)
     live_snapshot = dataclasses.replace(snapshot, samples=SampleBatch.from_samples(live))
-    return SnapshotStore(directory).save(live_snapshot, complete)
+    return SnapshotStore(directory, trusted).save(live_snapshot, complete)
 
 
 def exists(directory: Path) -> bool:

@@ -2,6 +2,8 @@
 
 The poll loop only copies references (`snapshot.capture_refs`) and hands them over with a sequence
 number; the thread appends newly complete groups to the log and writes the state file (fsync, rename).
+Complete groups may also be handed over as they complete (`log_groups`): the thread logs them while it
+has nothing else to do, so the snapshot that must be durable before a batch leaves has little to write.
 Requests that pile up while a write is running are coalesced: a later snapshot holds everything an
 earlier one did, so only the newest is written. `durable_seq` is the sequence number of the newest
 snapshot on disk; the server waits for it before handing a batch to the learner, so a crash can never
@@ -12,20 +14,23 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Collection
 from pathlib import Path
 
+from april.records import Sample
 from broker import snapshot
 
 log = logging.getLogger("april.broker")
 
 
 class SnapshotWriter:
-    def __init__(self, directory: Path) -> None:
-        self.store = snapshot.SnapshotStore(directory)
+    def __init__(self, directory: Path, trusted: Collection[int] = ()) -> None:
+        self.store = snapshot.SnapshotStore(directory, trusted)  # trusted: see CompleteLog
         self.durable_seq = 0
         self.error: Exception | None = None
         self._seq = 0
         self._pending: tuple[int, snapshot.SnapshotRefs] | None = None
+        self._to_log: list[tuple[int, list[Sample]]] = []  # complete groups to log ahead of a snapshot
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
@@ -38,6 +43,14 @@ class SnapshotWriter:
             self._pending = (self._seq, refs)
             self._cond.notify()
             return self._seq
+
+    def log_groups(self, groups: list[tuple[int, list[Sample]]]) -> None:
+        """Queue newly complete groups (id, samples that no longer change) for the log. They are logged in
+        the background, so the snapshot that hands out a batch rarely has any left to encode and fsync
+        (it waits for the log only for groups queued after the thread last looked)."""
+        with self._cond:
+            self._to_log += groups
+            self._cond.notify()
 
     def wait(self, seq: int, timeout: float | None = None) -> bool:
         """Block until snapshot `seq` (or a newer one) is durable."""
@@ -56,19 +69,24 @@ class SnapshotWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._closed)
-                if self._pending is None:
+                self._cond.wait_for(lambda: self._pending is not None or bool(self._to_log) or self._closed)
+                if self._pending is None and not self._to_log:
                     return
-                seq, refs = self._pending
-                self._pending = None
+                pending, to_log = self._pending, self._to_log
+                self._pending, self._to_log = None, []
             try:
-                self.store.save(*refs.split())
+                if pending is None:
+                    self.store.log_groups(to_log)
+                else:  # the snapshot logs every complete group it refers to itself
+                    self.store.save(*pending[1].split())
             except Exception as exc:
-                log.exception("snapshot %d could not be written", seq)
+                log.exception("snapshot %d could not be written", pending[0] if pending else self.durable_seq)
                 with self._cond:
                     self.error = exc
                     self._cond.notify_all()
                 return
+            if pending is None:
+                continue
             with self._cond:
-                self.durable_seq = max(self.durable_seq, seq)
+                self.durable_seq = max(self.durable_seq, pending[0])
                 self._cond.notify_all()

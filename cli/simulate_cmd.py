@@ -23,7 +23,7 @@ from rich.table import Table
 from actors.lengths import EmpiricalLength, LengthSpec
 from april.config import AlgoConfig, Mode, OverSampling, PromptOrder, ResumeKV
 from april.engine_cost import EngineCost
-from broker.sim.figures import Figures, with_speedups
+from broker.sim.figures import ARRIVAL_WINDOW_S, Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
 from cli.options import UserError
 from cli.sim_options import (
@@ -261,6 +261,19 @@ def render(results: list[tuple[dict[str, float], dict[str, Figures], Waits]]) ->
     return table
 
 
+def broker_load(results: list[tuple[dict[str, float], dict[str, Figures], Waits]]) -> str:
+    """The samples per second the simulated engines return to the broker, the highest of every point and
+    mode: to hold against the capacity benchmarks/broker_throughput.py measures on the broker's host."""
+    figs = [f for _, by_mode, _ in results for f in by_mode.values()]
+    mean = max((f.broker_arrivals_per_s_mean or 0.0 for f in figs), default=0.0)
+    peak = max((f.broker_arrivals_per_s_peak or 0.0 for f in figs), default=0.0)
+    return (
+        f"broker load: up to {mean:,.0f} samples/s returned by the engines on average, {peak:,.0f} in the "
+        f"busiest {ARRIVAL_WINDOW_S:g} s (virtual time); the broker keeps up if the samples/s "
+        "benchmarks/broker_throughput.py measures on its host is higher"
+    )
+
+
 def simulate_command(
     lengths: Annotated[
         str,
@@ -381,3 +394,4 @@ def simulate_command(
     for line in wait_lines(results, base.steps):
         console.print(line, highlight=False)
     console.print(f"simulated in {elapsed:.1f} s (virtual time; speedup = samples/s over sync)")
+    console.print(broker_load(results))

@@ -11,18 +11,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from april import policy
+from april import codec, policy
 from april.config import AlgoConfig, Mode
 from april.data import SyntheticPromptSource
 from april.records import FinishReason, Sample, SampleStatus, Segment, new_group_samples
-from broker import snapshot
+from april.wire_records import SampleBatch
+from broker import complete_log, snapshot
 from broker.snapshot import SnapshotError
+from broker.snapshot_writer import SnapshotWriter
 from broker.state import LEASE_EPOCH_SHIFT, BrokerState, PendingBatch, ResultRejected
 
 MAX_NEW = 8
@@ -862,38 +865,124 @@ def complete_group(gid: int, rng: np.random.Generator) -> list[Sample]:
     return out
 
 
-def test_the_complete_log_keeps_every_live_group_through_rewrites_and_restarts(tmp_path: Path) -> None:
-    """complete.log over a long run: groups complete, are trained and leave; the log is rewritten without
-    them (copying the live groups' records) whenever it holds more than twice what is live. After every
-    save, a fresh store (a restarted broker) loads exactly the live complete groups, also after a restart
-    mid-run and after a torn record at the log's tail."""
+def loaded_groups(directory: Path) -> dict[int, list[Sample]]:
+    """What a restarted broker loads from `directory`: the samples of each complete group, by group id."""
+    by_gid: dict[int, list[Sample]] = {}
+    for sample in snapshot.SnapshotStore(directory).load().samples.to_samples():
+        by_gid.setdefault(sample.group_id, []).append(sample)
+    return by_gid
+
+
+def log_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("complete*.log"))
+
+
+def record_bytes(gid: int, samples: list[Sample]) -> int:
+    return complete_log.record_size(complete_log.encode_group(gid, SampleBatch.from_samples(samples)))
+
+
+@pytest.mark.parametrize("straggler", [False, True], ids=["fifo", "straggler"])
+def test_the_complete_log_keeps_every_live_group_through_segments_and_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, straggler: bool
+) -> None:
+    """The complete-group log over a long run: groups complete, are trained and leave; segments whose
+    groups all left are deleted, and ones kept by stragglers (groups live for the whole run) have their
+    live records copied out once the log holds more than 2 x live + one segment's worth of records.
+    After every save, a fresh store (a restarted broker) loads exactly the live
+    complete groups, also after a restart mid-run and after a torn record at a segment's tail; the log's
+    size on disk stays bounded by the live records and one segment."""
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_RECORDS", 8)
     rng = np.random.default_rng(0)
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(400)}
     store = snapshot.SnapshotStore(tmp_path)
-    rewrites, last_size = 0, 0
-    for first in range(0, 380, 3):  # 20 groups live at a time, 3 trained and 3 completed per save
-        if first == 180:
+    deleted: set[str] = set()
+    for first in range(1, 380, 3):  # 20 groups live at a time, 3 trained and 3 completed per save
+        if first == 181:
             store = snapshot.SnapshotStore(tmp_path)  # a restart: the index is read from the log
-        if first == 240:
-            with open(tmp_path / snapshot.LOG_NAME, "ab") as f:
+        if first == 241:
+            newest = max(tmp_path.glob("complete.*.log"))
+            with open(newest, "ab") as f:
                 f.write(b"\x05\x00\x00")  # a record torn by a crash, cut off when the log is opened
             store = snapshot.SnapshotStore(tmp_path)
         live = {gid: groups[gid] for gid in range(first, first + 20)}
+        if straggler:  # every 25th group stays live to the end, each keeping its segment alive
+            live |= {gid: groups[gid] for gid in range(0, first, 25)}
+        before = {p.name for p in tmp_path.glob("complete.*.log")}
         store.save(dataclasses.replace(live_part, complete_order=list(live)), live)
-        size = (tmp_path / snapshot.LOG_NAME).stat().st_size
-        rewrites += size < last_size
-        last_size = size
-        loaded = snapshot.SnapshotStore(tmp_path).load()
-        by_gid: dict[int, list[Sample]] = {}
-        for sample in loaded.samples.to_samples():
-            by_gid.setdefault(sample.group_id, []).append(sample)
+        deleted |= before - {p.name for p in tmp_path.glob("complete.*.log")}
+        by_gid = loaded_groups(tmp_path)
         assert sorted(by_gid) == sorted(live), first
         for gid, samples in by_gid.items():
             for x, y in zip(samples, live[gid], strict=True):
                 assert_samples_equal(x, y)
-    assert rewrites >= 3  # the log was rewritten, after the restart and the torn tail too
-    assert last_size < 3 * sum(len(store._encode_group(g, groups[g])) for g in range(first, first + 20))
+        # at most 2 x live + max(8, live) records, and the newest segment's last append (3 records)
+        biggest = max(record_bytes(g, groups[g]) for g in groups)
+        assert log_bytes(tmp_path) <= (3 * len(live) + 3) * biggest, first
+    assert len(deleted) >= 10  # segments were deleted, also after the restart and the torn tail
+    if straggler:  # the first segment held straggler 0: it was copied out
+        assert "complete.00000000.log" in deleted
+    assert not (tmp_path / ".state.snap.tmp").exists()
+
+
+def test_a_crash_between_the_log_and_the_state_keeps_the_previous_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state file is written after the log: a crash in between leaves the previous state file, and
+    every group it refers to is still in the log (no segment is deleted before a newer state is durable)."""
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_RECORDS", 2)
+    rng = np.random.default_rng(1)
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    groups = {gid: complete_group(gid, rng) for gid in range(12)}
+    old = {gid: groups[gid] for gid in range(0, 4)}
+    snapshot.SnapshotStore(tmp_path).save(dataclasses.replace(live_part, complete_order=list(old)), old)
+
+    def crash(src: object, dst: object) -> None:
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr(snapshot.os, "replace", crash)
+    new = {gid: groups[gid] for gid in range(8, 12)}  # every old group trained
+    with pytest.raises(OSError):
+        snapshot.SnapshotStore(tmp_path).save(dataclasses.replace(live_part, complete_order=list(new)), new)
+    by_gid = loaded_groups(tmp_path)
+    assert sorted(by_gid) == sorted(old)
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, old[gid], strict=True):
+            assert_samples_equal(x, y)
+
+
+def test_a_legacy_single_complete_log_is_read_and_deleted_once_dead(tmp_path: Path) -> None:
+    """A run directory written by an earlier version (one complete.log) resumes: its groups load, and the
+    file is deleted once no durable state refers to them."""
+    rng = np.random.default_rng(2)
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    groups = {gid: complete_group(gid, rng) for gid in range(6)}
+    legacy = tmp_path / complete_log.LEGACY_NAME
+    legacy.write_bytes(
+        b"".join(
+            b"".join(complete_log.encode_group(g, SampleBatch.from_samples(groups[g]))) for g in range(3)
+        )
+    )
+    old = {gid: groups[gid] for gid in range(3)}
+    state = complete_log.frames_bytes(
+        codec.encode_frames(
+            snapshot.SNAPSHOT_FORMAT,
+            snapshot.SNAPSHOT_KIND,
+            dataclasses.replace(live_part, complete_order=list(old)),
+        )
+    )
+    (tmp_path / snapshot.FILE_NAME).write_bytes(state)
+    assert sorted(loaded_groups(tmp_path)) == [0, 1, 2]
+    store = snapshot.SnapshotStore(tmp_path, trusted=[0, 1, 2])  # as a broker restored from it
+    for keep_ids, legacy_kept in (((2, 3, 4), True), ((3, 4, 5), False)):  # group 2 is in the legacy log
+        keep = {gid: groups[gid] for gid in keep_ids}
+        store.save(dataclasses.replace(live_part, complete_order=list(keep)), keep)
+        assert legacy.exists() == legacy_kept
+        by_gid = loaded_groups(tmp_path)
+        assert sorted(by_gid) == sorted(keep)
+        for gid, samples in by_gid.items():
+            for x, y in zip(samples, keep[gid], strict=True):
+                assert_samples_equal(x, y)
 
 
 @pytest.mark.parametrize("cut", [0, 5, 0.5, -1], ids=["empty", "5-bytes", "half", "last-byte"])
@@ -996,3 +1085,65 @@ def random_run(mode: Mode, seed: int, dynamic: bool) -> None:
 def test_random_operations_keep_the_books(mode: Mode, dynamic: bool) -> None:
     for seed in range(40):
         random_run(mode, seed, dynamic)
+
+
+def test_the_snapshot_writer_logs_complete_groups_ahead_and_a_snapshot_makes_them_durable(
+    tmp_path: Path,
+) -> None:
+    """Groups handed to the writer as they complete are in the log before any snapshot refers to them; a
+    snapshot that refers to them (and to one never handed over) loads them all, field by field; groups
+    logged ahead of a snapshot do not disturb the previous one."""
+    rng = np.random.default_rng(3)
+    state = BrokerState(Mode.APRIL, algo(n=2), source())
+    groups = {gid: complete_group(gid, rng) for gid in range(6)}
+    writer = SnapshotWriter(tmp_path)
+    try:
+        first = writer.submit(snapshot.capture_refs(state))
+        assert writer.wait(first, timeout=60)
+        writer.log_groups([(gid, groups[gid]) for gid in range(5)])  # group 5 is never handed over
+        deadline = time.monotonic() + 60
+        while not all(writer.store.log.holds(gid) for gid in range(5)):
+            assert time.monotonic() < deadline, "the writer did not log the groups"
+            time.sleep(0.01)
+        assert loaded_groups(tmp_path) == {}  # the durable state refers to none of them yet
+        refs = snapshot.capture_refs(state)
+        refs = dataclasses.replace(
+            refs, groups=[*refs.groups, *((g, groups[g]) for g in (1, 3, 5))], complete_order=[1, 3, 5]
+        )
+        assert writer.wait(writer.submit(refs), timeout=60)
+    finally:
+        writer.close()
+    assert writer.error is None
+    by_gid = loaded_groups(tmp_path)
+    assert sorted(by_gid) == [1, 3, 5]
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, groups[gid], strict=True):
+            assert_samples_equal(x, y)
+
+
+def test_records_a_dead_broker_logged_after_its_last_snapshot_are_not_trusted(tmp_path: Path) -> None:
+    """A broker logs groups as they complete; killed before its next snapshot (here even after the log's
+    fsync), it leaves records of groups the restored broker issues again under the same ids with other
+    samples. The restored broker trusts only the records it restored from, logs its own completion of
+    those groups, and a later restart loads its samples, not the dead broker's."""
+    rng = np.random.default_rng(4)
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    dead = {gid: complete_group(gid, rng) for gid in range(5)}
+    again = {gid: complete_group(gid, rng) for gid in (3, 4)}  # the same ids, generated again
+    for gid in again:
+        assert not np.array_equal(dead[gid][0].response_ids, again[gid][0].response_ids)
+    first = {gid: dead[gid] for gid in range(3)}
+    store = snapshot.SnapshotStore(tmp_path)
+    store.save(dataclasses.replace(live_part, complete_order=list(first)), first)
+    store.log_groups([(gid, dead[gid]) for gid in (3, 4)])
+    store.log.sync()  # the broker dies here, before the state that would refer to groups 3 and 4
+    restored = snapshot.SnapshotStore(tmp_path).load()
+    assert sorted(restored.complete_order) == [0, 1, 2]
+    store = snapshot.SnapshotStore(tmp_path, trusted=restored.complete_order)
+    second = {**first, **again}
+    store.save(dataclasses.replace(live_part, complete_order=list(second)), second)
+    by_gid = loaded_groups(tmp_path)
+    assert sorted(by_gid) == [0, 1, 2, 3, 4]
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, second[gid], strict=True):
+            assert_samples_equal(x, y)

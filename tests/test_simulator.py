@@ -19,7 +19,7 @@ from april.config import AlgoConfig, Mode
 from april.engine_cost import EngineCost
 from april.records import new_group_samples
 from broker.sim.engines import EngineModel
-from broker.sim.figures import Meter
+from broker.sim.figures import ARRIVAL_WINDOW_S, ArrivalMeter, Meter
 from broker.sim.model import SimConfig, SimResult, simulate
 from cli.main import app
 from cli.simulate_cmd import SimulateError, apply_point, resolve_lengths, sweep_points
@@ -46,6 +46,8 @@ FIGURE_KEYS = {
     "speedup",
     "reprefill_frac",
     "stale_kv_token_frac",
+    "broker_arrivals_per_s_mean",
+    "broker_arrivals_per_s_peak",
 }
 
 
@@ -396,3 +398,28 @@ def test_cli_user_errors_are_one_line(args: tuple[str, ...], expected: str) -> N
     code, out = invoke(*args)
     assert code == 2
     assert out.startswith("april: error:") and expected in out and out.count("\n") == 1
+
+
+def test_the_arrival_meter_counts_samples_per_window() -> None:
+    meter = ArrivalMeter()
+    for now, samples in ((0.2, 3), (0.7, 2), (ARRIVAL_WINDOW_S + 0.5, 4), (3 * ARRIVAL_WINDOW_S, 1)):
+        meter.add(now, samples)
+    assert meter.total == 10
+    assert meter.peak_per_s() == 5 / ARRIVAL_WINDOW_S
+
+
+def test_the_broker_load_counts_every_returned_sample() -> None:
+    """The arrival figures count each sample the engines return: every trained sample came back at least
+    once (async here: nothing is aborted, so exactly once), and no window holds more than the run."""
+    lengths = LengthSpec.parse("lognormal:median=400,sigma=0.5,cap=2000")
+    f = run(Mode.ASYNC, lengths, b=2, over=4, n=2, engines=2, slots=4, steps=4, learner_s=0.5).figures
+    assert f.broker_arrivals_per_s_mean is not None and f.broker_arrivals_per_s_peak is not None
+    returned = f.broker_arrivals_per_s_mean * f.wall_s
+    assert returned == pytest.approx(round(returned))
+    assert round(returned) >= 4 * 2 * 2  # steps x groups x samples trained
+    assert f.aborted == 0 and f.broker_arrivals_per_s_peak * ARRIVAL_WINDOW_S <= round(returned)
+    assert f.broker_arrivals_per_s_peak >= f.broker_arrivals_per_s_mean * min(
+        1.0, f.wall_s / ARRIVAL_WINDOW_S
+    )
+    code, out = invoke(*SMALL, "--lengths", "fixed:30", "--modes", "async")
+    assert code == 0 and "broker load:" in out and "samples/s returned by the engines" in out

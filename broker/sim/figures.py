@@ -22,11 +22,15 @@ Owns the definitions:
     and log-prob are the engine's, but the policy that drew them mixed two weight versions (None: not
     measured).
   - speedup: samples_per_s / sync's (None without a sync run); accuracy_final: None (no model here).
+  - broker_arrivals_per_s_mean / _peak: samples the engines return to the broker (every SampleResult
+    item: finished, failed or interrupted) per second of virtual time, over the run and in its busiest
+    ARRIVAL_WINDOW_S window: the load the cluster asks of the broker, to hold against the broker's
+    capacity measured by benchmarks/broker_throughput.py (None in a measured run's figures).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from april.records import Sample
@@ -102,6 +106,8 @@ class Figures:
     speedup: float | None = None
     reprefill_frac: float | None = None  # None: not measured (a real run's figures)
     stale_kv_token_frac: float | None = None
+    broker_arrivals_per_s_mean: float | None = None  # None: not simulated (a measured run)
+    broker_arrivals_per_s_peak: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -122,6 +128,7 @@ def compute_figures(
     busy_s: float = 0.0,
     reprefill_s: float = 0.0,
     stale_kv_tokens: int = 0,
+    arrivals: ArrivalMeter | None = None,
 ) -> Figures:
     wall = max(wall_s, 1e-12)
     return Figures(
@@ -141,6 +148,8 @@ def compute_figures(
         resumed=resumed,
         reprefill_frac=reprefill_s / busy_s if busy_s > 0 else 0.0,
         stale_kv_token_frac=stale_kv_tokens / generated if generated else 0.0,
+        broker_arrivals_per_s_mean=None if arrivals is None else arrivals.total / wall,
+        broker_arrivals_per_s_peak=None if arrivals is None else arrivals.peak_per_s(),
     )
 
 
@@ -150,3 +159,22 @@ def with_speedups(by_mode: dict[str, Figures]) -> dict[str, Figures]:
     if base is None or base.samples_per_s <= 0:
         return dict(by_mode)
     return {m: replace(f, speedup=f.samples_per_s / base.samples_per_s) for m, f in by_mode.items()}
+
+
+ARRIVAL_WINDOW_S = 1.0  # virtual seconds per bucket of ArrivalMeter
+
+
+@dataclass(slots=True)
+class ArrivalMeter:
+    """Samples returned to the broker, in total and per ARRIVAL_WINDOW_S bucket of virtual time."""
+
+    total: int = 0
+    buckets: dict[int, int] = field(default_factory=dict)  # window number -> samples returned in it
+
+    def add(self, now: float, samples: int) -> None:
+        self.total += samples
+        window = int(now // ARRIVAL_WINDOW_S)
+        self.buckets[window] = self.buckets.get(window, 0) + samples
+
+    def peak_per_s(self) -> float:
+        return max(self.buckets.values(), default=0) / ARRIVAL_WINDOW_S

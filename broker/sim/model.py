@@ -41,7 +41,7 @@ from april.ledger import Ledger
 from april.records import Sample
 from april.sample_draw import LengthDraw, LengthSampler, prompt_key, sample_key
 from broker.sim.engines import Abort, EngineModel, Lease, Output, ToEngine, Weights
-from broker.sim.figures import Figures, Meter, Tally, compute_figures
+from broker.sim.figures import ArrivalMeter, Figures, Meter, Tally, compute_figures
 from broker.state import BrokerState
 
 LENGTH_CHUNK_GROUPS = 512  # groups whose lengths are drawn at once
@@ -200,6 +200,7 @@ class Simulation:
         self.trained = 0
         self.records: list[StepRecord] = []
         self.tally = Tally()
+        self.arrivals = ArrivalMeter()  # the load on the broker: samples returned per virtual second
         self.now = 0.0
         self.events = 0
         self.queue: list[
@@ -283,6 +284,7 @@ class Simulation:
     # ------------------------------------------------------------------ the broker (server.py's glue)
 
     def _on_results(self, engine: EngineModel, items: list[Output], credit: int) -> None:
+        self.arrivals.add(self.now, len(items))
         for lease_id, sample in items:
             self.state.accept_result(engine.worker_id, lease_id, sample)
         self.credit[engine.index] = min(self.credit[engine.index] + credit, engine.slots)
@@ -431,6 +433,7 @@ class Simulation:
             busy_s=sum(e.busy_s for e in self.engines),
             reprefill_s=self.cfg.cost.prefill_s(sum(e.reprefill_tokens for e in self.engines)),
             stale_kv_tokens=sum(e.stale_kv_tokens for e in self.engines),
+            arrivals=self.arrivals,
         )
         ledger = self.state.check_ledger("at the end of the simulation")
         return SimResult(figs, ledger, tuple(self.records), self.abort_rounds, self.events, dict(self.waits))
