@@ -52,7 +52,7 @@ from cli.sim_options import (
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"
 DEFAULT_LENGTHS = "math-long-tail"
-MIN_WIDTH = 128
+MIN_WIDTH = 150
 # --sweep KEY -> its column in the table
 SWEEP_KEYS = {
     "over-sampling-ratio": "os ratio",
