@@ -135,6 +135,14 @@ STEPS: tuple[Step, ...] = (
         minutes=8,
     ),
     Step(
+        "cluster-load",
+        "results/cluster-load",
+        "april simulate --lengths short-answer --max-new-tokens 1024 --engines 1000 --slots 64 "
+        "--rollout-batch-size 4096 --over-sampling-batch-size 8192 --modes async --steps 3 --json",
+        stdout="simulate.json",
+        minutes=1,
+    ),
+    Step(
         "broker-throughput",
         "results/broker-throughput",
         "python benchmarks/broker_throughput.py --out {out}/broker_throughput.json",
@@ -638,7 +646,28 @@ def block_scheduling() -> str:
     return "\n".join([*rows, "", note, "", source("scheduling")])
 
 
+def block_cluster_load() -> str:
+    sim = load("results/cluster-load/simulate.json")
+    (fig,) = sim["modes"].values()
+    broker = {r["scenario"]: r for r in load("results/broker-throughput/broker_throughput.json")["results"]}
+    s = sim["setting"]
+    rows = [
+        "| what | samples/s |",
+        "|---|---|",
+        f"| asked of the broker by {s['engines']:,} engines x {s['slots']} slots ({s['rollout_batch_size']:,} x "
+        f"{s['n_samples_per_prompt']} samples a step, async), mean over the run | "
+        f"{fig['broker_arrivals_per_s_mean']:,.0f} |",
+        f"| the same, busiest second | {fig['broker_arrivals_per_s_peak']:,.0f} |",
+        f"| one broker process on this machine, `steady` (no admission bound) | "
+        f"{broker['steady']['samples_per_s']:,.0f} |",
+        f"| one broker process on this machine, `bounded` (async with a staleness bound) | "
+        f"{broker['bounded']['samples_per_s']:,.0f} |",
+    ]
+    return "\n".join([*rows, "", source("cluster-load"), "", source("broker-throughput")])
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
+    "cluster-load": block_cluster_load,
     "scheduling": block_scheduling,
     "headline": block_headline,
     "up-run": block_up_run,
