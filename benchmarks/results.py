@@ -654,8 +654,9 @@ def block_cluster_load() -> str:
     rows = [
         "| what | samples/s |",
         "|---|---|",
-        f"| asked of the broker by {s['engines']:,} engines x {s['slots']} slots ({s['rollout_batch_size']:,} x "
-        f"{s['n_samples_per_prompt']} samples a step, async), mean over the run | "
+        f"| asked of the broker by {s['engines']:,} engines x {s['slots']} slots "
+        f"({s['rollout_batch_size']:,} x {s['n_samples_per_prompt']} samples a step, async), "
+        "mean over the run | "
         f"{fig['broker_arrivals_per_s_mean']:,.0f} |",
         f"| the same, busiest second | {fig['broker_arrivals_per_s_peak']:,.0f} |",
         f"| one broker process on this machine, `steady` (no admission bound) | "
