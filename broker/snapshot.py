@@ -70,6 +70,7 @@ class BrokerSnapshot:
     trained: int
     dropped: dict[str, int]
     round_open: bool
+    planned_target: int  # over_sampling auto: the open round's planned target; -1: none (the cap)
     samples: SampleBatch  # every sample of every live group, latest known state
     lease_ids: Int64Array
     lease_workers: list[str]
@@ -146,6 +147,7 @@ def capture_refs(state: BrokerState) -> SnapshotRefs:
         "trained": state.trained,
         "dropped": dict(state.dropped),
         "round_open": state.round_open,
+        "planned_target": -1 if state.planned_target is None else state.planned_target,
         "length_history": state.history.to_wire(),
         "group_ids": np.array(list(state.groups), dtype=np.int64),
         "group_cursors": np.array([g.cursor for g in state.groups.values()], dtype=np.int64),
@@ -275,6 +277,7 @@ def restore(snap: BrokerSnapshot, mode: Mode, algo: AlgoConfig, source: PromptSo
     )
     state.issued, state.trained, state.dropped = snap.issued, snap.trained, Counter(snap.dropped)
     state.round_open = snap.round_open
+    state.planned_target = None if snap.planned_target < 0 else snap.planned_target
     state.history = LengthHistory.from_wire(snap.length_history)
     cursors = dict(zip(snap.group_ids.tolist(), snap.group_cursors.tolist(), strict=True))
     state.waiting = [

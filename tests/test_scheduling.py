@@ -128,6 +128,7 @@ def test_the_prompt_window_and_the_history_survive_a_snapshot(tmp_path: Path) ->
         g: e.prompt_index for g, e in old.groups.items()
     }
     assert new.history.recent().tolist() == old.history.recent().tolist()
+    assert new.planned_target is None  # fixed over-sampling plans nothing
     assert [new._next_prompt()[0] for _ in range(5)] == [old._next_prompt()[0] for _ in range(5)]
 
 
@@ -323,3 +324,22 @@ def test_the_learners_wait_is_split_by_what_held_its_batch() -> None:
             assert result.waits["admission"] == result.waits["staleness"] == 0 < result.waits["generation"]
         else:  # a long tail against a bound of (1 + 1) batches: the bound is what holds async
             assert result.waits["admission"] > 0
+
+
+def test_a_planned_round_target_survives_a_snapshot(tmp_path: Path) -> None:
+    algo = AlgoConfig(
+        rollout_batch_size=2,
+        over_sampling_batch_size=8,
+        n_samples_per_prompt=2,
+        max_new_tokens=64,
+        over_sampling=OverSampling.AUTO,
+    )
+    state = BrokerState(Mode.APRIL, algo, source())
+    for i in range(MIN_OBSERVED):
+        state.history.record(i, 5 + (i * 37) % 60)
+    state.plan_round(slots=64, seed=1)
+    assert state.planned_target is not None and 2 <= state.planned_target <= 8
+    snapshot.write(snapshot.capture(state), tmp_path)
+    new = snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source())
+    assert new.planned_target == state.planned_target
+    assert new.leasable_samples() == state.leasable_samples()  # the same round target, so the same work
