@@ -82,10 +82,14 @@ def test_bench_smoke_with_real_processes(tmp_path: Path) -> None:
         assert f["wasted_tokens"] == 0, mode  # nothing generated is thrown away in any mode
         assert 0 < f["slot_utilization"] <= 1 and 0 <= f["bubble_frac"] <= 1, (mode, f)
     assert doc["modes"]["sync"]["aborted"] == 0 and doc["modes"]["sync"]["offpolicy_token_frac"] == 0.0
-    # the sim engines report their re-prefill (a share of their model time) and stale-KV tokens: none
-    # in sync (nothing resumes) and none of the latter under resume_kv recompute (the default)
+    # the sim engines report their re-prefill (a share of their model time) and stale-KV tokens: no
+    # re-prefill in sync (nothing resumes). Under resume_kv recompute (the default) sync and april load
+    # weights only while their engines are idle (between rounds), so no token attends to older KV; async
+    # loads a version while sequences run and aborts them after, so a step or two of tokens may (a few)
     for mode, f in doc["modes"].items():
-        assert 0 <= f["reprefill_frac"] < 1 and f["stale_kv_token_frac"] == 0.0, (mode, f)
+        assert 0 <= f["reprefill_frac"] < 1 and 0 <= f["stale_kv_token_frac"] < 0.05, (mode, f)
+    for mode in ("sync", "april"):
+        assert doc["modes"][mode]["stale_kv_token_frac"] == 0.0, (mode, doc["modes"][mode])
     assert doc["modes"]["sync"]["reprefill_frac"] == 0.0
     # the simulator's prediction of the same samples (virtual time, scaled to wall time) and its error
     # against the real processes are benchmark figures in bench.json, not a threshold: how close they come
