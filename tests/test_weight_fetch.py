@@ -537,12 +537,13 @@ def loads(log: Path) -> dict[int, str]:
 def test_a_run_over_the_network_transport_loads_every_version_on_every_worker(
     cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
-    """weights.transport = network: the workers never read the run directory; each version reaches each
-    worker's own cache over the weight service."""
+    """weights.transport = network: the workers never read the run directory; the versions reach each
+    worker's own cache over the weight service. A worker sent a version while it still loads an earlier one
+    skips to the newest (by design), so what is waited for is v3 or later on both, every load by network."""
     c, logs, caches = run_two_workers(cluster, tmp_path, "network")
     metrics = c.run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 600, "three steps")
-    wait_for(lambda: all({1, 2, 3} <= set(loads(log)) for log in logs.values()), DEADLINE_S, "v1..v3 on both")
+    wait_for(lambda: all(max(loads(log), default=0) >= 3 for log in logs.values()), DEADLINE_S, "v3 on both")
     assert all(set(loads(log).values()) == {"network"} for log in logs.values())
     for cache in caches.values():
         cached = sorted(p.name for p in cache.iterdir())
