@@ -54,13 +54,13 @@ def predict_round_steps(
     group_size: int,
     needed: int,
     slots: int,
-    observed: npt.NDArray[np.int64],
+    ordered: npt.NDArray[np.int64],
     rng: np.random.Generator,
 ) -> float:
-    """Decode steps until `needed` of the round's incomplete groups finish (one replay; see module)."""
+    """Decode steps until `needed` of the round's incomplete groups finish (one replay; see module).
+    `ordered`: the observed lengths, sorted ascending (sorted once per plan, not per replay)."""
     if needed <= 0:
         return 0.0
-    ordered = np.sort(observed)
     remaining: list[int] = []
     owner: list[int] = []
     for g, group in enumerate(carried):
@@ -102,13 +102,14 @@ def plan_round_target(
     `complete`: groups of the round already complete; `carried`: the round's other live groups."""
     if observed.shape[0] < MIN_OBSERVED or slots <= 0:
         return cap
+    ordered = np.sort(observed)
     live = complete + len(carried)
     needed = batch - complete
     predicted: list[tuple[int, float]] = []
     for target in candidate_targets(max(batch, live), max(cap, live)):
         rng = np.random.default_rng([seed, target])
         steps = [
-            predict_round_steps(carried, target - live, group_size, needed, slots, observed, rng)
+            predict_round_steps(carried, target - live, group_size, needed, slots, ordered, rng)
             for _ in range(REPLAYS)
         ]
         predicted.append((target, float(np.mean(steps))))

@@ -240,7 +240,10 @@ class BrokerState:
     def _next_prompt(self) -> tuple[int, PromptRecord]:
         """The cursor and record of the prompt to issue next (`policy.pick_prompt` over the window of
         drawn prompts `self.waiting`, topped up to `prompt_window` from the source)."""
-        if self.algo.prompt_order == PromptOrder.ISSUE and not self.waiting:
+        if self.algo.prompt_order == PromptOrder.ISSUE:
+            if self.waiting:  # drawn ahead under another order before a restart: those go first, in order
+                chosen = self.waiting.pop(0)
+                return chosen.cursor, self.source.get(chosen.cursor)
             self.cursor += 1
             return self.cursor - 1, self.source.get(self.cursor - 1)
         while len(self.waiting) < self.algo.prompt_window:

@@ -343,3 +343,16 @@ def test_a_planned_round_target_survives_a_snapshot(tmp_path: Path) -> None:
     new = snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source())
     assert new.planned_target == state.planned_target
     assert new.leasable_samples() == state.leasable_samples()  # the same round target, so the same work
+
+
+def test_prompts_drawn_ahead_go_first_in_draw_order_once_the_order_is_issue_again() -> None:
+    """A run restarted with `prompt_order = "issue"` after drawing ahead under another order: the drawn
+    prompts are issued first, in the order drawn, and nothing more is drawn ahead."""
+    lengths = {i: 1 + (i * 7) % 60 for i in range(500)}
+    state = _run_with_order(PromptOrder.SHORTEST_FIRST, 8, lengths, 3)
+    drawn = [w.cursor for w in state.waiting]
+    assert len(drawn) == 7
+    state.algo = dataclasses.replace(state.algo, prompt_order=PromptOrder.ISSUE)
+    cursor = state.cursor
+    assert [state._next_prompt()[0] for _ in range(9)] == [*drawn, cursor, cursor + 1]
+    assert state.waiting == [] and state.cursor == cursor + 2
