@@ -28,6 +28,7 @@ import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import msgpack
@@ -384,15 +385,19 @@ def _show(raw: Any) -> str:
 
 
 _STR = _Scalar(str)
+_ONLY_STR = frozenset({str})
+_ONLY_DICT = frozenset({dict})
 
 
 def _all_plain(raw: list[Any], inner: _Spec) -> bool:
     """True when every item of a list of `str` or of `dict[str, str]` already has exactly that type
     (then the decoded msgpack value is the result as is). Anything else takes the checked path."""
     if inner == _STR:
-        return all(type(v) is str for v in raw)
-    if inner == _Dict(_STR):
-        return all(
-            type(d) is dict and all(type(k) is str and type(v) is str for k, v in d.items()) for d in raw
-        )
+        return set(map(type, raw)) <= _ONLY_STR
+    if inner == _Dict(_STR):  # map(type, ...) runs in C: a per-item generator cost more than the rest
+        if not set(map(type, raw)) <= _ONLY_DICT:
+            return False
+        keys = set(map(type, chain.from_iterable(raw)))
+        values = set(map(type, chain.from_iterable(d.values() for d in raw)))
+        return keys <= _ONLY_STR and values <= _ONLY_STR
     return False

@@ -22,6 +22,8 @@ from april.records import FinishReason, Sample, SampleStatus, Segment
 
 _STATUS_MAX = max(SampleStatus)
 _FINISH_MAX = max(FinishReason)
+_STATUSES = {int(m): m for m in SampleStatus}
+_FINISH_REASONS = {int(m): m for m in FinishReason}
 LOGPROB_TOLERANCE = 1e-3  # engines round; a log-prob above this is not a probability
 
 
@@ -150,9 +152,11 @@ class SampleBatch:
             self.response_offsets.tolist(),
             self.segment_offsets.tolist(),
         )
-        seg = self.segments.reshape(-1, 3).tolist()
+        segs = [Segment(v, a, b) for v, a, b in self.segments.reshape(-1, 3).tolist()]
         gids, idx = self.group_id.tolist(), self.index.tolist()
-        status, finish = self.status.tolist(), self.finish_reason.tolist()
+        # codes were checked by validate: index the members (an enum call per code costs more)
+        status = [_STATUSES[c] for c in self.status.tolist()]
+        finish = [_FINISH_REASONS[c] for c in self.finish_reason.tolist()]
         resumes, reward = self.resumes.tolist(), self.reward.tolist()
         return [
             Sample(
@@ -161,9 +165,9 @@ class SampleBatch:
                 prompt_ids=self.prompt_ids[po[i] : po[i + 1]],
                 response_ids=self.response_ids[ro[i] : ro[i + 1]],
                 response_logprobs=self.response_logprobs[ro[i] : ro[i + 1]],
-                segments=tuple(Segment(v, a, b) for v, a, b in seg[so[i] : so[i + 1]]),
-                status=SampleStatus(status[i]),
-                finish_reason=FinishReason(finish[i]),
+                segments=tuple(segs[so[i] : so[i + 1]]),
+                status=status[i],
+                finish_reason=finish[i],
                 resumes=resumes[i],
                 reward=reward[i],
                 prompt_text=self.prompt_text[i],

@@ -33,7 +33,7 @@ from typing import Any
 from april.data import PromptRecord
 from april.records import Sample, SampleStatus, new_group_samples
 from april.status import EvalProgress, EvalStatus
-from broker.state import ResultRejected, check_continues
+from broker.result_check import ResultRejected, check_continues
 
 log = logging.getLogger("april.broker")
 EVAL_GROUP_BASE = 1 << 48  # evaluation group ids: disjoint from training groups (counted from 0)

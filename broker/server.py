@@ -39,8 +39,9 @@ from broker.auth import CurveGate
 from broker.evaluation import EvalResult, Evaluations
 from broker.peers import LearnerPeer, Rejections, WorkerPeer, Workers
 from broker.prometheus import PrometheusExporter
+from broker.result_check import ResultRejected
 from broker.snapshot_writer import SnapshotWriter
-from broker.state import BrokerState, PendingBatch, ResultRejected
+from broker.state import BrokerState, PendingBatch
 from broker.status import build_status, run_totals
 from broker.usage import SlotUsage
 
@@ -359,12 +360,14 @@ class Broker:
     def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
         peer = self.workers.peers[worker_id]
         completed: list[tuple[int, list[Sample]]] = []
-        for lease_id, sample in zip(msg.lease_ids.tolist(), msg.samples.to_samples(), strict=True):
+        lease_ids = msg.lease_ids.tolist()
+        vouched = self.state.vouch(worker_id, lease_ids, msg.samples)
+        for lease_id, sample, ok in zip(lease_ids, msg.samples.to_samples(), vouched, strict=True):
             try:
                 if self.evals.owns(lease_id):
                     accepted = self.evals.accept_result(worker_id, lease_id, sample, self.state.version)
                 else:
-                    accepted = self.state.accept_result(worker_id, lease_id, sample)
+                    accepted = self.state.accept_result(worker_id, lease_id, sample, vouched=ok)
                     if sample.group_id in self.state.complete:  # this sample completed it: log it now
                         completed.append((sample.group_id, self.state.groups[sample.group_id].samples))
                 peer.tokens_generated += accepted

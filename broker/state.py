@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,8 +24,10 @@ from april.config import AlgoConfig, Mode, OverSampling, PromptOrder
 from april.data import PromptRecord, PromptSource
 from april.ledger import Ledger, LedgerError
 from april.length_history import LengthHistory
-from april.records import FinishReason, Group, Sample, SampleStatus, new_group_samples
+from april.records import Group, Sample, SampleStatus, new_group_samples
 from april.round_plan import CarriedGroup, plan_round_target
+from april.wire_records import SampleBatch
+from broker.result_check import ResultRejected, check_continues, plainly_valid
 
 LEASE_EPOCH_SHIFT = 40
 
@@ -106,14 +109,6 @@ class WaitingPrompt:
     cursor: int
     drawn_at: int  # groups issued when it was drawn
     prompt_index: int
-
-
-class ResultRejected(Exception):
-    """A returned sample that does not match its lease. `reason` is the counter key."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -379,14 +374,22 @@ class BrokerState:
 
     # ------------------------------------------------------------------ results
 
-    def accept_result(self, worker_id: str, lease_id: int, sample: Sample) -> int:
+    def vouch(self, worker_id: str, lease_ids: Sequence[int], samples: SampleBatch) -> list[bool]:
+        """For each sample of one SampleResult, whether `result_check.plainly_valid` vouches for it
+        against the lease `worker_id` holds (then `accept_result` need not check it again)."""
+        leased = [self.leases.get(lease_id) for lease_id in lease_ids]
+        before = [None if le is None or le.worker_id != worker_id else le.at_lease for le in leased]
+        return plainly_valid(before, samples, self.algo.max_new_tokens, self.version)
+
+    def accept_result(self, worker_id: str, lease_id: int, sample: Sample, vouched: bool = False) -> int:
         """Take one returned sample; returns the count of new response tokens it brings. Raises
         ResultRejected (the lease is then reclaimed by the caller, or unknown) when it does not continue
-        what was leased."""
+        what was leased. `vouched`: `vouch` passed it against this lease, so it is not checked again."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.worker_id != worker_id:
             raise ResultRejected("not_leased", f"lease {lease_id} is not held by {worker_id}")
-        check_continues(lease.at_lease, sample, self.algo.max_new_tokens, self.version)
+        if not vouched:
+            check_continues(lease.at_lease, sample, self.algo.max_new_tokens, self.version)
         del self.leases[lease_id]
         entry = self.groups[sample.group_id]
         new_tokens = sample.response_len - lease.at_lease.response_len
@@ -535,65 +538,3 @@ class BrokerState:
             return False
         self.version, self.weights_uri, self.weights_sha256 = version, uri, sha256
         return True
-
-
-def check_continues(before: Sample, after: Sample, max_new_tokens: int, version: int) -> None:
-    """Raise ResultRejected unless `after` is a valid return of the sample leased as `before`: same
-    sample, a returnable status, within budget, continuing the old response unchanged, no version newer
-    than the broker's `version`, the same task, and a reward on a finished sample."""
-    if after.key != before.key:
-        raise ResultRejected("wrong_sample", f"lease was for {before.key}, result is {after.key}")
-    if after.status not in (SampleStatus.FINISHED, SampleStatus.FAILED, SampleStatus.INTERRUPTED):
-        raise ResultRejected("bad_status", f"sample {after.key} returned {after.status.name}")
-    n0, n1, budget = before.response_len, after.response_len, before.budget(max_new_tokens)
-    if n1 < n0 or n1 - n0 > budget:
-        raise ResultRejected(
-            "bad_length", f"sample {after.key}: {n1} response tokens after {n0}, budget {budget}"
-        )
-    if not _continues(before, after):
-        raise ResultRejected("not_a_continuation", f"sample {after.key} rewrote its earlier response")
-    if after.segments and after.segments[-1].version > version:
-        raise ResultRejected(
-            "future_version", f"sample {after.key} claims version {after.segments[-1].version}"
-        )
-    resumes = before.resumes + (1 if n0 else 0)  # as leased (see Sample.resumed)
-    if (after.prompt_text, after.metadata, after.resumes) != (
-        before.prompt_text,
-        before.metadata,
-        resumes,
-    ):
-        raise ResultRejected(
-            "task_changed", f"sample {after.key} changed its prompt text, metadata or resumes"
-        )
-    if before.prompt_ids.shape[0] and not np.array_equal(before.prompt_ids, after.prompt_ids):
-        raise ResultRejected("prompt_changed", f"sample {after.key} changed its prompt")
-    if n1 and after.prompt_ids.shape[0] == 0:
-        raise ResultRejected("no_prompt_ids", f"sample {after.key} has a response but no prompt_ids")
-    if after.status == SampleStatus.FINISHED and (
-        after.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not np.isfinite(after.reward)
-    ):
-        raise ResultRejected("bad_finish", f"finished sample {after.key} needs stop/length and a reward")
-    if after.status == SampleStatus.INTERRUPTED and after.finish_reason != FinishReason.ABORT:
-        raise ResultRejected("bad_finish", f"interrupted sample {after.key} needs finish_reason abort")
-
-
-def _continues(before: Sample, after: Sample) -> bool:
-    """`after` keeps every earlier token, behaviour log-prob and version tag of `before` unchanged.
-
-    Old segments are kept as they were, except that the last one may grow when generation went on
-    under the same version; tokens and log-probs of the old response are byte-identical.
-    """
-    old, new = before.segments, after.segments
-    if old:
-        last = len(old) - 1
-        if len(new) < len(old) or new[:last] != old[:last]:
-            return False
-        if (new[last].version, new[last].start) != (old[last].version, old[last].start):
-            return False
-        if new[last].end < old[last].end:  # its tokens may not be re-tagged with a newer version
-            return False
-    n0 = before.response_len
-    return n0 == 0 or (
-        np.array_equal(after.response_ids[:n0], before.response_ids)
-        and np.array_equal(after.response_logprobs[:n0], before.response_logprobs)
-    )

@@ -1,0 +1,164 @@
+"""Whether a returned sample is a valid return of what was leased: the broker's trust boundary for results.
+
+`check_continues` is the rule, one sample at a time: the same sample, a returnable status, within its
+budget, continuing the leased response token for token (log-probs and version tags unchanged), no version
+newer than the broker's, the same task, and a reward on a finished sample. Both the training books
+(`broker.state`) and evaluations (`broker.evaluation`) apply it.
+
+`plainly_valid` applies the same rule to a whole `SampleBatch` at once with array operations, for the
+case that is almost every result: a sample leased fresh (no response yet) and returned finished. It only
+vouches: a sample it does not pass (a resumed partial, or anything it finds wrong) goes through
+`check_continues`, which gives the verdict and the reason. So the two can never disagree on a rejection,
+and a test holds them to agreeing on acceptance.
+
+Knows nothing of leases, groups or sockets: callers hand it the samples as leased and as returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from april.records import FinishReason, Sample, SampleStatus
+from april.wire_records import SampleBatch
+
+_RETURNABLE = (SampleStatus.FINISHED, SampleStatus.FAILED, SampleStatus.INTERRUPTED)
+_FINISH_OF_FINISHED = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+class ResultRejected(Exception):
+    """A returned sample that does not match its lease. `reason` is the counter key."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def check_continues(before: Sample, after: Sample, max_new_tokens: int, version: int) -> None:
+    """Raise ResultRejected unless `after` is a valid return of the sample leased as `before`: same
+    sample, a returnable status, within budget, continuing the old response unchanged, no version newer
+    than the broker's `version`, the same task, and a reward on a finished sample."""
+    if after.key != before.key:
+        raise ResultRejected("wrong_sample", f"lease was for {before.key}, result is {after.key}")
+    if after.status not in (SampleStatus.FINISHED, SampleStatus.FAILED, SampleStatus.INTERRUPTED):
+        raise ResultRejected("bad_status", f"sample {after.key} returned {after.status.name}")
+    n0, n1, budget = before.response_len, after.response_len, before.budget(max_new_tokens)
+    if n1 < n0 or n1 - n0 > budget:
+        raise ResultRejected(
+            "bad_length", f"sample {after.key}: {n1} response tokens after {n0}, budget {budget}"
+        )
+    if not _continues(before, after):
+        raise ResultRejected("not_a_continuation", f"sample {after.key} rewrote its earlier response")
+    if after.segments and after.segments[-1].version > version:
+        raise ResultRejected(
+            "future_version", f"sample {after.key} claims version {after.segments[-1].version}"
+        )
+    resumes = before.resumes + (1 if n0 else 0)  # as leased (see Sample.resumed)
+    if (after.prompt_text, after.metadata, after.resumes) != (
+        before.prompt_text,
+        before.metadata,
+        resumes,
+    ):
+        raise ResultRejected(
+            "task_changed", f"sample {after.key} changed its prompt text, metadata or resumes"
+        )
+    if before.prompt_ids.shape[0] and not np.array_equal(before.prompt_ids, after.prompt_ids):
+        raise ResultRejected("prompt_changed", f"sample {after.key} changed its prompt")
+    if n1 and after.prompt_ids.shape[0] == 0:
+        raise ResultRejected("no_prompt_ids", f"sample {after.key} has a response but no prompt_ids")
+    if after.status == SampleStatus.FINISHED and (
+        after.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not np.isfinite(after.reward)
+    ):
+        raise ResultRejected("bad_finish", f"finished sample {after.key} needs stop/length and a reward")
+    if after.status == SampleStatus.INTERRUPTED and after.finish_reason != FinishReason.ABORT:
+        raise ResultRejected("bad_finish", f"interrupted sample {after.key} needs finish_reason abort")
+
+
+def _continues(before: Sample, after: Sample) -> bool:
+    """`after` keeps every earlier token, behaviour log-prob and version tag of `before` unchanged.
+
+    Old segments are kept as they were, except that the last one may grow when generation went on
+    under the same version; tokens and log-probs of the old response are byte-identical.
+    """
+    old, new = before.segments, after.segments
+    if old:
+        last = len(old) - 1
+        if len(new) < len(old) or new[:last] != old[:last]:
+            return False
+        if (new[last].version, new[last].start) != (old[last].version, old[last].start):
+            return False
+        if new[last].end < old[last].end:  # its tokens may not be re-tagged with a newer version
+            return False
+    n0 = before.response_len
+    return n0 == 0 or (
+        np.array_equal(after.response_ids[:n0], before.response_ids)
+        and np.array_equal(after.response_logprobs[:n0], before.response_logprobs)
+    )
+
+
+def plainly_valid(
+    before: Sequence[Sample | None], after: SampleBatch, max_new_tokens: int, version: int
+) -> list[bool]:
+    """For each returned sample of `after`, True when `check_continues(before[i], sample i)` would pass
+    and the sample was leased fresh (`before[i]` has no response and no segments); False otherwise,
+    including `before[i]` None (no such lease), so False means "check it one by one", not "reject".
+
+    Costs a few array operations per result plus one comparison of prompt text and metadata per sample,
+    where `check_continues` costs a dozen Python calls per sample."""
+    n = len(after)
+    fresh = [b is not None and not b.segments and b.response_ids.shape[0] == 0 for b in before]
+    if not any(fresh):
+        return [False] * n
+    plain = [b if ok else None for b, ok in zip(before, fresh, strict=True)]
+    ok = np.array(fresh, dtype=bool)
+    ok &= after.group_id == np.array([-1 if b is None else b.group_id for b in plain], dtype=np.int64)
+    ok &= after.index == np.array([-1 if b is None else b.index for b in plain], dtype=np.int64)
+    ok &= after.resumes == np.array([-1 if b is None else b.resumes for b in plain], dtype=np.int64)
+    status, reason = after.status, after.finish_reason
+    ok &= _any_of(status, _RETURNABLE)
+    lengths = np.diff(after.response_offsets)
+    ok &= lengths <= max(0, max_new_tokens)  # a fresh sample's budget
+    seg = after.segments.reshape(-1, 3)
+    has_seg = after.segment_offsets[1:] > after.segment_offsets[:-1]
+    if seg.shape[0]:
+        last_version = seg[np.maximum(after.segment_offsets[1:] - 1, 0), 0]
+        ok &= ~has_seg | (last_version <= version)
+    prompt_lengths = np.diff(after.prompt_offsets)
+    leased_lengths = np.array([0 if b is None else b.prompt_ids.shape[0] for b in plain], dtype=np.int64)
+    ok &= (leased_lengths == 0) | (prompt_lengths == leased_lengths)
+    ok &= (lengths == 0) | (prompt_lengths > 0)
+    finished = status == SampleStatus.FINISHED
+    ok &= ~finished | (_any_of(reason, _FINISH_OF_FINISHED) & np.isfinite(after.reward))
+    ok &= (status != SampleStatus.INTERRUPTED) | (reason == FinishReason.ABORT)
+    ok &= ~_prompt_ids_differ(plain, after, ok & (leased_lengths > 0))
+    return [
+        bool(good) and b is not None and b.prompt_text == text and b.metadata == meta
+        for good, b, text, meta in zip(ok.tolist(), plain, after.prompt_text, after.metadata, strict=True)
+    ]
+
+
+def _any_of(codes: np.ndarray, members: Sequence[int]) -> np.ndarray:
+    """codes == any of members, elementwise (np.isin costs ten times more on a result's few samples)."""
+    out: np.ndarray = codes == members[0]
+    for member in members[1:]:
+        out |= codes == member
+    return out
+
+
+def _prompt_ids_differ(
+    before: Sequence[Sample | None], after: SampleBatch, compare: np.ndarray
+) -> np.ndarray:
+    """True for each `compare`d sample whose returned prompt ids differ from the leased ones (each has
+    its leased prompt's length already); False elsewhere."""
+    differ = np.zeros(len(after), dtype=bool)
+    if not compare.any():
+        return differ
+    offsets = after.prompt_offsets
+    leased = [
+        b.prompt_ids if want and b is not None else after.prompt_ids[offsets[i] : offsets[i + 1]]
+        for i, (b, want) in enumerate(zip(before, compare.tolist(), strict=True))
+    ]
+    tokens = np.flatnonzero(np.concatenate(leased) != after.prompt_ids)
+    differ[np.searchsorted(offsets, tokens, side="right") - 1] = True
+    return differ

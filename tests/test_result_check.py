@@ -1,0 +1,150 @@
+"""`plainly_valid` (a whole result at once) against `check_continues` (one sample, the rule).
+
+`plainly_valid` may only vouch for what `check_continues` accepts; it must vouch for a plain fresh return
+(else it saves nothing); and it sends everything else, partials included, to `check_continues`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from april.records import FinishReason, Sample, SampleStatus, Segment, new_group_samples
+from april.wire_records import SampleBatch
+from broker.result_check import ResultRejected, check_continues, plainly_valid
+
+MAX_NEW = 16
+VERSION = 3
+
+
+def leased(n: int, seed: int) -> list[Sample]:
+    """n fresh samples as leased (status as queued: PENDING), over a few groups and prompts."""
+    rng = np.random.default_rng(seed)
+    out: list[Sample] = []
+    gid = 0
+    while len(out) < n:
+        prompt = rng.integers(3, 100, int(rng.integers(1, 6)), dtype=np.int32)
+        out += new_group_samples(gid, 4, prompt, f"prompt {gid}", {"answer": str(gid)})
+        gid += 1
+    return out[:n]
+
+
+def returned(s: Sample, rng: random.Random) -> Sample:
+    """A valid return of fresh `s`: finished, failed, or interrupted with tokens."""
+    kind = rng.choice(["stop", "length", "failed", "abort", "empty-abort"])
+    k = 0 if kind == "empty-abort" else rng.randint(1, MAX_NEW)
+    finish = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}.get(kind, FinishReason.ABORT)
+    version = rng.randint(0, VERSION)
+    out = s.extend(list(range(3, 3 + k)), [-0.5] * k, version, finish)
+    if kind == "failed":
+        return out.failed("reward function raised")
+    return out.scored(float(rng.random())) if finish != FinishReason.ABORT else out
+
+
+Mutation = Callable[[Sample], Sample]
+MUTATIONS: dict[str, Mutation] = {
+    "wrong group": lambda s: dataclasses.replace(s, group_id=s.group_id + 1000),
+    "wrong index": lambda s: dataclasses.replace(s, index=s.index + 1),
+    "still running": lambda s: dataclasses.replace(s, status=SampleStatus.RUNNING),
+    "pending": lambda s: dataclasses.replace(s, status=SampleStatus.PENDING),
+    "no reward": lambda s: dataclasses.replace(s, reward=float("nan")),
+    "finished by abort": lambda s: dataclasses.replace(s, finish_reason=FinishReason.ABORT),
+    "interrupted by stop": lambda s: dataclasses.replace(
+        s, status=SampleStatus.INTERRUPTED, finish_reason=FinishReason.STOP
+    ),
+    "future version": lambda s: dataclasses.replace(
+        s, segments=tuple(Segment(VERSION + 1, g.start, g.end) for g in s.segments)
+    ),
+    "over budget": lambda s: (
+        s.extend([7] * (MAX_NEW + 1), [-0.1] * (MAX_NEW + 1), VERSION, s.finish_reason)
+        if s.finish_reason != FinishReason.NONE
+        else s
+    ),
+    "prompt changed": lambda s: dataclasses.replace(s, prompt_ids=np.flip(s.prompt_ids) + 1),
+    "prompt shortened": lambda s: dataclasses.replace(s, prompt_ids=s.prompt_ids[:-1]),
+    "text changed": lambda s: dataclasses.replace(s, prompt_text=s.prompt_text + "!"),
+    "metadata changed": lambda s: dataclasses.replace(s, metadata={**s.metadata, "answer": "x"}),
+    "resumes changed": lambda s: dataclasses.replace(s, resumes=s.resumes + 1),
+}
+
+
+def verdict(before: Sample, after: Sample) -> bool:
+    try:
+        check_continues(before, after, MAX_NEW, VERSION)
+    except ResultRejected:
+        return False
+    return True
+
+
+def test_it_vouches_for_every_plain_fresh_return() -> None:
+    rng = random.Random(0)
+    before = leased(32, seed=0)
+    after = [returned(s, rng) for s in before]
+    assert all(verdict(b, a) for b, a in zip(before, after, strict=True))
+    assert plainly_valid(before, SampleBatch.from_samples(after), MAX_NEW, VERSION) == [True] * 32
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_it_vouches_only_for_what_the_rule_accepts(seed: int) -> None:
+    """Mix valid returns with returns broken one way each: whatever it vouches for, the rule accepts;
+    whatever the rule rejects, it does not vouch for; a broken sample never spoils its neighbours."""
+    rng = random.Random(seed)
+    before = leased(rng.randint(1, 24), seed)
+    after, broken = [], []
+    for s in before:
+        a = returned(s, rng)
+        if rng.random() < 0.4:
+            a = MUTATIONS[rng.choice(sorted(MUTATIONS))](a)
+            broken.append(True)
+        else:
+            broken.append(False)
+        after.append(a)
+    try:
+        batch = SampleBatch.from_samples(after)
+        batch.validate()
+    except ValueError:
+        pytest.skip("a mutation made the batch itself malformed (the codec refuses it before any lease)")
+    vouched = plainly_valid(before, batch, MAX_NEW, VERSION)
+    for b, a, v, bad in zip(before, after, vouched, broken, strict=True):
+        ok = verdict(b, a)
+        assert not v or ok, f"vouched for a return the rule rejects: {a}"
+        if not bad:
+            assert v, "a valid fresh return next to broken ones lost its voucher"
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_each_way_of_breaking_a_return_is_not_vouched_for(name: str) -> None:
+    before = leased(8, seed=1)
+    for seed in range(50):  # a draw where the mutation breaks sample 3 (no reward breaks only a finished one)
+        rng = random.Random(seed)
+        after = [returned(s, rng) for s in before]
+        after[3] = MUTATIONS[name](after[3])
+        if not verdict(before[3], after[3]):
+            break
+    else:
+        pytest.fail(f"{name} never broke a return")
+    vouched = plainly_valid(before, SampleBatch.from_samples(after), MAX_NEW, VERSION)
+    assert vouched[3] is False
+    assert [v for i, v in enumerate(vouched) if i != 3] == [True] * 7
+
+
+def test_partials_and_unknown_leases_go_to_the_rule() -> None:
+    """A resumed partial (a response and segments already) and a sample with no lease are not vouched
+    for, even when their return is valid: `check_continues` gives their verdict."""
+    rng = random.Random(2)
+    before = leased(3, seed=2)
+    partial = before[1].extend([5, 6], [-0.1, -0.2], 0, FinishReason.ABORT)  # as queued, before its lease
+    before[1] = partial
+    after = [
+        returned(before[0], rng),
+        partial.resumed().extend([9], [-0.3], 1, FinishReason.STOP).scored(1.0),
+        returned(before[2], rng),
+    ]
+    assert verdict(before[1], after[1])
+    with_unknown: list[Sample | None] = [before[0], before[1], None]
+    vouched = plainly_valid(with_unknown, SampleBatch.from_samples(after), MAX_NEW, VERSION)
+    assert vouched == [True, False, False]
