@@ -12,8 +12,10 @@ sees it. Owns the conversion to and from `april.records.Sample`; knows nothing a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
@@ -22,6 +24,22 @@ from april.records import FinishReason, Sample, SampleStatus, Segment
 
 _STATUS_MAX = max(SampleStatus)
 _FINISH_MAX = max(FinishReason)
+_SAMPLE_FIELDS = attrgetter(
+    "group_id",
+    "index",
+    "status",
+    "finish_reason",
+    "resumes",
+    "reward",
+    "prompt_ids",
+    "response_ids",
+    "response_logprobs",
+    "segments",
+    "prompt_text",
+    "metadata",
+    "error",
+)
+_SEGMENT_FIELDS = attrgetter("version", "start", "end")
 _STATUSES = {int(m): m for m in SampleStatus}
 _FINISH_REASONS = {int(m): m for m in FinishReason}
 LOGPROB_TOLERANCE = 1e-3  # engines round; a log-prob above this is not a probability
@@ -117,32 +135,29 @@ class SampleBatch:
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample]) -> SampleBatch:
-        def offsets(lengths: list[int]) -> np.ndarray:
-            out = np.zeros(len(lengths) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=out[1:])
-            return out
-
-        def cat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
-            return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
-
-        segs = [x for s in samples for seg in s.segments for x in (seg.version, seg.start, seg.end)]
+        # one C-level pass reads every field of every sample, and zip(*) turns the rows into columns: a
+        # comprehension per field cost several times more on a 512-sample batch
+        (gid, idx, status, finish, resumes, reward, prompts, ids, lps, segs, text, meta, error) = (
+            zip(*map(_SAMPLE_FIELDS, samples), strict=True) if samples else ((),) * 13
+        )
+        flat = list(map(_SEGMENT_FIELDS, chain.from_iterable(segs)))
         return cls(
-            group_id=np.array([s.group_id for s in samples], dtype=np.int64),
-            index=np.array([s.index for s in samples], dtype=np.int32),
-            status=np.array([int(s.status) for s in samples], dtype=np.uint8),
-            finish_reason=np.array([int(s.finish_reason) for s in samples], dtype=np.uint8),
-            resumes=np.array([s.resumes for s in samples], dtype=np.int32),
-            reward=np.array([s.reward for s in samples], dtype=np.float64),
-            prompt_offsets=offsets([int(s.prompt_ids.shape[0]) for s in samples]),
-            prompt_ids=cat([s.prompt_ids for s in samples], np.int32),
-            response_offsets=offsets([s.response_len for s in samples]),
-            response_ids=cat([s.response_ids for s in samples], np.int32),
-            response_logprobs=cat([s.response_logprobs for s in samples], np.float32),
-            segment_offsets=offsets([len(s.segments) for s in samples]),
-            segments=np.array(segs, dtype=np.int64),
-            prompt_text=[s.prompt_text for s in samples],
-            metadata=[dict(s.metadata) for s in samples],
-            error=[s.error for s in samples],
+            group_id=np.array(gid, dtype=np.int64),
+            index=np.array(idx, dtype=np.int32),
+            status=np.array(status, dtype=np.uint8),
+            finish_reason=np.array(finish, dtype=np.uint8),
+            resumes=np.array(resumes, dtype=np.int32),
+            reward=np.array(reward, dtype=np.float64),
+            prompt_offsets=_offsets(map(len, prompts), len(samples)),
+            prompt_ids=_cat(prompts, np.int32),
+            response_offsets=_offsets(map(len, ids), len(samples)),
+            response_ids=_cat(ids, np.int32),
+            response_logprobs=_cat(lps, np.float32),
+            segment_offsets=_offsets(map(len, segs), len(samples)),
+            segments=np.array(flat, dtype=np.int64).reshape(-1),
+            prompt_text=list(text),
+            metadata=[dict(m) for m in meta],
+            error=list(error),
         )
 
     def to_samples(self) -> list[Sample]:
@@ -184,3 +199,14 @@ def _check_offsets(name: str, offsets: np.ndarray, count: int, total: int) -> No
     # compare neighbours instead of np.diff, which wraps around for int64 extremes
     if offsets[0] != 0 or offsets[-1] != total or np.any(offsets[1:] < offsets[:-1]):
         raise ValueError(f"{name} must rise from 0 to {total}")
+
+
+def _offsets(lengths: Iterable[int], n: int) -> np.ndarray:
+    """[0, cumulative lengths...]: n + 1 entries."""
+    out = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(lengths, dtype=np.int64, count=n), out=out[1:])
+    return out
+
+
+def _cat(arrays: Sequence[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
