@@ -1,8 +1,11 @@
 """Encoding and strict decoding of protocol messages to ZeroMQ frames.
 
 Frames are `[header, body, *buffers]`: `header = msgpack([PROTOCOL_VERSION, kind])`, `body` a msgpack map
-with exactly the message's fields, and every numpy array field sent as its own frame (zero-copy on both
-sides) referenced from the body as `[frame_index, dtype, length]`.
+with exactly the message's fields, and every numpy array field referenced from the body: a large array as
+its own frame (zero-copy on both sides), `[frame_index, dtype, length]`; a small one, when the encoder is
+given an inline budget (protocol messages are), inside the body as `[bytes, dtype, length]`. Each frame
+costs a sender and a receiver a few microseconds whatever its size, and a message of small arrays (a
+lease, a one-sample result) had a dozen: inline, it has two.
 
 The schema of each message is read once from its dataclass annotations: scalars (int, float, str, bool),
 enums, `list[...]`, `dict[str, ...]`, `X | None`, nested frozen dataclasses ("structs") and 1-D arrays
@@ -40,6 +43,7 @@ DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 MAX_FRAMES = 1024
 MAX_HEADER_BYTES = 64
 MAX_BODY_BYTES = 64 * 1024 * 1024  # the map of scalars; bulk data travels in buffer frames
+INLINE_ARRAY_MAX_BYTES = 16 * 1024  # an array at most this size may travel inside the body ...
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -164,34 +168,43 @@ def _compile(tp: Any, where: str) -> _Spec:
 # Encoding
 
 
-def encode_struct(obj: Any, buffers: list[Frame]) -> dict[str, Any]:
-    """Body map of a dataclass instance; arrays are appended to `buffers`."""
+@dataclass(slots=True)
+class _Encoding:
+    buffers: list[Frame]  # the array frames so far
+    inline_left: int  # bytes of small arrays the body may still take (0: every array in a frame)
+
+
+def encode_struct(obj: Any, out: _Encoding) -> dict[str, Any]:
+    """Body map of a dataclass instance; arrays go inline or are appended to `out.buffers`."""
     schema = struct_schema(type(obj))
-    return {name: _encode_value(getattr(obj, name), spec, buffers) for name, spec in schema.fields}
+    return {name: _encode_value(getattr(obj, name), spec, out) for name, spec in schema.fields}
 
 
-def _encode_value(value: Any, spec: _Spec, buffers: list[Frame]) -> Any:
+def _encode_value(value: Any, spec: _Spec, out: _Encoding) -> Any:
     match spec:
         case _Array(dtype):
             arr = np.ascontiguousarray(value, dtype=dtype)
             if arr.ndim != 1:
                 raise ValueError(f"array fields must be 1-D, got shape {arr.shape}")
-            buffers.append(arr.data.cast("B"))
-            return [len(buffers) + 1, dtype.str, int(arr.shape[0])]  # frame index counts header and body
+            if out.inline_left > 0 and arr.nbytes <= min(INLINE_ARRAY_MAX_BYTES, out.inline_left):
+                out.inline_left -= arr.nbytes
+                return [arr.tobytes(), dtype.str, int(arr.shape[0])]
+            out.buffers.append(arr.data.cast("B"))
+            return [len(out.buffers) + 1, dtype.str, int(arr.shape[0])]  # frame index counts header, body
         case _Enum():
             return value.value
         case _Optional(inner):
-            return None if value is None else _encode_value(value, inner, buffers)
+            return None if value is None else _encode_value(value, inner, out)
         case _List(_Scalar(py)) if py is not float:  # str, int, bool: encoded as they are
             return list(value)
         case _List(_Dict(_Scalar(py))) if py is str:
             return [dict(v) for v in value]
         case _List(inner):
-            return [_encode_value(v, inner, buffers) for v in value]
+            return [_encode_value(v, inner, out) for v in value]
         case _Dict(inner):
-            return {k: _encode_value(v, inner, buffers) for k, v in value.items()}
+            return {k: _encode_value(v, inner, out) for k, v in value.items()}
         case _Struct():
-            return encode_struct(value, buffers)
+            return encode_struct(value, out)
         case _Scalar(py) if py is float:
             return float(value)
     return value
@@ -199,17 +212,19 @@ def _encode_value(value: Any, spec: _Spec, buffers: list[Frame]) -> Any:
 
 def encode_map(obj: Any) -> dict[str, Any]:
     """The map of a dataclass instance that has no array fields (e.g. for a JSON document)."""
-    buffers: list[Frame] = []
-    body = encode_struct(obj, buffers)
-    if buffers:
+    out = _Encoding([], 0)
+    body = encode_struct(obj, out)
+    if out.buffers:
         raise ValueError(f"{type(obj).__name__} has array fields: it needs frames, not a map")
     return body
 
 
-def encode_frames(version: int, kind: int, msg: Any) -> list[Frame]:
-    buffers: list[Frame] = []
-    body = encode_struct(msg, buffers)
-    return [msgpack.packb([version, kind]), msgpack.packb(body, use_bin_type=True), *buffers]
+def encode_frames(version: int, kind: int, msg: Any, inline_bytes: int = 0) -> list[Frame]:
+    """`[header, body, *buffers]`. Arrays of at most INLINE_ARRAY_MAX_BYTES go inside the body while
+    their total stays within `inline_bytes` (0: every array in its own frame, as files are written)."""
+    out = _Encoding([], inline_bytes)
+    body = encode_struct(msg, out)
+    return [msgpack.packb([version, kind]), msgpack.packb(body, use_bin_type=True), *out.buffers]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -349,12 +364,19 @@ def _decode_scalar(raw: Any, py: type, where: str) -> Any:
 def _decode_array(
     raw: Any, dtype: np.dtype[Any], frames: Sequence[Frame], used: set[int], where: str
 ) -> np.ndarray[Any, Any]:
-    ok = isinstance(raw, list) and len(raw) == 3 and type(raw[0]) is int and type(raw[2]) is int
+    ok = isinstance(raw, list) and len(raw) == 3 and type(raw[0]) in (int, bytes) and type(raw[2]) is int
     if not ok or raw[1] != dtype.str:
         raise ProtocolError(
-            "wrong_type", f"{where}: expected array ref [frame, {dtype.str!r}, length], got {_show(raw)}"
+            "wrong_type",
+            f"{where}: expected array ref [frame or bytes, {dtype.str!r}, length], got {_show(raw)}",
         )
     index, _, length = raw
+    if type(index) is bytes:  # inline in the body
+        if length < 0 or len(index) != length * dtype.itemsize:
+            raise ProtocolError(
+                "bad_buffer", f"{where}: {len(index)} inline bytes, expected {length} x {dtype.itemsize}"
+            )
+        return np.frombuffer(index, dtype=dtype)
     if not 2 <= index < len(frames) or index in used:
         raise ProtocolError("bad_buffer", f"{where}: frame index {index} missing or reused")
     used.add(index)

@@ -32,7 +32,8 @@ from april.ledger import Ledger
 from april.status import BrokerStatus
 from april.wire_records import SampleBatch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: small arrays inline in the body (april.codec)
+INLINE_BYTES = 64 * 1024  # a message's small arrays travel in its body up to this many bytes in all
 
 
 MAX_ACK_METRICS = 128  # bound on a BatchAck's metrics: a peer cannot grow the status feed without limit
@@ -493,7 +494,7 @@ def encode(msg: Message) -> list[Frame]:
     kind = KIND_OF.get(type(msg))
     if kind is None:
         raise TypeError(f"{type(msg).__name__} is not a registered message")
-    return encode_frames(PROTOCOL_VERSION, kind, msg)
+    return encode_frames(PROTOCOL_VERSION, kind, msg, INLINE_BYTES)
 
 
 def decode(frames: Sequence[Frame], max_bytes: int = DEFAULT_MAX_BYTES) -> Message:

@@ -35,7 +35,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import heapq
 import json
+import math
 import os
 import platform
 import re
@@ -44,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,7 +67,7 @@ from april.transport import dealer  # noqa: E402
 from april.wire_records import SampleBatch  # noqa: E402
 from cli.process import stop_requested  # noqa: E402
 
-SCENARIOS = ("steady", "weights", "bounded")
+SCENARIOS = ("steady", "weights", "bounded", "streamed")
 # steady and weights: a staleness bound so far off that admission never blocks and no group falls due
 # within a run (admission would block after (bound + version + 1) x B groups accepted;
 # `admission_headroom_groups` reports what was left). The broker's batch rule
@@ -79,7 +82,8 @@ class Scenario:
     name: str
     weights_every: int  # batches between WeightsReady; 0 = never
     max_staleness: int  # algo.max_staleness
-    hold_ms: float  # how long a worker keeps a lease before returning it
+    hold_ms: float  # how long a worker keeps a lease before returning it (streamed: the mean, per sample)
+    stream: bool = False  # return each sample alone, after its own exponential hold (streamed)
 
 
 def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
@@ -89,11 +93,18 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     back before the broker reads the learner's socket, and nothing is ever aborted).
     bounded: a WeightsReady after every batch and `--max-staleness`, as a real async run: the admission
     bound (max_staleness + version + 1) x B is then the only backpressure, so the backlog stays bounded.
+    streamed: steady's broker, but workers return samples as engines do, one at a time as each finishes
+    (each sample held an exponential time of mean `--stream-hold-ms`, so results arrive as a Poisson
+    stream of workers x slots / hold samples/s), below what the broker can take: its latency is then the
+    broker's response time to one result, not the queue that a saturating closed loop builds (there, by
+    Little's law, latency = results in flight / results per second whatever the broker does).
     """
     if name == "steady":
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.hold_ms)
     if name == "weights":
         return Scenario(name, args.weights_every, ADMISSION_FREE_STALENESS, args.weights_hold_ms)
+    if name == "streamed":
+        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True)
     return Scenario(name, 1, args.max_staleness, args.hold_ms)
 
 
@@ -184,7 +195,8 @@ def send_counted(sock: zmq.Socket[bytes], msg: protocol.Message) -> int:
 class ScriptedWorker:
     """Answers each Lease with one SampleResult, at once or after `hold_s` (a stand-in for generation
     time, so that a new weight version finds leased work to abort). On Abort it returns what it holds
-    INTERRUPTED, with the share of `tokens` its hold time allowed, then confirms with AbortDone."""
+    INTERRUPTED, with the share of `tokens` its hold time allowed, then confirms with AbortDone.
+    With `--stream` it returns each leased sample alone (credit 1) after its own exponential hold."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -198,6 +210,10 @@ class ScriptedWorker:
         self.pending_since = -1.0  # when our last SampleResult (with credit) left
         self.sends: list[tuple[float, int, int]] = []  # (time sent, samples, bytes) per SampleResult
         self.latencies: list[tuple[float, float]] = []  # (Lease arrival, seconds since our SampleResult)
+        self.stream = args.stream
+        self.rng = np.random.default_rng(sum(args.worker_id.encode()))
+        self.streaming: list[tuple[float, int, int, int, Sample]] = []  # heap: (due, seq, lease, budget, s)
+        self.awaiting: deque[float] = deque()  # streamed: send time of each credit not yet answered
         self.other: dict[str, int] = {}
 
     def send(self, msg: protocol.Message) -> int:
@@ -227,10 +243,35 @@ class ScriptedWorker:
                 0,
             )
         self.held.clear()
+        for _, _, lease_id, budget, sample in self.streaming:  # half generated, whatever their hold
+            ids, lps = self.pool.take(max(0, min(self.args.tokens // 2 - sample.response_len, budget)))
+            done = sample.extend(ids, lps, self.version, FinishReason.ABORT)
+            lease_ids = np.array([lease_id], np.int64)
+            self.send(protocol.SampleResult(lease_ids, SampleBatch.from_samples([done]), 0))
+        self.streaming.clear()
         self.send(protocol.AbortDone(round_id, self.args.slots, np.zeros(0, np.int64)))
+
+    def take_streamed(self, lease: protocol.Lease, now: float) -> None:
+        """Hold each leased sample alone, and count the latency of every result this Lease answers."""
+        for _ in range(min(len(lease.samples), len(self.awaiting))):
+            self.latencies.append((now, now - self.awaiting.popleft()))
+        items = zip(lease.lease_ids.tolist(), lease.budgets.tolist(), lease.samples.to_samples(), strict=True)
+        for lease_id, budget, sample in items:
+            due = now + float(self.rng.exponential(self.hold_s))
+            heapq.heappush(self.streaming, (due, lease_id, lease_id, budget, sample))
+
+    def finish_streamed(self, lease_id: int, budget: int, sample: Sample) -> None:
+        ids, lps = self.pool.take(max(0, min(self.args.tokens - sample.response_len, budget)))
+        done = sample.extend(ids, lps, self.version, FinishReason.STOP).scored(float(sample.index % 2 == 0))
+        result = protocol.SampleResult(np.array([lease_id], np.int64), SampleBatch.from_samples([done]), 1)
+        nbytes = self.send(result)
+        self.awaiting.append(self.last_sent)
+        self.sends.append((self.last_sent, 1, nbytes))
 
     def handle(self, msg: protocol.Message, now: float) -> None:
         match msg:
+            case protocol.Lease() if self.stream:
+                self.take_streamed(msg, now)
             case protocol.Lease():
                 if self.pending_since >= 0:
                     self.latencies.append((now, now - self.pending_since))
@@ -265,7 +306,10 @@ class ScriptedWorker:
             now = time.monotonic()
             while self.held and self.held[0][0] <= now:
                 self.finish(self.held.pop(0)[1])
-            wait_ms = 100 if not self.held else max(0, int((self.held[0][0] - now) * 1e3))
+            while self.streaming and self.streaming[0][0] <= now:
+                self.finish_streamed(*heapq.heappop(self.streaming)[2:])
+            due = [q[0][0] for q in (self.held, self.streaming) if q]
+            wait_ms = 100 if not due else max(1, math.ceil((min(due) - now) * 1e3))  # never a busy poll(0)
             if self.sock.poll(wait_ms, zmq.POLLIN):
                 frames = self.sock.recv_multipart(copy=False)
                 self.handle(protocol.decode([f.buffer for f in frames]), time.monotonic())
@@ -553,6 +597,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
                     f"--tokens={args.tokens}",
                     f"--slots={args.slots}",
                     f"--hold-ms={settings.hold_ms}",
+                    *(["--stream"] if settings.stream else []),
                     f"--stats={run_dir / f'worker{i:02d}.json'}",
                 ],
                 env=child_env(),
@@ -755,6 +800,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights-every", type=int, default=10, help="batches between WeightsReady (weights)")
     p.add_argument("--hold-ms", type=float, default=0.0, help="lease hold time of steady and bounded")
     p.add_argument("--weights-hold-ms", type=float, default=20.0, help="lease hold time of weights")
+    p.add_argument(
+        "--stream-hold-ms", type=float, default=400.0, help="mean hold time of each sample in streamed"
+    )
     p.add_argument("--max-staleness", type=int, default=1, help="algo.max_staleness of `bounded`")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {SCENARIOS}")
     p.add_argument("--out", default="bench-out/broker_throughput.json", help="JSON results file")
@@ -767,6 +815,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     # worker role (started by this script)
     p.add_argument("--role", choices=("bench", "worker"), default="bench", help=argparse.SUPPRESS)
+    p.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-id", default="", help=argparse.SUPPRESS)
     p.add_argument("--broker", default="", help=argparse.SUPPRESS)
     p.add_argument("--stats", default="", help=argparse.SUPPRESS)

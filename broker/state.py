@@ -30,6 +30,7 @@ from april.wire_records import SampleBatch
 from broker.result_check import ResultRejected, check_continues, plainly_valid
 
 LEASE_EPOCH_SHIFT = 40
+VOUCH_MIN_SAMPLES = 16  # plainly_valid's fixed cost is about that of checking this many samples singly
 
 
 @dataclass(slots=True)
@@ -376,7 +377,10 @@ class BrokerState:
 
     def vouch(self, worker_id: str, lease_ids: Sequence[int], samples: SampleBatch) -> list[bool]:
         """For each sample of one SampleResult, whether `result_check.plainly_valid` vouches for it
-        against the lease `worker_id` holds (then `accept_result` need not check it again)."""
+        against the lease `worker_id` holds (then `accept_result` need not check it again). A result of
+        few samples is not looked at: its array operations cost more than checking them one by one."""
+        if len(samples) < VOUCH_MIN_SAMPLES:
+            return [False] * len(samples)
         leased = [self.leases.get(lease_id) for lease_id in lease_ids]
         before = [None if le is None or le.worker_id != worker_id else le.at_lease for le in leased]
         return plainly_valid(before, samples, self.algo.max_new_tokens, self.version)

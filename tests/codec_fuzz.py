@@ -30,7 +30,7 @@ import msgpack
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from test_codec import EXAMPLES, REASONS, assert_valid_message, frames_of
+from test_codec import EXAMPLES, REASONS, assert_valid_message, framed_of, frames_of
 
 from april import protocol as P
 from april.codec import ProtocolError
@@ -38,6 +38,7 @@ from april.codec import ProtocolError
 HOSTILE: list[Any] = [
     -1, -(2**63), 2**63, 2**64 - 1, 0, 1, math.nan, math.inf, -math.inf, -0.0, 1e308, True, None,
     "", "x" * 300, b"\x00\xff", [], [1, 2, 3], {}, {"a": 1}, [[[[[]]]]], ["<i8", 0, 3], [2, "<f4", 1],
+    [b"\x00" * 8, "<i8", 1], [b"\x00" * 7, "<i8", 1], [b"", "<f4", 0], [b"\x00" * 4, "<i8", 1],
 ]  # fmt: skip
 
 
@@ -66,7 +67,8 @@ class Fuzzer:
     def __init__(self, seed: int, max_bytes: int = 1 << 20) -> None:
         self.rng = random.Random(seed)
         self.max_bytes = max_bytes
-        self.valid = [frames_of(m) for m in EXAMPLES.values()]
+        # both wire forms of every example: small arrays inline in the body, and every array in a frame
+        self.valid = [frames_of(m) for m in EXAMPLES.values()] + [framed_of(m) for m in EXAMPLES.values()]
         self.kinds = sorted(P.KIND_OF.values())
         self.field_names = sorted({str(p[-1]) for f in self.valid for p in _paths(_body(f)) if p})
         self.outcomes: Counter[str] = Counter()

@@ -63,7 +63,7 @@ def check_broker_throughput(tmp_path: Path) -> None:
     assert report["machine"]["cpu_count"] >= 1
     assert all(finite(x) for x in report["load_average"]["start"] + report["load_average"]["end"])
     results = report["results"]
-    assert [r["scenario"] for r in results] == ["steady", "weights", "bounded"]
+    assert [r["scenario"] for r in results] == ["steady", "weights", "bounded", "streamed"]
     n = params["rollout_batch_size"] * params["n_samples_per_prompt"]
     for r in results:
         name = r["scenario"]
@@ -90,16 +90,19 @@ def check_broker_throughput(tmp_path: Path) -> None:
         # the learner publishes after every `weights_every`-th batch it acks
         every = r["weights_every"]
         assert r["weights_published"] == (r["batches_total"] // every if every else 0), name
-    steady, weights, bounded = results
+    steady, weights, bounded, streamed = results
     assert (
         steady["max_staleness"]
         == weights["max_staleness"]
         > bounded["max_staleness"]
         == params["max_staleness"]
     )
-    for r in (steady, weights):  # these two must not be held back by admission
+    for r in (steady, weights, streamed):  # these must not be held back by admission
         assert r["admission_headroom_groups"] > 0, r
-    for name in ("steady", "weights", "bounded"):
+    # streamed: engines' way, one sample a result as each finishes, every result answered by a Lease
+    assert streamed["samples_per_result"] == 1.0 and streamed["stream"] is True, streamed
+    assert not steady["stream"] and streamed["max_staleness"] == steady["max_staleness"]
+    for name in ("steady", "weights", "bounded", "streamed"):
         assert f"  {name}: " in printed  # the table's per-scenario lines
 
 

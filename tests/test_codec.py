@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from april import protocol as P
 from april.codec import (
+    INLINE_ARRAY_MAX_BYTES,
     INT64_MAX,
     INT64_MIN,
     MAX_FRAMES,
@@ -42,7 +43,7 @@ from april.codec import (
     struct_schema,
 )
 from april.ledger import Ledger
-from april.records import FinishReason, Sample
+from april.records import FinishReason, Sample, new_group_samples
 from april.status import (
     BrokerStatus,
     EvalProgress,
@@ -207,6 +208,12 @@ def frames_of(msg: Any) -> list[bytes]:
     return [bytes(f) for f in P.encode(msg)]
 
 
+def framed_of(msg: Any) -> list[bytes]:
+    """The same message with every array in its own frame (as a large array always is): the frame-ref
+    form, for the tests of frame references and buffers."""
+    return [bytes(f) for f in encode_frames(P.PROTOCOL_VERSION, P.KIND_OF[type(msg)], msg)]
+
+
 def body_of(frames: list[bytes]) -> dict[str, Any]:
     body: dict[str, Any] = msgpack.unpackb(frames[1], raw=False)
     return body
@@ -368,7 +375,7 @@ def test_round_trip_sample_batches_field_by_field(cls: type) -> None:
 def test_array_frames_layout() -> None:
     """Arrays follow the body as frames 2.. in field order, referenced as [index, dtype, length]."""
     msg = EXAMPLES[P.Lease]
-    frames = frames_of(msg)
+    frames = framed_of(msg)
     body = body_of(frames)
     assert body["lease_ids"] == [2, "<i8", 4]
     assert body["budgets"] == [3, "<i4", 4]
@@ -377,6 +384,80 @@ def test_array_frames_layout() -> None:
     assert body["samples"]["segments"][1:] == ["<i8", 6]
     assert frames[2] == np.array([100, 101, 102, 103], "<i8").tobytes()
     assert len(frames) == 2 + 3 + 13  # header, body, lease_ids, budgets, greedy, 13 SampleBatch arrays
+
+
+def test_small_arrays_travel_inline_and_large_ones_in_frames() -> None:
+    """protocol.encode puts an array of at most INLINE_ARRAY_MAX_BYTES inside the body as
+    [bytes, dtype, length] while the message's inline total stays within INLINE_BYTES; the rest get
+    frames. Both forms decode to the same message."""
+    small = EXAMPLES[P.Lease]
+    frames = frames_of(small)
+    assert len(frames) == 2  # header and body: a lease's arrays are small
+    body = body_of(frames)
+    assert body["lease_ids"] == [np.array([100, 101, 102, 103], "<i8").tobytes(), "<i8", 4]
+    assert_same(small, P.decode(frames))
+    assert_same(small, P.decode(framed_of(small)))
+    big_ids = np.arange(INLINE_ARRAY_MAX_BYTES // 4 + 1, dtype=np.int32)  # one int32 past the limit
+    sample = new_group_samples(1, 1, big_ids, "", {})[0]
+    lease = P.Lease(
+        np.array([7], np.int64),
+        np.array([1], np.int32),
+        np.zeros(1, np.uint8),
+        SampleBatch.from_samples([sample]),
+    )
+    frames = frames_of(lease)
+    body = body_of(frames)
+    assert body["samples"]["prompt_ids"] == [2, "<i4", big_ids.shape[0]]  # the one frame
+    assert type(body["samples"]["group_id"][0]) is bytes and len(frames) == 3
+    assert_same(lease, P.decode(frames))
+
+
+def test_inline_arrays_stop_at_the_message_budget() -> None:
+    """Arrays each under the per-array limit go to frames once the message's inline total is spent."""
+    n = INLINE_ARRAY_MAX_BYTES // 4  # int32s per maximal inline array
+    samples = [new_group_samples(g, 1, np.arange(n, dtype=np.int32), "", {})[0] for g in range(8)]
+    lease = P.Lease(
+        np.arange(8, dtype=np.int64),
+        np.ones(8, np.int32),
+        np.zeros(8, np.uint8),
+        SampleBatch.from_samples(samples[:1]),
+    )
+    assert len(frames_of(lease)) == 2
+    batch = SampleBatch.from_samples(samples)  # 8 x 16 KiB of prompt ids: one array over the limit
+    lease = dataclasses.replace(lease, samples=batch)
+    frames = frames_of(lease)
+    inline = sum(len(ref[0]) for ref in _inline_refs(body_of(frames)))
+    assert inline <= P.INLINE_BYTES and len(frames) > 2
+    assert_same(lease, P.decode(frames))
+
+
+def _inline_refs(body: Any) -> list[list[Any]]:
+    """Every inline array ref in a body map (nested records included)."""
+    out: list[list[Any]] = []
+    for value in body.values():
+        if isinstance(value, dict):
+            out += _inline_refs(value)
+        elif isinstance(value, list) and len(value) == 3 and type(value[0]) is bytes:
+            out.append(value)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("ref", "reason", "fragment"),
+    [
+        ([b"\x00" * 31, "<i8", 4], "bad_buffer", "31 inline bytes, expected 4 x 8"),
+        ([b"\x00" * 40, "<i8", 4], "bad_buffer", "40 inline bytes, expected 4 x 8"),
+        ([b"", "<i8", -1], "bad_buffer", "expected -1 x 8"),
+        ([b"\x00" * 32, "<i4", 8], "wrong_type", "array ref"),
+        (["\x00" * 32, "<i8", 4], "wrong_type", "array ref"),
+        ([b"\x00" * 32, "<i8", 4, 0], "wrong_type", "array ref"),
+    ],
+)
+def test_rejects_bad_inline_arrays(ref: list[Any], reason: str, fragment: str) -> None:
+    frames = frames_of(EXAMPLES[P.Lease])
+    body = body_of(frames)
+    body["lease_ids"] = ref
+    reject(with_body(frames, body), reason, "Lease.lease_ids", fragment)
 
 
 def test_decode_accepts_memoryviews_and_empty_arrays() -> None:
@@ -432,7 +513,7 @@ def reject(frames: list[bytes], reason: str, *fragments: str, max_bytes: int | N
 
 
 def _edit(cls: type, edit: Callable[[dict[str, Any]], None]) -> list[bytes]:
-    frames = frames_of(EXAMPLES[cls])
+    frames = framed_of(EXAMPLES[cls])
     body = body_of(frames)
     edit(body)
     return with_body(frames, body)
@@ -453,12 +534,13 @@ def _swap_ref(body: dict[str, Any], field: str, position: int, value: Any) -> No
 
 
 HB = frames_of(P.Heartbeat())[1]
+V = P.PROTOCOL_VERSION
 
 FRAME_CASES = [
     pytest.param([], "bad_frames", ["at least 2 frames", "got 0"], id="no_frames"),
-    pytest.param([header(1, 1)], "bad_frames", ["at least 2 frames", "got 1"], id="one_frame"),
+    pytest.param([header(V, 1)], "bad_frames", ["at least 2 frames", "got 1"], id="one_frame"),
     pytest.param([b"\xc1", HB], "bad_msgpack", ["header"], id="header_not_msgpack"),
-    pytest.param([header(1, 1) + b"\x00", HB], "bad_msgpack", ["header"], id="header_trailing_bytes"),
+    pytest.param([header(V, 1) + b"\x00", HB], "bad_msgpack", ["header"], id="header_trailing_bytes"),
     pytest.param([msgpack.packb([1]), HB], "bad_header", ["[protocol_version, kind]"], id="header_len1"),
     pytest.param([msgpack.packb([1, 1, 1]), HB], "bad_header", ["got [1, 1, 1]"], id="header_len3"),
     pytest.param([msgpack.packb({"v": 1}), HB], "bad_header", ["header must be"], id="header_map"),
@@ -466,24 +548,29 @@ FRAME_CASES = [
     pytest.param([msgpack.packb([True, 1]), HB], "bad_header", ["integers"], id="header_bool"),
     pytest.param([msgpack.packb([1.0, 1]), HB], "bad_header", ["integers"], id="header_float"),
     pytest.param([msgpack.packb([1, "x" * 70]), HB], "oversize", ["header", "limit 64"], id="header_big"),
-    pytest.param([header(2, 1), HB], "wrong_version", ["protocol version 2, expected 1"], id="version2"),
-    pytest.param([header(0, 1), HB], "wrong_version", ["version 0"], id="version0"),
-    pytest.param([header(1, 999), HB], "unknown_kind", ["unknown message kind 999"], id="kind999"),
-    pytest.param([header(1, 0), HB], "unknown_kind", ["kind 0"], id="kind0"),
-    pytest.param([header(1, -1), HB], "unknown_kind", ["kind -1"], id="kind_negative"),
     pytest.param(
-        [header(1, 1), b"\xc1"], "bad_msgpack", ["Heartbeat body", "not valid msgpack"], id="body_c1"
+        [header(V + 1, 1), HB],
+        "wrong_version",
+        [f"protocol version {V + 1}, expected {V}"],
+        id="version_next",
     ),
-    pytest.param([header(1, 1), b""], "bad_msgpack", ["Heartbeat body"], id="body_empty"),
-    pytest.param([header(1, 1), HB + b"\x80"], "bad_msgpack", ["Heartbeat body"], id="body_trailing"),
-    pytest.param([header(1, 1), b"\x81\x01\x02"], "bad_msgpack", ["Heartbeat body"], id="body_int_key"),
-    pytest.param([header(1, 1), b"\xc7\x01\x05\x00"], "bad_msgpack", ["Heartbeat body"], id="body_ext_type"),
-    pytest.param([header(1, 1), b"\xa3ab"], "bad_msgpack", ["Heartbeat body"], id="body_truncated"),
-    pytest.param([header(1, 1), b"\xa1\xff"], "bad_msgpack", ["Heartbeat body"], id="body_bad_utf8"),
-    pytest.param([header(1, 1), msgpack.packb([])], "wrong_type", ["Heartbeat", "expected a map"], id="list"),
-    pytest.param([header(1, 1), HB, b""], "bad_buffer", ["1 buffer frames, 0 referenced"], id="extra_frame"),
+    pytest.param([header(0, 1), HB], "wrong_version", ["version 0"], id="version0"),
+    pytest.param([header(V, 999), HB], "unknown_kind", ["unknown message kind 999"], id="kind999"),
+    pytest.param([header(V, 0), HB], "unknown_kind", ["kind 0"], id="kind0"),
+    pytest.param([header(V, -1), HB], "unknown_kind", ["kind -1"], id="kind_negative"),
     pytest.param(
-        [header(1, 1), HB, *([b""] * (MAX_FRAMES - 1))], "oversize", ["1025 frames", "1024"], id="frames"
+        [header(V, 1), b"\xc1"], "bad_msgpack", ["Heartbeat body", "not valid msgpack"], id="body_c1"
+    ),
+    pytest.param([header(V, 1), b""], "bad_msgpack", ["Heartbeat body"], id="body_empty"),
+    pytest.param([header(V, 1), HB + b"\x80"], "bad_msgpack", ["Heartbeat body"], id="body_trailing"),
+    pytest.param([header(V, 1), b"\x81\x01\x02"], "bad_msgpack", ["Heartbeat body"], id="body_int_key"),
+    pytest.param([header(V, 1), b"\xc7\x01\x05\x00"], "bad_msgpack", ["Heartbeat body"], id="body_ext_type"),
+    pytest.param([header(V, 1), b"\xa3ab"], "bad_msgpack", ["Heartbeat body"], id="body_truncated"),
+    pytest.param([header(V, 1), b"\xa1\xff"], "bad_msgpack", ["Heartbeat body"], id="body_bad_utf8"),
+    pytest.param([header(V, 1), msgpack.packb([])], "wrong_type", ["Heartbeat", "expected a map"], id="list"),
+    pytest.param([header(V, 1), HB, b""], "bad_buffer", ["1 buffer frames, 0 referenced"], id="extra_frame"),
+    pytest.param(
+        [header(V, 1), HB, *([b""] * (MAX_FRAMES - 1))], "oversize", ["1025 frames", "1024"], id="frames"
     ),
 ]
 
@@ -857,7 +944,7 @@ def test_rejects_bad_status_code_and_segments() -> None:
 
 
 def test_rejects_truncated_and_padded_buffers() -> None:
-    frames = frames_of(EXAMPLES[P.Lease])
+    frames = framed_of(EXAMPLES[P.Lease])
     short = [*frames[:2], frames[2][:-1], *frames[3:]]
     reject(short, "bad_buffer", "Lease.lease_ids", "31 bytes, expected 4 x 8")
     padded = [*frames[:3], frames[3] + b"\x00", *frames[4:]]
@@ -865,7 +952,7 @@ def test_rejects_truncated_and_padded_buffers() -> None:
 
 
 def test_rejects_unreferenced_buffer_frame() -> None:
-    frames = frames_of(EXAMPLES[P.Lease])
+    frames = framed_of(EXAMPLES[P.Lease])
     reject([*frames, frames[2]], "bad_buffer", "Lease: 17 buffer frames, 16 referenced")
     reject(
         [*frames_of(P.Abort(round_id=1)), b"\x00" * 8], "bad_buffer", "Abort: 1 buffer frames, 0 referenced"
@@ -873,7 +960,7 @@ def test_rejects_unreferenced_buffer_frame() -> None:
 
 
 def test_rejects_swapped_buffers() -> None:
-    frames = frames_of(EXAMPLES[P.Lease])
+    frames = framed_of(EXAMPLES[P.Lease])
     swapped = [frames[0], frames[1], frames[3], frames[2], *frames[4:]]
     reject(swapped, "bad_buffer", "Lease.lease_ids")
 
@@ -932,14 +1019,14 @@ def test_enum_field_rejects_bool_and_float() -> None:
 
 
 def test_extra_fields_with_mixed_str_and_bytes_keys() -> None:
-    reject([header(1, 1), msgpack.packb({"a": 1, b"b": 1}, use_bin_type=True)], "wrong_type", "map keys")
+    reject([header(V, 1), msgpack.packb({"a": 1, b"b": 1}, use_bin_type=True)], "wrong_type", "map keys")
 
 
 def test_deeply_nested_value_in_scalar_field() -> None:
     deep: Any = 0
     for _ in range(1000):
         deep = [deep]
-    reject([header(1, P.KIND_OF[P.Disconnect]), msgpack.packb({"reason": deep})], "wrong_type", "reason")
+    reject([header(V, P.KIND_OF[P.Disconnect]), msgpack.packb({"reason": deep})], "wrong_type", "reason")
 
 
 def test_dict_fields_reject_bytes_keys() -> None:

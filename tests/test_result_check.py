@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from april.config import Mode
 from april.records import FinishReason, Sample, SampleStatus, Segment, new_group_samples
 from april.wire_records import SampleBatch
 from broker.result_check import ResultRejected, check_continues, plainly_valid
@@ -148,3 +149,37 @@ def test_partials_and_unknown_leases_go_to_the_rule() -> None:
     with_unknown: list[Sample | None] = [before[0], before[1], None]
     vouched = plainly_valid(with_unknown, SampleBatch.from_samples(after), MAX_NEW, VERSION)
     assert vouched == [True, False, False]
+
+
+def test_the_books_take_a_whole_result_vouched_for_and_refuse_a_broken_sample_in_it() -> None:
+    """BrokerState.vouch against real leases: only the leasing worker's fresh samples, only in a result
+    of VOUCH_MIN_SAMPLES or more; accept_result then takes the vouched ones without checking again and
+    still rejects the broken one, which the voucher left to the rule."""
+    from test_broker_state import make_state
+
+    from broker.state import VOUCH_MIN_SAMPLES
+
+    state = make_state(Mode.ASYNC, b=8, over=8, n=4)
+    work = state.take_work("w0", VOUCH_MIN_SAMPLES)
+    assert len(work) == VOUCH_MIN_SAMPLES
+    returns = [  # finished under the broker's version 0, within budget
+        sample.extend([3] * min(2, budget), [-0.5] * min(2, budget), 0, FinishReason.STOP).scored(1.0)
+        for _, budget, sample in work
+    ]
+    returns[5] = dataclasses.replace(returns[5], prompt_text="changed")
+    lease_ids = [lease_id for lease_id, _, _ in work]
+    batch = SampleBatch.from_samples(returns)
+    vouched = state.vouch("w0", lease_ids, batch)
+    assert vouched == [i != 5 for i in range(VOUCH_MIN_SAMPLES)]
+    assert state.vouch("w1", lease_ids, batch) == [False] * VOUCH_MIN_SAMPLES  # not w1's leases
+    few = SampleBatch.from_samples(returns[:3])
+    assert state.vouch("w0", lease_ids[:3], few) == [False] * 3  # too few to be worth it
+    for lease_id, sample, ok in zip(lease_ids, returns, vouched, strict=True):
+        if ok:
+            state.accept_result("w0", lease_id, sample, vouched=True)
+        else:
+            with pytest.raises(ResultRejected) as exc:
+                state.accept_result("w0", lease_id, sample, vouched=False)
+            assert exc.value.reason == "task_changed"
+    assert set(state.leases) == {lease_ids[5]}
+    state.check_ledger("after a vouched result")
