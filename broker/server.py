@@ -33,7 +33,7 @@ from april.records import Sample
 from april.status import BrokerStatus
 from april.transport import configure
 from april.weights_uri import WEIGHT_TRANSPORTS
-from april.wire_records import SampleBatch
+from april.wire_records import SampleBatch, batch_of
 from broker import snapshot
 from broker.auth import CurveGate
 from broker.evaluation import EvalResult, Evaluations
@@ -476,11 +476,12 @@ class Broker:
         if self.first_lease is None:
             self.first_lease = now
             self.usage.start(now)
+        lease_ids, budgets, samples = zip(*work, strict=True)
         lease = protocol.Lease(
-            lease_ids=np.array([w[0] for w in work], dtype=np.int64),
-            budgets=np.array([w[1] for w in work], dtype=np.int32),
+            lease_ids=np.array(lease_ids, dtype=np.int64),
+            budgets=np.array(budgets, dtype=np.int32),
             greedy=(np.arange(len(work)) < greedy).astype(np.uint8),
-            samples=SampleBatch.from_samples([w[2] for w in work]),
+            samples=batch_of(samples),
         )
         self._send_worker(peer.peer_id, lease, now)
 

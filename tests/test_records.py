@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from april import protocol
 from april.records import (
     FinishReason,
     Group,
@@ -23,7 +24,7 @@ from april.records import (
     Segment,
     new_group_samples,
 )
-from april.wire_records import SampleBatch
+from april.wire_records import SampleBatch, batch_of
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
@@ -159,6 +160,22 @@ def test_resumed_counts_only_real_resumes() -> None:
     assert empty_abort.resumes == 0
 
 
+def test_resumed_is_replace_with_running_none_and_a_resume_counted() -> None:
+    """`resumed` builds the Sample positionally: every field must land where `dataclasses.replace`
+    would put it (a field added or moved would break this, not the broker silently)."""
+    partial = _with(
+        fresh().resumed().extend([4, 5], [-0.5, -0.25], 2, FinishReason.ABORT).scored(0.5),
+        error="kept",
+        resumes=3,
+        prompt_text="p",
+    )
+    for before, resumes in ((fresh(), 0), (partial, 4)):
+        expected = dataclasses.replace(
+            before, status=SampleStatus.RUNNING, finish_reason=FinishReason.NONE, resumes=resumes
+        )
+        assert_samples_equal(before.resumed(), expected)
+
+
 def test_scored_and_failed() -> None:
     s = fresh().extend([1], [-1.0], 0, FinishReason.STOP).scored(1)
     assert s.reward == 1.0 and type(s.reward) is float
@@ -225,6 +242,12 @@ def test_new_group_samples() -> None:
     assert samples[0].prompt_ids.dtype == np.int32
     samples[0].metadata["answer"] = "x"
     assert samples[1].metadata["answer"] == "2"  # each sample owns its metadata
+    # built positionally: equal to samples built with keywords and the defaults
+    for i, s in enumerate(new_group_samples(3, 4, ids(1, 2), "1+1?", {"answer": "2"})):
+        expected = Sample(
+            group_id=3, index=i, prompt_ids=ids(1, 2), prompt_text="1+1?", metadata={"answer": "2"}
+        )
+        assert_samples_equal(s, expected)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -452,3 +475,58 @@ def test_validate_rejects_offsets_that_overflow_int64() -> None:
     b = _with(b, prompt_ids=ids(5, 6, 7), prompt_offsets=_i64(0, 2**63 - 1, -2, 3))
     with pytest.raises(ValueError, match="prompt_offsets"):
         b.validate()
+
+
+# ---------------------------------------------------------------------------------------------------
+# batch_of: SampleBatch.from_samples in one pass (the broker's Lease builder)
+
+
+def assert_batches_equal(a: SampleBatch, b: SampleBatch) -> None:
+    """Every field: arrays of the same dtype and bytes, lists equal."""
+    for f in dataclasses.fields(SampleBatch):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and x.dtype == y.dtype, f"{f.name}: {x.dtype} vs {y.dtype}"
+            assert x.shape == y.shape and x.tobytes() == y.tobytes(), f"{f.name}: {x} vs {y}"
+        else:
+            assert type(x) is type(y) and x == y, f"{f.name}: {x!r} vs {y!r}"
+
+
+def _leased_group(group_id: int, n: int, prompt: tuple[int, ...]) -> list[Sample]:
+    return [s.resumed() for s in new_group_samples(group_id, n, ids(*prompt), "t", {"answer": "1"})]
+
+
+def _lease_mixes() -> dict[str, list[Sample]]:
+    mixed = _mixed_samples()
+    partials = [s.resumed() for s in mixed if s.status == SampleStatus.INTERRUPTED and s.response_len]
+    fresh_leases = _leased_group(5, 4, (1, 2, 3)) + _leased_group(6, 3, (9,)) + _leased_group(7, 1, ())
+    return {
+        "empty": [],
+        "one fresh": fresh_leases[:1],
+        "fresh groups": fresh_leases,
+        "partials": partials,
+        "fresh and partials": fresh_leases[:3] + partials + fresh_leases[3:],
+        "every kind": mixed + fresh_leases,
+        "no response, logprobs only": [_with(fresh(), response_logprobs=np.zeros(1, np.float32))],
+    }
+
+
+@pytest.mark.parametrize("case", list(_lease_mixes()))
+def test_batch_of_is_from_samples(case: str) -> None:
+    samples = _lease_mixes()[case]
+    assert_batches_equal(batch_of(samples), SampleBatch.from_samples(samples))
+    assert_batches_equal(batch_of(tuple(samples)), SampleBatch.from_samples(samples))
+
+
+@pytest.mark.parametrize("case", ["fresh groups", "fresh and partials", "every kind"])
+def test_lease_frames_from_batch_of_are_byte_identical(case: str) -> None:
+    samples = _lease_mixes()[case]
+    n = len(samples)
+    lease_ids = np.arange(n, dtype=np.int64) + (3 << 40)
+    budgets = np.full(n, 17, dtype=np.int32)
+    greedy = (np.arange(n) < 2).astype(np.uint8)
+
+    def frames(batch: SampleBatch) -> list[bytes]:
+        return [bytes(f) for f in protocol.encode(protocol.Lease(lease_ids, budgets, greedy, batch))]
+
+    assert frames(batch_of(samples)) == frames(SampleBatch.from_samples(samples))
