@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 FIRST_TOKEN_ID = 3  # ids 0, 1, 2 are reserved for pad / bos / eos in synthetic prompts
 _INT32_MAX = 2**31 - 1
+RECENT_PROMPTS = 256  # synthetic records kept once built: a `prompt_window` up to this gets each built once
+_TOKEN_TEXT_MAX = 1 << 16  # vocabularies up to this size get a table of token texts (~60 bytes an entry)
 
 
 class DatasetError(ValueError):
@@ -91,18 +93,37 @@ class SyntheticPromptSource:
             vocab_size,
         )
         self._map = _CursorMap(size, seed, shuffle)
+        # each token id's text, for the prompt text (a join of table entries, not one str() per token)
+        self._token_text = [str(i) for i in range(vocab_size)] if vocab_size <= _TOKEN_TEXT_MAX else None
+        # the records built last, by dataset index (insertion order: the oldest is evicted first). With
+        # `algo.prompt_order` other than issue the broker gets each prompt twice (when it is drawn into the
+        # window, and when it is issued up to `prompt_window` groups later)
+        self._recent: dict[int, PromptRecord] = {}
 
     def __len__(self) -> int:
         return self._map.size
 
     def get(self, cursor: int) -> PromptRecord:
+        """The record at `cursor`: built from (seed, index), or the same record again if it was built
+        within the last `RECENT_PROMPTS` builds (records are shared; callers do not mutate them)."""
         index = self._map.index(cursor)
+        record = self._recent.get(index)
+        if record is None:
+            record = self._build(index)
+            if len(self._recent) >= RECENT_PROMPTS:
+                del self._recent[next(iter(self._recent))]
+            self._recent[index] = record
+        return record
+
+    def _build(self, index: int) -> PromptRecord:
         rng = np.random.default_rng((self.seed, index))
         length = int(rng.integers(self.len_min, self.len_max + 1))
         ids = rng.integers(FIRST_TOKEN_ID, self.vocab_size, size=length, dtype=np.int32)
         ids.flags.writeable = False
-        answer = str(int(ids.sum(dtype=np.int64)) % 10)
-        text = " ".join(str(i) for i in ids.tolist())
+        tokens = ids.tolist()
+        answer = str(sum(tokens) % 10)  # Python ints: exact, as the int64 sum it replaces
+        table = self._token_text
+        text = " ".join([table[t] for t in tokens] if table is not None else map(str, tokens))
         return PromptRecord(index, ids, text, {"prompt_index": str(index), "answer": answer})
 
     def describe(self) -> str:

@@ -235,6 +235,8 @@ def spread_leases(available: int, free: Sequence[int], slots: Sequence[int]) -> 
     if available >= capacity:
         return [max(0, f) for f in free]
     left = max(0, available)
+    if left and len({max(1, s) for f, s in zip(free, slots, strict=True) if f > 0}) == 1:
+        return _spread_equal_sizes(left, free)
     heap = [(-f / max(1, s), -f, i) for i, (f, s) in enumerate(zip(free, slots, strict=True)) if f > 0]
     heapq.heapify(heap)
     while left > 0:
@@ -246,6 +248,28 @@ def spread_leases(available: int, free: Sequence[int], slots: Sequence[int]) -> 
             heapq.heapreplace(heap, (-rest / max(1, slots[i]), -rest, i))
         else:
             heapq.heappop(heap)
+    return shares
+
+
+def _spread_equal_sizes(left: int, free: Sequence[int]) -> list[int]:
+    """`spread_leases` when every worker with free slots has the same size and 0 < left < sum of free
+    slots, in O(W log W): one at a time to the most free worker, ties to the earlier one, gives each
+    worker what it has above a level L (the lowest with no more than `left` slots above it), then one
+    more to each of the first (in worker order) of those with exactly L free, until `left` is spent."""
+    desc = sorted((f for f in free if f > 0), reverse=True)
+    above = 0  # free slots of the k most free workers
+    level = 0
+    for k, f in enumerate(desc, start=1):
+        above += f
+        level = -(-(above - left) // k)  # the lowest level these k alone could be cut down to
+        if level >= (desc[k] if k < len(desc) else 0):  # the next worker has no slot above it
+            break
+    shares = [max(0, f - level) for f in free]
+    rest = left - sum(shares)
+    for i, f in enumerate(free):
+        if rest and f >= level:
+            shares[i] += 1
+            rest -= 1
     return shares
 
 

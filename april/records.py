@@ -150,22 +150,24 @@ class Sample:
 
     def resumed(self) -> Sample:
         """The sample as leased again after an interruption: RUNNING, one more resume."""
-        resumes = self.resumes + 1 if self.response_len > 0 else self.resumes
-        # the constructor, not dataclasses.replace: the broker leases every sample through here
+        response_ids = self.response_ids
+        resumes = self.resumes + 1 if response_ids.shape[0] else self.resumes
+        # the constructor with positional arguments in field order, not dataclasses.replace nor keywords:
+        # the broker leases every sample through here (tests/test_records.py checks it against replace)
         return Sample(
-            group_id=self.group_id,
-            index=self.index,
-            prompt_ids=self.prompt_ids,
-            response_ids=self.response_ids,
-            response_logprobs=self.response_logprobs,
-            segments=self.segments,
-            status=SampleStatus.RUNNING,
-            finish_reason=FinishReason.NONE,
-            resumes=resumes,
-            reward=self.reward,
-            prompt_text=self.prompt_text,
-            metadata=self.metadata,
-            error=self.error,
+            self.group_id,
+            self.index,
+            self.prompt_ids,
+            response_ids,
+            self.response_logprobs,
+            self.segments,
+            SampleStatus.RUNNING,
+            FinishReason.NONE,
+            resumes,
+            self.reward,
+            self.prompt_text,
+            self.metadata,
+            self.error,
         )
 
     def scored(self, reward: float) -> Sample:
@@ -199,10 +201,27 @@ class Sample:
 def new_group_samples(
     group_id: int, n: int, prompt_ids: TokenIds, prompt_text: str, metadata: dict[str, str]
 ) -> list[Sample]:
-    """The n PENDING samples of a freshly issued group."""
+    """The n PENDING samples of a freshly issued group (they share one prompt array)."""
     ids = np.asarray(prompt_ids, dtype=np.int32)
+    pending, none, nan = SampleStatus.PENDING, FinishReason.NONE, float("nan")
+    # positional arguments in field order, the defaults spelled out: the broker issues every sample
+    # through here, and keywords with default factories cost half as much again
     return [
-        Sample(group_id=group_id, index=i, prompt_ids=ids, prompt_text=prompt_text, metadata=dict(metadata))
+        Sample(
+            group_id,
+            i,
+            ids,
+            EMPTY_IDS,
+            EMPTY_LOGPROBS,
+            (),
+            pending,
+            none,
+            0,
+            nan,
+            prompt_text,
+            dict(metadata),
+            "",
+        )
         for i in range(n)
     ]
 

@@ -479,11 +479,12 @@ class Broker:
         if self.first_lease is None:
             self.first_lease = now
             self.usage.start(now)
+        lease_ids, budgets, samples = zip(*work, strict=True)
         lease = protocol.Lease(
-            lease_ids=np.array([w[0] for w in work], dtype=np.int64),
-            budgets=np.array([w[1] for w in work], dtype=np.int32),
+            lease_ids=np.array(lease_ids, dtype=np.int64),
+            budgets=np.array(budgets, dtype=np.int32),
             greedy=(np.arange(len(work)) < greedy).astype(np.uint8),
-            samples=SampleBatch.from_samples([w[2] for w in work]),
+            samples=SampleBatch.from_samples(samples),
         )
         self._send_worker(peer.peer_id, lease, now)
 

@@ -66,6 +66,13 @@ class GroupEntry:
         self.samples[sample.index] = sample
         self._min_version = False
 
+    def start(self, running: list[Sample]) -> None:
+        """`set` each of its first len(running) samples, all PENDING, to their leased (RUNNING) form."""
+        self.samples[: len(running)] = running
+        self.counts[SampleStatus.PENDING] -= len(running)
+        self.counts[SampleStatus.RUNNING] += len(running)
+        self._min_version = False
+
     def as_group(self) -> Group:
         return Group(self.group_id, tuple(self.samples))
 
@@ -219,6 +226,13 @@ class BrokerState:
     # ------------------------------------------------------------------ issuing and leasing
 
     def issue_group(self) -> GroupEntry:
+        entry = self._issue()
+        for s in entry.samples:
+            self.queue.push(s.key, None)
+        return entry
+
+    def _issue(self) -> GroupEntry:
+        """A new group of PENDING samples from the next prompt, counted in flight but not queued yet."""
         cursor, record = self._next_prompt()
         gid = self.next_group_id
         self.next_group_id += 1
@@ -229,8 +243,6 @@ class BrokerState:
         self.groups[gid] = entry
         self.issued += 1
         self.in_flight += 1
-        for s in samples:
-            self.queue.push(s.key, None)
         return entry
 
     def _next_prompt(self) -> tuple[int, PromptRecord]:
@@ -301,7 +313,8 @@ class BrokerState:
                 live = len(self.groups) * self.algo.n_samples_per_prompt
                 if allowance <= 0 or live + self.algo.n_samples_per_prompt > self.max_live_samples:
                     break
-                self.issue_group()
+                self._lease_fresh(worker_id, self._issue(), credit - len(out), out)
+                continue
             gid, idx = self.queue.pop()
             entry = self.groups[gid]
             before = entry.samples[idx]
@@ -325,6 +338,25 @@ class BrokerState:
             self.round.resumed += 1
             self.totals.resumed += 1
         return (lease_id, leased.budget(self.algo.max_new_tokens), leased)
+
+    def _lease_fresh(
+        self, worker_id: str, entry: GroupEntry, count: int, out: list[tuple[int, int, Sample]]
+    ) -> None:
+        """Lease the first `count` samples of `entry`, a group just issued into an empty dispatch queue, to
+        `worker_id` and queue the rest: what issuing it and popping the queue would do (its samples
+        are the queue's only ones, in index order; none has a token, so no worker version skips one),
+        without a heap push and pop per sample. The group stays in flight (PENDING and RUNNING both are
+        in flight); a new group's samples have no holder and no response (no resume counted)."""
+        pending = entry.samples[:count]
+        budget = max(0, self.algo.max_new_tokens)  # Sample.budget of a sample with no response
+        running = [before.resumed() for before in pending]
+        for before, leased in zip(pending, running, strict=True):
+            lease_id = self.new_lease_id()
+            self.leases[lease_id] = LeaseEntry(lease_id, worker_id, before)
+            out.append((lease_id, budget, leased))
+        entry.start(running)
+        for s in entry.samples[len(running) :]:
+            self.queue.push(s.key, None)
 
     def take_held_partials(
         self, worker_ids: list[str], free: list[int], versions: list[int | None]

@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from april.wire_records import SampleBatch
 from broker import complete_log, snapshot
 from broker.snapshot import SnapshotError
 from broker.snapshot_writer import SnapshotWriter
-from broker.state import LEASE_EPOCH_SHIFT, BrokerState, PendingBatch, ResultRejected
+from broker.state import LEASE_EPOCH_SHIFT, BrokerState, GroupEntry, PendingBatch, ResultRejected
 
 MAX_NEW = 8
 
@@ -252,6 +253,49 @@ def test_sync_take_work_respects_credit() -> None:
     assert len(d.take(credit=3)) == 1
     assert d.take(credit=3) == []
     assert d.take(credit=0) == []
+
+
+class QueueEveryGroup(BrokerState):
+    """The reference: a group issued while leasing goes into the dispatch queue whole and is leased from
+    it, as before `_lease_fresh` leased such a group's samples without queueing them."""
+
+    def _lease_fresh(self, worker_id: str, entry: GroupEntry, count: int, out: list[Any]) -> None:
+        for s in entry.samples:
+            self.queue.push(s.key, None)
+
+
+@pytest.mark.parametrize("mode", [Mode.SYNC, Mode.APRIL, Mode.ASYNC])
+@pytest.mark.parametrize("credits", [(1, 1, 9), (2, 5), (3, 3, 3), (7,), (4, 0, 100)])
+def test_groups_issued_while_leasing_are_leased_as_the_queue_would(
+    mode: Mode, credits: tuple[int, ...]
+) -> None:
+    """take_work leases a group it issues into an empty queue without queueing it: the same leases (ids,
+    budgets, samples, order), books and queue as putting it in the queue and leasing from there, through
+    results and (april) aborted partials that queue ahead of fresh samples."""
+    states = [cls(mode, algo(b=2, over=3, n=3, eta=1), source()) for cls in (BrokerState, QueueEveryGroup)]
+    drivers = [Driver(state) for state in states]
+    for step in range(3):
+        for credit in credits:
+            got, expected = (d.take(credit, worker=f"w{credit}") for d in drivers)
+            assert [(lid, budget) for lid, budget, _ in got] == [(lid, budget) for lid, budget, _ in expected]
+            for (_, _, x), (_, _, y) in zip(got, expected, strict=True):
+                assert_samples_equal(x, y)
+            assert_same_books(*states)
+            for gid, entry in states[0].groups.items():
+                assert entry.counts == states[1].groups[gid].counts
+                assert entry.min_version() == states[1].groups[gid].min_version()
+            assert (states[0].in_flight, states[0].partial) == (states[1].in_flight, states[1].partial)
+            assert (states[0].round, states[0].totals) == (states[1].round, states[1].totals)
+        for d in drivers:  # finish half the leases; april: abort the rest at the round's end (partials)
+            leases = sorted(d.held)
+            for lease_id in leases[: len(leases) // 2]:
+                d.finish(lease_id, tokens=1 + lease_id % 3)
+            if mode != Mode.APRIL:
+                d.finish_all()
+            d.end_round()
+            d.train(step, publish=True)
+        assert_same_books(*states)
+    assert states[0].issued == states[1].issued > 3
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 
 from april.config import DataConfig
 from april.data import (
+    RECENT_PROMPTS,
     DatasetError,
     JsonlPromptSource,
     PromptRecord,
@@ -110,6 +111,45 @@ def test_synthetic_length_bounds_id_range_and_answer() -> None:
     r = source.get(0)
     assert np.array_equal(other.get(r.prompt_index).prompt_ids, r.prompt_ids)
     assert not r.prompt_ids.flags.writeable
+
+
+def reference_synthetic(seed: int, index: int, len_min: int, len_max: int, vocab: int) -> PromptRecord:
+    """The synthetic record at a dataset index, built the slow, obvious way (how the source was written
+    before it kept records and a table of token texts)."""
+    rng = np.random.default_rng((seed, index))
+    length = int(rng.integers(len_min, len_max + 1))
+    ids = rng.integers(3, vocab, size=length, dtype=np.int32)
+    answer = str(int(ids.sum(dtype=np.int64)) % 10)
+    text = " ".join(str(i) for i in ids.tolist())
+    return PromptRecord(index, ids, text, {"prompt_index": str(index), "answer": answer})
+
+
+@pytest.mark.parametrize("vocab", [50, 2**16, 2**16 + 1, 2**31 - 1])  # with and without the text table
+def test_synthetic_records_match_the_reference_also_when_kept(vocab: int) -> None:
+    size = RECENT_PROMPTS * 2 + 7
+    source = SyntheticPromptSource(size, seed=3, prompt_len_min=1, prompt_len_max=12, vocab_size=vocab)
+    # draws that revisit recent cursors (kept records) and, past RECENT_PROMPTS, evicted ones (rebuilt)
+    cursors = [*range(40), *range(20, 40), *range(40, size + 40), 0, 5, size - 1]
+    for cursor in cursors:
+        record = source.get(cursor)
+        assert same(record, reference_synthetic(3, record.prompt_index, 1, 12, vocab)), cursor
+        assert same(
+            record,
+            SyntheticPromptSource(size, seed=3, prompt_len_min=1, prompt_len_max=12, vocab_size=vocab).get(
+                cursor
+            ),
+        ), cursor
+        assert record.prompt_ids.dtype == np.int32 and not record.prompt_ids.flags.writeable
+
+
+def test_synthetic_keeps_the_recent_records_and_only_those() -> None:
+    source = SyntheticPromptSource(RECENT_PROMPTS * 4, seed=1, shuffle=False)
+    first = source.get(0)
+    assert source.get(0) is first  # built once: the broker gets a windowed prompt twice
+    for cursor in range(1, RECENT_PROMPTS + 1):
+        source.get(cursor)
+    again = source.get(0)  # evicted by RECENT_PROMPTS newer builds: rebuilt, equal
+    assert again is not first and same(again, first)
 
 
 @pytest.mark.parametrize(

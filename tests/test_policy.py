@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from april import policy
@@ -521,6 +521,38 @@ def test_spread_leases_levels_free_fractions(available: int, workers: list[tuple
         for j, (fj, xj, sj) in enumerate(zip(free, shares, slots, strict=True)):
             if i != j and xi < fi and xj > 0:
                 assert (fj - xj + 1) * si >= (fi - xi) * sj
+
+
+def reference_spread(available: int, free: list[int], slots: list[int]) -> list[int]:
+    """spread_leases as its docstring says, slowly: one sample at a time to the worker with the most free
+    slots relative to its size, ties to more free slots, then to the earlier worker."""
+    shares = [0] * len(free)
+    for _ in range(max(0, available)):
+        open_ = [i for i in range(len(free)) if free[i] - shares[i] > 0]
+        if not open_:
+            break
+        best = min(
+            open_, key=lambda i: (-(free[i] - shares[i]) / max(1, slots[i]), -(free[i] - shares[i]), i)
+        )
+        shares[best] += 1
+    return shares
+
+
+@example(3, [3, 5], 8, [0] * 16)  # a worker with exactly the level free, before a freer one
+@example(7, [4, 6, 4, 6], 8, [0] * 16)
+@given(
+    st.integers(-2, 400),
+    st.lists(st.one_of(st.integers(-1, 8), st.integers(0, 64)), max_size=16),
+    st.one_of(st.just(None), st.integers(0, 128)),
+    st.lists(st.integers(0, 128), min_size=16, max_size=16),
+)
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # no clock
+def test_spread_leases_is_the_one_at_a_time_greedy(
+    available: int, free: list[int], size: int | None, sizes: list[int]
+) -> None:
+    """Equal sizes (every worker `size`, the usual case, computed by levels) and mixed sizes alike."""
+    slots = [size] * len(free) if size is not None else sizes[: len(free)]
+    assert policy.spread_leases(available, free, slots) == reference_spread(available, free, slots)
 
 
 def test_spread_leases_rejects_mismatched_lists() -> None:

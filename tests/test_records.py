@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from april import protocol
 from april.records import (
     FinishReason,
     Group,
@@ -159,6 +160,22 @@ def test_resumed_counts_only_real_resumes() -> None:
     assert empty_abort.resumes == 0
 
 
+def test_resumed_is_replace_with_running_none_and_a_resume_counted() -> None:
+    """`resumed` builds the Sample positionally: every field must land where `dataclasses.replace`
+    would put it (a field added or moved would break this, not the broker silently)."""
+    partial = _with(
+        fresh().resumed().extend([4, 5], [-0.5, -0.25], 2, FinishReason.ABORT).scored(0.5),
+        error="kept",
+        resumes=3,
+        prompt_text="p",
+    )
+    for before, resumes in ((fresh(), 0), (partial, 4)):
+        expected = dataclasses.replace(
+            before, status=SampleStatus.RUNNING, finish_reason=FinishReason.NONE, resumes=resumes
+        )
+        assert_samples_equal(before.resumed(), expected)
+
+
 def test_scored_and_failed() -> None:
     s = fresh().extend([1], [-1.0], 0, FinishReason.STOP).scored(1)
     assert s.reward == 1.0 and type(s.reward) is float
@@ -225,6 +242,12 @@ def test_new_group_samples() -> None:
     assert samples[0].prompt_ids.dtype == np.int32
     samples[0].metadata["answer"] = "x"
     assert samples[1].metadata["answer"] == "2"  # each sample owns its metadata
+    # built positionally: equal to samples built with keywords and the defaults
+    for i, s in enumerate(new_group_samples(3, 4, ids(1, 2), "1+1?", {"answer": "2"})):
+        expected = Sample(
+            group_id=3, index=i, prompt_ids=ids(1, 2), prompt_text="1+1?", metadata={"answer": "2"}
+        )
+        assert_samples_equal(s, expected)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -452,3 +475,89 @@ def test_validate_rejects_offsets_that_overflow_int64() -> None:
     b = _with(b, prompt_ids=ids(5, 6, 7), prompt_offsets=_i64(0, 2**63 - 1, -2, 3))
     with pytest.raises(ValueError, match="prompt_offsets"):
         b.validate()
+
+
+# ---------------------------------------------------------------------------------------------------
+# SampleBatch.from_samples (one pass over the samples) against reading each field of each sample
+
+
+def assert_batches_equal(a: SampleBatch, b: SampleBatch) -> None:
+    """Every field: arrays of the same dtype and bytes, lists equal."""
+    for f in dataclasses.fields(SampleBatch):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and x.dtype == y.dtype, f"{f.name}: {x.dtype} vs {y.dtype}"
+            assert x.shape == y.shape and x.tobytes() == y.tobytes(), f"{f.name}: {x} vs {y}"
+        else:
+            assert type(x) is type(y) and x == y, f"{f.name}: {x!r} vs {y!r}"
+
+
+def _leased_group(group_id: int, n: int, prompt: tuple[int, ...]) -> list[Sample]:
+    return [s.resumed() for s in new_group_samples(group_id, n, ids(*prompt), "t", {"answer": "1"})]
+
+
+def _lease_mixes() -> dict[str, list[Sample]]:
+    mixed = _mixed_samples()
+    partials = [s.resumed() for s in mixed if s.status == SampleStatus.INTERRUPTED and s.response_len]
+    fresh_leases = _leased_group(5, 4, (1, 2, 3)) + _leased_group(6, 3, (9,)) + _leased_group(7, 1, ())
+    return {
+        "empty": [],
+        "one fresh": fresh_leases[:1],
+        "fresh groups": fresh_leases,
+        "partials": partials,
+        "fresh and partials": fresh_leases[:3] + partials + fresh_leases[3:],
+        "every kind": mixed + fresh_leases,
+        "no response, logprobs only": [_with(fresh(), response_logprobs=np.zeros(1, np.float32))],
+    }
+
+
+def field_by_field(samples: list[Sample]) -> SampleBatch:
+    """The obviously correct construction: each column read sample by sample."""
+
+    def offsets(lengths: list[int]) -> np.ndarray:
+        return np.array([0, *np.cumsum(lengths, dtype=np.int64).tolist()], dtype=np.int64)
+
+    def cat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+        return np.concatenate([np.asarray(a, dtype) for a in arrays]) if arrays else np.zeros(0, dtype)
+
+    return SampleBatch(
+        group_id=np.array([s.group_id for s in samples], dtype=np.int64),
+        index=np.array([s.index for s in samples], dtype=np.int32),
+        status=np.array([int(s.status) for s in samples], dtype=np.uint8),
+        finish_reason=np.array([int(s.finish_reason) for s in samples], dtype=np.uint8),
+        resumes=np.array([s.resumes for s in samples], dtype=np.int32),
+        reward=np.array([s.reward for s in samples], dtype=np.float64),
+        prompt_offsets=offsets([len(s.prompt_ids) for s in samples]),
+        prompt_ids=cat([s.prompt_ids for s in samples], np.int32),
+        response_offsets=offsets([len(s.response_ids) for s in samples]),
+        response_ids=cat([s.response_ids for s in samples], np.int32),
+        response_logprobs=cat([s.response_logprobs for s in samples], np.float32),
+        segment_offsets=offsets([len(s.segments) for s in samples]),
+        segments=np.array(
+            [x for s in samples for g in s.segments for x in (g.version, g.start, g.end)], np.int64
+        ),
+        prompt_text=[s.prompt_text for s in samples],
+        metadata=[dict(s.metadata) for s in samples],
+        error=[s.error for s in samples],
+    )
+
+
+@pytest.mark.parametrize("case", list(_lease_mixes()))
+def test_from_samples_reads_every_field_of_every_sample(case: str) -> None:
+    samples = _lease_mixes()[case]
+    assert_batches_equal(SampleBatch.from_samples(samples), field_by_field(samples))
+    assert_batches_equal(SampleBatch.from_samples(tuple(samples)), field_by_field(samples))
+
+
+@pytest.mark.parametrize("case", ["fresh groups", "fresh and partials", "every kind"])
+def test_lease_frames_from_samples_are_those_of_the_field_by_field_batch(case: str) -> None:
+    samples = _lease_mixes()[case]
+    n = len(samples)
+    lease_ids = np.arange(n, dtype=np.int64) + (3 << 40)
+    budgets = np.full(n, 17, dtype=np.int32)
+    greedy = (np.arange(n) < 2).astype(np.uint8)
+
+    def frames(batch: SampleBatch) -> list[bytes]:
+        return [bytes(f) for f in protocol.encode(protocol.Lease(lease_ids, budgets, greedy, batch))]
+
+    assert frames(SampleBatch.from_samples(samples)) == frames(field_by_field(samples))
