@@ -878,7 +878,19 @@ def log_bytes(directory: Path) -> int:
 
 
 def record_bytes(gid: int, samples: list[Sample]) -> int:
-    return complete_log.record_size(complete_log.encode_group(gid, SampleBatch.from_samples(samples)))
+    """The size of a record holding group `gid` alone (a record of several groups is smaller than theirs)."""
+    [(_, record)] = complete_log.encode_groups([(gid, samples)])
+    return complete_log.record_size(record)
+
+
+def single_group_record(gid: int, samples: list[Sample]) -> bytes:
+    """A format-1 record (one group, `LoggedGroup`), as earlier versions wrote them."""
+    frames = codec.encode_frames(
+        complete_log.SINGLE_GROUP_FORMAT,
+        complete_log.LOG_KIND,
+        complete_log.LoggedGroup(gid, SampleBatch.from_samples(samples)),
+    )
+    return complete_log.frames_bytes(frames)
 
 
 @pytest.mark.parametrize("straggler", [False, True], ids=["fifo", "straggler"])
@@ -891,7 +903,7 @@ def test_the_complete_log_keeps_every_live_group_through_segments_and_restarts(
     After every save, a fresh store (a restarted broker) loads exactly the live
     complete groups, also after a restart mid-run and after a torn record at a segment's tail; the log's
     size on disk stays bounded by the live records and one segment."""
-    monkeypatch.setattr(complete_log, "SEGMENT_MIN_RECORDS", 8)
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 8)
     rng = np.random.default_rng(0)
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(400)}
@@ -930,7 +942,7 @@ def test_a_crash_between_the_log_and_the_state_keeps_the_previous_snapshot(
 ) -> None:
     """The state file is written after the log: a crash in between leaves the previous state file, and
     every group it refers to is still in the log (no segment is deleted before a newer state is durable)."""
-    monkeypatch.setattr(complete_log, "SEGMENT_MIN_RECORDS", 2)
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 2)
     rng = np.random.default_rng(1)
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(12)}
@@ -958,11 +970,7 @@ def test_a_legacy_single_complete_log_is_read_and_deleted_once_dead(tmp_path: Pa
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(6)}
     legacy = tmp_path / complete_log.LEGACY_NAME
-    legacy.write_bytes(
-        b"".join(
-            b"".join(complete_log.encode_group(g, SampleBatch.from_samples(groups[g]))) for g in range(3)
-        )
-    )
+    legacy.write_bytes(b"".join(single_group_record(g, groups[g]) for g in range(3)))
     old = {gid: groups[gid] for gid in range(3)}
     state = complete_log.frames_bytes(
         codec.encode_frames(
