@@ -200,6 +200,7 @@ class CompleteLog:
         self._current: Segment | None = None  # appended to; None until the first append of this process
         self._unsynced: set[int] = set()  # numbers of segments appended to since the last sync
         self._new_name = False  # a segment was created since the last sync
+        self._made = False  # the directory exists (made before the first segment, not checked again)
 
     def holds(self, gid: int) -> bool:
         """Whether the log holds the group's right record (then it need not be appended again)."""
@@ -216,9 +217,10 @@ class CompleteLog:
         cur = self._current
         if cur is None or cur.size >= SEGMENT_MAX_BYTES or cur.entries >= max(SEGMENT_MIN_GROUPS, live):
             number = max((seg.number for seg in segments), default=-1) + 1
-            cur = Segment(number, self.directory / f"complete.{number:08d}.log")
-            self.directory.mkdir(parents=True, exist_ok=True)
-            cur.path.touch()
+            cur = Segment(number, self.directory / f"complete.{number:08d}.log")  # created by the append
+            if not self._made:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._made = True
             self._new_name = True
             segments.append(cur)
             self._current = cur
