@@ -48,7 +48,9 @@ LEGACY_NAME = "complete.log"
 SEGMENT_PATTERN = re.compile(r"complete\.(\d{8})\.log")
 SEGMENT_MAX_BYTES = 64 << 20  # a new segment starts past this size ...
 SEGMENT_MIN_GROUPS = 64  # ... or past max(this, live groups) group entries
-RECORD_MAX_TOKENS = 1 << 20  # a record is closed past this many response tokens (~8 MB of ids + log-probs)
+RECORD_MAX_TOKENS = 1 << 18  # a record is closed past this many response tokens (2 MB of ids + log-probs;
+# encoding cost per sample, measured with 2048-token samples: 10 us one group a record, ~4 us 8 to 128
+# groups, ~7 us 256 groups)
 _LEN = struct.Struct("<Q")
 
 
