@@ -63,12 +63,14 @@ class LengthHistory:
         return np.fromiter(self._recent, dtype=np.int64, count=len(self._recent))
 
     def to_wire(self) -> HistoryWire:
-        """Arrays for the snapshot codec."""
-        prompts = list(self._log_mean)
+        """Arrays for the snapshot codec (taken on the broker's poll loop at every snapshot: read straight
+        from the dicts, no lookups; `record` moves a prompt to the end of both and evicts from the front
+        of both, so they hold the prompts in the same order)."""
+        n = len(self._log_mean)
         return HistoryWire(
-            prompts=np.array(prompts, dtype=np.int64),
-            log_mean=np.array([self._log_mean[p] for p in prompts], dtype=np.float64),
-            seen=np.array([self._seen[p] for p in prompts], dtype=np.int64),
+            prompts=np.fromiter(self._log_mean.keys(), dtype=np.int64, count=n),
+            log_mean=np.fromiter(self._log_mean.values(), dtype=np.float64, count=n),
+            seen=np.fromiter(self._seen.values(), dtype=np.int64, count=n),
             recent=self.recent(),
         )
 

@@ -38,7 +38,7 @@ from april.records import Sample, SampleStatus
 from april.wire_records import SampleBatch
 from broker.complete_log import (
     CompleteLog,
-    encode_group,
+    encode_groups,
     frames_bytes,
     fsync_write,
     read_record,
@@ -183,6 +183,7 @@ class SnapshotStore:
         self.directory = directory
         self.state_path = directory / FILE_NAME
         self.log = CompleteLog(directory, trusted)
+        self._made = False  # the directory exists (made on the first write, not checked again)
         self._live = 0  # complete groups the last saved state referred to (sizes the log's segments)
 
     def save(self, live: BrokerSnapshot, complete: Mapping[int, Sequence[Sample]]) -> Path:
@@ -201,13 +202,12 @@ class SnapshotStore:
     def log_groups(self, groups: Iterable[tuple[int, Sequence[Sample]]]) -> None:
         """Append the complete groups the log does not hold yet (a group never changes once complete, so it
         is logged once); `save` makes them durable before any state refers to them."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        new = [
-            (gid, encode_group(gid, SampleBatch.from_samples(list(samples))))
-            for gid, samples in groups
-            if not self.log.holds(gid)
-        ]
-        self.log.append(new, self._live, durable=False)
+        if not self._made:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._made = True
+        new = {gid: samples for gid, samples in groups if not self.log.holds(gid)}  # a dict: each once
+        if new:  # one record for all of them: the encoding's fixed cost once, not once per group
+            self.log.append(encode_groups(list(new.items())), self._live, durable=False)
 
     def load(self) -> BrokerSnapshot:
         """The full snapshot: live samples plus the logged samples of its complete and handed-out groups."""
@@ -229,7 +229,7 @@ class SnapshotStore:
                 f"the complete-group log in {self.directory} lacks complete groups {sorted(missing)[:5]} "
                 "of the snapshot"
             )
-        samples = live.samples.to_samples() + [s for gid in sorted(groups) for s in groups[gid].to_samples()]
+        samples = live.samples.to_samples() + [s for gid in sorted(groups) for s in groups[gid]]
         return dataclasses.replace(live, samples=SampleBatch.from_samples(samples))
 
 

@@ -4,6 +4,9 @@ The poll loop only copies references (`snapshot.capture_refs`) and hands them ov
 number; the thread appends newly complete groups to the log and writes the state file (fsync, rename).
 Complete groups may also be handed over as they complete (`log_groups`): the thread logs them while it
 has nothing else to do, so the snapshot that must be durable before a batch leaves has little to write.
+It is woken for them only once `LOG_AHEAD_GROUPS` are waiting (else it looks every `LOG_AHEAD_S`): each
+wake-up costs the poll loop a thread switch on a busy machine, and one record for many groups is cheaper
+to write than many small ones.
 Requests that pile up while a write is running are coalesced: a later snapshot holds everything an
 earlier one did, so only the newest is written. `durable_seq` is the sequence number of the newest
 snapshot on disk; the server waits for it before handing a batch to the learner, so a crash can never
@@ -21,6 +24,9 @@ from april.records import Sample
 from broker import snapshot
 
 log = logging.getLogger("april.broker")
+
+LOG_AHEAD_GROUPS = 16  # complete groups waiting that wake the thread to log them ahead of a snapshot ...
+LOG_AHEAD_S = 0.05  # ... or the longest they wait for it while it is idle
 
 
 class SnapshotWriter:
@@ -49,8 +55,10 @@ class SnapshotWriter:
         the background, so the snapshot that hands out a batch rarely has any left to encode and fsync
         (it waits for the log only for groups queued after the thread last looked)."""
         with self._cond:
+            waiting = len(self._to_log)
             self._to_log += groups
-            self._cond.notify()
+            if waiting < LOG_AHEAD_GROUPS <= len(self._to_log):
+                self._cond.notify()
 
     def wait(self, seq: int, timeout: float | None = None) -> bool:
         """Block until snapshot `seq` (or a newer one) is durable."""
@@ -66,12 +74,17 @@ class SnapshotWriter:
             self._cond.notify_all()
         self._thread.join()
 
+    def _work(self) -> bool:
+        return self._pending is not None or len(self._to_log) >= LOG_AHEAD_GROUPS or self._closed
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or bool(self._to_log) or self._closed)
+                self._cond.wait_for(self._work, LOG_AHEAD_S)  # fewer groups are logged after the timeout
                 if self._pending is None and not self._to_log:
-                    return
+                    if self._closed:
+                        return
+                    continue
                 pending, to_log = self._pending, self._to_log
                 self._pending, self._to_log = None, []
             try:

@@ -922,7 +922,19 @@ def log_bytes(directory: Path) -> int:
 
 
 def record_bytes(gid: int, samples: list[Sample]) -> int:
-    return complete_log.record_size(complete_log.encode_group(gid, SampleBatch.from_samples(samples)))
+    """The size of a record holding group `gid` alone (a record of several groups is smaller than theirs)."""
+    [(_, record)] = complete_log.encode_groups([(gid, samples)])
+    return complete_log.record_size(record)
+
+
+def single_group_record(gid: int, samples: list[Sample]) -> bytes:
+    """A format-1 record (one group, `LoggedGroup`), as earlier versions wrote them."""
+    frames = codec.encode_frames(
+        complete_log.SINGLE_GROUP_FORMAT,
+        complete_log.LOG_KIND,
+        complete_log.LoggedGroup(gid, SampleBatch.from_samples(samples)),
+    )
+    return complete_log.frames_bytes(frames)
 
 
 @pytest.mark.parametrize("straggler", [False, True], ids=["fifo", "straggler"])
@@ -935,7 +947,7 @@ def test_the_complete_log_keeps_every_live_group_through_segments_and_restarts(
     After every save, a fresh store (a restarted broker) loads exactly the live
     complete groups, also after a restart mid-run and after a torn record at a segment's tail; the log's
     size on disk stays bounded by the live records and one segment."""
-    monkeypatch.setattr(complete_log, "SEGMENT_MIN_RECORDS", 8)
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 8)
     rng = np.random.default_rng(0)
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(400)}
@@ -974,7 +986,7 @@ def test_a_crash_between_the_log_and_the_state_keeps_the_previous_snapshot(
 ) -> None:
     """The state file is written after the log: a crash in between leaves the previous state file, and
     every group it refers to is still in the log (no segment is deleted before a newer state is durable)."""
-    monkeypatch.setattr(complete_log, "SEGMENT_MIN_RECORDS", 2)
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 2)
     rng = np.random.default_rng(1)
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(12)}
@@ -1002,11 +1014,7 @@ def test_a_legacy_single_complete_log_is_read_and_deleted_once_dead(tmp_path: Pa
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(6)}
     legacy = tmp_path / complete_log.LEGACY_NAME
-    legacy.write_bytes(
-        b"".join(
-            b"".join(complete_log.encode_group(g, SampleBatch.from_samples(groups[g]))) for g in range(3)
-        )
-    )
+    legacy.write_bytes(b"".join(single_group_record(g, groups[g]) for g in range(3)))
     old = {gid: groups[gid] for gid in range(3)}
     state = complete_log.frames_bytes(
         codec.encode_frames(
@@ -1027,6 +1035,142 @@ def test_a_legacy_single_complete_log_is_read_and_deleted_once_dead(tmp_path: Pa
         for gid, samples in by_gid.items():
             for x, y in zip(samples, keep[gid], strict=True):
                 assert_samples_equal(x, y)
+
+
+def segment_records(path: Path) -> list[list[int]]:
+    """The group ids of each record of a segment file, in file order."""
+    data, pos, out = path.read_bytes(), 0, []
+    while pos < len(data):
+        frames, pos = complete_log.read_record(data, pos)
+        out.append(complete_log.decode_record(frames, max_bytes=len(data) + 1)[0])
+    return out
+
+
+def save_live(store: snapshot.SnapshotStore, groups: dict[int, list[Sample]], ids: list[int]) -> None:
+    """Save a state whose complete groups are `ids`, then check that a restarted broker loads exactly
+    those, field by field."""
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    keep = {gid: groups[gid] for gid in ids}
+    store.save(dataclasses.replace(live_part, complete_order=list(keep)), keep)
+    by_gid = loaded_groups(store.directory)
+    assert sorted(by_gid) == sorted(keep)
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, keep[gid], strict=True):
+            assert_samples_equal(x, y)
+
+
+def test_groups_handed_over_together_are_one_record_read_back_field_by_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups handed to the log in one call are one record (those logged ahead of a snapshot, and those
+    the snapshot logs itself); a fresh store reads every group back from it; past RECORD_MAX_TOKENS
+    response tokens a hand-over is split into several records."""
+    rng = np.random.default_rng(5)
+    groups = {gid: complete_group(gid, rng) for gid in range(12)}
+    store = snapshot.SnapshotStore(tmp_path)
+    store.log_groups([(gid, groups[gid]) for gid in (4, 1, 3)])  # as they complete
+    save_live(store, groups, [1, 3, 4, 0, 5])  # 0 and 5 were never handed over: the save logs them
+    [segment] = tmp_path.glob("complete.*.log")
+    assert segment_records(segment) == [[4, 1, 3], [0, 5]]
+
+    monkeypatch.setattr(complete_log, "RECORD_MAX_TOKENS", 1)  # every group is over the limit
+    store.log_groups([(gid, groups[gid]) for gid in (6, 7, 8)])
+    assert segment_records(segment)[2:] == [[6], [7], [8]]
+    save_live(store, groups, [5, 6, 7, 8])
+
+
+def test_a_record_lives_while_any_of_its_groups_does_and_a_copy_keeps_only_the_live_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group of a record trained while another of it stays live: the record and its segment stay and
+    the live group loads; once stragglers make the log copy that segment out, the copy is a record of the
+    live group alone (the dead ones no longer take disk) and the old segment is deleted."""
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 4)
+    rng = np.random.default_rng(6)
+    groups = {gid: complete_group(gid, rng) for gid in range(40)}
+    store = snapshot.SnapshotStore(tmp_path)
+    first = tmp_path / "complete.00000000.log"
+    save_live(store, groups, list(range(10)))
+    save_live(store, groups, [1])  # groups 0 and 2..9 trained, group 1 is a straggler
+    assert first.exists() and segment_records(first) == [list(range(10))]
+    for gid in range(10, 37, 3):  # three more complete and are trained each round
+        save_live(store, groups, [1, gid, gid + 1, gid + 2])
+        if not first.exists():
+            break
+    assert not first.exists(), "the straggler's segment was never copied out"
+    records = [ids for path in sorted(tmp_path.glob("complete.*.log")) for ids in segment_records(path)]
+    assert [1] in records  # the copy holds the straggler alone
+    assert not any({0, *range(2, 10)} & set(ids) for ids in records)
+    save_live(store, groups, [1])
+    restarted = snapshot.SnapshotStore(tmp_path, trusted=[1])
+    assert restarted.log.holds(1) and not restarted.log.holds(0)
+    save_live(restarted, groups, [1, 39])
+
+
+def test_a_segment_of_single_group_records_is_read_copied_and_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run directory written by the previous format (one group per record, format 1) resumes: its
+    groups load, and once the log holds too many dead groups a straggler among them is copied out
+    (as it is) and the old segment deleted."""
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 4)
+    rng = np.random.default_rng(7)
+    groups = {gid: complete_group(gid, rng) for gid in range(40)}
+    old = tmp_path / "complete.00000000.log"
+    old.write_bytes(b"".join(single_group_record(g, groups[g]) for g in range(10)))
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    state = codec.encode_frames(
+        snapshot.SNAPSHOT_FORMAT,
+        snapshot.SNAPSHOT_KIND,
+        dataclasses.replace(live_part, complete_order=list(range(10))),
+    )
+    (tmp_path / snapshot.FILE_NAME).write_bytes(complete_log.frames_bytes(state))
+    assert segment_records(old) == [[gid] for gid in range(10)]
+    by_gid = loaded_groups(tmp_path)
+    assert sorted(by_gid) == list(range(10))
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, groups[gid], strict=True):
+            assert_samples_equal(x, y)
+    store = snapshot.SnapshotStore(tmp_path, trusted=range(10))  # as a broker restored from it
+    save_live(store, groups, [1, 2, 3, 10])  # 11 groups in the log, within 2 x 4 live + 4: kept
+    assert old.exists() and segment_records(tmp_path / "complete.00000001.log") == [[10]]
+    save_live(store, groups, [1, 10])  # past 2 x 2 live + 4: group 1 is copied out
+    assert not old.exists()
+    assert segment_records(tmp_path / "complete.00000001.log") == [[10], [1]]
+    save_live(store, groups, [39])
+
+
+def test_a_multi_group_record_torn_at_the_tail_is_cut_off_and_its_groups_logged_again(tmp_path: Path) -> None:
+    """A crash while appending a record of several groups leaves part of it: the log is cut back to the
+    record before, none of the torn record's groups counts as logged, and they are logged again."""
+    rng = np.random.default_rng(8)
+    groups = {gid: complete_group(gid, rng) for gid in range(6)}
+    store = snapshot.SnapshotStore(tmp_path)
+    save_live(store, groups, [0, 1, 2])
+    [segment] = tmp_path.glob("complete.*.log")
+    whole = segment.stat().st_size
+    store.log_groups([(gid, groups[gid]) for gid in (3, 4, 5)])
+    store.log.sync()
+    torn = whole + (segment.stat().st_size - whole) // 2
+    with open(segment, "r+b") as f:
+        f.truncate(torn)  # the broker died halfway through the append
+    restarted = snapshot.SnapshotStore(tmp_path, trusted=[0, 1, 2])
+    assert [restarted.log.holds(gid) for gid in range(6)] == [True] * 3 + [False] * 3
+    assert segment.stat().st_size == whole and segment_records(segment) == [[0, 1, 2]]
+    save_live(restarted, groups, [2, 3, 4, 5])
+
+
+def test_a_record_whose_group_ids_do_not_match_its_samples_is_not_a_record() -> None:
+    rng = np.random.default_rng(9)
+    two = complete_group(0, rng) + complete_group(1, rng)
+    for ids in ([0], [0, 1, 1], [0, 2]):
+        body = complete_log.LoggedGroups(np.array(ids, dtype=np.int64), SampleBatch.from_samples(two))
+        frames = codec.encode_frames(complete_log.LOG_FORMAT, complete_log.LOG_KIND, body)
+        with pytest.raises(codec.ProtocolError):
+            complete_log.decode_record(frames, max_bytes=1 << 20)
+    body = complete_log.LoggedGroups(np.array([1, 0], dtype=np.int64), SampleBatch.from_samples(two))
+    frames = codec.encode_frames(complete_log.LOG_FORMAT, complete_log.LOG_KIND, body)
+    assert complete_log.decode_record(frames, max_bytes=1 << 20)[0] == [1, 0]
 
 
 @pytest.mark.parametrize("cut", [0, 5, 0.5, -1], ids=["empty", "5-bytes", "half", "last-byte"])

@@ -14,7 +14,7 @@ import pytest
 from actors.engine import GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.lengths import LengthSpec
-from april import policy
+from april import length_history, policy
 from april.config import AlgoConfig, ConfigError, Mode, OverSampling, PromptOrder, load_config
 from april.length_history import RECENT, LengthHistory
 from april.records import new_group_samples
@@ -61,6 +61,26 @@ def test_the_recent_lengths_are_bounded_and_the_history_round_trips() -> None:
     wire = h.to_wire()
     with pytest.raises(ValueError, match="length history"):
         LengthHistory.from_wire(dataclasses.replace(wire, seen=wire.seen[:2]))
+
+
+def test_the_history_on_the_wire_pairs_each_prompt_with_its_own_average_and_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prompts seen again move to the most recent end and the least recent is forgotten past MAX_PROMPTS:
+    the wire arrays still pair every prompt with its own average and count, in recency order, and a
+    restored history forgets the same prompt next."""
+    monkeypatch.setattr(length_history, "MAX_PROMPTS", 4)
+    h = LengthHistory()
+    for prompt, length in [(1, 10), (2, 20), (3, 30), (1, 40), (4, 50), (5, 60), (2, 70), (3, 80), (3, 90)]:
+        h.record(prompt, length)
+    wire = h.to_wire()
+    assert wire.prompts.tolist() == [4, 5, 2, 3]  # 1 was forgotten: least recently seen
+    assert wire.seen.tolist() == [h.seen(p) for p in (4, 5, 2, 3)] == [1, 1, 1, 2]
+    assert np.exp(wire.log_mean).tolist() == pytest.approx([h.predict(p) for p in (4, 5, 2, 3)])
+    back = LengthHistory.from_wire(wire)
+    back.record(6, 100)
+    h.record(6, 100)
+    assert back.to_wire().prompts.tolist() == h.to_wire().prompts.tolist() == [5, 2, 3, 6]
 
 
 # ------------------------------------------------------------------------------------------- prompt order
