@@ -801,7 +801,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-ms", type=float, default=0.0, help="lease hold time of steady and bounded")
     p.add_argument("--weights-hold-ms", type=float, default=20.0, help="lease hold time of weights")
     p.add_argument(
-        "--stream-hold-ms", type=float, default=400.0, help="mean hold time of each sample in streamed"
+        "--stream-hold-ms", type=float, default=2000.0, help="mean hold time of each sample in streamed"
     )
     p.add_argument("--max-staleness", type=int, default=1, help="algo.max_staleness of `bounded`")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {SCENARIOS}")

@@ -664,6 +664,15 @@ def block_cluster_load() -> str:
         f"| one broker process on this machine, `bounded` (async with a staleness bound) | "
         f"{broker['bounded']['samples_per_s']:,.0f} |",
     ]
+    streamed = broker.get("streamed")
+    if streamed is not None:  # artifacts from before the scenario existed have none
+        rows.append(
+            "| one broker process on this machine, `streamed` (one sample a message, as engines return "
+            f"them, {streamed['generated_per_s']:,.0f} samples/s offered): p50 / p99 from a result to its "
+            f"lease {streamed['latency_ms_p50']:.1f} / {streamed['latency_ms_p99']:.1f} ms, "
+            f"{streamed['broker_cpu_us_per_sample']:,.0f} us of broker CPU per sample | "
+            f"{streamed['samples_per_s']:,.0f} |"
+        )
     return "\n".join([*rows, "", source("cluster-load"), "", source("broker-throughput")])
 
 
