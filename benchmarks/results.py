@@ -360,6 +360,18 @@ def bench_table(step: str) -> str:
     return "\n".join([*rows, "", source(step)])
 
 
+def streamed_latency(broker: dict[str, Any]) -> str:
+    """The broker's response time at an offered load under its capacity (the `streamed` scenario), or
+    nothing for an artifact from before it existed (a saturated loop's latency is its own queue)."""
+    streamed = next((r for r in broker["results"] if r["scenario"] == "streamed"), None)
+    if streamed is None:
+        return ""
+    return (
+        f"; one sample a message at {streamed['generated_per_s']:,.0f} samples/s offered, p50 / p99 "
+        f"{streamed['latency_ms_p50']:.1f} / {streamed['latency_ms_p99']:.1f} ms from a result to its lease"
+    )
+
+
 def block_components() -> str:
     broker = load("results/broker-throughput/broker_throughput.json")
     bounded = next(r for r in broker["results"] if r["scenario"] == "bounded")
@@ -379,7 +391,7 @@ def block_components() -> str:
         f"| broker, async with a staleness bound, {broker['params']['workers']} workers x "
         f"{broker['params']['slots']} slots, {broker['params']['tokens']}-token samples | "
         f"{bounded['samples_per_s']:,.0f} samples/s trained, {bounded['broker_cpu_us_per_sample']:.0f} us of "
-        f"broker CPU per sample, p50 {bounded['latency_ms_p50']:.0f} ms from result to next lease | "
+        f"broker CPU per sample{streamed_latency(broker)} | "
         f"[broker-throughput]({{root}}results/broker-throughput/) |",
         f"| torch engine, long-tailed lengths: continuous batching over static `generate`, useful tokens/s | "
         f"{gains} | [engine-throughput]({{root}}results/engine-throughput/) |",
