@@ -784,6 +784,7 @@ SMOKE: dict[str, Any] = {
     "rollout_batch_size": 4,
     "n_samples_per_prompt": 4,
     "weights_every": 2,
+    "stream_hold_ms": 100.0,  # 2 workers x 8 slots: 160 samples/s offered, a batch of 16 every 0.1 s
     "out": "bench-out/broker_throughput-smoke.json",
 }
 
