@@ -99,34 +99,34 @@ class SampleBatch:
             if self.response_ids.min() < 0:
                 raise ValueError("negative response token id")
             lp = self.response_logprobs
-            if not np.all(np.isfinite(lp)) or float(lp.max()) > LOGPROB_TOLERANCE:
+            if not np.isfinite(lp).all() or float(lp.max()) > LOGPROB_TOLERANCE:
                 raise ValueError("log-probs must be finite and <= 0")
-        if np.any(np.isinf(self.reward)):
+        if np.isinf(self.reward).any():
             raise ValueError("reward is infinite")
         self._validate_segments()
 
     def _validate_segments(self) -> None:
         """Per sample: segments tile [0, n) contiguously with non-decreasing versions (vectorised)."""
         seg = self.segments.reshape(-1, 3)
-        if seg.shape[0] and (seg[:, 0].min() < 0 or np.any(seg[:, 2] <= seg[:, 1])):
+        if seg.shape[0] and (seg[:, 0].min() < 0 or (seg[:, 2] <= seg[:, 1]).any()):
             raise ValueError("segments need version >= 0 and end > start")
         lengths = self.response_offsets[1:] - self.response_offsets[:-1]
         first, stop = self.segment_offsets[:-1], self.segment_offsets[1:]
         has = stop > first
         missing = (lengths != 0) & ~has
-        if np.any(missing):
+        if missing.any():
             i = int(np.argmax(missing))
             raise ValueError(f"sample {i}: {int(lengths[i])} response tokens but no segment")
-        if not np.any(has):
+        if not has.any():
             return
         bad_edges = (seg[first[has], 1] != 0) | (seg[stop[has] - 1, 2] != lengths[has])
         starts = np.zeros(seg.shape[0], dtype=bool)
         starts[first[has]] = True
         inner = ~starts[1:]  # segment pairs (j, j+1) inside one sample
         bad_pairs = inner & ((seg[1:, 1] != seg[:-1, 2]) | (seg[1:, 0] < seg[:-1, 0]))
-        if np.any(bad_edges) or np.any(bad_pairs):
-            culprits = [int(np.flatnonzero(has)[np.argmax(bad_edges)])] if np.any(bad_edges) else []
-            if np.any(bad_pairs):  # the sample owning the first bad pair
+        if bad_edges.any() or bad_pairs.any():
+            culprits = [int(np.flatnonzero(has)[np.argmax(bad_edges)])] if bad_edges.any() else []
+            if bad_pairs.any():  # the sample owning the first bad pair
                 culprits.append(int(np.searchsorted(self.segment_offsets, np.argmax(bad_pairs), "right")) - 1)
             i = min(culprits)
             raise ValueError(
@@ -201,7 +201,7 @@ def _check_offsets(name: str, offsets: np.ndarray, count: int, total: int) -> No
     if offsets.shape[0] != count + 1:
         raise ValueError(f"{name} has {offsets.shape[0]} entries, expected {count + 1}")
     # compare neighbours instead of np.diff, which wraps around for int64 extremes
-    if offsets[0] != 0 or offsets[-1] != total or np.any(offsets[1:] < offsets[:-1]):
+    if offsets[0] != 0 or offsets[-1] != total or (offsets[1:] < offsets[:-1]).any():
         raise ValueError(f"{name} must rise from 0 to {total}")
 
 
