@@ -23,6 +23,7 @@ import numpy as np
 from april.records import FinishReason, Sample, SampleStatus
 from april.wire_records import SampleBatch
 
+# the statuses a worker may return, and the finish reasons of a finished sample: both checks read these
 _RETURNABLE = (SampleStatus.FINISHED, SampleStatus.FAILED, SampleStatus.INTERRUPTED)
 _FINISH_OF_FINISHED = (FinishReason.STOP, FinishReason.LENGTH)
 
@@ -41,7 +42,7 @@ def check_continues(before: Sample, after: Sample, max_new_tokens: int, version:
     than the broker's `version`, the same task, and a reward on a finished sample."""
     if after.key != before.key:
         raise ResultRejected("wrong_sample", f"lease was for {before.key}, result is {after.key}")
-    if after.status not in (SampleStatus.FINISHED, SampleStatus.FAILED, SampleStatus.INTERRUPTED):
+    if after.status not in _RETURNABLE:
         raise ResultRejected("bad_status", f"sample {after.key} returned {after.status.name}")
     n0, n1, budget = before.response_len, after.response_len, before.budget(max_new_tokens)
     if n1 < n0 or n1 - n0 > budget:
@@ -68,7 +69,7 @@ def check_continues(before: Sample, after: Sample, max_new_tokens: int, version:
     if n1 and after.prompt_ids.shape[0] == 0:
         raise ResultRejected("no_prompt_ids", f"sample {after.key} has a response but no prompt_ids")
     if after.status == SampleStatus.FINISHED and (
-        after.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or not np.isfinite(after.reward)
+        after.finish_reason not in _FINISH_OF_FINISHED or not np.isfinite(after.reward)
     ):
         raise ResultRejected("bad_finish", f"finished sample {after.key} needs stop/length and a reward")
     if after.status == SampleStatus.INTERRUPTED and after.finish_reason != FinishReason.ABORT:
