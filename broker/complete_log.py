@@ -109,13 +109,6 @@ def read_record(data: bytes, pos: int) -> tuple[list[bytes], int]:
     return frames, pos
 
 
-def fsync_write(path: Path, payload: bytes, mode: str) -> None:
-    with open(path, mode) as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_parts(path: Path, parts: Sequence[bytes | memoryview], mode: str, fsync: bool) -> None:
     """Write the parts' concatenation with writev (no joined copy), fsynced if `fsync`."""
     with open(path, mode) as f:

@@ -39,9 +39,9 @@ from april.wire_records import SampleBatch
 from broker.complete_log import (
     CompleteLog,
     encode_groups,
-    frames_bytes,
-    fsync_write,
     read_record,
+    record_parts,
+    write_parts,
 )
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, WaitingPrompt
 
@@ -193,7 +193,9 @@ class SnapshotStore:
         self.log_groups(complete.items())
         self.log.sync()  # every group the state refers to is durable before the state
         tmp = self.directory / f".{FILE_NAME}.tmp"
-        fsync_write(tmp, frames_bytes(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb")
+        # writev from the encoded frames: joining them first copied the whole state with the GIL held,
+        # which stalled the poll loop for as long (tens of ms for 40 MB of live samples)
+        write_parts(tmp, record_parts(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb", fsync=True)
         os.replace(tmp, self.state_path)
         fsync_dir(self.directory)  # the rename itself survives a power loss
         self.log.drop_dead(complete.keys())  # no durable state refers to the other groups any more
