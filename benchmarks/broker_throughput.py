@@ -62,12 +62,12 @@ sys.path.insert(0, str(REPO))
 from april import protocol  # noqa: E402
 from april.codec import decode_header  # noqa: E402
 from april.ports import free_ports  # noqa: E402
-from april.records import FinishReason, Sample, SampleStatus  # noqa: E402
+from april.records import FinishReason, Sample, SampleStatus, new_group_samples  # noqa: E402
 from april.transport import dealer  # noqa: E402
 from april.wire_records import SampleBatch  # noqa: E402
 from cli.process import stop_requested  # noqa: E402
 
-SCENARIOS = ("steady", "weights", "bounded", "streamed")
+SCENARIOS = ("steady", "weights", "bounded", "streamed", "floor")
 # steady and weights: a staleness bound so far off that admission never blocks and no group falls due
 # within a run (admission would block after (bound + version + 1) x B groups accepted;
 # `admission_headroom_groups` reports what was left). The broker's batch rule
@@ -84,6 +84,7 @@ class Scenario:
     max_staleness: int  # algo.max_staleness
     hold_ms: float  # how long a worker keeps a lease before returning it (streamed: the mean, per sample)
     stream: bool = False  # return each sample alone, after its own exponential hold (streamed)
+    echo: bool = False  # the broker is `run_echo_broker`, not `april broker` (floor)
 
 
 def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
@@ -98,13 +99,16 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     stream of workers x slots / hold samples/s), below what the broker can take: its latency is then the
     broker's response time to one result, not the queue that a saturating closed loop builds (there, by
     Little's law, latency = results in flight / results per second whatever the broker does).
+    floor: streamed's workers and load against `run_echo_broker`, which does the least any broker must:
+    its latency is what the machine, the transport and the workers cost, the floor under streamed's.
     """
     if name == "steady":
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.hold_ms)
     if name == "weights":
         return Scenario(name, args.weights_every, ADMISSION_FREE_STALENESS, args.weights_hold_ms)
-    if name == "streamed":
-        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True)
+    if name in ("streamed", "floor"):
+        echo = name == "floor"
+        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True, echo=echo)
     return Scenario(name, 1, args.max_staleness, args.hold_ms)
 
 
@@ -414,6 +418,56 @@ class ScriptedLearner:
         self.sock.close(linger=0)
 
 
+# ------------------------------------------------------------------------------------------------ floor
+
+ECHO_PROMPT = np.arange(3, 43, dtype=np.int32)  # 40 tokens, the middle of the synthetic prompts' 16-64
+
+
+def run_echo_broker(args: argparse.Namespace) -> None:
+    """`floor`'s broker: the least a broker must do for streamed's workers, to measure what is left when the
+    broker costs (almost) nothing. It reads every message with the strict codec (a broker must, to answer
+    bad input with an error, and a Lease only follows a result it has read), answers a WorkerHello with a
+    Welcome and a Lease of `--slots` fresh samples, and a SampleResult with a Lease of as many fresh
+    samples as its credit, made ahead of time for the usual credit of one. No books, batches or snapshots.
+    Writes `--stats` once bound, and runs until SIGTERM."""
+    should_stop = stop_requested()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(args.broker)
+    next_group = 0
+
+    def lease_frames(n: int) -> list[bytes]:
+        nonlocal next_group
+        groups = -(-n // args.n_samples_per_prompt)
+        samples = [
+            sample
+            for g in range(next_group, next_group + groups)
+            for sample in new_group_samples(g, args.n_samples_per_prompt, ECHO_PROMPT, "echo", {})
+        ][:n]
+        next_group += groups
+        ids = np.arange(n, dtype=np.int64) + next_group * args.n_samples_per_prompt
+        budgets = np.full(n, args.tokens, np.int32)
+        lease = protocol.Lease(ids, budgets, np.zeros(n, np.uint8), SampleBatch.from_samples(samples))
+        return protocol.encode(lease)
+
+    one = lease_frames(1)
+    Path(args.stats).write_text("bound\n")
+    while not should_stop():
+        if not sock.poll(100, zmq.POLLIN):
+            continue
+        frames = sock.recv_multipart(copy=False)
+        peer, msg = frames[0].bytes, protocol.decode([f.buffer for f in frames[1:]])
+        match msg:
+            case protocol.WorkerHello():
+                welcome = protocol.Welcome(msg.worker_id, "async", 0, "", "", 5.0, args.tokens, 1.0, 1.0, 0)
+                sock.send_multipart([peer, *protocol.encode(welcome)])
+                sock.send_multipart([peer, *lease_frames(msg.slots)])
+            case protocol.SampleResult() if msg.credit:
+                sock.send_multipart([peer, *(one if msg.credit == 1 else lease_frames(msg.credit))])
+    sock.close(linger=0)
+    ctx.term()
+
+
 # ------------------------------------------------------------------------------------------------ processes
 
 
@@ -450,6 +504,18 @@ def child_env() -> dict[str, str]:
     (PYTHONPATH), not whatever the interpreter's installed april points at."""
     path = os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))
     return {**os.environ, "PYTHONPATH": path}
+
+
+def echo_command(args: argparse.Namespace, port: int, bound: Path) -> list[str]:
+    return [
+        sys.executable,
+        __file__,
+        "--role=echo",
+        f"--broker=tcp://127.0.0.1:{port}",
+        f"--tokens={args.tokens}",
+        f"--n-samples-per-prompt={args.n_samples_per_prompt}",
+        f"--stats={bound}",
+    ]
 
 
 def broker_command(run_dir: Path, profile: Path | None) -> list[str]:
@@ -576,13 +642,18 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
     profile = Path(args.profile_broker).with_suffix(f".{scenario}.prof") if args.profile_broker else None
     broker_log = run_dir / "broker.log"
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    # `april broker` writes config.toml once it has bound its ports, the echo broker its --stats file
+    bound = run_dir / ("echo.bound" if settings.echo else "config.toml")
     with processes() as procs, open(broker_log, "wb") as log_file:
         broker = subprocess.Popen(
-            broker_command(run_dir, profile), stdout=log_file, stderr=subprocess.STDOUT, env=child_env()
+            echo_command(args, ports[0], bound) if settings.echo else broker_command(run_dir, profile),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
         )
         procs.append(broker)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not (run_dir / "config.toml").exists():  # written once the broker has bound its ports
+        while not bound.exists():
             if broker.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"broker did not start:\n{tail(broker_log)}")
             time.sleep(0.05)
@@ -607,14 +678,17 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
         procs.extend(workers)
         learner = ScriptedLearner(ctx, f"tcp://127.0.0.1:{ports[1]}", settings.weights_every)
         try:
-            learner.start()
-            while not learner.log.batches:
+            if not settings.echo:  # the echo broker forms no batches: no learner
+                learner.start()
+            while not learner.log.batches and not settings.echo:
                 if broker.poll() is not None:
                     raise RuntimeError(f"broker exited with {broker.returncode}:\n{tail(broker_log)}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no batch within {START_TIMEOUT_S:.0f}s:\n{tail(broker_log)}")
                 learner.poll(100)
-            window_start = learner.log.batches[0].time + args.warmup
+            window_start = (
+                learner.log.batches[0].time if learner.log.batches else time.monotonic()
+            ) + args.warmup
             window_end = window_start + args.seconds
             worker_pids = [w.pid for w in workers]
             cpu0: CpuSample | None = None
@@ -815,7 +889,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--smoke", action="store_true", help="a few seconds a scenario: tiny sizes (options given win)"
     )
     # worker role (started by this script)
-    p.add_argument("--role", choices=("bench", "worker"), default="bench", help=argparse.SUPPRESS)
+    p.add_argument("--role", choices=("bench", "worker", "echo"), default="bench", help=argparse.SUPPRESS)
     p.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-id", default="", help=argparse.SUPPRESS)
     p.add_argument("--broker", default="", help=argparse.SUPPRESS)
@@ -842,6 +916,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.role == "worker":
         run_worker(args)
+        return
+    if args.role == "echo":
+        run_echo_broker(args)
         return
     load_start = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="april-bench-", dir=args.run_root or None))

@@ -369,6 +369,18 @@ def streamed_latency(broker: dict[str, Any]) -> str:
     return (
         f"; one sample a message at {streamed['generated_per_s']:,.0f} samples/s offered, p50 / p99 "
         f"{streamed['latency_ms_p50']:.1f} / {streamed['latency_ms_p99']:.1f} ms from a result to its lease"
+        f"{latency_floor(next((r for r in broker['results'] if r['scenario'] == 'floor'), None))}"
+    )
+
+
+def latency_floor(floor: dict[str, Any] | None) -> str:
+    """The `floor` scenario's latency (the echo broker's, on the same machine and load), or nothing for an
+    artifact from before it existed."""
+    if floor is None:
+        return ""
+    return (
+        f" (an echo broker that only reads each result and answers with a ready Lease: "
+        f"{floor['latency_ms_p50']:.1f} / {floor['latency_ms_p99']:.1f} ms)"
     )
 
 
@@ -681,7 +693,8 @@ def block_cluster_load() -> str:
         rows.append(
             "| one broker process on this machine, `streamed` (one sample a message, as engines return "
             f"them, {streamed['generated_per_s']:,.0f} samples/s offered): p50 / p99 from a result to its "
-            f"lease {streamed['latency_ms_p50']:.1f} / {streamed['latency_ms_p99']:.1f} ms, "
+            f"lease {streamed['latency_ms_p50']:.1f} / {streamed['latency_ms_p99']:.1f} ms"
+            f"{latency_floor(broker.get('floor'))}, "
             f"{streamed['broker_cpu_us_per_sample']:,.0f} us of broker CPU per sample | "
             f"{streamed['samples_per_s']:,.0f} |"
         )

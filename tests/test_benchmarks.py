@@ -63,7 +63,8 @@ def check_broker_throughput(tmp_path: Path) -> None:
     assert report["machine"]["cpu_count"] >= 1
     assert all(finite(x) for x in report["load_average"]["start"] + report["load_average"]["end"])
     results = report["results"]
-    assert [r["scenario"] for r in results] == ["steady", "weights", "bounded", "streamed"]
+    assert [r["scenario"] for r in results] == ["steady", "weights", "bounded", "streamed", "floor"]
+    *results, floor = results
     n = params["rollout_batch_size"] * params["n_samples_per_prompt"]
     for r in results:
         name = r["scenario"]
@@ -102,7 +103,14 @@ def check_broker_throughput(tmp_path: Path) -> None:
     # streamed: engines' way, one sample a result as each finishes, every result answered by a Lease
     assert streamed["samples_per_result"] == 1.0 and streamed["stream"] is True, streamed
     assert not steady["stream"] and streamed["max_staleness"] == steady["max_staleness"]
-    for name in ("steady", "weights", "bounded", "streamed"):
+    # floor: streamed's workers and load against the echo broker, which answers every result (and forms
+    # no batches: no learner)
+    assert floor["stream"] is True and floor["hold_ms"] == streamed["hold_ms"], floor
+    assert floor["samples_per_result"] == 1.0 and floor["batches_total"] == 0, floor
+    assert positive(floor["generated_per_s"]) and floor["latency_count"] >= 1, floor
+    assert floor["latency_ms_p50"] <= floor["latency_ms_p99"] <= floor["latency_ms_max"], floor
+    assert floor["worker_logs"] == params["workers"] and "Error" not in floor["worker_other_messages"]
+    for name in ("steady", "weights", "bounded", "streamed", "floor"):
         assert f"  {name}: " in printed  # the table's per-scenario lines
 
 
