@@ -36,6 +36,9 @@ class SampleStatus(enum.IntEnum):
     FAILED = 4  # generation or reward failed; `error` says why
 
 
+SETTLED = frozenset({SampleStatus.FINISHED, SampleStatus.FAILED})  # a sample in these never changes again
+
+
 class FinishReason(enum.IntEnum):
     """Why generation of a sample last stopped. Values are the wire codes."""
 

@@ -555,6 +555,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def bytes_written(pid: int) -> int:
+    """`wchar` of /proc/PID/io: bytes written through write-like calls (files, also the sockets' few)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    return 0
+
+
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds per thread name (e.g. the Python main thread vs ZeroMQ's I/O threads)."""
     out: dict[str, float] = {}
@@ -570,6 +578,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
 class CpuSample:
     broker: float
     broker_threads: dict[str, float]
+    broker_written: int  # bytes the broker handed to write(2) and writev(2) so far (snapshots, log)
     workers: float
     learner: float
 
@@ -579,6 +588,7 @@ class CpuSample:
         return cls(
             broker=cpu_seconds(broker_pid),
             broker_threads=thread_cpu_seconds(broker_pid),
+            broker_written=bytes_written(broker_pid),
             workers=sum(cpu_seconds(pid) for pid in worker_pids),
             learner=t.user + t.system,
         )
@@ -785,6 +795,8 @@ def summarize(
         "broker_cpu_us_per_sample": broker_cpu / samples * 1e6 if samples else None,
         "broker_cpu_util": broker_cpu / secs,  # 1.0 = one core busy
         "broker_threads_cpu_s": threads,
+        # snapshots and the log of settled samples, mostly (ZeroMQ's I/O thread sends with sendmsg)
+        "broker_write_mb_per_s": (cpu1.broker_written - cpu0.broker_written) / secs / 1e6,
         "workers_cpu_util": (cpu1.workers - cpu0.workers) / secs,
         "learner_cpu_util": (cpu1.learner - cpu0.learner) / secs,
         "weights_published": learner.weights_published,
@@ -820,7 +832,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         print(
             f"  {r['scenario']}: {r['batches']} batches, {r['samples']} samples in {r['window_s']:.1f}s"
             f"{extra}, {r['aborts']} aborts; backlog {r['backlog_groups_start']} -> {r['backlog_groups_end']}"
-            f" complete groups; snapshot {r['snapshot_mb_at_end']:.0f} MB; broker threads cpu-s "
+            f" complete groups; snapshot {r['snapshot_mb_at_end']:.0f} MB, written "
+            f"{r['broker_write_mb_per_s']:.1f} MB/s; broker threads cpu-s "
             f"{r['broker_threads_cpu_s']}"
         )
     print(

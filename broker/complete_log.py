@@ -1,26 +1,29 @@
-"""The log of complete groups in `RUN_DIR/broker/`: segment files `complete.NNNNNNNN.log`.
+"""The log of settled samples in `RUN_DIR/broker/`: segment files `complete.NNNNNNNN.log`.
 
-Each complete group's final samples are appended once to the newest segment, as soon as the group
-completes or at the latest with the state file that refers to it (fsynced before that state file is
-written; `broker.snapshot` orders the two). The groups handed in together are appended as one record
-(`encode_groups`; split past `RECORD_MAX_TOKENS` response tokens), so the encoding's fixed cost is paid
-once per hand-over, not once per group. A group's samples never change once it is complete, so a record
-is never rewritten: it is live while any group the durable state refers to has its newest record there,
-and a segment is deleted whole once none of its records is live. Groups are mostly trained in the order
-they complete, so old segments die whole; when stragglers keep old segments alive and the log holds more
-than twice the live groups plus one segment's worth, the old segment with the most dead groups has its
-live groups copied to the newest segment (a record whose groups are all live as raw bytes, any other
-encoded again with its live groups only, so copying always frees disk) and is deleted, which bounds the
-disk the log takes.
+A sample is settled once it is FINISHED or FAILED: it never changes again (its group completes, is
+trained or dropped, and leaves). Each settled sample is appended once to the newest segment, as soon as
+it settles or at the latest with the state file that refers to it (fsynced before that state file is
+written; `broker.snapshot` orders the two), so the state file holds only the samples that still change
+and a snapshot's cost does not grow with the tokens of the live groups. The samples handed in together
+are appended as one record (`encode_groups`; split past `RECORD_MAX_TOKENS` response tokens), so the
+encoding's fixed cost is paid once per hand-over, not once per sample; a record holds all or some of the
+samples of each of its groups. A record is never rewritten: it is live while the durable state refers to
+a group one of its samples (its newest record) belongs to, and a segment is deleted whole once none of
+its records is live. Groups are mostly trained in the order they complete, so old segments die whole;
+when stragglers keep old segments alive and the log holds more than twice the live samples plus one
+segment's worth, the old segment with the most dead samples has its live ones copied to the newest
+segment (a record whose samples are all live as raw bytes, any other encoded again with its live samples
+only, so copying always frees disk) and is deleted, which bounds the disk the log takes.
 
 A record is a little-endian u64 frame count, then for each frame a u64 length and the bytes; the frames
 are codec frames with header `[LOG_FORMAT, LOG_KIND]` and body `LoggedGroups`. Records of format 1 (one
 group each, body `LoggedGroup`, written by earlier versions) are still read. A torn record at the end of
-a segment (a crash while appending) is cut off when the log is opened; when a group has records in
+a segment (a crash while appending) is cut off when the log is opened; when a sample has records in
 several places (copied, or appended again after a crash) the newest wins. A `complete.log` written by
 earlier versions (one file, compacted by rewriting) is read as the oldest segment.
 
 Knows nothing of the broker's books: callers hand it encoded records and the set of live group ids.
+Samples are known by their key, (group id, index in the group).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ LOG_KIND = 1
 LEGACY_NAME = "complete.log"
 SEGMENT_PATTERN = re.compile(r"complete\.(\d{8})\.log")
 SEGMENT_MAX_BYTES = 64 << 20  # a new segment starts past this size ...
-SEGMENT_MIN_GROUPS = 64  # ... or past max(this, live groups) group entries
+SEGMENT_MIN_SAMPLES = 512  # ... or past max(this, live samples) sample entries
 RECORD_MAX_TOKENS = 1 << 18  # a record is closed past this many response tokens (2 MB of ids + log-probs;
 # encoding cost per sample, measured with 2048-token samples: 10 us one group a record, ~4 us 8 to 128
 # groups, ~7 us 256 groups)
@@ -56,10 +59,11 @@ _LEN = struct.Struct("<Q")
 
 @dataclass(frozen=True, slots=True)
 class LoggedGroups:
-    """One record of the log: the final samples of the complete groups appended together."""
+    """One record of the log: settled samples of the groups appended together (all of each group's, in
+    the records of earlier versions, which logged complete groups only)."""
 
     group_ids: Int64Array  # [G], distinct
-    samples: SampleBatch  # every sample of those groups, each group's in its own order
+    samples: SampleBatch  # samples of those groups (each at most once), each group's in its own order
 
     def validate(self) -> None:
         ids = np.unique(self.group_ids)
@@ -78,7 +82,8 @@ class LoggedGroup:
 
 
 Record = list[bytes | memoryview]  # a record's bytes in parts (the frames are not copied into one)
-Logged = tuple[Sequence[int], Record]  # a record and the ids of the groups it holds
+Key = tuple[int, int]  # a sample's (group id, index)
+Logged = tuple[Sequence[Key], Record]  # a record and the keys of the samples it holds
 IOV_MAX = 1024  # parts per writev (the POSIX minimum of IOV_MAX)
 
 
@@ -126,10 +131,10 @@ def write_parts(path: Path, parts: Sequence[bytes | memoryview], mode: str, fsyn
             os.fsync(fd)
 
 
-def encode_groups(groups: Sequence[tuple[int, Sequence[Sample]]]) -> list[tuple[list[int], Record]]:
-    """The log records of complete groups (distinct ids), each with the ids of the groups it holds: one
-    record, or more where the groups hold more than `RECORD_MAX_TOKENS` response tokens."""
-    out: list[tuple[list[int], Record]] = []
+def encode_groups(groups: Sequence[tuple[int, Sequence[Sample]]]) -> list[tuple[list[Key], Record]]:
+    """The log records of settled samples, by group (distinct ids), each with the keys of the samples it
+    holds: one record, or more where they hold more than `RECORD_MAX_TOKENS` response tokens."""
+    out: list[tuple[list[Key], Record]] = []
     ids: list[int] = []
     samples: list[Sample] = []
     tokens = 0
@@ -138,10 +143,10 @@ def encode_groups(groups: Sequence[tuple[int, Sequence[Sample]]]) -> list[tuple[
         samples += group
         tokens += sum(s.response_ids.shape[0] for s in group)
         if tokens >= RECORD_MAX_TOKENS:
-            out.append((ids, _encode(ids, samples)))
+            out.append(([s.key for s in samples], _encode(ids, samples)))
             ids, samples, tokens = [], [], 0
     if ids:
-        out.append((ids, _encode(ids, samples)))
+        out.append(([s.key for s in samples], _encode(ids, samples)))
     return out
 
 
@@ -170,47 +175,54 @@ def record_size(record: Record) -> int:
 
 @dataclass(slots=True)
 class Segment:
-    """One segment file and where each group's record is in it (the newest, if logged twice)."""
+    """One segment file and where each sample's record is in it (the newest, if logged twice)."""
 
     number: int  # -1: the legacy complete.log
     path: Path
     size: int = 0
-    entries: int = 0  # groups in the file's records, superseded ones included
-    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # group id -> its record's (start, end)
+    entries: int = 0  # samples in the file's records, superseded ones included
+    # group id -> sample index -> its record's (start, end); by group, so that the live groups (most of
+    # them complete, with every sample logged) are looked at once per snapshot, not once per sample
+    spans: dict[int, dict[int, tuple[int, int]]] = field(default_factory=dict)
 
 
 class CompleteLog:
     """The segments in one directory, indexed on first use (a restarted broker scans them once)."""
 
     def __init__(self, directory: Path, trusted: Collection[int] = ()) -> None:
-        """`trusted`: the groups whose newest record on disk is known to be right (the complete groups of
-        the state this broker restored, which it read from those records). Any other record found on
-        disk may be stale: written after the last durable state by a broker that then died, for a group
-        id the restored broker issues again; such a group is logged again when it completes here."""
+        """`trusted`: the groups whose samples' newest records on disk are known to be right (the complete
+        groups of the state this broker restored, which it read from those records). Any other record
+        found on disk may be stale: written after the last durable state by a broker that then died, for
+        a group id the restored broker issues again; such a sample is logged again when it settles here."""
         self.directory = directory
         self._trusted = set(trusted)
         self._segments: list[Segment] | None = None  # oldest first
-        self._where: dict[int, Segment] = {}  # group id -> the segment of its newest record
-        self._logged: set[int] = set()  # groups whose newest record is right: trusted or appended here
+        self._where: dict[int, dict[int, Segment]] = {}  # group id -> index -> its newest record's segment
+        self._logged: dict[int, set[int]] = {}  # group id -> indices whose newest record is right (trusted
+        # or appended here)
         self._current: Segment | None = None  # appended to; None until the first append of this process
         self._unsynced: set[int] = set()  # numbers of segments appended to since the last sync
         self._new_name = False  # a segment was created since the last sync
         self._made = False  # the directory exists (made before the first segment, not checked again)
 
-    def holds(self, gid: int) -> bool:
-        """Whether the log holds the group's right record (then it need not be appended again)."""
+    def holds(self, key: Key) -> bool:
+        """Whether the log holds the sample's right record (then it need not be appended again)."""
+        return key[1] in self.logged(key[0])
+
+    def logged(self, gid: int) -> Collection[int]:
+        """The indices of the group's samples whose right record the log holds."""
         self._index()
-        return gid in self._logged
+        return self._logged.get(gid, ())
 
     def append(self, records: Sequence[Logged], live: int, durable: bool = True) -> None:
-        """Append records (the ids of the groups each holds, the encoded record), durably unless `durable` is
-        False (then `sync` makes them durable); `live` is the number of live complete groups (a segment
-        holds up to about max(SEGMENT_MIN_GROUPS, live) groups)."""
+        """Append records (the keys of the samples each holds, the encoded record), durably unless
+        `durable` is False (then `sync` makes them durable); `live` is the number of live samples in the
+        log (a segment holds up to about max(SEGMENT_MIN_SAMPLES, live) samples)."""
         if not records:
             return
         segments = self._index()
         cur = self._current
-        if cur is None or cur.size >= SEGMENT_MAX_BYTES or cur.entries >= max(SEGMENT_MIN_GROUPS, live):
+        if cur is None or cur.size >= SEGMENT_MAX_BYTES or cur.entries >= max(SEGMENT_MIN_SAMPLES, live):
             number = max((seg.number for seg in segments), default=-1) + 1
             cur = Segment(number, self.directory / f"complete.{number:08d}.log")  # created by the append
             if not self._made:
@@ -221,14 +233,14 @@ class CompleteLog:
             self._current = cur
         write_parts(cur.path, [part for _, record in records for part in record], "ab", fsync=False)
         self._unsynced.add(cur.number)
-        for gids, record in records:
+        for keys, record in records:
             span = (cur.size, cur.size + record_size(record))
             cur.size = span[1]
-            cur.entries += len(gids)
-            for gid in gids:
-                cur.spans[gid] = span
-                self._where[gid] = cur
-            self._logged.update(gids)
+            cur.entries += len(keys)
+            for gid, i in keys:
+                cur.spans.setdefault(gid, {})[i] = span
+                self._where.setdefault(gid, {})[i] = cur
+                self._logged.setdefault(gid, set()).add(i)
         if durable:
             self.sync()
 
@@ -248,20 +260,32 @@ class CompleteLog:
 
     def drop_dead(self, live: Collection[int]) -> None:
         """Called once a state that refers to no group outside `live` is durable: delete every segment
-        (but the newest) that holds no live group's newest record; then, while the log holds more than
-        2 x live + one segment's worth of groups, copy the live groups of the old segment with the most
-        dead groups (of those, the fewest live) to the newest segment and delete it (FIFO training never
-        needs to)."""
+        (but the newest) that holds no newest record of a live group's sample; then, while the log holds
+        more than 2 x live + one segment's worth of samples, copy the live samples of the old segment with
+        the most dead samples (of those, the fewest live) to the newest segment and delete it (FIFO
+        training never needs to)."""
         segments = self._index()
-        cap = max(SEGMENT_MIN_GROUPS, len(live))
+        live_samples = sum(len(self._where[gid]) for gid in live if gid in self._where)
+        cap = max(SEGMENT_MIN_SAMPLES, live_samples)
 
-        def live_in(seg: Segment) -> list[int]:
-            return [gid for gid in seg.spans if gid in live and self._where.get(gid) is seg]
+        def live_in(seg: Segment) -> list[Key]:
+            return [
+                (gid, i)
+                for gid in seg.spans
+                if gid in live
+                for i, where in self._where[gid].items()
+                if where is seg
+            ]
 
-        for seg in [seg for seg in segments if seg is not self._current and not live_in(seg)]:
+        def any_live(seg: Segment) -> bool:  # live_in(seg) != [], without listing them all
+            return any(
+                gid in live and any(where is seg for where in self._where[gid].values()) for gid in seg.spans
+            )
+
+        for seg in [seg for seg in segments if seg is not self._current and not any_live(seg)]:
             self._delete(seg)
-        while sum(seg.entries for seg in segments) > 2 * len(live) + cap:
-            old = []  # (dead groups, -live groups, segment, its live groups)
+        while sum(seg.entries for seg in segments) > 2 * live_samples + cap:
+            old = []  # (dead samples, -live samples, segment, its live samples)
             for seg in segments:
                 if seg is not self._current:
                     mine = live_in(seg)
@@ -271,65 +295,69 @@ class CompleteLog:
             dead, _, seg, mine = max(old, key=lambda t: t[:2])
             if dead == 0:
                 return  # every old group is live: copying would not shrink the log
-            self.append(_live_records(seg, mine), len(live))  # durable (below) before the old copy goes
+            self.append(_live_records(seg, mine), live_samples)  # durable (below) before the old copy goes
             self._delete(seg)
 
     def _delete(self, seg: Segment) -> None:
-        for gid in seg.spans:
-            if self._where.get(gid) is seg:
+        for gid, indices in seg.spans.items():
+            where = self._where[gid]  # every key a segment spans has its newest record somewhere
+            for i in indices:
+                if where.get(i) is seg:
+                    del where[i]
+                    self._logged.get(gid, set()).discard(i)
+            if not where:
                 del self._where[gid]
-                self._logged.discard(gid)
+                self._logged.pop(gid, None)
         seg.path.unlink(missing_ok=True)
         assert self._segments is not None
         self._segments.remove(seg)
 
-    def read(self, wanted: Collection[int]) -> dict[int, list[Sample]]:
-        """The samples of each wanted group that the log holds (its newest record), in logged order."""
-        out: dict[int, list[Sample]] = {}
+    def read(self, wanted: Collection[int]) -> dict[Key, Sample]:
+        """Every sample of the wanted groups that the log holds (its newest record), by key."""
+        out: dict[Key, Sample] = {}
         for seg in _segment_files(self.directory):
             for gids, samples, _ in _scan(seg.path):
                 if any(gid in wanted for gid in gids):
-                    found: dict[int, list[Sample]] = {}
                     for sample in samples.to_samples():
                         if sample.group_id in wanted:
-                            found.setdefault(sample.group_id, []).append(sample)
-                    out.update(found)  # newer than any record read before
+                            out[sample.key] = sample  # newer than any record read before
         return out
 
     def _index(self) -> list[Segment]:
         if self._segments is None:
             self._segments = []
             for seg in _segment_files(self.directory):
-                for gids, _, span in _scan(seg.path):
-                    for gid in gids:
-                        seg.spans[gid] = span
-                        self._where[gid] = seg
-                    seg.entries += len(gids)
+                for _, samples, span in _scan(seg.path):
+                    keys = list(zip(samples.group_id.tolist(), samples.index.tolist(), strict=True))
+                    for gid, i in keys:
+                        seg.spans.setdefault(gid, {})[i] = span
+                        self._where.setdefault(gid, {})[i] = seg
+                    seg.entries += len(keys)
                     seg.size = span[1]
                 self._segments.append(seg)
-            self._logged = self._trusted & self._where.keys()
+            self._logged = {gid: set(self._where[gid]) for gid in self._trusted if gid in self._where}
         return self._segments
 
 
-def _live_records(seg: Segment, mine: list[int]) -> list[tuple[list[int], Record]]:
-    """The records of `seg` that hold its live groups `mine`: as they are where every group of the record
-    is live, else encoded again with the live groups only (the dead ones would keep taking disk)."""
-    by_span: dict[tuple[int, int], list[int]] = {}
-    for gid in mine:
-        by_span.setdefault(seg.spans[gid], []).append(gid)
-    out: list[tuple[list[int], Record]] = []
+def _live_records(seg: Segment, mine: list[Key]) -> list[tuple[list[Key], Record]]:
+    """The records of `seg` that hold its live samples `mine`: as they are where every sample of the
+    record is live, else encoded again with the live samples only (the dead ones would keep taking disk)."""
+    by_span: dict[tuple[int, int], list[Key]] = {}
+    for key in mine:
+        by_span.setdefault(seg.spans[key[0]][key[1]], []).append(key)
+    out: list[tuple[list[Key], Record]] = []
     with open(seg.path, "rb") as f:
-        for span, gids in by_span.items():
+        for span, keys in by_span.items():
             data = _read_span(f, span)
-            held, samples = decode_record(read_record(data, 0)[0], max_bytes=len(data) + 1)
-            if len(held) == len(gids):  # gids is a subset of held (the index was read from this record)
-                out.append((gids, [data]))
+            _, samples = decode_record(read_record(data, 0)[0], max_bytes=len(data) + 1)
+            if len(samples) == len(keys):  # keys are a subset of the record's (the index was read from it)
+                out.append((keys, [data]))
             else:
-                keep = set(gids)
-                group: dict[int, list[Sample]] = {gid: [] for gid in gids}
+                keep = set(keys)
+                group: dict[int, list[Sample]] = {}
                 for sample in samples.to_samples():
-                    if sample.group_id in keep:
-                        group[sample.group_id].append(sample)
+                    if sample.key in keep:
+                        group.setdefault(sample.group_id, []).append(sample)
                 out += encode_groups(list(group.items()))
     return out
 

@@ -29,7 +29,7 @@ from april.data import PromptRecord, PromptSource, open_source
 from april.heldout import split_held_out
 from april.keys import server_keys
 from april.protocol import Message
-from april.records import Sample
+from april.records import SETTLED, Sample
 from april.status import BrokerStatus
 from april.transport import configure
 from april.weights_uri import WEIGHT_TRANSPORTS
@@ -359,7 +359,7 @@ class Broker:
 
     def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
         peer = self.workers.peers[worker_id]
-        completed: list[tuple[int, list[Sample]]] = []
+        settled: list[tuple[int, list[Sample]]] = []
         lease_ids = msg.lease_ids.tolist()
         vouched = self.state.vouch(worker_id, lease_ids, msg.samples)
         for lease_id, sample, ok in zip(lease_ids, msg.samples.to_samples(), vouched, strict=True):
@@ -368,8 +368,10 @@ class Broker:
                     accepted = self.evals.accept_result(worker_id, lease_id, sample, self.state.version)
                 else:
                     accepted = self.state.accept_result(worker_id, lease_id, sample, vouched=ok)
-                    if sample.group_id in self.state.complete:  # this sample completed it: log it now
-                        completed.append((sample.group_id, self.state.groups[sample.group_id].samples))
+                    # settled for good (unless its group was just dropped): log it now, not in every
+                    # snapshot until its group is trained
+                    if sample.status in SETTLED and sample.group_id in self.state.groups:
+                        settled.append((sample.group_id, [sample]))
                 peer.tokens_generated += accepted
             except ResultRejected as exc:
                 self.rejections.count(worker_id, exc.reason)
@@ -377,8 +379,8 @@ class Broker:
                 self._send(self.worker_sock, worker_id.encode(), protocol.Error(exc.reason, str(exc)[:500]))
                 if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
                     self._reclaim(lease_id)
-        if completed:
-            self.snapshots.log_groups(completed)
+        if settled:
+            self.snapshots.log_groups(settled)
         self._grant(worker_id, msg.credit)
 
     def _leases_of(self, worker_id: str) -> list[int]:

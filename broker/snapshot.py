@@ -1,11 +1,13 @@
 """Crash-consistent persistence of the broker's books in `RUN_DIR/broker/`.
 
-Two files make a restart lose nothing. `state.snap` holds the live books: every in-flight and partial
-group with every sample in its latest known state (partials with their tokens, log-probs and segments),
-the lease table, the complete queue and the unacked batch (as group ids), the ledger counters, the data
-cursor and the weights version. The log of complete groups (`broker.complete_log`) holds their samples,
-appended once when a group completes (complete groups can be most of the data, and never change); its
-segments are deleted whole once no durable state refers to their groups.
+Two files make a restart lose nothing. `state.snap` holds the live books: every sample that may still
+change in its latest known state (pending, leased, and partials with their tokens, log-probs and
+segments), the lease table, the live groups, the complete queue and the unacked batch (as group ids), the
+ledger counters, the data cursor and the weights version. The log of settled samples
+(`broker.complete_log`) holds every FINISHED or FAILED sample, appended once when it settles: they never
+change, and are most of the data (those of complete groups, and of live groups waiting for their last
+samples), so a snapshot writes only what changed since the last one; its segments are deleted whole once
+no durable state refers to their groups.
 
 Both are written with the protocol codec (the same strict decoding on load as for a peer's message) as
 length-prefixed frames. The log is appended and fsynced before the state file that refers to it is
@@ -34,7 +36,7 @@ from april.config import AlgoConfig, Mode
 from april.data import PromptSource
 from april.files import fsync_dir
 from april.length_history import HistoryWire, LengthHistory
-from april.records import Sample, SampleStatus
+from april.records import SETTLED, Sample, SampleStatus
 from april.wire_records import SampleBatch
 from broker.complete_log import (
     CompleteLog,
@@ -45,8 +47,9 @@ from broker.complete_log import (
 )
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, WaitingPrompt
 
-SNAPSHOT_FORMAT = 2  # the state file's codec version, 2: the length history and prompt window (log
-# records have their own: complete_log)
+SNAPSHOT_FORMAT = 3  # the state file's codec version (log records have their own: complete_log); 2: the
+# length history and prompt window; 3: settled samples of live groups are in the log, not the state file
+READABLE_FORMATS = (3, 2)  # a format-2 state file holds every live group's samples: read as it is
 SNAPSHOT_KIND = 0
 FILE_NAME = "state.snap"
 
@@ -71,7 +74,9 @@ class BrokerSnapshot:
     dropped: dict[str, int]
     round_open: bool
     planned_target: int  # over_sampling auto: the open round's planned target; -1: none (the cap)
-    samples: SampleBatch  # every sample of every live group, latest known state
+    samples: SampleBatch  # every unsettled sample of the live groups, latest known state (the settled
+    # ones, and every sample of the complete and handed-out groups, are in the log; a loaded snapshot
+    # holds them all)
     lease_ids: Int64Array
     lease_workers: list[str]
     leased_at: SampleBatch  # state of each leased sample before its lease
@@ -103,17 +108,11 @@ class SnapshotRefs:
         """The full snapshot, every sample included (for in-memory use and tests)."""
         return self._snapshot([s for _, samples in self.groups for s in samples])
 
-    def split(self) -> tuple[BrokerSnapshot, dict[int, list[Sample]]]:
-        """For SnapshotStore.save: the snapshot of live groups, and the complete groups' samples."""
+    def split(self) -> tuple[BrokerSnapshot, dict[int, Sequence[Sample]]]:
+        """For SnapshotStore.save: the snapshot of the unsettled samples, and the settled ones by group."""
         held = set(self.complete_order) | set(self.batch.group_ids if self.batch else ())
-        live: list[Sample] = []
-        complete: dict[int, list[Sample]] = {}
-        for gid, samples in self.groups:
-            if gid in held:
-                complete[gid] = samples
-            else:
-                live += samples
-        return self._snapshot(live), complete
+        unsettled, settled = partition(self.groups, held)
+        return self._snapshot(unsettled), settled
 
     def _snapshot(self, samples: list[Sample]) -> BrokerSnapshot:
         batch = self.batch
@@ -166,6 +165,25 @@ def capture_refs(state: BrokerState) -> SnapshotRefs:
     )
 
 
+def partition(
+    groups: Iterable[tuple[int, Sequence[Sample]]], held: Collection[int]
+) -> tuple[list[Sample], dict[int, Sequence[Sample]]]:
+    """The samples a state file holds (those that may still change), and the settled samples by group,
+    which go to the log: every sample of a `held` group (complete or handed out), the settled ones of
+    any other."""
+    unsettled: list[Sample] = []
+    settled: dict[int, Sequence[Sample]] = {}
+    for gid, samples in groups:
+        if gid in held:
+            settled[gid] = samples
+            continue
+        done = [s for s in samples if s.status in SETTLED]
+        if done:
+            settled[gid] = done
+        unsettled += samples if not done else [s for s in samples if s.status not in SETTLED]
+    return unsettled, settled
+
+
 def restored_groups(state: BrokerState) -> set[int]:
     """The complete and handed-out groups of a restored state: read from the log, so trusted by it."""
     return set(state.complete) | set(state.batch.group_ids if state.batch else ())
@@ -186,11 +204,12 @@ class SnapshotStore:
         self._made = False  # the directory exists (made on the first write, not checked again)
         self._live = 0  # complete groups the last saved state referred to (sizes the log's segments)
 
-    def save(self, live: BrokerSnapshot, complete: Mapping[int, Sequence[Sample]]) -> Path:
-        """Persist `live` (samples of in-flight/partial groups) and make sure the log holds every group in
-        `complete` (complete or handed-out groups); returns the state file's path."""
-        self._live = len(complete)
-        self.log_groups(complete.items())
+    def save(self, live: BrokerSnapshot, settled: Mapping[int, Sequence[Sample]]) -> Path:
+        """Persist `live` (the unsettled samples) and make sure the log holds every sample in `settled` (by
+        group: every sample of the complete and handed-out groups, the settled ones of the others);
+        returns the state file's path."""
+        self._live = sum(map(len, settled.values()))
+        self.log_groups(settled.items(), live.n_samples_per_prompt)
         self.log.sync()  # every group the state refers to is durable before the state
         tmp = self.directory / f".{FILE_NAME}.tmp"
         # writev from the encoded frames: joining them first copied the whole state with the GIL held,
@@ -198,18 +217,29 @@ class SnapshotStore:
         write_parts(tmp, record_parts(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb", fsync=True)
         os.replace(tmp, self.state_path)
         fsync_dir(self.directory)  # the rename itself survives a power loss
-        self.log.drop_dead(complete.keys())  # no durable state refers to the other groups any more
+        self.log.drop_dead(settled.keys())  # no durable state refers to the other groups any more
         return self.state_path
 
-    def log_groups(self, groups: Iterable[tuple[int, Sequence[Sample]]]) -> None:
-        """Append the complete groups the log does not hold yet (a group never changes once complete, so it
-        is logged once); `save` makes them durable before any state refers to them."""
+    def log_groups(self, groups: Iterable[tuple[int, Sequence[Sample]]], group_size: int = 0) -> None:
+        """Append the settled samples (by group, a group possibly more than once) that the log does not
+        hold yet (a settled sample never changes, so it is logged once); `save` makes them durable before
+        any state refers to them. `group_size`: the samples of a group (0: unknown); a group with as many
+        logged (indices 0 to group_size - 1) is skipped at once, as every complete group is at every
+        snapshot."""
         if not self._made:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._made = True
-        new = {gid: samples for gid, samples in groups if not self.log.holds(gid)}  # a dict: each once
-        if new:  # one record for all of them: the encoding's fixed cost once, not once per group
-            self.log.append(encode_groups(list(new.items())), self._live, durable=False)
+        new: dict[int, dict[int, Sample]] = {}  # group id -> index -> sample: each sample once
+        for gid, samples in groups:
+            logged = self.log.logged(gid)
+            if 0 < group_size == len(logged):
+                continue
+            for sample in samples:
+                if sample.index not in logged:
+                    new.setdefault(gid, {})[sample.index] = sample
+        if new:  # one record for all of them: the encoding's fixed cost once, not once per sample
+            records = encode_groups([(gid, list(by_index.values())) for gid, by_index in new.items()])
+            self.log.append(records, self._live, durable=False)
 
     def load(self) -> BrokerSnapshot:
         """The full snapshot: live samples plus the logged samples of its complete and handed-out groups."""
@@ -219,35 +249,51 @@ class SnapshotStore:
             raise SnapshotError(f"no broker snapshot at {self.state_path} (nothing to resume)") from None
         try:
             frames, _ = read_record(data, 0)
-            decode_header(frames, SNAPSHOT_FORMAT)
+            read_format(frames)
             live: BrokerSnapshot = decode_body(BrokerSnapshot, frames, max_bytes=len(data) + 1)
         except (struct.error, ProtocolError) as exc:
             raise SnapshotError(f"broker snapshot {self.state_path} is unreadable: {exc}") from exc
-        wanted = set(live.complete_order) | set(live.batch_groups)
-        groups = self.log.read(wanted)
-        missing = wanted - set(groups)
+        unsettled = live.samples.to_samples()
+        # every sample of a live group (complete and handed-out ones included) that the state file does
+        # not hold is in the log
+        held = {s.key for s in unsettled}
+        groups = dict.fromkeys([*live.group_ids.tolist(), *live.complete_order, *live.batch_groups])
+        n = live.n_samples_per_prompt
+        wanted = [(gid, i) for gid in groups for i in range(n) if (gid, i) not in held]
+        logged = self.log.read({gid for gid, _ in wanted})
+        missing = [key for key in wanted if key not in logged]
         if missing:
             raise SnapshotError(
-                f"the complete-group log in {self.directory} lacks complete groups {sorted(missing)[:5]} "
-                "of the snapshot"
+                f"the log of settled samples in {self.directory} lacks samples {missing[:5]} "
+                "(group, index) of the snapshot"
             )
-        samples = live.samples.to_samples() + [s for gid in sorted(groups) for s in groups[gid]]
+        samples = unsettled + [logged[key] for key in sorted(wanted)]
         return dataclasses.replace(live, samples=SampleBatch.from_samples(samples))
 
 
 def write(snapshot: BrokerSnapshot, directory: Path, trusted: Collection[int] = ()) -> Path:
-    """Persist a full snapshot (see SnapshotStore.save): complete groups go to the log. `trusted`: its
+    """Persist a full snapshot (see SnapshotStore.save): settled samples go to the log. `trusted`: its
     complete groups that were read from this directory's log (a restored broker's), not logged again."""
-    complete_ids = set(snapshot.complete_order) | set(snapshot.batch_groups)
-    live: list[Sample] = []
-    complete: dict[int, list[Sample]] = {}
+    by_group: dict[int, list[Sample]] = {}
     for s in snapshot.samples.to_samples():
-        if s.group_id in complete_ids:
-            complete.setdefault(s.group_id, []).append(s)
-        else:
-            live.append(s)
-    live_snapshot = dataclasses.replace(snapshot, samples=SampleBatch.from_samples(live))
-    return SnapshotStore(directory, trusted).save(live_snapshot, complete)
+        by_group.setdefault(s.group_id, []).append(s)
+    held = set(snapshot.complete_order) | set(snapshot.batch_groups)
+    unsettled, settled = partition(by_group.items(), held)
+    live_snapshot = dataclasses.replace(snapshot, samples=SampleBatch.from_samples(unsettled))
+    return SnapshotStore(directory, trusted).save(live_snapshot, settled)
+
+
+def read_format(frames: Sequence[bytes | memoryview]) -> int:
+    """The format of a state file's frames, one of READABLE_FORMATS; ProtocolError otherwise."""
+    for version in READABLE_FORMATS[1:]:
+        try:
+            decode_header(frames, version)
+            return version
+        except ProtocolError as exc:
+            if exc.reason != "wrong_version":
+                raise
+    decode_header(frames, READABLE_FORMATS[0])  # the error names the format this broker writes
+    return READABLE_FORMATS[0]
 
 
 def exists(directory: Path) -> bool:

@@ -1,12 +1,12 @@
 """Writes broker snapshots on a background thread, newest first, and says which one is durable.
 
 The poll loop only copies references (`snapshot.capture_refs`) and hands them over with a sequence
-number; the thread appends newly complete groups to the log and writes the state file (fsync, rename).
-Complete groups may also be handed over as they complete (`log_groups`): the thread logs them while it
-has nothing else to do, so the snapshot that must be durable before a batch leaves has little to write.
-It is woken for them only once `LOG_AHEAD_GROUPS` are waiting (else it looks every `LOG_AHEAD_S`): each
-wake-up costs the poll loop a thread switch on a busy machine, and one record for many groups is cheaper
-to write than many small ones.
+number; the thread appends newly settled samples to the log and writes the state file (fsync, rename).
+Settled samples may also be handed over as they settle (`log_groups`): the thread logs them while it has
+nothing else to do, so the snapshot that must be durable before a batch leaves has little to write. It
+is woken for them only once `LOG_AHEAD_SAMPLES` are waiting (else it looks every `LOG_AHEAD_S`): each
+wake-up costs the poll loop a thread switch on a busy machine, and one record for many samples is
+cheaper to write than many small ones.
 Requests that pile up while a write is running are coalesced: a later snapshot holds everything an
 earlier one did, so only the newest is written. `durable_seq` is the sequence number of the newest
 snapshot on disk; the server waits for it before handing a batch to the learner, so a crash can never
@@ -25,7 +25,7 @@ from broker import snapshot
 
 log = logging.getLogger("april.broker")
 
-LOG_AHEAD_GROUPS = 16  # complete groups waiting that wake the thread to log them ahead of a snapshot ...
+LOG_AHEAD_SAMPLES = 128  # settled samples waiting that wake the thread to log them ahead of a snapshot ...
 LOG_AHEAD_S = 0.05  # ... or the longest they wait for it while it is idle
 
 
@@ -36,7 +36,8 @@ class SnapshotWriter:
         self.error: Exception | None = None
         self._seq = 0
         self._pending: tuple[int, snapshot.SnapshotRefs] | None = None
-        self._to_log: list[tuple[int, list[Sample]]] = []  # complete groups to log ahead of a snapshot
+        self._to_log: list[tuple[int, list[Sample]]] = []  # settled samples (by group) to log ahead
+        self._waiting = 0  # samples in _to_log
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
@@ -51,13 +52,14 @@ class SnapshotWriter:
             return self._seq
 
     def log_groups(self, groups: list[tuple[int, list[Sample]]]) -> None:
-        """Queue newly complete groups (id, samples that no longer change) for the log. They are logged in
-        the background, so the snapshot that hands out a batch rarely has any left to encode and fsync
-        (it waits for the log only for groups queued after the thread last looked)."""
+        """Queue newly settled samples (group id, samples of it that no longer change) for the log. They
+        are logged in the background, so the snapshot that hands out a batch rarely has any left to encode
+        and fsync (it waits for the log only for samples queued after the thread last looked)."""
         with self._cond:
-            waiting = len(self._to_log)
+            waiting = self._waiting
             self._to_log += groups
-            if waiting < LOG_AHEAD_GROUPS <= len(self._to_log):
+            self._waiting += sum(len(samples) for _, samples in groups)
+            if waiting < LOG_AHEAD_SAMPLES <= self._waiting:
                 self._cond.notify()
 
     def wait(self, seq: int, timeout: float | None = None) -> bool:
@@ -75,7 +77,7 @@ class SnapshotWriter:
         self._thread.join()
 
     def _work(self) -> bool:
-        return self._pending is not None or len(self._to_log) >= LOG_AHEAD_GROUPS or self._closed
+        return self._pending is not None or self._waiting >= LOG_AHEAD_SAMPLES or self._closed
 
     def _run(self) -> None:
         while True:
@@ -86,11 +88,11 @@ class SnapshotWriter:
                         return
                     continue
                 pending, to_log = self._pending, self._to_log
-                self._pending, self._to_log = None, []
+                self._pending, self._to_log, self._waiting = None, [], 0
             try:
                 if pending is None:
                     self.store.log_groups(to_log)
-                else:  # the snapshot logs every complete group it refers to itself
+                else:  # the snapshot logs every settled sample it refers to itself
                     self.store.save(*pending[1].split())
             except Exception as exc:
                 log.exception("snapshot %d could not be written", pending[0] if pending else self.durable_seq)

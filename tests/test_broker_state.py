@@ -947,7 +947,7 @@ def test_the_complete_log_keeps_every_live_group_through_segments_and_restarts(
     After every save, a fresh store (a restarted broker) loads exactly the live
     complete groups, also after a restart mid-run and after a torn record at a segment's tail; the log's
     size on disk stays bounded by the live records and one segment."""
-    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 8)
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_SAMPLES", 16)
     rng = np.random.default_rng(0)
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(400)}
@@ -986,7 +986,7 @@ def test_a_crash_between_the_log_and_the_state_keeps_the_previous_snapshot(
 ) -> None:
     """The state file is written after the log: a crash in between leaves the previous state file, and
     every group it refers to is still in the log (no segment is deleted before a newer state is durable)."""
-    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 2)
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_SAMPLES", 4)
     rng = np.random.default_rng(1)
     live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
     groups = {gid: complete_group(gid, rng) for gid in range(12)}
@@ -1085,7 +1085,7 @@ def test_a_record_lives_while_any_of_its_groups_does_and_a_copy_keeps_only_the_l
     """A group of a record trained while another of it stays live: the record and its segment stay and
     the live group loads; once stragglers make the log copy that segment out, the copy is a record of the
     live group alone (the dead ones no longer take disk) and the old segment is deleted."""
-    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 4)
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_SAMPLES", 8)
     rng = np.random.default_rng(6)
     groups = {gid: complete_group(gid, rng) for gid in range(40)}
     store = snapshot.SnapshotStore(tmp_path)
@@ -1103,7 +1103,7 @@ def test_a_record_lives_while_any_of_its_groups_does_and_a_copy_keeps_only_the_l
     assert not any({0, *range(2, 10)} & set(ids) for ids in records)
     save_live(store, groups, [1])
     restarted = snapshot.SnapshotStore(tmp_path, trusted=[1])
-    assert restarted.log.holds(1) and not restarted.log.holds(0)
+    assert restarted.log.holds((1, 0)) and restarted.log.holds((1, 1)) and not restarted.log.holds((0, 0))
     save_live(restarted, groups, [1, 39])
 
 
@@ -1113,7 +1113,7 @@ def test_a_segment_of_single_group_records_is_read_copied_and_deleted(
     """A run directory written by the previous format (one group per record, format 1) resumes: its
     groups load, and once the log holds too many dead groups a straggler among them is copied out
     (as it is) and the old segment deleted."""
-    monkeypatch.setattr(complete_log, "SEGMENT_MIN_GROUPS", 4)
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_SAMPLES", 8)
     rng = np.random.default_rng(7)
     groups = {gid: complete_group(gid, rng) for gid in range(40)}
     old = tmp_path / "complete.00000000.log"
@@ -1155,7 +1155,7 @@ def test_a_multi_group_record_torn_at_the_tail_is_cut_off_and_its_groups_logged_
     with open(segment, "r+b") as f:
         f.truncate(torn)  # the broker died halfway through the append
     restarted = snapshot.SnapshotStore(tmp_path, trusted=[0, 1, 2])
-    assert [restarted.log.holds(gid) for gid in range(6)] == [True] * 3 + [False] * 3
+    assert [restarted.log.holds((gid, i)) for gid in range(6) for i in (0, 1)] == [True] * 6 + [False] * 6
     assert segment.stat().st_size == whole and segment_records(segment) == [[0, 1, 2]]
     save_live(restarted, groups, [2, 3, 4, 5])
 
@@ -1290,7 +1290,7 @@ def test_the_snapshot_writer_logs_complete_groups_ahead_and_a_snapshot_makes_the
         assert writer.wait(first, timeout=60)
         writer.log_groups([(gid, groups[gid]) for gid in range(5)])  # group 5 is never handed over
         deadline = time.monotonic() + 60
-        while not all(writer.store.log.holds(gid) for gid in range(5)):
+        while not all(writer.store.log.holds((gid, i)) for gid in range(5) for i in (0, 1)):
             assert time.monotonic() < deadline, "the writer did not log the groups"
             time.sleep(0.01)
         assert loaded_groups(tmp_path) == {}  # the durable state refers to none of them yet
@@ -1335,3 +1335,131 @@ def test_records_a_dead_broker_logged_after_its_last_snapshot_are_not_trusted(tm
     for gid, samples in by_gid.items():
         for x, y in zip(samples, second[gid], strict=True):
             assert_samples_equal(x, y)
+
+
+def state_file_keys(directory: Path) -> list[tuple[int, int]]:
+    """The keys of the samples the state file itself holds (not those it leaves to the log)."""
+    data = (directory / snapshot.FILE_NAME).read_bytes()
+    frames, _ = complete_log.read_record(data, 0)
+    live = codec.decode_body(snapshot.BrokerSnapshot, frames, max_bytes=len(data) + 1)
+    return sorted(s.key for s in live.samples.to_samples())
+
+
+def logged_keys(directory: Path) -> list[tuple[int, int]]:
+    """The keys of every sample in the log's records, superseded ones included."""
+    out = []
+    for path in sorted(directory.glob("complete.*.log")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            frames, pos = complete_log.read_record(data, pos)
+            out += [s.key for s in complete_log.decode_record(frames, len(data) + 1)[1].to_samples()]
+    return out
+
+
+def test_settled_samples_of_live_groups_go_to_the_log_once_and_not_into_every_state_file(
+    tmp_path: Path,
+) -> None:
+    """A live group waiting for its last samples: its settled (finished, failed) samples are appended to
+    the log once, and the state file holds only the samples that may still change, so a snapshot costs
+    what changed since the last one, not every live token again. A restart loads the whole books."""
+    state = make_state(Mode.ASYNC, b=2, n=3)
+    d = Driver(state)
+    d.take(credit=6)  # groups 0 and 1, every sample leased
+    d.finish(d.lease_of((0, 0)), tokens=5)
+    d.fail(d.lease_of((1, 2)))
+    d.interrupt(d.lease_of((1, 0)))  # a partial: it still changes, the state file holds it
+    d.check()
+    writer = SnapshotWriter(tmp_path)
+    try:
+        assert writer.wait(writer.submit(snapshot.capture_refs(state)), timeout=60)
+        assert state_file_keys(tmp_path) == [(0, 1), (0, 2), (1, 0), (1, 1)]
+        assert sorted(logged_keys(tmp_path)) == [(0, 0), (1, 2)]
+        assert_same_books(state, snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source()))
+
+        d.finish(d.lease_of((0, 1)))
+        d.finish(d.lease_of((1, 1)))
+        assert writer.wait(writer.submit(snapshot.capture_refs(state)), timeout=60)
+        assert state_file_keys(tmp_path) == [(0, 2), (1, 0)]
+        assert sorted(logged_keys(tmp_path)) == [(0, 0), (0, 1), (1, 1), (1, 2)]  # each sample once
+        restored = snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source())
+        assert_same_books(state, restored)
+        restored.check_ledger()
+    finally:
+        writer.close()
+    assert writer.error is None
+
+
+def test_a_stale_record_of_a_live_groups_sample_is_not_read_in_place_of_the_state_files(
+    tmp_path: Path,
+) -> None:
+    """A broker killed after logging a settled sample of a group its last durable state did not know
+    leaves a record the restored broker must not take for the group it issues again under that id: while
+    the sample is unsettled the state file's copy is loaded, and once it settles its new record wins."""
+    rng = np.random.default_rng(11)
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    stale = complete_group(7, rng)
+    store = snapshot.SnapshotStore(tmp_path)
+    store.save(live_part, {})
+    store.log_groups([(7, stale[:1])])
+    store.log.sync()  # the broker dies here: (7, 0) is logged, no durable state knows group 7
+    restored = snapshot.SnapshotStore(tmp_path).load()
+    assert restored.group_ids.tolist() == [] and len(restored.samples) == 0
+
+    again = complete_group(7, rng)  # group 7 issued again: (7, 0) running, (7, 1) finished
+    running = dataclasses.replace(again[0], status=SampleStatus.RUNNING, finish_reason=FinishReason.NONE)
+    store = snapshot.SnapshotStore(tmp_path, trusted=restored.complete_order)
+    assert not store.log.holds((7, 0))
+    groups = [(7, [running, again[1]])]
+    unsettled, settled = snapshot.partition(groups, held=())
+    assert [s.key for s in unsettled] == [(7, 0)] and list(settled) == [7]
+    with_7 = dataclasses.replace(
+        live_part,
+        samples=SampleBatch.from_samples(unsettled),
+        group_ids=np.array([7], np.int64),
+        group_cursors=np.array([0], np.int64),
+    )
+    store.save(with_7, settled)
+    loaded = {s.key: s for s in snapshot.SnapshotStore(tmp_path).load().samples.to_samples()}
+    assert_samples_equal(loaded[(7, 0)], running)  # the state file's, not the dead broker's record
+    assert_samples_equal(loaded[(7, 1)], again[1])
+
+    settles = dataclasses.replace(with_7, samples=SampleBatch.from_samples([]))  # (7, 0) settled
+    store.save(settles, {7: again})
+    loaded = {s.key: s for s in snapshot.SnapshotStore(tmp_path).load().samples.to_samples()}
+    for key, sample in zip([(7, 0), (7, 1)], again, strict=True):
+        assert_samples_equal(loaded[key], sample)  # its new record, newer than the dead broker's
+
+
+def test_a_format_2_state_file_holding_every_live_sample_still_loads(tmp_path: Path) -> None:
+    """State files of the previous format hold the settled samples of live groups themselves: they load
+    as they are, and the next snapshot moves those samples to the log."""
+    state = make_state(Mode.ASYNC, b=2, n=3)
+    d = Driver(state)
+    d.take(credit=6)
+    d.finish(d.lease_of((0, 0)))
+    d.finish(d.lease_of((1, 1)))
+    full = snapshot.capture(state)
+    frames = codec.encode_frames(2, snapshot.SNAPSHOT_KIND, full)
+    (tmp_path / snapshot.FILE_NAME).write_bytes(complete_log.frames_bytes(frames))
+    assert state_file_keys(tmp_path) == sorted(s.key for g in state.groups.values() for s in g.samples)
+    restored = snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source())
+    assert_same_books(state, restored)
+    snapshot.write(snapshot.capture(restored), tmp_path, snapshot.restored_groups(restored))
+    assert sorted(logged_keys(tmp_path)) == [(0, 0), (1, 1)]
+    assert_same_books(state, snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source()))
+
+
+def test_settled_samples_handed_over_one_at_a_time_are_each_logged_once(tmp_path: Path) -> None:
+    """The server hands each sample to the log as it settles: every one is logged, none twice, also when
+    a hand-over repeats one already logged, and a snapshot of the complete group then adds nothing."""
+    rng = np.random.default_rng(12)
+    group = complete_group(3, rng)
+    store = snapshot.SnapshotStore(tmp_path)
+    store.log_groups([(3, group[1:2])])
+    store.log_groups([(3, group[0:1]), (3, group[1:2])])
+    assert sorted(logged_keys(tmp_path)) == [(3, 0), (3, 1)]
+    live_part, _ = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source())).split()
+    store.save(dataclasses.replace(live_part, complete_order=[3]), {3: group})
+    assert sorted(logged_keys(tmp_path)) == [(3, 0), (3, 1)]
+    for x, y in zip(loaded_groups(tmp_path)[3], group, strict=True):
+        assert_samples_equal(x, y)
