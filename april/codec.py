@@ -293,18 +293,27 @@ def decode_map(cls: type, raw: object, where: str = "") -> Any:
     return _decode_struct(raw, struct_schema(cls), (), set(), where or cls.__name__)
 
 
+_Decoder = Callable[[Any, Sequence[Frame], set[int], str], Any]  # (raw, frames, used, where) -> value
+_DECODERS: dict[_Spec, _Decoder] = {}
+_FIELD_DECODERS: dict[type, tuple[frozenset[str], tuple[tuple[str, _Decoder], ...]]] = {}
+
+
 def _decode_struct(raw: Any, schema: _Struct, frames: Sequence[Frame], used: set[int], where: str) -> Any:
-    _check_map(raw, where)
-    missing = [name for name, _ in schema.fields if name in schema.required and name not in raw]
-    if missing:
-        raise ProtocolError("missing_field", f"{where}: missing field(s) {', '.join(missing)}")
-    if not schema.evolvable:
-        extra = sorted(set(raw) - {name for name, _ in schema.fields})
-        if extra:
-            raise ProtocolError("extra_field", f"{where}: unknown field(s) {', '.join(map(str, extra))}")
+    names, decoders = _field_decoders(schema)
+    # a body with exactly the declared fields (string keys, since they equal the names) is the common
+    # case: the checks below are for the others, and for evolvable structs
+    if type(raw) is not dict or raw.keys() != names or schema.evolvable:
+        _check_map(raw, where)
+        missing = [name for name, _ in schema.fields if name in schema.required and name not in raw]
+        if missing:
+            raise ProtocolError("missing_field", f"{where}: missing field(s) {', '.join(missing)}")
+        if not schema.evolvable:
+            extra = sorted(set(raw) - names)
+            if extra:
+                raise ProtocolError("extra_field", f"{where}: unknown field(s) {', '.join(map(str, extra))}")
     values = {
-        name: _decode_value(raw[name], spec, frames, used, f"{where}.{name}")
-        for name, spec in schema.fields
+        name: decode(raw[name], frames, used, f"{where}.{name}")
+        for name, decode in decoders
         if name in raw  # an evolvable struct's absent field takes its default
     }
     obj = schema.cls(**values)
@@ -317,36 +326,74 @@ def _decode_struct(raw: Any, schema: _Struct, frames: Sequence[Frame], used: set
     return obj
 
 
-def _decode_value(raw: Any, spec: _Spec, frames: Sequence[Frame], used: set[int], where: str) -> Any:
+def _field_decoders(schema: _Struct) -> tuple[frozenset[str], tuple[tuple[str, _Decoder], ...]]:
+    """The struct's field names, and each field's decoder (made once per struct)."""
+    cached = _FIELD_DECODERS.get(schema.cls)
+    if cached is None:
+        names = frozenset(name for name, _ in schema.fields)
+        cached = (names, tuple((name, _decoder(spec)) for name, spec in schema.fields))
+        _FIELD_DECODERS[schema.cls] = cached
+    return cached
+
+
+def _decoder(spec: _Spec) -> _Decoder:
+    """The decoding function of a spec, chosen once: a message's dozens of values then cost a call each,
+    not a walk through every kind of spec."""
+    cached = _DECODERS.get(spec)
+    if cached is None:
+        cached = _DECODERS[spec] = _make_decoder(spec)
+    return cached
+
+
+def _make_decoder(spec: _Spec) -> _Decoder:
     match spec:
-        case _Scalar(py):
-            return _decode_scalar(raw, py, where)
-        case _Enum(cls):
-            try:
-                if type(raw) is not int:
-                    raise TypeError(raw)
-                return cls(raw)
-            except (ValueError, TypeError):
-                allowed = ", ".join(repr(m.value) for m in cls)
-                raise ProtocolError(
-                    "invalid_value", f"{where}: {_show(raw)} is not one of {allowed}"
-                ) from None
-        case _Optional(inner):
-            return None if raw is None else _decode_value(raw, inner, frames, used, where)
-        case _List(inner):
-            if not isinstance(raw, list):
-                raise ProtocolError("wrong_type", f"{where}: expected a list, got {type(raw).__name__}")
-            if _all_plain(raw, inner):  # hot path: lists of strings / of str->str maps (one per sample)
-                return raw
-            return [_decode_value(v, inner, frames, used, f"{where}[{i}]") for i, v in enumerate(raw)]
-        case _Dict(inner):
-            _check_map(raw, where)
-            return {k: _decode_value(v, inner, frames, used, f"{where}[{k!r}]") for k, v in raw.items()}
         case _Array(dtype):
-            return _decode_array(raw, dtype, frames, used, where)
+            return lambda raw, frames, used, where: _decode_array(raw, dtype, frames, used, where)
+        case _Scalar(py):
+            return lambda raw, frames, used, where: _decode_scalar(raw, py, where)
+        case _Enum(cls):
+            return lambda raw, frames, used, where: _decode_enum(raw, cls, where)
+        case _Optional(inner):
+            decode = _decoder(inner)
+            return lambda raw, frames, used, where: None if raw is None else decode(raw, frames, used, where)
+        case _List(inner):
+            return lambda raw, frames, used, where: _decode_list(raw, inner, frames, used, where)
+        case _Dict(inner):
+            return lambda raw, frames, used, where: _decode_dict(raw, inner, frames, used, where)
         case _Struct():
-            return _decode_struct(raw, spec, frames, used, where)
+            return lambda raw, frames, used, where: _decode_struct(raw, spec, frames, used, where)
     raise AssertionError(f"unhandled spec {spec!r}")  # pragma: no cover
+
+
+def _decode_value(raw: Any, spec: _Spec, frames: Sequence[Frame], used: set[int], where: str) -> Any:
+    return _decoder(spec)(raw, frames, used, where)
+
+
+def _decode_enum(raw: Any, cls: type[enum.Enum], where: str) -> Any:
+    try:
+        if type(raw) is not int:
+            raise TypeError(raw)
+        return cls(raw)
+    except (ValueError, TypeError):
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ProtocolError("invalid_value", f"{where}: {_show(raw)} is not one of {allowed}") from None
+
+
+def _decode_list(raw: Any, inner: _Spec, frames: Sequence[Frame], used: set[int], where: str) -> list[Any]:
+    if not isinstance(raw, list):
+        raise ProtocolError("wrong_type", f"{where}: expected a list, got {type(raw).__name__}")
+    if _all_plain(raw, inner):  # hot path: lists of strings / of str->str maps (one per sample)
+        return raw
+    decode = _decoder(inner)
+    return [decode(v, frames, used, f"{where}[{i}]") for i, v in enumerate(raw)]
+
+
+def _decode_dict(
+    raw: Any, inner: _Spec, frames: Sequence[Frame], used: set[int], where: str
+) -> dict[str, Any]:
+    _check_map(raw, where)
+    decode = _decoder(inner)
+    return {k: decode(v, frames, used, f"{where}[{k!r}]") for k, v in raw.items()}
 
 
 def _decode_scalar(raw: Any, py: type, where: str) -> Any:
