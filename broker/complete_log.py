@@ -143,15 +143,23 @@ def encode_groups(groups: Sequence[tuple[int, Sequence[Sample]]]) -> list[tuple[
         samples += group
         tokens += sum(s.response_ids.shape[0] for s in group)
         if tokens >= RECORD_MAX_TOKENS:
-            out.append(([s.key for s in samples], _encode(ids, samples)))
+            out.append(([s.key for s in samples], _record(ids, SampleBatch.from_samples(samples))))
             ids, samples, tokens = [], [], 0
     if ids:
-        out.append(([s.key for s in samples], _encode(ids, samples)))
+        out.append(([s.key for s in samples], _record(ids, SampleBatch.from_samples(samples))))
     return out
 
 
-def _encode(ids: list[int], samples: list[Sample]) -> Record:
-    body = LoggedGroups(np.array(ids, dtype=np.int64), SampleBatch.from_samples(samples))
+def encode_batch(batch: SampleBatch) -> tuple[list[Key], Record]:
+    """The log record of settled samples as a worker returned them (distinct keys), with their keys: the
+    arrays are written as they came, not gathered sample by sample again. One record whatever its size
+    (a message is bounded by the broker's `max_message_bytes`)."""
+    keys = list(zip(batch.group_id.tolist(), batch.index.tolist(), strict=True))
+    return keys, _record(np.unique(batch.group_id).tolist(), batch)
+
+
+def _record(ids: list[int], samples: SampleBatch) -> Record:
+    body = LoggedGroups(np.array(ids, dtype=np.int64), samples)
     return record_parts(encode_frames(LOG_FORMAT, LOG_KIND, body))
 
 

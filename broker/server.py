@@ -48,6 +48,9 @@ from broker.usage import SlotUsage
 log = logging.getLogger("april.broker")
 DRAIN_LIMIT = 256  # messages handled per socket before the loop ticks again
 STATUS_PERIOD_S = 1.0
+# a result of at least this many samples, all accepted and settled, is logged as the worker sent it (one
+# record, no per-sample gathering); smaller ones are gathered with others, a record each would cost more
+LOG_AS_RECEIVED_MIN = 16
 EVAL_LOG = "eval.jsonl"  # one line per finished evaluation, in the run directory
 TOTALS = "broker_totals.json"  # the run's totals, written when the broker stops (april bench reads it)
 
@@ -359,7 +362,7 @@ class Broker:
 
     def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
         peer = self.workers.peers[worker_id]
-        settled: list[tuple[int, list[Sample]]] = []
+        settled: list[Sample] = []
         lease_ids = msg.lease_ids.tolist()
         vouched = self.state.vouch(worker_id, lease_ids, msg.samples)
         for lease_id, sample, ok in zip(lease_ids, msg.samples.to_samples(), vouched, strict=True):
@@ -368,10 +371,8 @@ class Broker:
                     accepted = self.evals.accept_result(worker_id, lease_id, sample, self.state.version)
                 else:
                     accepted = self.state.accept_result(worker_id, lease_id, sample, vouched=ok)
-                    # settled for good (unless its group was just dropped): log it now, not in every
-                    # snapshot until its group is trained
-                    if sample.status in SETTLED and sample.group_id in self.state.groups:
-                        settled.append((sample.group_id, [sample]))
+                    if sample.status in SETTLED:  # for good: logged now, not in every snapshot after
+                        settled.append(sample)
                 peer.tokens_generated += accepted
             except ResultRejected as exc:
                 self.rejections.count(worker_id, exc.reason)
@@ -379,8 +380,10 @@ class Broker:
                 self._send(self.worker_sock, worker_id.encode(), protocol.Error(exc.reason, str(exc)[:500]))
                 if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
                     self._reclaim(lease_id)
-        if settled:
-            self.snapshots.log_groups(settled)
+        if len(settled) == len(msg.samples) >= LOG_AS_RECEIVED_MIN:
+            self.snapshots.log_received(msg.samples)  # the arrays as they came, in one record
+        elif settled:  # those of groups just dropped need no record
+            self.snapshots.log_groups([(s.group_id, [s]) for s in settled if s.group_id in self.state.groups])
         self._grant(worker_id, msg.credit)
 
     def _leases_of(self, worker_id: str) -> list[int]:

@@ -40,6 +40,7 @@ from april.records import SETTLED, Sample, SampleStatus
 from april.wire_records import SampleBatch
 from broker.complete_log import (
     CompleteLog,
+    encode_batch,
     encode_groups,
     read_record,
     record_parts,
@@ -240,6 +241,11 @@ class SnapshotStore:
         if new:  # one record for all of them: the encoding's fixed cost once, not once per sample
             records = encode_groups([(gid, list(by_index.values())) for gid, by_index in new.items()])
             self.log.append(records, self._live, durable=False)
+
+    def log_received(self, batch: SampleBatch) -> None:
+        """Append settled samples as a worker returned them (one result's batch, every sample accepted)
+        as one record, without gathering them sample by sample (`log_groups`); `save` makes it durable."""
+        self.log.append([encode_batch(batch)], self._live, durable=False)
 
     def load(self) -> BrokerSnapshot:
         """The full snapshot: live samples plus the logged samples of its complete and handed-out groups."""

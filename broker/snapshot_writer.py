@@ -2,11 +2,12 @@
 
 The poll loop only copies references (`snapshot.capture_refs`) and hands them over with a sequence
 number; the thread appends newly settled samples to the log and writes the state file (fsync, rename).
-Settled samples may also be handed over as they settle (`log_groups`): the thread logs them while it has
-nothing else to do, so the snapshot that must be durable before a batch leaves has little to write. It
-is woken for them only once `LOG_AHEAD_SAMPLES` are waiting (else it looks every `LOG_AHEAD_S`): each
-wake-up costs the poll loop a thread switch on a busy machine, and one record for many samples is
-cheaper to write than many small ones.
+Settled samples may also be handed over as they settle (`log_groups`, or `log_received` for a whole
+result as the worker sent it): the thread logs them while it has nothing else to do, so the snapshot
+that must be durable before a batch leaves has little to write. It is woken for them only once
+`LOG_AHEAD_SAMPLES` are waiting (else it looks every `LOG_AHEAD_S`): each wake-up costs the poll loop a
+thread switch on a busy machine, and one record for many samples is cheaper to write than many small
+ones.
 Requests that pile up while a write is running are coalesced: a later snapshot holds everything an
 earlier one did, so only the newest is written. `durable_seq` is the sequence number of the newest
 snapshot on disk; the server waits for it before handing a batch to the learner, so a crash can never
@@ -21,6 +22,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from april.records import Sample
+from april.wire_records import SampleBatch
 from broker import snapshot
 
 log = logging.getLogger("april.broker")
@@ -37,7 +39,8 @@ class SnapshotWriter:
         self._seq = 0
         self._pending: tuple[int, snapshot.SnapshotRefs] | None = None
         self._to_log: list[tuple[int, list[Sample]]] = []  # settled samples (by group) to log ahead
-        self._waiting = 0  # samples in _to_log
+        self._received: list[SampleBatch] = []  # whole results to log as they came
+        self._waiting = 0  # samples in _to_log and _received
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="snapshot-writer", daemon=True)
@@ -62,6 +65,15 @@ class SnapshotWriter:
             if waiting < LOG_AHEAD_SAMPLES <= self._waiting:
                 self._cond.notify()
 
+    def log_received(self, batch: SampleBatch) -> None:
+        """Queue a result's samples, every one accepted and settled, to be logged as they came."""
+        with self._cond:
+            waiting = self._waiting
+            self._received.append(batch)
+            self._waiting += len(batch)
+            if waiting < LOG_AHEAD_SAMPLES <= self._waiting:
+                self._cond.notify()
+
     def wait(self, seq: int, timeout: float | None = None) -> bool:
         """Block until snapshot `seq` (or a newer one) is durable."""
         with self._cond:
@@ -83,13 +95,15 @@ class SnapshotWriter:
         while True:
             with self._cond:
                 self._cond.wait_for(self._work, LOG_AHEAD_S)  # fewer groups are logged after the timeout
-                if self._pending is None and not self._to_log:
+                if self._pending is None and not self._waiting:
                     if self._closed:
                         return
                     continue
-                pending, to_log = self._pending, self._to_log
-                self._pending, self._to_log, self._waiting = None, [], 0
+                pending, to_log, received = self._pending, self._to_log, self._received
+                self._pending, self._to_log, self._received, self._waiting = None, [], [], 0
             try:
+                for batch in received:  # before a snapshot's save, which would gather them again
+                    self.store.log_received(batch)
                 if pending is None:
                     self.store.log_groups(to_log)
                 else:  # the snapshot logs every settled sample it refers to itself

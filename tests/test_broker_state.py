@@ -1463,3 +1463,35 @@ def test_settled_samples_handed_over_one_at_a_time_are_each_logged_once(tmp_path
     assert sorted(logged_keys(tmp_path)) == [(3, 0), (3, 1)]
     for x, y in zip(loaded_groups(tmp_path)[3], group, strict=True):
         assert_samples_equal(x, y)
+
+
+def test_a_result_logged_as_received_is_one_record_and_a_snapshot_adds_nothing_to_it(tmp_path: Path) -> None:
+    """A whole result, every sample settled, is logged with the arrays the worker sent (one record, no
+    gathering sample by sample); the snapshot that then refers to its groups as complete writes no record
+    again, and a restart loads every sample field by field."""
+    rng = np.random.default_rng(13)
+    groups = {gid: complete_group(gid, rng) for gid in range(8)}
+    received = SampleBatch.from_samples([s for gid in (5, 2, 7) for s in groups[gid]])
+    writer = SnapshotWriter(tmp_path)
+    try:
+        writer.log_received(received)
+        deadline = time.monotonic() + 60
+        while not all(writer.store.log.holds((gid, i)) for gid in (2, 5, 7) for i in (0, 1)):
+            assert time.monotonic() < deadline, "the writer did not log the result"
+            time.sleep(0.01)
+        [segment] = tmp_path.glob("complete.*.log")
+        assert segment_records(segment) == [[2, 5, 7]]
+        assert logged_keys(tmp_path) == [s.key for s in received.to_samples()]
+        refs = snapshot.capture_refs(BrokerState(Mode.APRIL, algo(n=2), source()))
+        held = {gid: groups[gid] for gid in (2, 5, 7, 0)}  # group 0 never went through log_received
+        refs = dataclasses.replace(refs, groups=list(held.items()), complete_order=list(held))
+        assert writer.wait(writer.submit(refs), timeout=60)
+    finally:
+        writer.close()
+    assert writer.error is None
+    assert segment_records(segment) == [[2, 5, 7], [0]]
+    by_gid = loaded_groups(tmp_path)
+    assert sorted(by_gid) == [0, 2, 5, 7]
+    for gid, samples in by_gid.items():
+        for x, y in zip(samples, groups[gid], strict=True):
+            assert_samples_equal(x, y)
