@@ -242,10 +242,11 @@ class SnapshotStore:
             records = encode_groups([(gid, list(by_index.values())) for gid, by_index in new.items()])
             self.log.append(records, self._live, durable=False)
 
-    def log_received(self, batch: SampleBatch) -> None:
-        """Append settled samples as a worker returned them (one result's batch, every sample accepted)
-        as one record, without gathering them sample by sample (`log_groups`); `save` makes it durable."""
-        self.log.append([encode_batch(batch)], self._live, durable=False)
+    def log_received(self, batches: Sequence[SampleBatch]) -> None:
+        """Append settled samples as workers returned them (each a result's batch, every sample accepted),
+        a record each, without gathering them sample by sample (`log_groups`), in one write; `save` makes
+        them durable."""
+        self.log.append([encode_batch(batch) for batch in batches], self._live, durable=False)
 
     def load(self) -> BrokerSnapshot:
         """The full snapshot: live samples plus the logged samples of its complete and handed-out groups."""

@@ -102,8 +102,7 @@ class SnapshotWriter:
                 pending, to_log, received = self._pending, self._to_log, self._received
                 self._pending, self._to_log, self._received, self._waiting = None, [], [], 0
             try:
-                for batch in received:  # before a snapshot's save, which would gather them again
-                    self.store.log_received(batch)
+                self.store.log_received(received)  # before a snapshot's save, which would gather them
                 if pending is None:
                     self.store.log_groups(to_log)
                 else:  # the snapshot logs every settled sample it refers to itself
