@@ -664,11 +664,12 @@ class Broker:
         self.learner_waiting = None
 
     def _batch_message(self, batch: PendingBatch) -> protocol.Batch:
+        columns = self.snapshots.batch_columns(batch.batch_id)  # gathered off the loop with its snapshot
         return protocol.Batch(
             batch_id=batch.batch_id,
             step=batch.step,
             version=batch.version,
-            samples=SampleBatch.from_samples(batch.samples),
+            samples=SampleBatch.from_samples(batch.samples) if columns is None else columns,
             stats=dict(batch.stats),
             ledger=self.state.ledger(),
         )

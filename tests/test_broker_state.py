@@ -1495,3 +1495,25 @@ def test_a_result_logged_as_received_is_one_record_and_a_snapshot_adds_nothing_t
     for gid, samples in by_gid.items():
         for x, y in zip(samples, groups[gid], strict=True):
             assert_samples_equal(x, y)
+
+
+def test_the_snapshot_writer_gathers_the_unacked_batch_for_its_message_once(tmp_path: Path) -> None:
+    """A snapshot holding an unacked batch leaves its samples gathered into the message's columns (off the
+    poll loop), equal field by field to gathering them in place; another batch id gets none, and a later
+    snapshot of the same batch keeps the columns it has."""
+    d = mid_run_april()
+    batch = d.state.batch
+    assert batch is not None
+    writer = SnapshotWriter(tmp_path)
+    try:
+        assert writer.batch_columns(batch.batch_id) is None  # nothing durable yet
+        assert writer.wait(writer.submit(snapshot.capture_refs(d.state)), timeout=60)
+        columns = writer.batch_columns(batch.batch_id)
+        assert columns is not None and writer.batch_columns(batch.batch_id + 1) is None
+        for x, y in zip(columns.to_samples(), batch.samples, strict=True):
+            assert_samples_equal(x, y)
+        assert writer.wait(writer.submit(snapshot.capture_refs(d.state)), timeout=60)
+        assert writer.batch_columns(batch.batch_id) is columns
+    finally:
+        writer.close()
+    assert writer.error is None
