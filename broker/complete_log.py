@@ -308,7 +308,9 @@ class CompleteLog:
 
     def _delete(self, seg: Segment) -> None:
         for gid, indices in seg.spans.items():
-            where = self._where[gid]  # every key a segment spans has its newest record somewhere
+            where = self._where.get(gid)
+            if where is None:  # its newest records were in a segment deleted before this one
+                continue
             for i in indices:
                 if where.get(i) is seg:
                     del where[i]

@@ -203,7 +203,7 @@ class SnapshotStore:
         self.state_path = directory / FILE_NAME
         self.log = CompleteLog(directory, trusted)
         self._made = False  # the directory exists (made on the first write, not checked again)
-        self._live = 0  # complete groups the last saved state referred to (sizes the log's segments)
+        self._live = 0  # settled samples the last saved state referred to (sizes the log's segments)
 
     def save(self, live: BrokerSnapshot, settled: Mapping[int, Sequence[Sample]]) -> Path:
         """Persist `live` (the unsettled samples) and make sure the log holds every sample in `settled` (by

@@ -1517,3 +1517,27 @@ def test_the_snapshot_writer_gathers_the_unacked_batch_for_its_message_once(tmp_
     finally:
         writer.close()
     assert writer.error is None
+
+
+def test_a_segment_outliving_the_newer_copy_of_one_of_its_samples_is_deleted_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sample logged twice (a restored broker logs it again): the newer record's segment dies first
+    while the older one is kept by another live group; deleting the older one later must not trip on the
+    sample whose newest record is already gone."""
+    monkeypatch.setattr(complete_log, "SEGMENT_MIN_SAMPLES", 1)  # every append starts a segment
+    rng = np.random.default_rng(14)
+    one, two, three = (complete_group(gid, rng) for gid in (1, 2, 3))
+    log = complete_log.CompleteLog(tmp_path)
+    log.append(complete_log.encode_groups([(1, one), (2, two)]), live=0)  # segment 0
+    log.append(complete_log.encode_groups([(1, one)]), live=0)  # segment 1: group 1 again, newer
+    log.append(complete_log.encode_groups([(3, three)]), live=0)  # segment 2, the current one
+    log.drop_dead({2, 3})  # group 1 is dead: segment 1 goes, segment 0 stays for group 2
+    assert sorted(p.name for p in tmp_path.glob("complete.*.log")) == [
+        "complete.00000000.log",
+        "complete.00000002.log",
+    ]
+    log.drop_dead({3})
+    assert [p.name for p in tmp_path.glob("complete.*.log")] == ["complete.00000002.log"]
+    assert not log.holds((1, 0)) and not log.holds((2, 0)) and log.holds((3, 1))
+    assert sorted(log.read({3})) == [(3, 0), (3, 1)]
