@@ -88,6 +88,19 @@ def init_process_group(device: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", verbose=False)
 
 
+def leave_process_group() -> None:
+    """Leave the default process group once every rank is done with it (a barrier, then the teardown).
+    A rank that exits with the group still up can abort in gloo's destructors ("terminate called without
+    an active exception", exit -6) while a peer still finishes its last collective: launchers then report
+    a finished run as failed. Call it only when every rank gets there (not on an error path: the others
+    would wait at the barrier)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def skip_shared_memory_comm_op() -> None:
     """Keep DeepSpeed from compiling its CPU shared-memory communication op, which training never uses.
 
@@ -329,6 +342,12 @@ class TrainEngine:
         else:
             assert self._optimizer is not None
             self._optimizer.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        """Every rank, at the end of a run that every rank finished: leave the process group the DeepSpeed
+        backend joined (`leave_process_group`)."""
+        if self._ds is not None:
+            leave_process_group()
 
     # ------------------------------------------------------------------ weights
 

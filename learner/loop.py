@@ -137,6 +137,7 @@ def run_learner(
         if trainer.checkpoint_every and saved < step:
             phases.enter(Phase.CHECKPOINTING, f"step {step}")
             trainer.save(ResumePoint(step, version, last_batch_id))
+        trainer.close()  # every rank got here: the last collective is behind them
         if client is not None and handoff is not None and step >= config.run.steps:
             handoff.serve_last(client, version)
     finally:

@@ -92,6 +92,10 @@ class ModelTrainer:
         )
         return ResumePoint(meta.step, meta.version, meta.last_batch_id, source=str(latest))
 
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+
     def start(self, report: PhaseReport) -> None:
         from april.hf import enable_activation_checkpointing, load_model, set_torch_threads
         from learner.engine import TrainEngine, TrainSettings

@@ -78,6 +78,9 @@ class SimTrainer:
             old.unlink(missing_ok=True)
         return path, sha256_file(path)
 
+    def close(self) -> None:
+        pass  # one process, nothing shared
+
     def save(self, point: ResumePoint) -> None:
         state = {"step": point.step, "version": point.version, "last_batch_id": point.last_batch_id}
         write_text_atomic(self.state_file, json.dumps(state) + "\n")

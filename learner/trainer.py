@@ -92,3 +92,7 @@ class Trainer(Protocol):
 
     def save(self, point: ResumePoint) -> None:
         """Save the state a resume from `point` needs. Every rank (a collective)."""
+
+    def close(self) -> None:
+        """The run ended normally on every rank: release what the ranks share (the process group). Every
+        rank (a collective); not called on an error path."""

@@ -99,6 +99,7 @@ def train(spec: dict[str, Any]) -> None:
     if engine.rank == 0:
         path, sha = weights.publish(published, out / "weights", spec["steps"])
         (out / "result.json").write_text(json.dumps({"metrics": metrics, "path": str(path), "sha": sha}))
+    engine.close()  # as the learner does: no rank tears the group down under another's last collective
 
 
 def run_children(specs: list[dict[str, Any]], tmp: Path) -> None:

@@ -106,6 +106,7 @@ def child(spec: dict[str, Any]) -> None:
         Path(spec["out"], "result.json").write_text(
             json.dumps({"stats": stats, "path": str(path), "sha": sha})
         )
+    engine.close()  # as the learner does: no rank tears the group down under another's last collective
 
 
 def run_ranks(spec: dict[str, Any], world: int, tmp: Path) -> tuple[dict[str, Any], dict[str, float]]:
