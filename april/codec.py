@@ -272,6 +272,20 @@ def decode_header(frames: Sequence[Frame], version: int) -> int:
     return int(kind)
 
 
+def decode_file_version(frames: Sequence[Frame], versions: Sequence[int]) -> int:
+    """Which of `versions` (the one this code writes first, then older ones it still reads) a file's
+    record was written in; a ProtocolError naming the first when it is none of them."""
+    for version in versions[1:]:
+        try:
+            decode_header(frames, version)
+            return version
+        except ProtocolError as exc:
+            if exc.reason != "wrong_version":
+                raise
+    decode_header(frames, versions[0])
+    return versions[0]
+
+
 def decode_body(cls: type, frames: Sequence[Frame], max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     """Decode and validate frames[1:] as an instance of dataclass `cls`."""
     total = sum(len(f) for f in frames)
@@ -363,10 +377,6 @@ def _make_decoder(spec: _Spec) -> _Decoder:
         case _Struct():
             return lambda raw, frames, used, where: _decode_struct(raw, spec, frames, used, where)
     raise AssertionError(f"unhandled spec {spec!r}")  # pragma: no cover
-
-
-def _decode_value(raw: Any, spec: _Spec, frames: Sequence[Frame], used: set[int], where: str) -> Any:
-    return _decoder(spec)(raw, frames, used, where)
 
 
 def _decode_enum(raw: Any, cls: type[enum.Enum], where: str) -> Any:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from april.codec import Int64Array, ProtocolError, decode_body, decode_header, encode_frames
+from april.codec import Int64Array, ProtocolError, decode_body, decode_file_version, encode_frames
 from april.files import fsync_dir
 from april.records import Sample
 from april.wire_records import SampleBatch
@@ -154,8 +154,11 @@ def encode_batch(batch: SampleBatch) -> tuple[list[Key], Record]:
     """The log record of settled samples as a worker returned them (distinct keys), with their keys: the
     arrays are written as they came, not gathered sample by sample again. One record whatever its size
     (a message is bounded by the broker's `max_message_bytes`)."""
-    keys = list(zip(batch.group_id.tolist(), batch.index.tolist(), strict=True))
-    return keys, _record(np.unique(batch.group_id).tolist(), batch)
+    return batch_keys(batch), _record(np.unique(batch.group_id).tolist(), batch)
+
+
+def batch_keys(batch: SampleBatch) -> list[Key]:
+    return list(zip(batch.group_id.tolist(), batch.index.tolist(), strict=True))
 
 
 def _record(ids: list[int], samples: SampleBatch) -> Record:
@@ -165,12 +168,7 @@ def _record(ids: list[int], samples: SampleBatch) -> Record:
 
 def decode_record(frames: Sequence[bytes | memoryview], max_bytes: int) -> tuple[list[int], SampleBatch]:
     """The group ids and samples of a record of either format; ProtocolError if it is not one."""
-    try:
-        decode_header(frames, LOG_FORMAT)
-    except ProtocolError as exc:
-        if exc.reason != "wrong_version":
-            raise
-        decode_header(frames, SINGLE_GROUP_FORMAT)
+    if decode_file_version(frames, (LOG_FORMAT, SINGLE_GROUP_FORMAT)) == SINGLE_GROUP_FORMAT:
         old: LoggedGroup = decode_body(LoggedGroup, frames, max_bytes=max_bytes)
         return [old.group_id], old.samples
     record: LoggedGroups = decode_body(LoggedGroups, frames, max_bytes=max_bytes)
@@ -338,7 +336,7 @@ class CompleteLog:
             self._segments = []
             for seg in _segment_files(self.directory):
                 for _, samples, span in _scan(seg.path):
-                    keys = list(zip(samples.group_id.tolist(), samples.index.tolist(), strict=True))
+                    keys = batch_keys(samples)
                     for gid, i in keys:
                         seg.spans.setdefault(gid, {})[i] = span
                         self._where.setdefault(gid, {})[i] = seg

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from april.codec import Int64Array, ProtocolError, decode_body, decode_header, encode_frames
+from april.codec import Int64Array, ProtocolError, decode_body, decode_file_version, encode_frames
 from april.config import AlgoConfig, Mode
 from april.data import PromptSource
 from april.files import fsync_dir
@@ -256,7 +256,7 @@ class SnapshotStore:
             raise SnapshotError(f"no broker snapshot at {self.state_path} (nothing to resume)") from None
         try:
             frames, _ = read_record(data, 0)
-            read_format(frames)
+            decode_file_version(frames, READABLE_FORMATS)
             live: BrokerSnapshot = decode_body(BrokerSnapshot, frames, max_bytes=len(data) + 1)
         except (struct.error, ProtocolError) as exc:
             raise SnapshotError(f"broker snapshot {self.state_path} is unreadable: {exc}") from exc
@@ -288,19 +288,6 @@ def write(snapshot: BrokerSnapshot, directory: Path, trusted: Collection[int] = 
     unsettled, settled = partition(by_group.items(), held)
     live_snapshot = dataclasses.replace(snapshot, samples=SampleBatch.from_samples(unsettled))
     return SnapshotStore(directory, trusted).save(live_snapshot, settled)
-
-
-def read_format(frames: Sequence[bytes | memoryview]) -> int:
-    """The format of a state file's frames, one of READABLE_FORMATS; ProtocolError otherwise."""
-    for version in READABLE_FORMATS[1:]:
-        try:
-            decode_header(frames, version)
-            return version
-        except ProtocolError as exc:
-            if exc.reason != "wrong_version":
-                raise
-    decode_header(frames, READABLE_FORMATS[0])  # the error names the format this broker writes
-    return READABLE_FORMATS[0]
 
 
 def exists(directory: Path) -> bool:

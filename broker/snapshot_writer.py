@@ -63,20 +63,22 @@ class SnapshotWriter:
         are logged in the background, so the snapshot that hands out a batch rarely has any left to encode
         and fsync (it waits for the log only for samples queued after the thread last looked)."""
         with self._cond:
-            waiting = self._waiting
             self._to_log += groups
-            self._waiting += sum(len(samples) for _, samples in groups)
-            if waiting < LOG_AHEAD_SAMPLES <= self._waiting:
-                self._cond.notify()
+            self._queued(sum(len(samples) for _, samples in groups))
 
     def log_received(self, batch: SampleBatch) -> None:
         """Queue a result's samples, every one accepted and settled, to be logged as they came."""
         with self._cond:
-            waiting = self._waiting
             self._received.append(batch)
-            self._waiting += len(batch)
-            if waiting < LOG_AHEAD_SAMPLES <= self._waiting:
-                self._cond.notify()
+            self._queued(len(batch))
+
+    def _queued(self, samples: int) -> None:
+        """`samples` more wait to be logged (the caller holds the lock): wake the thread as they pass
+        LOG_AHEAD_SAMPLES, once."""
+        waiting = self._waiting
+        self._waiting += samples
+        if waiting < LOG_AHEAD_SAMPLES <= self._waiting:
+            self._cond.notify()
 
     def batch_columns(self, batch_id: int) -> SampleBatch | None:
         """The samples of batch `batch_id` as its message carries them, if gathered by a snapshot that
