@@ -207,8 +207,15 @@ class SnapshotStore:
 
     def save(self, live: BrokerSnapshot, settled: Mapping[int, Sequence[Sample]]) -> Path:
         """Persist `live` (the unsettled samples) and make sure the log holds every sample in `settled` (by
-        group: every sample of the complete and handed-out groups, the settled ones of the others);
-        returns the state file's path."""
+        group: every sample of the complete and handed-out groups, the settled ones of the others), then
+        compact the log; returns the state file's path."""
+        path = self.make_durable(live, settled)
+        self.compact(settled.keys())
+        return path
+
+    def make_durable(self, live: BrokerSnapshot, settled: Mapping[int, Sequence[Sample]]) -> Path:
+        """`save` up to the point where the snapshot is on disk: what a batch waits for. The log keeps
+        what no durable state refers to any more until `compact`."""
         self._live = sum(map(len, settled.values()))
         self.log_groups(settled.items(), live.n_samples_per_prompt)
         self.log.sync()  # every group the state refers to is durable before the state
@@ -218,8 +225,11 @@ class SnapshotStore:
         write_parts(tmp, record_parts(encode_frames(SNAPSHOT_FORMAT, SNAPSHOT_KIND, live)), "wb", fsync=True)
         os.replace(tmp, self.state_path)
         fsync_dir(self.directory)  # the rename itself survives a power loss
-        self.log.drop_dead(settled.keys())  # no durable state refers to the other groups any more
         return self.state_path
+
+    def compact(self, groups: Collection[int]) -> None:
+        """Once a state referring to no group outside `groups` is durable: drop the log's dead segments."""
+        self.log.drop_dead(groups)
 
     def log_groups(self, groups: Iterable[tuple[int, Sequence[Sample]]], group_size: int = 0) -> None:
         """Append the settled samples (by group, a group possibly more than once) that the log does not

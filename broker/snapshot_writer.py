@@ -118,22 +118,23 @@ class SnapshotWriter:
                 self.store.log_received(received)  # before a snapshot's save, which would gather them
                 if pending is None:
                     self.store.log_groups(to_log)
-                else:  # the snapshot logs every settled sample it refers to itself
-                    refs = pending[1]
-                    self.store.save(*refs.split())
-                    columns = self._gathered(refs.batch)
+                    continue
+                # the snapshot logs every settled sample it refers to itself
+                refs = pending[1]
+                live, settled = refs.split()
+                self.store.make_durable(live, settled)
+                columns = self._gathered(refs.batch)
+                with self._cond:
+                    self.durable_seq = max(self.durable_seq, pending[0])
+                    self._columns = columns
+                    self._cond.notify_all()
+                self.store.compact(settled.keys())  # once the batch may leave: it waits for nothing here
             except Exception as exc:
                 log.exception("snapshot %d could not be written", pending[0] if pending else self.durable_seq)
                 with self._cond:
                     self.error = exc
                     self._cond.notify_all()
                 return
-            if pending is None:
-                continue
-            with self._cond:
-                self.durable_seq = max(self.durable_seq, pending[0])
-                self._columns = columns
-                self._cond.notify_all()
 
     def _gathered(self, batch: PendingBatch | None) -> tuple[int, SampleBatch] | None:
         """The unacked batch's columns: gathered once per batch (later snapshots find them)."""
