@@ -63,24 +63,44 @@ def test_the_recent_lengths_are_bounded_and_the_history_round_trips() -> None:
         LengthHistory.from_wire(dataclasses.replace(wire, seen=wire.seen[:2]))
 
 
-def test_the_history_on_the_wire_pairs_each_prompt_with_its_own_average_and_count(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Prompts seen again move to the most recent end and the least recent is forgotten past MAX_PROMPTS:
-    the wire arrays still pair every prompt with its own average and count, in recency order, and a
-    restored history forgets the same prompt next."""
-    monkeypatch.setattr(length_history, "MAX_PROMPTS", 4)
+def test_the_history_on_the_wire_pairs_each_prompt_with_its_own_average_and_count() -> None:
+    """The wire holds every prompt index up to the largest seen, with its own average and count (0: never
+    seen); a restored history predicts, counts and goes on recording as the original does."""
     h = LengthHistory()
-    for prompt, length in [(1, 10), (2, 20), (3, 30), (1, 40), (4, 50), (5, 60), (2, 70), (3, 80), (3, 90)]:
+    for prompt, length in [(1, 10), (2, 20), (5, 30), (1, 40), (9, 50), (-1, 60)]:
         h.record(prompt, length)
     wire = h.to_wire()
-    assert wire.prompts.tolist() == [4, 5, 2, 3]  # 1 was forgotten: least recently seen
-    assert wire.seen.tolist() == [h.seen(p) for p in (4, 5, 2, 3)] == [1, 1, 1, 2]
-    assert np.exp(wire.log_mean).tolist() == pytest.approx([h.predict(p) for p in (4, 5, 2, 3)])
+    assert wire.prompts.tolist() == list(range(10))
+    assert wire.seen.tolist() == [h.seen(p) for p in range(10)] == [0, 2, 1, 0, 0, 1, 0, 0, 0, 1]
+    seen = wire.seen > 0
+    assert np.exp(wire.log_mean[seen]).tolist() == pytest.approx([h.predict(p) for p in (1, 2, 5, 9)])
+    assert len(h) == 4 and h.predict(-1) is None and h.seen(-1) == 0  # an unknown position: recent only
+    assert h.recent().tolist() == [10, 20, 30, 40, 50, 60]
     back = LengthHistory.from_wire(wire)
-    back.record(6, 100)
-    h.record(6, 100)
-    assert back.to_wire().prompts.tolist() == h.to_wire().prompts.tolist() == [5, 2, 3, 6]
+    assert len(back) == 4 and all(back.predict(p) == h.predict(p) for p in range(12))
+    for history in (back, h):
+        history.record(2, 80)
+        history.record(20, 5)
+    assert back.to_wire().seen.tolist() == h.to_wire().seen.tolist()
+    assert back.to_wire().log_mean.tolist() == h.to_wire().log_mean.tolist()
+
+
+def test_a_history_saved_by_an_older_broker_is_restored() -> None:
+    """Older snapshots hold only the prompts seen, in recency order: each keeps its own average and count;
+    a wire naming a prompt twice or a negative one is refused."""
+    wire = length_history.HistoryWire(
+        prompts=np.array([7, 2, 4], dtype=np.int64),
+        log_mean=np.log(np.array([70.0, 20.0, 40.0])),
+        seen=np.array([3, 1, 2], dtype=np.int64),
+        recent=np.array([20, 40, 70], dtype=np.int64),
+    )
+    h = LengthHistory.from_wire(wire)
+    assert len(h) == 3 and [h.seen(p) for p in (7, 2, 4, 3)] == [3, 1, 2, 0]
+    assert [h.predict(p) for p in (7, 2, 4)] == pytest.approx([70.0, 20.0, 40.0]) and h.predict(3) is None
+    assert h.recent().tolist() == [20, 40, 70]
+    for bad in (np.array([7, 2, 7]), np.array([7, -2, 4])):
+        with pytest.raises(ValueError, match="length history"):
+            LengthHistory.from_wire(dataclasses.replace(wire, prompts=bad.astype(np.int64)))
 
 
 # ------------------------------------------------------------------------------------------- prompt order
