@@ -10,6 +10,8 @@ What runs (all on loopback, free ports picked at start):
   `weights` scenario a WeightsReady every `--weights-every` batches (in async mode that aborts leased work).
   With admission unbounded, a broker slower than its workers builds a backlog of complete groups; the
   report shows it (`backlog`), and `bounded` measures the steady state a real async run would reach.
+  `floor` and `ceiling` run the workers against an echo broker instead (no learner): the machine's own
+  latency and throughput, under what any broker can reach.
 
 Measured over a fixed window (`--seconds`) after a warm-up (`--warmup`) that starts at the first Batch:
 - samples/s trained: samples in the Batches the learner received in the window;
@@ -67,7 +69,7 @@ from april.transport import dealer  # noqa: E402
 from april.wire_records import SampleBatch  # noqa: E402
 from cli.process import stop_requested  # noqa: E402
 
-SCENARIOS = ("steady", "weights", "bounded", "streamed", "floor")
+SCENARIOS = ("steady", "weights", "bounded", "streamed", "floor", "ceiling")
 # steady and weights: a staleness bound so far off that admission never blocks and no group falls due
 # within a run (admission would block after (bound + version + 1) x B groups accepted;
 # `admission_headroom_groups` reports what was left). The broker's batch rule
@@ -84,7 +86,7 @@ class Scenario:
     max_staleness: int  # algo.max_staleness
     hold_ms: float  # how long a worker keeps a lease before returning it (streamed: the mean, per sample)
     stream: bool = False  # return each sample alone, after its own exponential hold (streamed)
-    echo: bool = False  # the broker is `run_echo_broker`, not `april broker` (floor)
+    echo: bool = False  # the broker is `run_echo_broker`, not `april broker` (floor, ceiling)
 
 
 def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
@@ -101,11 +103,16 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     Little's law, latency = results in flight / results per second whatever the broker does).
     floor: streamed's workers and load against `run_echo_broker`, which does the least any broker must:
     its latency is what the machine, the transport and the workers cost, the floor under streamed's.
+    ceiling: steady's workers and load against the echo broker: the samples/s its workers return (gen/s)
+    are what this machine, the transport and the workers can carry through one Python broker process
+    that keeps no books, the ceiling over steady's.
     """
     if name == "steady":
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.hold_ms)
     if name == "weights":
         return Scenario(name, args.weights_every, ADMISSION_FREE_STALENESS, args.weights_hold_ms)
+    if name == "ceiling":
+        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.hold_ms, echo=True)
     if name in ("streamed", "floor"):
         echo = name == "floor"
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True, echo=echo)
@@ -418,18 +425,19 @@ class ScriptedLearner:
         self.sock.close(linger=0)
 
 
-# ------------------------------------------------------------------------------------------------ floor
+# ------------------------------------------------------------------------------------- floor and ceiling
 
 ECHO_PROMPT = np.arange(3, 43, dtype=np.int32)  # 40 tokens, the middle of the synthetic prompts' 16-64
 
 
 def run_echo_broker(args: argparse.Namespace) -> None:
-    """`floor`'s broker: the least a broker must do for streamed's workers, to measure what is left when the
-    broker costs (almost) nothing. It reads every message with the strict codec (a broker must, to answer
+    """The broker of `floor` and `ceiling`: the least a broker must do for the workers, to measure what is
+    left when the broker costs (almost) nothing. It reads every message with the strict codec (a broker must, to answer
     bad input with an error, and a Lease only follows a result it has read), answers a WorkerHello with a
     Welcome and a Lease of `--slots` fresh samples, and a SampleResult with a Lease of as many fresh
-    samples as its credit, made ahead of time for the usual credit of one. No books, batches or snapshots.
-    Writes `--stats` once bound, and runs until SIGTERM."""
+    samples as its credit. No books, batches or snapshots.
+    Leases are encoded once per credit and sent again (workers only read them): the echo broker costs
+    as little as it can. Writes `--stats` once bound, and runs until SIGTERM."""
     should_stop = stop_requested()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -450,7 +458,7 @@ def run_echo_broker(args: argparse.Namespace) -> None:
         lease = protocol.Lease(ids, budgets, np.zeros(n, np.uint8), SampleBatch.from_samples(samples))
         return protocol.encode(lease)
 
-    one = lease_frames(1)
+    made: dict[int, list[bytes]] = {}  # credit -> a Lease of as many samples, encoded once
     Path(args.stats).write_text("bound\n")
     while not should_stop():
         if not sock.poll(100, zmq.POLLIN):
@@ -463,7 +471,9 @@ def run_echo_broker(args: argparse.Namespace) -> None:
                 sock.send_multipart([peer, *protocol.encode(welcome)])
                 sock.send_multipart([peer, *lease_frames(msg.slots)])
             case protocol.SampleResult() if msg.credit:
-                sock.send_multipart([peer, *(one if msg.credit == 1 else lease_frames(msg.credit))])
+                if msg.credit not in made:
+                    made[msg.credit] = lease_frames(msg.credit)
+                sock.send_multipart([peer, *made[msg.credit]])
     sock.close(linger=0)
     ctx.term()
 

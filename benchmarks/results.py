@@ -688,6 +688,13 @@ def block_cluster_load() -> str:
         f"| one broker process on this machine, `bounded` (async with a staleness bound) | "
         f"{broker['bounded']['samples_per_s']:,.0f} |",
     ]
+    ceiling = broker.get("ceiling")
+    if ceiling is not None:  # artifacts from before the scenario existed have none
+        rows.append(
+            "| what this machine carries through one Python broker process that keeps no books (`ceiling`: "
+            "steady's workers against an echo broker), samples/s returned | "
+            f"{ceiling['generated_per_s']:,.0f} |"
+        )
     streamed = broker.get("streamed")
     if streamed is not None:  # artifacts from before the scenario existed have none
         rows.append(

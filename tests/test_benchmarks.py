@@ -63,8 +63,8 @@ def check_broker_throughput(tmp_path: Path) -> None:
     assert report["machine"]["cpu_count"] >= 1
     assert all(finite(x) for x in report["load_average"]["start"] + report["load_average"]["end"])
     results = report["results"]
-    assert [r["scenario"] for r in results] == ["steady", "weights", "bounded", "streamed", "floor"]
-    *results, floor = results
+    assert [r["scenario"] for r in results] == ["steady", "weights", "bounded", "streamed", "floor", "ceiling"]
+    *results, floor, ceiling = results
     n = params["rollout_batch_size"] * params["n_samples_per_prompt"]
     for r in results:
         name = r["scenario"]
@@ -110,7 +110,12 @@ def check_broker_throughput(tmp_path: Path) -> None:
     assert positive(floor["generated_per_s"]) and floor["latency_count"] >= 1, floor
     assert floor["latency_ms_p50"] <= floor["latency_ms_p99"] <= floor["latency_ms_max"], floor
     assert floor["worker_logs"] == params["workers"] and "Error" not in floor["worker_other_messages"]
-    for name in ("steady", "weights", "bounded", "streamed", "floor"):
+    # ceiling: steady's workers and load against the echo broker: whole results, every one answered
+    assert not ceiling["stream"] and ceiling["hold_ms"] == steady["hold_ms"], ceiling
+    assert ceiling["samples_per_result"] > 1 and ceiling["batches_total"] == 0, ceiling
+    assert positive(ceiling["generated_per_s"]) and ceiling["latency_count"] >= 1, ceiling
+    assert ceiling["worker_logs"] == params["workers"] and "Error" not in ceiling["worker_other_messages"]
+    for name in ("steady", "weights", "bounded", "streamed", "floor", "ceiling"):
         assert f"  {name}: " in printed  # the table's per-scenario lines
 
 
