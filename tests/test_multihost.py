@@ -64,7 +64,7 @@ while True:
     line["t"] = asked
     with open(out, "a") as f:
         f.write(json.dumps(line) + "\\n")
-    time.sleep(0.3)
+    time.sleep(0.05)
 """
 
 
@@ -80,6 +80,8 @@ class MultiHost:
         self.config = tmp / "april.toml"
         write_config(self.compose(transport, steps), self.config)
         self.status_log = tmp / "status.jsonl"
+        self._statuses: list[tuple[float, BrokerStatus]] = []  # parsed so far ...
+        self._status_read = 0  # ... from the log's first this many bytes (whole lines)
         self.steps = steps
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -185,18 +187,20 @@ class MultiHost:
         return f"tcp://{self.address('broker')}:{Config().broker.learner_port}"
 
     def statuses(self) -> list[tuple[float, BrokerStatus]]:
-        """Every status the probe got so far, with the wall time it asked for it."""
-        out = []
-        text = self.status_log.read_text() if self.status_log.exists() else ""
-        for line in text.splitlines():
-            try:
+        """Every status the probe got so far, with the wall time it asked for it (the lines written since
+        the last call are parsed; a line still being written waits for the next)."""
+        if self.status_log.exists():
+            with open(self.status_log, "rb") as f:
+                f.seek(self._status_read)
+                new = f.read()
+            whole = new[: new.rfind(b"\n") + 1]
+            self._status_read += len(whole)
+            for line in whole.decode().splitlines():
                 obj = json.loads(line)
-            except json.JSONDecodeError:  # the line being written
-                continue
-            if "error" not in obj:
-                t = obj.pop("t")
-                out.append((t, BrokerStatus.from_json(obj)))
-        return out
+                if "error" not in obj:
+                    t = obj.pop("t")
+                    self._statuses.append((t, BrokerStatus.from_json(obj)))
+        return list(self._statuses)
 
     def latest(self) -> BrokerStatus | None:
         got = self.statuses()
