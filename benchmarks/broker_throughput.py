@@ -431,13 +431,13 @@ ECHO_PROMPT = np.arange(3, 43, dtype=np.int32)  # 40 tokens, the middle of the s
 
 
 def run_echo_broker(args: argparse.Namespace) -> None:
-    """The broker of `floor` and `ceiling`: the least a broker must do for the workers, to measure what is
-    left when the broker costs (almost) nothing. It reads every message with the strict codec (a broker must, to answer
-    bad input with an error, and a Lease only follows a result it has read), answers a WorkerHello with a
-    Welcome and a Lease of `--slots` fresh samples, and a SampleResult with a Lease of as many fresh
-    samples as its credit. No books, batches or snapshots.
-    Leases are encoded once per credit and sent again (workers only read them): the echo broker costs
-    as little as it can. Writes `--stats` once bound, and runs until SIGTERM."""
+    """The broker of `floor` and `ceiling`: the least a broker must do for the workers, to measure what
+    is left when the broker costs (almost) nothing. It reads every message with the strict codec (a
+    broker must, to answer bad input with an error, and a Lease only follows a result it has read),
+    answers a WorkerHello with a Welcome and a Lease of `--slots` fresh samples, and a SampleResult with
+    a Lease of as many fresh samples as its credit. No books, batches or snapshots. Leases are encoded
+    once per credit and sent again (workers only read them): the echo broker costs as little as it can.
+    Writes `--stats` once bound, and runs until SIGTERM."""
     should_stop = stop_requested()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
