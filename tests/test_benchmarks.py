@@ -63,7 +63,8 @@ def check_broker_throughput(tmp_path: Path) -> None:
     assert report["machine"]["cpu_count"] >= 1
     assert all(finite(x) for x in report["load_average"]["start"] + report["load_average"]["end"])
     results = report["results"]
-    assert [r["scenario"] for r in results] == ["steady", "weights", "bounded", "streamed", "floor", "ceiling"]
+    names = ["steady", "weights", "bounded", "streamed", "floor", "ceiling"]
+    assert [r["scenario"] for r in results] == names
     *results, floor, ceiling = results
     n = params["rollout_batch_size"] * params["n_samples_per_prompt"]
     for r in results:
@@ -115,7 +116,7 @@ def check_broker_throughput(tmp_path: Path) -> None:
     assert ceiling["samples_per_result"] > 1 and ceiling["batches_total"] == 0, ceiling
     assert positive(ceiling["generated_per_s"]) and ceiling["latency_count"] >= 1, ceiling
     assert ceiling["worker_logs"] == params["workers"] and "Error" not in ceiling["worker_other_messages"]
-    for name in ("steady", "weights", "bounded", "streamed", "floor", "ceiling"):
+    for name in names:
         assert f"  {name}: " in printed  # the table's per-scenario lines
 
 
