@@ -46,7 +46,10 @@ from broker.status import build_status, run_totals
 from broker.usage import SlotUsage
 
 log = logging.getLogger("april.broker")
-DRAIN_LIMIT = 256  # messages handled per socket before the loop ticks again
+DRAIN_LIMIT = 256  # messages handled per socket before the loop ticks again ...
+# ... or this many of the workers' once a batch is due (`_batch_due`), so the tick forms it, or sends it once
+# durable: under a stream of one-sample results, 256 messages held a batch back 100-200 ms at each
+DRAIN_LIMIT_BATCH_DUE = 16
 STATUS_PERIOD_S = 1.0
 # a result of at least this many samples, all accepted and settled, is logged as the worker sent it (one
 # record, no per-sample gathering); smaller ones are gathered with others, a record each would cost more
@@ -177,11 +180,18 @@ class Broker:
             events = dict(poller.poll(1 if waiting_for_disk else timeout_ms))
             if self.gate is not None:
                 self.gate.drain()
-            if self.worker_sock in events:
-                self._drain(self.worker_sock, self._on_worker)
-            if self.learner_sock in events:
+            if self.learner_sock in events:  # first: the learner's requests are what a step waits for
                 self._drain(self.learner_sock, self._on_learner)
+            if self.worker_sock in events:
+                self._drain(self.worker_sock, self._on_worker, batch_first=True)
             self.tick(time.monotonic())
+
+    def _batch_due(self) -> bool:
+        """The learner waits, and its batch is formed (a tick sends it once durable) or a batch worth of
+        groups is complete (a tick may form it)."""
+        if self.learner_waiting is None:
+            return False
+        return self.state.batch is not None or len(self.state.complete) >= self.state.algo.rollout_batch_size
 
     def close(self) -> None:
         if self.exporter is not None:
@@ -205,8 +215,17 @@ class Broker:
 
     # ------------------------------------------------------------------ receiving
 
-    def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[bytes, Message, float], None]) -> None:
-        for _ in range(DRAIN_LIMIT):
+    def _drain(
+        self,
+        sock: zmq.Socket[bytes],
+        handle: Callable[[bytes, Message, float], None],
+        batch_first: bool = False,
+    ) -> None:
+        """Handle the socket's waiting messages, up to DRAIN_LIMIT; `batch_first`: DRAIN_LIMIT_BATCH_DUE
+        once a batch is due, and at least that many, so the loop goes on whatever the batch waits for."""
+        for handled in range(DRAIN_LIMIT):
+            if batch_first and handled >= DRAIN_LIMIT_BATCH_DUE and self._batch_due():
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
