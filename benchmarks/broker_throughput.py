@@ -10,8 +10,8 @@ What runs (all on loopback, free ports picked at start):
   `weights` scenario a WeightsReady every `--weights-every` batches (in async mode that aborts leased work).
   With admission unbounded, a broker slower than its workers builds a backlog of complete groups; the
   report shows it (`backlog`), and `bounded` measures the steady state a real async run would reach.
-  `floor` and `ceiling` run the workers against an echo broker instead (no learner): the machine's own
-  latency and throughput, under what any broker can reach.
+  `floor`, `ceiling` and `flood-ceiling` run the workers against an echo broker instead (no learner):
+  the machine's own latency and throughput, under what any broker can reach.
 
 Measured over a fixed window (`--seconds`) after a warm-up (`--warmup`) that starts at the first Batch:
 - samples/s trained: samples in the Batches the learner received in the window;
@@ -69,7 +69,7 @@ from april.transport import dealer  # noqa: E402
 from april.wire_records import SampleBatch  # noqa: E402
 from cli.process import stop_requested  # noqa: E402
 
-SCENARIOS = ("steady", "weights", "bounded", "streamed", "floor", "ceiling")
+SCENARIOS = ("steady", "weights", "bounded", "streamed", "flood", "floor", "ceiling", "flood-ceiling")
 # steady and weights: a staleness bound so far off that admission never blocks and no group falls due
 # within a run (admission would block after (bound + version + 1) x B groups accepted;
 # `admission_headroom_groups` reports what was left). The broker's batch rule
@@ -106,6 +106,9 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     ceiling: steady's workers and load against the echo broker: the samples/s its workers return (gen/s)
     are what this machine, the transport and the workers can carry through one Python broker process
     that keeps no books, the ceiling over steady's.
+    flood: streamed, but each sample held `--flood-hold-ms`, so far more is offered than one sample a
+    message can carry: what the broker trains when engines return every sample alone and never wait.
+    flood-ceiling: flood's workers and load against the echo broker, the ceiling over flood's.
     """
     if name == "steady":
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.hold_ms)
@@ -116,6 +119,9 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     if name in ("streamed", "floor"):
         echo = name == "floor"
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True, echo=echo)
+    if name in ("flood", "flood-ceiling"):
+        echo = name == "flood-ceiling"
+        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.flood_hold_ms, stream=True, echo=echo)
     return Scenario(name, 1, args.max_staleness, args.hold_ms)
 
 
@@ -882,6 +888,7 @@ SMOKE: dict[str, Any] = {
     "n_samples_per_prompt": 4,
     "weights_every": 2,
     "stream_hold_ms": 100.0,  # 2 workers x 8 slots: 160 samples/s offered, a batch of 16 every 0.1 s
+    "flood_hold_ms": 10.0,  # 1,600 samples/s offered
     "out": "bench-out/broker_throughput-smoke.json",
 }
 
@@ -901,6 +908,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--stream-hold-ms", type=float, default=2000.0, help="mean hold time of each sample in streamed"
     )
+    p.add_argument("--flood-hold-ms", type=float, default=50.0, help="mean hold time of each sample in flood")
     p.add_argument("--max-staleness", type=int, default=1, help="algo.max_staleness of `bounded`")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {SCENARIOS}")
     p.add_argument("--out", default="bench-out/broker_throughput.json", help="JSON results file")

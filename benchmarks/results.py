@@ -705,6 +705,14 @@ def block_cluster_load() -> str:
             f"{streamed['broker_cpu_us_per_sample']:,.0f} us of broker CPU per sample | "
             f"{streamed['samples_per_s']:,.0f} |"
         )
+    flood, flood_ceiling = broker.get("flood"), broker.get("flood-ceiling")
+    if flood is not None and flood_ceiling is not None:  # artifacts from before the scenarios have none
+        rows.append(
+            "| one broker process on this machine, `flood` (one sample a message, as engines return them, "
+            f"offered far above capacity: its workers returned {flood['generated_per_s']:,.0f} samples/s; "
+            f"against an echo broker, `flood-ceiling`, {flood_ceiling['generated_per_s']:,.0f}), trained | "
+            f"{flood['samples_per_s']:,.0f} |"
+        )
     return "\n".join([*rows, "", source("cluster-load"), "", source("broker-throughput")])
 
 

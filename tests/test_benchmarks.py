@@ -63,9 +63,9 @@ def check_broker_throughput(tmp_path: Path) -> None:
     assert report["machine"]["cpu_count"] >= 1
     assert all(finite(x) for x in report["load_average"]["start"] + report["load_average"]["end"])
     results = report["results"]
-    names = ["steady", "weights", "bounded", "streamed", "floor", "ceiling"]
+    names = ["steady", "weights", "bounded", "streamed", "flood", "floor", "ceiling", "flood-ceiling"]
     assert [r["scenario"] for r in results] == names
-    *results, floor, ceiling = results
+    *results, floor, ceiling, flood_ceiling = results
     n = params["rollout_batch_size"] * params["n_samples_per_prompt"]
     for r in results:
         name = r["scenario"]
@@ -92,18 +92,21 @@ def check_broker_throughput(tmp_path: Path) -> None:
         # the learner publishes after every `weights_every`-th batch it acks
         every = r["weights_every"]
         assert r["weights_published"] == (r["batches_total"] // every if every else 0), name
-    steady, weights, bounded, streamed = results
+    steady, weights, bounded, streamed, flood = results
     assert (
         steady["max_staleness"]
         == weights["max_staleness"]
         > bounded["max_staleness"]
         == params["max_staleness"]
     )
-    for r in (steady, weights, streamed):  # these must not be held back by admission
+    for r in (steady, weights, streamed, flood):  # these must not be held back by admission
         assert r["admission_headroom_groups"] > 0, r
     # streamed: engines' way, one sample a result as each finishes, every result answered by a Lease
     assert streamed["samples_per_result"] == 1.0 and streamed["stream"] is True, streamed
     assert not steady["stream"] and streamed["max_staleness"] == steady["max_staleness"]
+    # flood: streamed's way with a shorter hold, so far more is offered
+    assert flood["stream"] is True and flood["samples_per_result"] == 1.0, flood
+    assert flood["hold_ms"] < streamed["hold_ms"] and flood["max_staleness"] == steady["max_staleness"]
     # floor: streamed's workers and load against the echo broker, which answers every result (and forms
     # no batches: no learner)
     assert floor["stream"] is True and floor["hold_ms"] == streamed["hold_ms"], floor
@@ -116,6 +119,10 @@ def check_broker_throughput(tmp_path: Path) -> None:
     assert ceiling["samples_per_result"] > 1 and ceiling["batches_total"] == 0, ceiling
     assert positive(ceiling["generated_per_s"]) and ceiling["latency_count"] >= 1, ceiling
     assert ceiling["worker_logs"] == params["workers"] and "Error" not in ceiling["worker_other_messages"]
+    # flood-ceiling: flood's workers and load against the echo broker
+    assert flood_ceiling["stream"] is True and flood_ceiling["hold_ms"] == flood["hold_ms"], flood_ceiling
+    assert flood_ceiling["batches_total"] == 0 and positive(flood_ceiling["generated_per_s"]), flood_ceiling
+    assert "Error" not in flood_ceiling["worker_other_messages"], flood_ceiling
     for name in names:
         assert f"  {name}: " in printed  # the table's per-scenario lines
 
