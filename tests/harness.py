@@ -16,12 +16,36 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from april.config import load_config
 from april.ports import free_ports
 from april.status import BrokerStatus
+from broker.server import Broker
 from cli.status_cmd import StatusError, fetch_status
 
 PEERS = str(Path(__file__).with_name("peers.py"))
 SCRIPTED_ENGINE = str(Path(__file__).with_name("scripted_engine.py"))
+
+
+def local_broker(run_dir: Path, overrides: dict[str, Any]) -> tuple[Broker, list[int]]:
+    """A broker in this process, bound on free loopback ports (worker, learner, pub, returned): async, one
+    group a batch, 8 new tokens, no evaluation, then `overrides`."""
+    ports = free_ports(3)
+    config = load_config(
+        overrides={
+            "run.mode": "async",
+            "algo.rollout_batch_size": 1,
+            "algo.over_sampling_batch_size": 1,
+            "algo.max_new_tokens": 8,
+            "data.eval_size": 0,
+            "broker.worker_port": ports[0],
+            "broker.learner_port": ports[1],
+            "broker.pub_port": ports[2],
+            **overrides,
+        }
+    )
+    broker = Broker(config, run_dir)
+    broker.bind()
+    return broker, ports
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

@@ -16,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from harness import free_ports
+from harness import local_broker
 
 from april import protocol
-from april.config import load_config
 from april.records import FinishReason
 from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
-from broker.server import DRAIN_LIMIT_BATCH_DUE, Broker
+from broker.server import DRAIN_LIMIT_BATCH_DUE
 
 DEADLINE_S = 60.0
 
@@ -46,22 +45,7 @@ class SteppedBroker:
     """An async broker (B = 1 group of 2 samples), one worker with 2 slots and a learner."""
 
     def __init__(self, tmp_path: Path) -> None:
-        ports = free_ports(3)
-        config = load_config(
-            overrides={
-                "run.mode": "async",
-                "algo.rollout_batch_size": 1,
-                "algo.over_sampling_batch_size": 1,
-                "algo.n_samples_per_prompt": 2,
-                "algo.max_new_tokens": 8,
-                "data.eval_size": 0,
-                "broker.worker_port": ports[0],
-                "broker.learner_port": ports[1],
-                "broker.pub_port": ports[2],
-            }
-        )
-        self.broker = Broker(config, tmp_path / "run")
-        self.broker.bind()
+        self.broker, ports = local_broker(tmp_path / "run", {"algo.n_samples_per_prompt": 2})
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.worker = dealer(self.ctx, f"tcp://127.0.0.1:{ports[0]}", "w0")
         self.learner = dealer(self.ctx, f"tcp://127.0.0.1:{ports[1]}", "learner")

@@ -13,7 +13,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 import zmq
-from harness import free_ports, wait_for
+from harness import local_broker, wait_for
 
 from actors.engine import EngineError, GenerationOutput, GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
@@ -26,7 +26,6 @@ from april.prefix_cache import MISS, CachedPrefix, PrefixCache
 from april.records import FinishReason, Sample, SampleStatus, new_group_samples
 from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
-from broker.server import Broker
 from broker.sim.engines import EngineModel
 from broker.sim.figures import Meter
 from broker.sim.model import SimConfig, simulate
@@ -416,23 +415,9 @@ class LiveBroker:
     """An in-process async broker (B = 1, groups of 4, eta 1) with two workers of 2 slots each."""
 
     def __init__(self, tmp_path: Path, affinity: bool) -> None:
-        ports = free_ports(3)
-        config = load_config(
-            overrides={
-                "run.mode": "async",
-                "algo.rollout_batch_size": 1,
-                "algo.over_sampling_batch_size": 1,
-                "algo.n_samples_per_prompt": 4,
-                "algo.max_new_tokens": 8,
-                "algo.resume_affinity": affinity,
-                "data.eval_size": 0,
-                "broker.worker_port": ports[0],
-                "broker.learner_port": ports[1],
-                "broker.pub_port": ports[2],
-            }
+        self.broker, ports = local_broker(
+            tmp_path / "run", {"algo.n_samples_per_prompt": 4, "algo.resume_affinity": affinity}
         )
-        self.broker = Broker(config, tmp_path / "run")
-        self.broker.bind()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.broker.serve, args=(self.stop.is_set,), daemon=True)
         self.thread.start()
