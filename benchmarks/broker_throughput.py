@@ -50,7 +50,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ class Scenario:
     max_staleness: int  # algo.max_staleness
     hold_ms: float  # how long a worker keeps a lease before returning it (streamed: the mean, per sample)
     stream: bool = False  # return each sample alone, after its own exponential hold (streamed)
-    echo: bool = False  # the broker is `run_echo_broker`, not `april broker` (floor, ceiling)
+    echo: bool = False  # the broker is `run_echo_broker`, not `april broker` (ECHO_OF)
 
 
 def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
@@ -110,19 +110,21 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     message can carry: what the broker trains when engines return every sample alone and never wait.
     flood-ceiling: flood's workers and load against the echo broker, the ceiling over flood's.
     """
+    if name in ECHO_OF:
+        return replace(scenario_settings(args, ECHO_OF[name]), name=name, echo=True)
     if name == "steady":
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.hold_ms)
     if name == "weights":
         return Scenario(name, args.weights_every, ADMISSION_FREE_STALENESS, args.weights_hold_ms)
-    if name == "ceiling":
-        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.hold_ms, echo=True)
-    if name in ("streamed", "floor"):
-        echo = name == "floor"
-        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True, echo=echo)
-    if name in ("flood", "flood-ceiling"):
-        echo = name == "flood-ceiling"
-        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.flood_hold_ms, stream=True, echo=echo)
+    if name == "streamed":
+        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True)
+    if name == "flood":
+        return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.flood_hold_ms, stream=True)
     return Scenario(name, 1, args.max_staleness, args.hold_ms)
+
+
+# the scenarios run against the echo broker, each with the workers and load of the one it is paired with
+ECHO_OF = {"floor": "streamed", "ceiling": "steady", "flood-ceiling": "flood"}
 
 
 # run.steps: never reached, as in a run measured mid-way (past its last step the broker takes the run's
