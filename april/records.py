@@ -57,13 +57,16 @@ class Segment:
     end: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sample:
     """One response to one prompt, with everything needed to resume it or train on it.
 
     Invariants (checked by `check`): `len(response_logprobs) == len(response_ids)`; segments are
     contiguous, non-empty, cover `[0, len(response_ids))` and carry non-decreasing versions.
-    Arrays are treated as immutable: every change returns a new Sample.
+    A Sample is a value: no field is ever reassigned and no array written to; every change returns a new
+    Sample. The class is not `frozen` only because a frozen dataclass sets each of its 13 fields through
+    `object.__setattr__`, which tripled the cost of constructing one (1.3 against 0.4 us), and the broker
+    constructs three per sample it hands out (issued, leased, returned).
     """
 
     group_id: int
