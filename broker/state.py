@@ -30,6 +30,15 @@ from april.wire_records import SampleBatch
 from broker.result_check import ResultRejected, check_continues, plainly_valid
 
 LEASE_EPOCH_SHIFT = 40
+# the statuses as plain ints, for GroupEntry.counts: in Python 3.11 reading `SampleStatus.RUNNING` costs
+# four times reading a module global, and the books do it several times per sample
+_PENDING, _RUNNING, _INTERRUPTED, _FINISHED = (
+    int(SampleStatus.PENDING),
+    int(SampleStatus.RUNNING),
+    int(SampleStatus.INTERRUPTED),
+    int(SampleStatus.FINISHED),
+)
+_STATUSES = len(SampleStatus)
 VOUCH_MIN_SAMPLES = 16  # plainly_valid's fixed cost is about that of checking this many samples singly
 
 
@@ -39,7 +48,7 @@ class GroupEntry:
 
     group_id: int
     samples: list[Sample]
-    counts: Counter[SampleStatus] = field(default_factory=Counter)
+    counts: list[int] = field(default_factory=list)  # samples in each status, indexed by SampleStatus code
     cursor: int = -1  # the data cursor it was issued from (persisted; -1: unknown)
     prompt_index: int = -1  # the prompt's position in the dataset (-1: unknown), for the length history
     # min_version() until a sample changes: a complete group never does, and every batch formed asks it
@@ -48,14 +57,19 @@ class GroupEntry:
     _age: policy.GroupAge | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.counts = Counter(s.status for s in self.samples)
+        # a list, not a Counter: the books read and update these several times per sample, and a
+        # Counter's missing key (and 3.11's enum member lookup) cost several times a list index
+        counts = [0] * _STATUSES
+        for s in self.samples:
+            counts[s.status] += 1
+        self.counts = counts
 
     @property
     def state(self) -> str:
         c = self.counts
-        if c[SampleStatus.RUNNING] or c[SampleStatus.PENDING]:
+        if c[_RUNNING] or c[_PENDING]:
             return "in_flight"
-        if c[SampleStatus.INTERRUPTED]:
+        if c[_INTERRUPTED]:
             return "partial"
         return "done"  # every sample finished or failed: about to be completed or dropped
 
@@ -69,8 +83,8 @@ class GroupEntry:
     def start(self, running: list[Sample]) -> None:
         """`set` each of its first len(running) samples, all PENDING, to their leased (RUNNING) form."""
         self.samples[: len(running)] = running
-        self.counts[SampleStatus.PENDING] -= len(running)
-        self.counts[SampleStatus.RUNNING] += len(running)
+        self.counts[_PENDING] -= len(running)
+        self.counts[_RUNNING] += len(running)
         self._min_version = False
 
     def as_group(self) -> Group:
@@ -428,8 +442,9 @@ class BrokerState:
             check_continues(lease.at_lease, sample, self.algo.max_new_tokens, self.version)
         del self.leases[lease_id]
         entry = self.groups[sample.group_id]
-        new_tokens = sample.response_len - lease.at_lease.response_len
-        if sample.status == SampleStatus.INTERRUPTED and new_tokens == 0:
+        length, status = sample.response_len, sample.status
+        new_tokens = length - lease.at_lease.response_len
+        if status == _INTERRUPTED and new_tokens == 0:
             # returned with nothing generated (its worker's engine was still starting or went down, or an
             # abort beat the first token): the lease comes back as it was leased, which is no abort
             self._requeue_as_leased(lease)
@@ -438,8 +453,11 @@ class BrokerState:
             return 0
         self.round.tokens_generated += new_tokens
         self.totals.tokens_generated += new_tokens
-        self._update(entry, sample)
-        if sample.status == SampleStatus.INTERRUPTED:
+        before = entry.state
+        entry.set(sample)
+        after = entry.state
+        self._moved(before, after)
+        if status == _INTERRUPTED:
             self.round.aborted += 1
             self.totals.aborted += 1
             self.queue.push(sample.key, sample.min_version)
@@ -447,9 +465,9 @@ class BrokerState:
         else:
             self.round.samples_finished += 1
             self.totals.samples_finished += 1
-            if sample.status == SampleStatus.FINISHED:
-                self.history.record(entry.prompt_index, sample.response_len)
-            if entry.state == "done":
+            if status == _FINISHED:
+                self.history.record(entry.prompt_index, length)
+            if after == "done":
                 self._complete_group(entry)
         return new_tokens
 
