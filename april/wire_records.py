@@ -22,8 +22,10 @@ import numpy as np
 from april.codec import Float32Array, Float64Array, Int32Array, Int64Array, UInt8Array
 from april.records import FinishReason, Sample, SampleStatus, Segment
 
-_STATUS_MAX = max(SampleStatus)
-_FINISH_MAX = max(FinishReason)
+# plain ints: a numpy value compared with an enum member costs several times more (3.11's enum answers
+# numpy's lookups of array protocols in Python)
+_STATUS_MAX = int(max(SampleStatus))
+_FINISH_MAX = int(max(FinishReason))
 _SAMPLE_FIELDS = attrgetter(
     "group_id",
     "index",
