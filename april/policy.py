@@ -12,9 +12,11 @@ partial): the async admission bound of AReaL, `accepted <= (max_staleness + vers
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from april.config import AlgoConfig, Mode, PromptOrder
@@ -33,10 +35,56 @@ class PoolCounts:
     accepted: int  # issued - dropped, including trained and handed-out groups
 
 
-@dataclass(frozen=True, slots=True)
-class GroupAge:
-    group_id: int
-    min_version: int | None  # oldest policy version among its tokens; None if no token yet
+class CompleteGroups:
+    """The complete groups waiting for a batch, in the order `select_batch` takes them: oldest token first
+    (a group with no token sorts as the learner's version), then group id.
+
+    Kept as groups complete (a complete group's versions never change), so forming a batch reads its B
+    groups and the count of groups per version, O(B + versions), instead of sorting and counting every
+    waiting group: with a backlog of thousands of groups that scan was a sixth of the broker's time."""
+
+    def __init__(self) -> None:
+        self._versioned: list[tuple[int, int]] = []  # (oldest token version, group id), sorted
+        self._unversioned: list[int] = []  # group ids of groups with no token, sorted
+        self._versions: Counter[int | None] = Counter()  # groups per oldest token version
+
+    def __len__(self) -> int:
+        return len(self._versioned) + len(self._unversioned)
+
+    def add(self, group_id: int, min_version: int | None) -> None:
+        if min_version is None:
+            bisect.insort(self._unversioned, group_id)
+        else:
+            bisect.insort(self._versioned, (min_version, group_id))
+        self._versions[min_version] += 1
+
+    def versions(self) -> Counter[int | None]:
+        """Groups per oldest token version (None: no token)."""
+        return self._versions
+
+    def oldest(self, n: int, learner_version: int) -> list[int]:
+        """The group ids of the first n in batch order."""
+        return [gid for _, gid, _ in itertools.islice(self._merged(learner_version), n)]
+
+    def remove_oldest(self, n: int, learner_version: int) -> None:
+        """Remove the first n in batch order (those `oldest(n, learner_version)` gives)."""
+        first = list(itertools.islice(self._merged(learner_version), n))
+        versioned = sum(1 for *_, has_version in first if has_version)
+        for version, _, has_version in first:
+            key = version if has_version else None
+            self._versions[key] -= 1
+            if not self._versions[key]:
+                del self._versions[key]
+        del self._versioned[:versioned]
+        del self._unversioned[: len(first) - versioned]
+
+    def _merged(self, learner_version: int) -> Iterator[tuple[int, int, bool]]:
+        """(sort version, group id, whether it has a token) of every group, in batch order; group ids are
+        distinct, so the flag never decides the order."""
+        return heapq.merge(
+            ((version, gid, True) for version, gid in self._versioned),
+            ((learner_version, gid, False) for gid in self._unversioned),
+        )
 
 
 def is_round_based(mode: Mode) -> bool:
@@ -169,15 +217,25 @@ def keeps_staleness_bound(
     learner's version (async relays new weights and aborts before leasing again); if I is broken anyway,
     min(B, .) asks for at most a batch of the most urgent groups, so batches still form.
     """
+    return _keeps_bound(algo, Counter(complete), Counter(incomplete), learner_version)
+
+
+def _keeps_bound(
+    algo: AlgoConfig,
+    complete: Counter[int | None],
+    incomplete: Counter[int | None],
+    learner_version: int,
+) -> bool:
+    """`keeps_staleness_bound` with the groups counted by oldest token version: O(versions)."""
     b, eta = algo.rollout_batch_size, algo.max_staleness
     total: Counter[int] = Counter()  # untrained groups by slack
     ready: Counter[int] = Counter()  # complete ones by slack
-    for m in complete:
+    for m, count in complete.items():
         k = slack(m, learner_version, eta)
-        total[k] += 1
-        ready[k] += 1
-    for m in incomplete:
-        total[slack(m, learner_version, eta)] += 1
+        total[k] += count
+        ready[k] += count
+    for m, count in incomplete.items():
+        total[slack(m, learner_version, eta)] += count
     # Between two slack values that occur, N(k) and C(k) stay put while min(B, N(k) - k x B) only falls,
     # so the rule need only be checked at k = 0 and where a group's slack is: O(groups), whatever eta
     # (a list per k in 0..eta made a large max_staleness cost gigabytes and minutes per batch).
@@ -192,7 +250,7 @@ def keeps_staleness_bound(
 def select_batch(
     mode: Mode,
     algo: AlgoConfig,
-    complete: Sequence[GroupAge],
+    complete: CompleteGroups,
     learner_version: int,
     incomplete: Sequence[int | None] = (),
 ) -> list[int] | None:
@@ -207,15 +265,11 @@ def select_batch(
     b = algo.rollout_batch_size
     if len(complete) < b:
         return None
-    if mode == Mode.ASYNC and not keeps_staleness_bound(
-        algo, (g.min_version for g in complete), incomplete, learner_version
+    if mode == Mode.ASYNC and not _keeps_bound(
+        algo, complete.versions(), Counter(incomplete), learner_version
     ):
         return None
-    ordered = sorted(
-        complete,
-        key=lambda g: (learner_version if g.min_version is None else g.min_version, g.group_id),
-    )
-    return [g.group_id for g in ordered[:b]]
+    return complete.oldest(b, learner_version)
 
 
 def spread_leases(available: int, free: Sequence[int], slots: Sequence[int]) -> list[int]:

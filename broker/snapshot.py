@@ -354,7 +354,7 @@ def restore(snap: BrokerSnapshot, mode: Mode, algo: AlgoConfig, source: PromptSo
         snap.lease_ids.tolist(), snap.lease_workers, snap.leased_at.to_samples(), strict=True
     ):
         state.leases[lease_id] = LeaseEntry(lease_id, worker, at_lease)
-    state.complete = dict.fromkeys(snap.complete_order)
+    state.restore_complete(snap.complete_order)
     if snap.batch_id >= 0:
         samples = [s for gid in snap.batch_groups for s in state.groups[gid].samples]
         state.batch = PendingBatch(

@@ -55,7 +55,6 @@ class GroupEntry:
     # min_version() until a sample changes: a complete group never does, and every batch formed asks it
     # of every complete group (O(pool) scans of the samples' segments were a tenth of the broker's time)
     _min_version: int | bool | None = field(default=False, repr=False)
-    _age: policy.GroupAge | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # a list, not a Counter: the books read and update these several times per sample, and a
@@ -94,15 +93,7 @@ class GroupEntry:
     def min_version(self) -> int | None:
         if self._min_version is False:
             self._min_version = self.as_group().min_version()
-            self._age = None
         return None if isinstance(self._min_version, bool) else self._min_version
-
-    def age(self) -> policy.GroupAge:
-        """The group's age for `policy.select_batch` (cached with min_version)."""
-        version = self.min_version()
-        if self._age is None:
-            self._age = policy.GroupAge(self.group_id, version)
-        return self._age
 
 
 class LeaseEntry(NamedTuple):
@@ -164,6 +155,7 @@ class BrokerState:
         self.queue = policy.DispatchQueue()
         self.leases: dict[int, LeaseEntry] = {}
         self.complete: dict[int, None] = {}  # complete, filter-passing groups in completion order
+        self.batch_order = policy.CompleteGroups()  # the same groups, in the order batches take them
         self.batch: PendingBatch | None = None
         self.issued = 0
         self.trained = 0
@@ -213,7 +205,18 @@ class BrokerState:
                 f"group counters drifted {where}: counted {(self.in_flight, self.partial)}, "
                 f"recount {dict(states)} with {len(handed)} handed out"
             )
+        if len(self.batch_order) != len(self.complete):
+            raise LedgerError(
+                f"batch order drifted {where}: {len(self.batch_order)} groups, {len(self.complete)} complete"
+            )
         return ledger
+
+    def restore_complete(self, order: Sequence[int]) -> None:
+        """The complete groups of a snapshot, in completion order (their entries restored already)."""
+        self.complete = dict.fromkeys(order)
+        self.batch_order = policy.CompleteGroups()
+        for gid in order:
+            self.batch_order.add(gid, self.groups[gid].min_version())
 
     def _moved(self, before: str, after: str) -> None:
         if before == after:
@@ -480,6 +483,7 @@ class BrokerState:
         reason = policy.drop_reason(entry.as_group(), self.algo)
         if reason is None:
             self.complete[entry.group_id] = None
+            self.batch_order.add(entry.group_id, entry.min_version())
         else:
             self.dropped[reason] += 1
             del self.groups[entry.group_id]
@@ -523,12 +527,12 @@ class BrokerState:
             return self.batch
         if len(self.complete) < self.algo.rollout_batch_size:
             return None  # select_batch needs a batch worth of complete groups: skip the O(groups) scan
-        ages = [self.groups[gid].age() for gid in self.complete]
         incomplete = self.incomplete_versions()
-        chosen = policy.select_batch(self.mode, self.algo, ages, self.version, incomplete)
+        chosen = policy.select_batch(self.mode, self.algo, self.batch_order, self.version, incomplete)
         if chosen is None:
             return None
         samples = [s for gid in chosen for s in self.groups[gid].samples]
+        self.batch_order.remove_oldest(len(chosen), self.version)
         for gid in chosen:
             del self.complete[gid]
         self.batch = PendingBatch(

@@ -9,6 +9,7 @@ events) and how leases are spread over workers.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from april import policy
 from april.config import AlgoConfig, Mode
-from april.policy import DispatchQueue, GroupAge, PoolCounts
+from april.policy import CompleteGroups, DispatchQueue, PoolCounts
 from april.records import FinishReason, Group, Sample, SampleStatus
 
 B, OVER = 4, 8
@@ -268,8 +269,12 @@ def test_is_due(min_version: int | None, learner_version: int, eta: int, due: bo
 # select_batch
 
 
-def ages(*pairs: tuple[int, int | None]) -> list[GroupAge]:
-    return [GroupAge(gid, v) for gid, v in pairs]
+def ages(*pairs: tuple[int, int | None]) -> CompleteGroups:
+    """Complete groups from (group id, oldest token version), added in the order given."""
+    complete = CompleteGroups()
+    for gid, version in pairs:
+        complete.add(gid, version)
+    return complete
 
 
 @pytest.mark.parametrize("mode", list(Mode), ids=str)
@@ -292,11 +297,45 @@ def ages(*pairs: tuple[int, int | None]) -> list[GroupAge]:
         ),
     ],
 )
-def test_select_batch(mode: Mode, complete: list[GroupAge], version: int, expected: list[int] | None) -> None:
+def test_select_batch(mode: Mode, complete: CompleteGroups, version: int, expected: list[int] | None) -> None:
     chosen = policy.select_batch(mode, ALGO, complete, version)
     assert chosen == expected
     if chosen is not None:
         assert len(chosen) == B and len(set(chosen)) == B
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "take"]), st.one_of(st.none(), st.integers(0, 6)), st.integers(0, 5)
+        ),
+        max_size=60,
+    ),
+    st.integers(6, 8),
+)
+def test_complete_groups_keeps_the_order_a_full_sort_gives(
+    events: list[tuple[str, int | None, int]], learner_version: int
+) -> None:
+    """Groups added in any order, batches taken off the front: what is left, and the counts per version,
+    always equal a sort of every waiting group by (oldest version, or the learner's when it has none;
+    group id), the order select_batch takes them in."""
+    complete, waiting, next_gid = CompleteGroups(), {}, 0
+    for what, version, n in events:
+        if what == "add":
+            gid = next_gid = next_gid + 1 + n  # ids rise with gaps, in completion order
+            complete.add(gid, version)
+            waiting[gid] = version
+            continue
+        order = sorted(waiting, key=lambda g: (learner_version if waiting[g] is None else waiting[g], g))
+        assert complete.oldest(n, learner_version) == order[:n]
+        complete.remove_oldest(n, learner_version)
+        for gid in order[:n]:
+            del waiting[gid]
+        assert len(complete) == len(waiting)
+        assert complete.versions() == Counter(waiting.values())
+    order = sorted(waiting, key=lambda g: (learner_version if waiting[g] is None else waiting[g], g))
+    assert complete.oldest(len(waiting) + 1, learner_version) == order
 
 
 @pytest.mark.parametrize(
@@ -443,11 +482,11 @@ def async_successors(algo: AlgoConfig, state: GroupState) -> list[GroupState]:
                 out.append(admitted([*rest, (0, False)]))
             out.append(admitted([*rest, (min(rel, 0), True)]))
             out.append(admitted(rest))
-    ages = [GroupAge(i, v + rel) for i, (rel, done) in enumerate(state) if done]
+    complete = ages(*((i, v + rel) for i, (rel, done) in enumerate(state) if done))
     incomplete = [None if rel == NO_TOKEN else v + rel for rel, done in state if not done]
-    chosen = policy.select_batch(Mode.ASYNC, algo, ages, v, incomplete)
+    chosen = policy.select_batch(Mode.ASYNC, algo, complete, v, incomplete)
     if chosen is None:
-        if len(ages) >= b:  # the learner waits only for groups holding tokens older than its version
+        if len(complete) >= b:  # the learner waits only for groups holding tokens older than its version
             assert any(m is not None and m < v for m in incomplete), f"waited for fresh work in {state}"
         return out
     for i in chosen:
