@@ -63,6 +63,8 @@ sys.path.insert(0, str(REPO))
 
 from april import protocol  # noqa: E402
 from april.codec import decode_header  # noqa: E402
+from april.config import load_config  # noqa: E402
+from april.data import open_source  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from april.records import FinishReason, Sample, SampleStatus, new_group_samples  # noqa: E402
 from april.transport import dealer  # noqa: E402
@@ -435,8 +437,6 @@ class ScriptedLearner:
 
 # ------------------------------------------------------------------------------------- floor and ceiling
 
-ECHO_PROMPT = np.arange(3, 43, dtype=np.int32)  # 40 tokens, the middle of the synthetic prompts' 16-64
-
 
 def run_echo_broker(args: argparse.Namespace) -> None:
     """The broker of `floor` and `ceiling`: the least a broker must do for the workers, to measure what
@@ -445,21 +445,27 @@ def run_echo_broker(args: argparse.Namespace) -> None:
     answers a WorkerHello with a Welcome and a Lease of `--slots` fresh samples, and a SampleResult with
     a Lease of as many fresh samples as its credit. No books, batches or snapshots. Leases are encoded
     once per credit and sent again (workers only read them): the echo broker costs as little as it can.
+    Its samples are the real broker's: the prompts (token ids, text and metadata) of the scenario's
+    config (`--config`), so its workers read and return as much per sample as the real broker's do.
     Writes `--stats` once bound, and runs until SIGTERM."""
     should_stop = stop_requested()
+    config = load_config(args.config)
+    source = open_source(config.data, config.run.seed)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(args.broker)
     next_group = 0
 
+    def group(g: int) -> list[Sample]:
+        prompt = source.get(g)
+        return new_group_samples(
+            g, args.n_samples_per_prompt, prompt.prompt_ids, prompt.text, prompt.metadata
+        )
+
     def lease_frames(n: int) -> list[bytes]:
         nonlocal next_group
         groups = -(-n // args.n_samples_per_prompt)
-        samples = [
-            sample
-            for g in range(next_group, next_group + groups)
-            for sample in new_group_samples(g, args.n_samples_per_prompt, ECHO_PROMPT, "echo", {})
-        ][:n]
+        samples = [sample for g in range(next_group, next_group + groups) for sample in group(g)][:n]
         next_group += groups
         ids = np.arange(n, dtype=np.int64) + next_group * args.n_samples_per_prompt
         budgets = np.full(n, args.tokens, np.int32)
@@ -524,7 +530,7 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def echo_command(args: argparse.Namespace, port: int, bound: Path) -> list[str]:
+def echo_command(args: argparse.Namespace, port: int, bound: Path, config: Path) -> list[str]:
     return [
         sys.executable,
         __file__,
@@ -533,6 +539,7 @@ def echo_command(args: argparse.Namespace, port: int, bound: Path) -> list[str]:
         f"--tokens={args.tokens}",
         f"--n-samples-per-prompt={args.n_samples_per_prompt}",
         f"--stats={bound}",
+        f"--config={config}",
     ]
 
 
@@ -674,7 +681,9 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
     bound = run_dir / ("echo.bound" if settings.echo else "config.toml")
     with processes() as procs, open(broker_log, "wb") as log_file:
         broker = subprocess.Popen(
-            echo_command(args, ports[0], bound) if settings.echo else broker_command(run_dir, profile),
+            echo_command(args, ports[0], bound, run_dir / "bench.toml")
+            if settings.echo
+            else broker_command(run_dir, profile),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=child_env(),
@@ -927,6 +936,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-id", default="", help=argparse.SUPPRESS)
     p.add_argument("--broker", default="", help=argparse.SUPPRESS)
     p.add_argument("--stats", default="", help=argparse.SUPPRESS)
+    p.add_argument("--config", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:  # the smoke sizes become the defaults, so options given on the command line still win
         p.set_defaults(**SMOKE)
