@@ -58,6 +58,15 @@ def test_the_recent_lengths_are_bounded_and_the_history_round_trips() -> None:
     back = LengthHistory.from_wire(h.to_wire())
     assert back.recent().tolist() == h.recent().tolist()
     assert all(back.predict(p) == h.predict(p) and back.seen(p) == h.seen(p) for p in range(5))
+    short = LengthHistory()  # restored from fewer than RECENT, then filled past RECENT: the same window
+    for i in range(3):
+        short.record(0, i)
+    short = LengthHistory.from_wire(short.to_wire())
+    for history in (h, back, short):
+        for i in range(RECENT):
+            history.record(1, 7 * i)
+    assert h.recent().tolist() == back.recent().tolist() == short.recent().tolist()
+    assert h.recent().tolist() == [7 * i for i in range(RECENT)]
     wire = h.to_wire()
     with pytest.raises(ValueError, match="length history"):
         LengthHistory.from_wire(dataclasses.replace(wire, seen=wire.seen[:2]))
