@@ -1,9 +1,10 @@
 """Crash-consistent persistence of the broker's books in `RUN_DIR/broker/`.
 
 Two files make a restart lose nothing. `state.snap` holds the live books: every sample that may still
-change in its latest known state (pending, leased, and partials with their tokens, log-probs and
-segments), the lease table, the live groups, the complete queue and the unacked batch (as group ids), the
-ledger counters, the data cursor and the weights version. The log of settled samples
+change in its latest known state (pending, and partials with their tokens, log-probs and segments), the
+lease table with each leased sample as it was leased (leased, it is that sample resumed), the live
+groups, the complete queue and the unacked batch (as group ids), the ledger counters, the data cursor and
+the weights version. The log of settled samples
 (`broker.complete_log`) holds every FINISHED or FAILED sample, appended once when it settles: they never
 change, and are most of the data (those of complete groups, and of live groups waiting for their last
 samples), so a snapshot writes only what changed since the last one; its segments are deleted whole once
@@ -48,9 +49,10 @@ from broker.complete_log import (
 )
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, WaitingPrompt
 
-SNAPSHOT_FORMAT = 3  # the state file's codec version (log records have their own: complete_log); 2: the
-# length history and prompt window; 3: settled samples of live groups are in the log, not the state file
-READABLE_FORMATS = (3, 2)  # a format-2 state file holds every live group's samples: read as it is
+SNAPSHOT_FORMAT = 4  # the state file's codec version (log records have their own: complete_log); 2: the
+# length history and prompt window; 3: settled samples of live groups are in the log, not the state file;
+# 4: a leased sample is only in `leased_at` (as leased it is that sample resumed)
+READABLE_FORMATS = (4, 3, 2)  # formats 2 and 3 also hold leased samples in `samples`: read as they are
 SNAPSHOT_KIND = 0
 FILE_NAME = "state.snap"
 
@@ -76,8 +78,8 @@ class BrokerSnapshot:
     round_open: bool
     planned_target: int  # over_sampling auto: the open round's planned target; -1: none (the cap)
     samples: SampleBatch  # every unsettled sample of the live groups, latest known state (the settled
-    # ones, and every sample of the complete and handed-out groups, are in the log; a loaded snapshot
-    # holds them all)
+    # ones, and every sample of the complete and handed-out groups, are in the log, and a leased one is
+    # its `leased_at` resumed; a loaded snapshot holds them all)
     lease_ids: Int64Array
     lease_workers: list[str]
     leased_at: SampleBatch  # state of each leased sample before its lease
@@ -110,10 +112,12 @@ class SnapshotRefs:
         return self._snapshot([s for _, samples in self.groups for s in samples])
 
     def split(self) -> tuple[BrokerSnapshot, dict[int, Sequence[Sample]]]:
-        """For SnapshotStore.save: the snapshot of the unsettled samples, and the settled ones by group."""
+        """For SnapshotStore.save: the snapshot of the unsettled samples but the leased ones (each is its
+        lease's `at_lease` resumed, which the snapshot holds already), and the settled ones by group."""
         held = set(self.complete_order) | set(self.batch.group_ids if self.batch else ())
         unsettled, settled = partition(self.groups, held)
-        return self._snapshot(unsettled), settled
+        leased = {lease.at_lease.key for lease in self.leases}
+        return self._snapshot([s for s in unsettled if s.key not in leased]), settled
 
     def _snapshot(self, samples: list[Sample]) -> BrokerSnapshot:
         batch = self.batch
@@ -271,8 +275,11 @@ class SnapshotStore:
         except (struct.error, ProtocolError) as exc:
             raise SnapshotError(f"broker snapshot {self.state_path} is unreadable: {exc}") from exc
         unsettled = live.samples.to_samples()
-        # every sample of a live group (complete and handed-out ones included) that the state file does
-        # not hold is in the log
+        held = {s.key for s in unsettled}
+        # a leased sample is its lease's at_lease resumed (Sample.resumed is how the books lease it);
+        # state files before format 4 hold it in `samples` as well
+        unsettled += [at.resumed() for at in live.leased_at.to_samples() if at.key not in held]
+        # every other sample of a live group (complete and handed-out ones included) is in the log
         held = {s.key for s in unsettled}
         groups = dict.fromkeys([*live.group_ids.tolist(), *live.complete_order, *live.batch_groups])
         n = live.n_samples_per_prompt
@@ -296,6 +303,8 @@ def write(snapshot: BrokerSnapshot, directory: Path, trusted: Collection[int] = 
         by_group.setdefault(s.group_id, []).append(s)
     held = set(snapshot.complete_order) | set(snapshot.batch_groups)
     unsettled, settled = partition(by_group.items(), held)
+    leased = set(zip(snapshot.leased_at.group_id.tolist(), snapshot.leased_at.index.tolist(), strict=True))
+    unsettled = [s for s in unsettled if s.key not in leased]  # as SnapshotRefs.split
     live_snapshot = dataclasses.replace(snapshot, samples=SampleBatch.from_samples(unsettled))
     return SnapshotStore(directory, trusted).save(live_snapshot, settled)
 

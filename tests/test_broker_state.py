@@ -1337,12 +1337,15 @@ def test_records_a_dead_broker_logged_after_its_last_snapshot_are_not_trusted(tm
             assert_samples_equal(x, y)
 
 
-def state_file_keys(directory: Path) -> list[tuple[int, int]]:
-    """The keys of the samples the state file itself holds (not those it leaves to the log)."""
+def state_file_keys(directory: Path) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The keys of the samples the state file itself holds (not those it leaves to the log): in `samples`,
+    and as leased (`leased_at`)."""
     data = (directory / snapshot.FILE_NAME).read_bytes()
     frames, _ = complete_log.read_record(data, 0)
     live = codec.decode_body(snapshot.BrokerSnapshot, frames, max_bytes=len(data) + 1)
-    return sorted(s.key for s in live.samples.to_samples())
+    return sorted(s.key for s in live.samples.to_samples()), sorted(
+        s.key for s in live.leased_at.to_samples()
+    )
 
 
 def logged_keys(directory: Path) -> list[tuple[int, int]]:
@@ -1361,7 +1364,8 @@ def test_settled_samples_of_live_groups_go_to_the_log_once_and_not_into_every_st
 ) -> None:
     """A live group waiting for its last samples: its settled (finished, failed) samples are appended to
     the log once, and the state file holds only the samples that may still change, so a snapshot costs
-    what changed since the last one, not every live token again. A restart loads the whole books."""
+    what changed since the last one, not every live token again; a leased sample only as it was leased
+    (`leased_at`), since it is that sample resumed. A restart loads the whole books."""
     state = make_state(Mode.ASYNC, b=2, n=3)
     d = Driver(state)
     d.take(credit=6)  # groups 0 and 1, every sample leased
@@ -1372,18 +1376,26 @@ def test_settled_samples_of_live_groups_go_to_the_log_once_and_not_into_every_st
     writer = SnapshotWriter(tmp_path)
     try:
         assert writer.wait(writer.submit(snapshot.capture_refs(state)), timeout=60)
-        assert state_file_keys(tmp_path) == [(0, 1), (0, 2), (1, 0), (1, 1)]
+        assert state_file_keys(tmp_path) == ([(1, 0)], [(0, 1), (0, 2), (1, 1)])
         assert sorted(logged_keys(tmp_path)) == [(0, 0), (1, 2)]
         assert_same_books(state, snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source()))
 
         d.finish(d.lease_of((0, 1)))
         d.finish(d.lease_of((1, 1)))
         assert writer.wait(writer.submit(snapshot.capture_refs(state)), timeout=60)
-        assert state_file_keys(tmp_path) == [(0, 2), (1, 0)]
+        assert state_file_keys(tmp_path) == ([(1, 0)], [(0, 2)])
         assert sorted(logged_keys(tmp_path)) == [(0, 0), (0, 1), (1, 1), (1, 2)]  # each sample once
         restored = snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source())
         assert_same_books(state, restored)
         restored.check_ledger()
+
+        [(_, _, resumed)] = state.take_work("w0", 1)  # the partial leased again: resumed, one resume more
+        assert resumed.key == (1, 0) and resumed.resumes == 1 and resumed.response_len
+        assert writer.wait(writer.submit(snapshot.capture_refs(state)), timeout=60)
+        assert state_file_keys(tmp_path) == ([], [(0, 2), (1, 0)])
+        restored = snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source())
+        assert_same_books(state, restored)
+        assert_samples_equal(restored.groups[1].samples[0], resumed)
     finally:
         writer.close()
     assert writer.error is None
@@ -1441,7 +1453,7 @@ def test_a_format_2_state_file_holding_every_live_sample_still_loads(tmp_path: P
     full = snapshot.capture(state)
     frames = codec.encode_frames(2, snapshot.SNAPSHOT_KIND, full)
     (tmp_path / snapshot.FILE_NAME).write_bytes(complete_log.frames_bytes(frames))
-    assert state_file_keys(tmp_path) == sorted(s.key for g in state.groups.values() for s in g.samples)
+    assert state_file_keys(tmp_path)[0] == sorted(s.key for g in state.groups.values() for s in g.samples)
     restored = snapshot.restore(snapshot.read(tmp_path), state.mode, state.algo, source())
     assert_same_books(state, restored)
     snapshot.write(snapshot.capture(restored), tmp_path, snapshot.restored_groups(restored))
