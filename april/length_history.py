@@ -52,10 +52,7 @@ class LengthHistory:
     def record(self, prompt: int, length: int) -> None:
         """One finished sample of `prompt` with `length` response tokens (>= 0). A prompt of unknown
         position (negative) counts only among the recent lengths."""
-        self._ring[self._next] = max(0, length)
-        self._next = (self._next + 1) % RECENT
-        if self._filled < RECENT:
-            self._filled += 1
+        self._remember(length)
         if prompt < 0:
             return
         if prompt >= self._used:
@@ -68,6 +65,12 @@ class LengthHistory:
             self._log_mean[prompt] = value
             self._prompts += 1
         self._seen[prompt] = seen + 1
+
+    def _remember(self, length: int) -> None:
+        """Put `length` in the ring of recent lengths, over the oldest once it is full."""
+        self._ring[self._next] = max(0, length)
+        self._next = (self._next + 1) % RECENT
+        self._filled = min(RECENT, self._filled + 1)
 
     def _extend(self, used: int) -> None:
         """Room for prompt indices below `used`; capacity at least doubles (amortised O(1) a record)."""
@@ -124,9 +127,7 @@ class LengthHistory:
             np.frombuffer(h._seen, dtype=np.int64)[wire.prompts] = wire.seen
             h._prompts = int(np.count_nonzero(wire.seen))
         for length in wire.recent[-RECENT:].tolist():
-            h._ring[h._next] = max(0, length)
-            h._next = (h._next + 1) % RECENT
-        h._filled = min(RECENT, wire.recent.shape[0])
+            h._remember(length)
         return h
 
 
