@@ -22,8 +22,7 @@ import numpy as np
 from april.codec import Float32Array, Float64Array, Int32Array, Int64Array, UInt8Array
 from april.records import FinishReason, Sample, SampleStatus, Segment
 
-# plain ints: a numpy value compared with an enum member costs several times more (3.11's enum answers
-# numpy's lookups of array protocols in Python)
+# plain ints, as april.records' codes: numpy compares with an enum member several times slower
 _STATUS_MAX = int(max(SampleStatus))
 _FINISH_MAX = int(max(FinishReason))
 _SAMPLE_FIELDS = attrgetter(

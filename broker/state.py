@@ -25,20 +25,21 @@ from april.config import AlgoConfig, Mode, OverSampling, PromptOrder
 from april.data import PromptRecord, PromptSource
 from april.ledger import Ledger, LedgerError
 from april.length_history import LengthHistory
-from april.records import Group, Sample, SampleStatus, new_group_samples
+from april.records import (
+    FINISHED_CODE,
+    INTERRUPTED_CODE,
+    PENDING_CODE,
+    RUNNING_CODE,
+    Group,
+    Sample,
+    SampleStatus,
+    new_group_samples,
+)
 from april.round_plan import CarriedGroup, plan_round_target
 from april.wire_records import SampleBatch
 from broker.result_check import ResultRejected, check_continues, plainly_valid
 
 LEASE_EPOCH_SHIFT = 40
-# the statuses as plain ints, for GroupEntry.counts: in Python 3.11 reading `SampleStatus.RUNNING` costs
-# four times reading a module global, and the books do it several times per sample
-_PENDING, _RUNNING, _INTERRUPTED, _FINISHED = (
-    int(SampleStatus.PENDING),
-    int(SampleStatus.RUNNING),
-    int(SampleStatus.INTERRUPTED),
-    int(SampleStatus.FINISHED),
-)
 _STATUSES = len(SampleStatus)
 VOUCH_MIN_SAMPLES = 16  # plainly_valid's fixed cost is about that of checking this many samples singly
 
@@ -57,8 +58,8 @@ class GroupEntry:
     _min_version: int | bool | None = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        # a list, not a Counter: the books read and update these several times per sample, and a
-        # Counter's missing key (and 3.11's enum member lookup) cost several times a list index
+        # a list indexed by the plain codes, not a Counter: the books read and update these several times
+        # per sample, and a Counter's missing key costs several times a list index
         counts = [0] * _STATUSES
         for s in self.samples:
             counts[s.status] += 1
@@ -67,9 +68,9 @@ class GroupEntry:
     @property
     def state(self) -> str:
         c = self.counts
-        if c[_RUNNING] or c[_PENDING]:
+        if c[RUNNING_CODE] or c[PENDING_CODE]:
             return "in_flight"
-        if c[_INTERRUPTED]:
+        if c[INTERRUPTED_CODE]:
             return "partial"
         return "done"  # every sample finished or failed: about to be completed or dropped
 
@@ -83,8 +84,8 @@ class GroupEntry:
     def start(self, running: list[Sample]) -> None:
         """`set` each of its first len(running) samples, all PENDING, to their leased (RUNNING) form."""
         self.samples[: len(running)] = running
-        self.counts[_PENDING] -= len(running)
-        self.counts[_RUNNING] += len(running)
+        self.counts[PENDING_CODE] -= len(running)
+        self.counts[RUNNING_CODE] += len(running)
         self._min_version = False
 
     def as_group(self) -> Group:
@@ -452,7 +453,7 @@ class BrokerState:
         entry = self.groups[sample.group_id]
         length, status = sample.response_len, sample.status
         new_tokens = length - lease.at_lease.response_len
-        if status == _INTERRUPTED and new_tokens == 0:
+        if status == INTERRUPTED_CODE and new_tokens == 0:
             # returned with nothing generated (its worker's engine was still starting or went down, or an
             # abort beat the first token): the lease comes back as it was leased, which is no abort
             self._requeue_as_leased(lease)
@@ -465,7 +466,7 @@ class BrokerState:
         entry.set(sample)
         after = entry.state
         self._moved(before, after)
-        if status == _INTERRUPTED:
+        if status == INTERRUPTED_CODE:
             self.round.aborted += 1
             self.totals.aborted += 1
             self.queue.push(sample.key, sample.min_version)
@@ -473,7 +474,7 @@ class BrokerState:
         else:
             self.round.samples_finished += 1
             self.totals.samples_finished += 1
-            if status == _FINISHED:
+            if status == FINISHED_CODE:
                 self.history.record(entry.prompt_index, length)
             if after == "done":
                 self._complete_group(entry)
