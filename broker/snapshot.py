@@ -115,9 +115,8 @@ class SnapshotRefs:
         """For SnapshotStore.save: the snapshot of the unsettled samples but the leased ones (each is its
         lease's `at_lease` resumed, which the snapshot holds already), and the settled ones by group."""
         held = set(self.complete_order) | set(self.batch.group_ids if self.batch else ())
-        unsettled, settled = partition(self.groups, held)
-        leased = {lease.at_lease.key for lease in self.leases}
-        return self._snapshot([s for s in unsettled if s.key not in leased]), settled
+        unsettled, settled = partition(self.groups, held, {lease.at_lease.key for lease in self.leases})
+        return self._snapshot(unsettled), settled
 
     def _snapshot(self, samples: list[Sample]) -> BrokerSnapshot:
         batch = self.batch
@@ -171,11 +170,13 @@ def capture_refs(state: BrokerState) -> SnapshotRefs:
 
 
 def partition(
-    groups: Iterable[tuple[int, Sequence[Sample]]], held: Collection[int]
+    groups: Iterable[tuple[int, Sequence[Sample]]],
+    held: Collection[int],
+    leased: Collection[tuple[int, int]] = (),
 ) -> tuple[list[Sample], dict[int, Sequence[Sample]]]:
-    """The samples a state file holds (those that may still change), and the settled samples by group,
-    which go to the log: every sample of a `held` group (complete or handed out), the settled ones of
-    any other."""
+    """The samples a state file holds in `samples` (those that may still change, but the `leased` keys:
+    the lease table holds those, as leased), and the settled samples by group, which go to the log: every
+    sample of a `held` group (complete or handed out), the settled ones of any other."""
     unsettled: list[Sample] = []
     settled: dict[int, Sequence[Sample]] = {}
     for gid, samples in groups:
@@ -186,6 +187,8 @@ def partition(
         if done:
             settled[gid] = done
         unsettled += samples if not done else [s for s in samples if s.status not in SETTLED]
+    if leased:
+        unsettled = [s for s in unsettled if s.key not in leased]
     return unsettled, settled
 
 
@@ -302,9 +305,8 @@ def write(snapshot: BrokerSnapshot, directory: Path, trusted: Collection[int] = 
     for s in snapshot.samples.to_samples():
         by_group.setdefault(s.group_id, []).append(s)
     held = set(snapshot.complete_order) | set(snapshot.batch_groups)
-    unsettled, settled = partition(by_group.items(), held)
     leased = set(zip(snapshot.leased_at.group_id.tolist(), snapshot.leased_at.index.tolist(), strict=True))
-    unsettled = [s for s in unsettled if s.key not in leased]  # as SnapshotRefs.split
+    unsettled, settled = partition(by_group.items(), held, leased)
     live_snapshot = dataclasses.replace(snapshot, samples=SampleBatch.from_samples(unsettled))
     return SnapshotStore(directory, trusted).save(live_snapshot, settled)
 

@@ -228,10 +228,13 @@ class BrokerState:
             elif state == "partial":
                 self.partial += delta
 
-    def _update(self, entry: GroupEntry, sample: Sample) -> None:
+    def _update(self, entry: GroupEntry, sample: Sample) -> str:
+        """Put `sample` in its group and count the group's move; returns the group's new state."""
         before = entry.state
         entry.set(sample)
-        self._moved(before, entry.state)
+        after = entry.state
+        self._moved(before, after)
+        return after
 
     @property
     def leased_samples(self) -> int:
@@ -462,10 +465,7 @@ class BrokerState:
             return 0
         self.round.tokens_generated += new_tokens
         self.totals.tokens_generated += new_tokens
-        before = entry.state
-        entry.set(sample)
-        after = entry.state
-        self._moved(before, after)
+        after = self._update(entry, sample)
         if status == INTERRUPTED_CODE:
             self.round.aborted += 1
             self.totals.aborted += 1
