@@ -174,40 +174,69 @@ class _Encoding:
     inline_left: int  # bytes of small arrays the body may still take (0: every array in a frame)
 
 
+_Encoder = Callable[[Any, _Encoding], Any]  # (value, out) -> what msgpack packs
+_ENCODERS: dict[_Spec, _Encoder] = {}
+_FIELD_ENCODERS: dict[type, tuple[tuple[str, _Encoder], ...]] = {}
+
+
 def encode_struct(obj: Any, out: _Encoding) -> dict[str, Any]:
     """Body map of a dataclass instance; arrays go inline or are appended to `out.buffers`."""
-    schema = struct_schema(type(obj))
-    return {name: _encode_value(getattr(obj, name), spec, out) for name, spec in schema.fields}
+    fields = _FIELD_ENCODERS.get(type(obj))
+    if fields is None:
+        fields = tuple((name, _encoder(spec)) for name, spec in struct_schema(type(obj)).fields)
+        _FIELD_ENCODERS[type(obj)] = fields
+    return {name: encode(getattr(obj, name), out) for name, encode in fields}
 
 
-def _encode_value(value: Any, spec: _Spec, out: _Encoding) -> Any:
+def _encoder(spec: _Spec) -> _Encoder:
+    """The encoding function of a spec, chosen once, as `_decoder` is for decoding."""
+    cached = _ENCODERS.get(spec)
+    if cached is None:
+        cached = _ENCODERS[spec] = _make_encoder(spec)
+    return cached
+
+
+def _make_encoder(spec: _Spec) -> _Encoder:
     match spec:
         case _Array(dtype):
-            arr = np.ascontiguousarray(value, dtype=dtype)
-            if arr.ndim != 1:
-                raise ValueError(f"array fields must be 1-D, got shape {arr.shape}")
-            if out.inline_left > 0 and arr.nbytes <= min(INLINE_ARRAY_MAX_BYTES, out.inline_left):
-                out.inline_left -= arr.nbytes
-                return [arr.tobytes(), dtype.str, int(arr.shape[0])]
-            out.buffers.append(arr.data.cast("B"))
-            return [len(out.buffers) + 1, dtype.str, int(arr.shape[0])]  # frame index counts header, body
+            return _array_encoder(dtype)
         case _Enum():
-            return value.value
+            return lambda value, out: value.value
         case _Optional(inner):
-            return None if value is None else _encode_value(value, inner, out)
+            encode = _encoder(inner)
+            return lambda value, out: None if value is None else encode(value, out)
         case _List(_Scalar(py)) if py is not float:  # str, int, bool: encoded as they are
-            return list(value)
+            return lambda value, out: list(value)
         case _List(_Dict(_Scalar(py))) if py is str:
-            return [dict(v) for v in value]
+            return lambda value, out: [dict(v) for v in value]
         case _List(inner):
-            return [_encode_value(v, inner, out) for v in value]
+            encode = _encoder(inner)
+            return lambda value, out: [encode(v, out) for v in value]
         case _Dict(inner):
-            return {k: _encode_value(v, inner, out) for k, v in value.items()}
+            encode = _encoder(inner)
+            return lambda value, out: {k: encode(v, out) for k, v in value.items()}
         case _Struct():
-            return encode_struct(value, out)
+            return encode_struct
         case _Scalar(py) if py is float:
-            return float(value)
-    return value
+            return lambda value, out: float(value)
+    return lambda value, out: value
+
+
+def _array_encoder(dtype: np.dtype[Any]) -> _Encoder:
+    """Arrays of one dtype: inline while the body has room for them, else a frame of their own."""
+    code = dtype.str
+
+    def encode(value: Any, out: _Encoding) -> list[Any]:
+        arr = np.ascontiguousarray(value, dtype=dtype)
+        if arr.ndim != 1:
+            raise ValueError(f"array fields must be 1-D, got shape {arr.shape}")
+        if out.inline_left > 0 and arr.nbytes <= min(INLINE_ARRAY_MAX_BYTES, out.inline_left):
+            out.inline_left -= arr.nbytes
+            return [arr.tobytes(), code, int(arr.shape[0])]
+        out.buffers.append(arr.data.cast("B"))
+        return [len(out.buffers) + 1, code, int(arr.shape[0])]  # frame index counts header, body
+
+    return encode
 
 
 def encode_map(obj: Any) -> dict[str, Any]:
@@ -362,7 +391,7 @@ def _decoder(spec: _Spec) -> _Decoder:
 def _make_decoder(spec: _Spec) -> _Decoder:
     match spec:
         case _Array(dtype):
-            return lambda raw, frames, used, where: _decode_array(raw, dtype, frames, used, where)
+            return _array_decoder(dtype)
         case _Scalar(py):
             return lambda raw, frames, used, where: _decode_scalar(raw, py, where)
         case _Enum(cls):
@@ -418,31 +447,36 @@ def _decode_scalar(raw: Any, py: type, where: str) -> Any:
     raise ProtocolError("wrong_type", f"{where}: expected {py.__name__}, got {_show(raw)}")
 
 
-def _decode_array(
-    raw: Any, dtype: np.dtype[Any], frames: Sequence[Frame], used: set[int], where: str
-) -> np.ndarray[Any, Any]:
-    ok = isinstance(raw, list) and len(raw) == 3 and type(raw[0]) in (int, bytes) and type(raw[2]) is int
-    if not ok or raw[1] != dtype.str:
-        raise ProtocolError(
-            "wrong_type",
-            f"{where}: expected array ref [frame or bytes, {dtype.str!r}, length], got {_show(raw)}",
-        )
-    index, _, length = raw
-    if type(index) is bytes:  # inline in the body
-        if length < 0 or len(index) != length * dtype.itemsize:
+def _array_decoder(dtype: np.dtype[Any]) -> _Decoder:
+    """The decoder of one dtype's array refs: `[inline bytes or frame index, dtype code, length]`. Its
+    code and item size are read once here, not per value (a message of samples carries over a dozen)."""
+    code, itemsize = dtype.str, dtype.itemsize
+
+    def decode(raw: Any, frames: Sequence[Frame], used: set[int], where: str) -> np.ndarray[Any, Any]:
+        ok = type(raw) is list and len(raw) == 3 and type(raw[0]) in (int, bytes) and type(raw[2]) is int
+        if not ok or raw[1] != code:
             raise ProtocolError(
-                "bad_buffer", f"{where}: {len(index)} inline bytes, expected {length} x {dtype.itemsize}"
+                "wrong_type",
+                f"{where}: expected array ref [frame or bytes, {code!r}, length], got {_show(raw)}",
             )
-        return np.frombuffer(index, dtype=dtype)
-    if not 2 <= index < len(frames) or index in used:
-        raise ProtocolError("bad_buffer", f"{where}: frame index {index} missing or reused")
-    used.add(index)
-    buf = frames[index]
-    if length < 0 or len(buf) != length * dtype.itemsize:
-        raise ProtocolError(
-            "bad_buffer", f"{where}: frame has {len(buf)} bytes, expected {length} x {dtype.itemsize}"
-        )
-    return np.frombuffer(buf, dtype=dtype)
+        index, _, length = raw
+        if type(index) is bytes:  # inline in the body
+            if length < 0 or len(index) != length * itemsize:
+                raise ProtocolError(
+                    "bad_buffer", f"{where}: {len(index)} inline bytes, expected {length} x {itemsize}"
+                )
+            return np.frombuffer(index, dtype=dtype)
+        if not 2 <= index < len(frames) or index in used:
+            raise ProtocolError("bad_buffer", f"{where}: frame index {index} missing or reused")
+        used.add(index)
+        buf = frames[index]
+        if length < 0 or len(buf) != length * itemsize:
+            raise ProtocolError(
+                "bad_buffer", f"{where}: frame has {len(buf)} bytes, expected {length} x {itemsize}"
+            )
+        return np.frombuffer(buf, dtype=dtype)
+
+    return decode
 
 
 def _check_map(raw: Any, where: str) -> None:
