@@ -23,7 +23,17 @@ if TYPE_CHECKING:
 
 FIRST_TOKEN_ID = 3  # ids 0, 1, 2 are reserved for pad / bos / eos in synthetic prompts
 _INT32_MAX = 2**31 - 1
-RECENT_PROMPTS = 256  # synthetic records kept once built: a `prompt_window` up to this gets each built once
+# Synthetic records are kept once built, the oldest dropped past this many bytes (by the estimate below,
+# measured with tracemalloc: about 1.1 kB a record and 7 bytes a token, its array and text). The default
+# dataset (10,000 prompts of 8-64 tokens) takes about 14 MB and is built once a run: building a prompt costs
+# the broker about 27 us (mostly seeding its generator), looking it up a dict access, as a JSONL dataset's.
+KEPT_PROMPT_BYTES = 32 << 20
+
+
+def _kept_bytes(tokens: int) -> int:
+    return 1024 + 8 * tokens
+
+
 _TOKEN_TEXT_MAX = 1 << 16  # vocabularies up to this size get a table of token texts (~60 bytes an entry)
 
 
@@ -95,24 +105,27 @@ class SyntheticPromptSource:
         self._map = _CursorMap(size, seed, shuffle)
         # each token id's text, for the prompt text (a join of table entries, not one str() per token)
         self._token_text = [str(i) for i in range(vocab_size)] if vocab_size <= _TOKEN_TEXT_MAX else None
-        # the records built last, by dataset index (insertion order: the oldest is evicted first). With
-        # `algo.prompt_order` other than issue the broker gets each prompt twice (when it is drawn into the
-        # window, and when it is issued up to `prompt_window` groups later)
-        self._recent: dict[int, PromptRecord] = {}
+        # the records built, by dataset index (insertion order: the oldest is dropped first), within
+        # KEPT_PROMPT_BYTES: later epochs look them up, and with `algo.prompt_order` other than issue the
+        # broker gets each prompt twice (drawn into the window, then issued up to `prompt_window` later)
+        self._kept: dict[int, PromptRecord] = {}
+        self._kept_bytes = 0
 
     def __len__(self) -> int:
         return self._map.size
 
     def get(self, cursor: int) -> PromptRecord:
-        """The record at `cursor`: built from (seed, index), or the same record again if it was built
-        within the last `RECENT_PROMPTS` builds (records are shared; callers do not mutate them)."""
+        """The record at `cursor`: built from (seed, index), or the same record again while it is kept
+        (see KEPT_PROMPT_BYTES; records are shared, callers do not mutate them)."""
         index = self._map.index(cursor)
-        record = self._recent.get(index)
+        record = self._kept.get(index)
         if record is None:
             record = self._build(index)
-            if len(self._recent) >= RECENT_PROMPTS:
-                del self._recent[next(iter(self._recent))]
-            self._recent[index] = record
+            self._kept[index] = record
+            self._kept_bytes += _kept_bytes(len(record.prompt_ids))
+            while self._kept_bytes > KEPT_PROMPT_BYTES:
+                oldest = self._kept.pop(next(iter(self._kept)))
+                self._kept_bytes -= _kept_bytes(len(oldest.prompt_ids))
         return record
 
     def _build(self, index: int) -> PromptRecord:

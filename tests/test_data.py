@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from april import data
 from april.config import DataConfig
 from april.data import (
-    RECENT_PROMPTS,
+    KEPT_PROMPT_BYTES,
     DatasetError,
     JsonlPromptSource,
     PromptRecord,
@@ -125,10 +126,13 @@ def reference_synthetic(seed: int, index: int, len_min: int, len_max: int, vocab
 
 
 @pytest.mark.parametrize("vocab", [50, 2**16, 2**16 + 1, 2**31 - 1])  # with and without the text table
-def test_synthetic_records_match_the_reference_also_when_kept(vocab: int) -> None:
-    size = RECENT_PROMPTS * 2 + 7
+def test_synthetic_records_match_the_reference_also_when_kept(
+    vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(data, "KEPT_PROMPT_BYTES", 256 * data._kept_bytes(6))  # about 256 records
+    size = 256 * 2 + 7
     source = SyntheticPromptSource(size, seed=3, prompt_len_min=1, prompt_len_max=12, vocab_size=vocab)
-    # draws that revisit recent cursors (kept records) and, past RECENT_PROMPTS, evicted ones (rebuilt)
+    # draws that revisit recent cursors (kept records) and, past the budget, dropped ones (rebuilt)
     cursors = [*range(40), *range(20, 40), *range(40, size + 40), 0, 5, size - 1]
     for cursor in cursors:
         record = source.get(cursor)
@@ -142,14 +146,26 @@ def test_synthetic_records_match_the_reference_also_when_kept(vocab: int) -> Non
         assert record.prompt_ids.dtype == np.int32 and not record.prompt_ids.flags.writeable
 
 
-def test_synthetic_keeps_the_recent_records_and_only_those() -> None:
-    source = SyntheticPromptSource(RECENT_PROMPTS * 4, seed=1, shuffle=False)
+def test_synthetic_keeps_the_records_within_its_budget_and_only_those(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kept = 50
+    monkeypatch.setattr(data, "KEPT_PROMPT_BYTES", kept * data._kept_bytes(8))
+    source = SyntheticPromptSource(kept * 4, seed=1, prompt_len_min=8, prompt_len_max=8, shuffle=False)
     first = source.get(0)
     assert source.get(0) is first  # built once: the broker gets a windowed prompt twice
-    for cursor in range(1, RECENT_PROMPTS + 1):
+    for cursor in range(1, kept):
         source.get(cursor)
-    again = source.get(0)  # evicted by RECENT_PROMPTS newer builds: rebuilt, equal
+    assert source.get(0) is first  # a whole epoch within the budget: every record is built once a run
+    source.get(kept)  # one more than the budget holds: the oldest is dropped
+    again = source.get(0)
     assert again is not first and same(again, first)
+
+
+def test_the_default_synthetic_dataset_is_kept_whole() -> None:
+    cfg = DataConfig()
+    per_record = data._kept_bytes(cfg.synthetic_prompt_len_max)
+    assert cfg.synthetic_size * per_record <= KEPT_PROMPT_BYTES
 
 
 @pytest.mark.parametrize(
