@@ -5,11 +5,17 @@ credit (free engine slots a worker granted; none while its engine is down), each
 and engine-error counts (its EngineHealth), the weights version each worker acked, what the learner
 says it is doing (its latest phase), and bounded per-peer, per-reason rejection counters. Knows nothing
 about samples or leases.
+
+The broker asks after every message which workers are dead, are due a heartbeat, or have credit. With a
+cluster's thousand workers a scan of them all each time cost more than handling the message (157 us a
+tick at 1,024 workers, against 4 at 16), so the registry keeps workers in the order they were last heard
+from and last sent to, and the set of those with credit: each question costs what it answers. Times must
+come from one monotonic clock, as the broker's do.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from april.protocol import LearnerPhase
@@ -79,10 +85,19 @@ class Rejections:
 
 
 class Workers:
+    """The registry. `peers` is in registration order, read by anyone; a worker's `last_seen`,
+    `last_sent` and `credit` change only through `heard`, `sent` and `set_credit`, which keep the
+    orders below."""
+
     def __init__(self, heartbeat_interval_s: float, liveness: int) -> None:
         self.interval = heartbeat_interval_s
         self.liveness = liveness
         self.peers: dict[str, WorkerPeer] = {}
+        self._by_seen: OrderedDict[str, None] = OrderedDict()  # least recently heard from first
+        self._by_sent: OrderedDict[str, None] = OrderedDict()  # least recently sent to first
+        self._credited: set[str] = set()  # those with credit > 0
+        self._rank: dict[str, int] = {}  # registration order, kept when a worker registers again
+        self._registrations = 0
 
     def __contains__(self, worker_id: str) -> bool:
         return worker_id in self.peers
@@ -99,10 +114,39 @@ class Workers:
             return None
         peer = WorkerPeer(worker_id, last_seen=now, **info)  # type: ignore[arg-type]
         self.peers[worker_id] = peer
+        if worker_id not in self._rank:
+            self._rank[worker_id] = self._registrations
+            self._registrations += 1
+        self._by_seen[worker_id] = None
+        self._by_seen.move_to_end(worker_id)
+        self._by_sent[worker_id] = None
+        self._by_sent.move_to_end(worker_id, last=peer.last_sent >= now)  # never sent to: due first
+        self.set_credit(peer, peer.credit)
         return peer
 
     def remove(self, worker_id: str) -> None:
         self.peers.pop(worker_id, None)
+        self._by_seen.pop(worker_id, None)
+        self._by_sent.pop(worker_id, None)
+        self._credited.discard(worker_id)
+        self._rank.pop(worker_id, None)
+
+    def heard(self, peer: WorkerPeer, now: float) -> None:
+        """A message came from `peer`."""
+        peer.last_seen = now
+        self._by_seen.move_to_end(peer.peer_id)
+
+    def sent(self, peer: WorkerPeer, now: float) -> None:
+        """A message went to `peer`."""
+        peer.last_sent = now
+        self._by_sent.move_to_end(peer.peer_id)
+
+    def set_credit(self, peer: WorkerPeer, credit: int) -> None:
+        peer.credit = credit
+        if credit > 0:
+            self._credited.add(peer.peer_id)
+        else:
+            self._credited.discard(peer.peer_id)
 
     @property
     def window(self) -> float:
@@ -114,11 +158,25 @@ class Workers:
         return now - peer.last_seen <= self.window
 
     def dead(self, now: float) -> list[str]:
-        return [w for w, p in self.peers.items() if not self.alive(p, now)]
+        """Workers silent for longer than the liveness window, the longest silent first."""
+        window, out = self.window, []
+        for worker_id in self._by_seen:
+            if now - self.peers[worker_id].last_seen <= window:
+                break  # every later one was heard from since
+            out.append(worker_id)
+        return out
 
     def due_heartbeat(self, now: float) -> list[WorkerPeer]:
-        return [p for p in self.peers.values() if now - p.last_sent >= self.interval]
+        """Workers sent nothing for a heartbeat interval."""
+        out = []
+        for worker_id in self._by_sent:
+            peer = self.peers[worker_id]
+            if now - peer.last_sent < self.interval:
+                break  # every later one was sent to since
+            out.append(peer)
+        return out
 
     def with_credit(self) -> list[WorkerPeer]:
-        """Workers that may be leased to now: credit left, said hello, engine up."""
-        return [p for p in self.peers.values() if p.credit > 0 and p.leasable]
+        """Workers that may be leased to now, in registration order: credit left, said hello, engine up."""
+        credited = [self.peers[w] for w in sorted(self._credited, key=self._rank.__getitem__)]
+        return [p for p in credited if p.leasable]

@@ -255,7 +255,7 @@ class Broker:
         self._send(self.worker_sock, worker_id.encode(), msg)
         peer = self.workers.get(worker_id)
         if peer is not None:
-            peer.last_sent = now
+            self.workers.sent(peer, now)
 
     # ------------------------------------------------------------------ workers
 
@@ -268,7 +268,7 @@ class Broker:
         if peer is None:
             self._reject(self.worker_sock, identity, "not_registered", "send WorkerHello first")
             return
-        peer.last_seen = now
+        self.workers.heard(peer, now)
         if peer.restored and now - peer.hello_asked >= self.cfg.heartbeat_interval_s:
             # a worker whose socket reconnected to this restarted broker by itself never finds it silent
             # (it answers and sends heartbeats): only this asks it for the hello that makes it leasable
@@ -366,7 +366,7 @@ class Broker:
         # engine down: nothing until its EngineHealth says it serves again (then it grants its slots)
         if not peer.leasable:
             return
-        peer.credit = max(0, min(peer.credit + credit, peer.slots))
+        self.workers.set_credit(peer, max(0, min(peer.credit + credit, peer.slots)))
 
     def _on_engine_health(self, peer: WorkerPeer, msg: protocol.EngineHealth) -> None:
         if msg.ok != peer.engine_ok:
@@ -377,7 +377,7 @@ class Broker:
         peer.engine_ok, peer.engine_detail = msg.ok, msg.detail
         peer.failed_by_engine, peer.returned_by_engine = msg.failed_by_engine, msg.returned_by_engine
         if not msg.ok:
-            peer.credit = 0
+            self.workers.set_credit(peer, 0)
 
     def _on_results(self, worker_id: str, msg: protocol.SampleResult) -> None:
         peer = self.workers.peers[worker_id]
@@ -499,7 +499,7 @@ class Broker:
         self, peer: WorkerPeer, work: list[tuple[int, int, Sample]], greedy: int, now: float
     ) -> None:
         """One Lease message: the first `greedy` items are evaluation samples (decoded greedily)."""
-        peer.credit -= len(work)
+        self.workers.set_credit(peer, peer.credit - len(work))
         if self.first_lease is None:
             self.first_lease = now
             self.usage.start(now)
@@ -536,7 +536,7 @@ class Broker:
     def _on_abort_done(self, worker_id: str, msg: protocol.AbortDone, now: float) -> None:
         peer = self.workers.peers[worker_id]
         if peer.engine_ok:
-            peer.credit = min(msg.credit, peer.slots) if peer.slots else msg.credit
+            self.workers.set_credit(peer, min(msg.credit, peer.slots) if peer.slots else msg.credit)
         if self.abort is None or msg.round_id != self.abort.round_id:
             return  # a late confirmation of an earlier round: credit reset is all it means
         scoring = set(msg.scoring.tolist())
