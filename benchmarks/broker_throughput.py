@@ -71,7 +71,17 @@ from april.transport import dealer  # noqa: E402
 from april.wire_records import SampleBatch  # noqa: E402
 from cli.process import stop_requested  # noqa: E402
 
-SCENARIOS = ("steady", "weights", "bounded", "streamed", "flood", "floor", "ceiling", "flood-ceiling")
+SCENARIOS = (
+    "steady",
+    "weights",
+    "bounded",
+    "streamed",
+    "flood",
+    "flood-crowd",
+    "floor",
+    "ceiling",
+    "flood-ceiling",
+)
 # steady and weights: a staleness bound so far off that admission never blocks and no group falls due
 # within a run (admission would block after (bound + version + 1) x B groups accepted;
 # `admission_headroom_groups` reports what was left). The broker's batch rule
@@ -89,6 +99,7 @@ class Scenario:
     hold_ms: float  # how long a worker keeps a lease before returning it (streamed: the mean, per sample)
     stream: bool = False  # return each sample alone, after its own exponential hold (streamed)
     echo: bool = False  # the broker is `run_echo_broker`, not `april broker` (ECHO_OF)
+    crowd: int = 0  # more workers, one slot each, busy for the whole run (`run_crowd`)
 
 
 def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
@@ -111,6 +122,9 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     flood: streamed, but each sample held `--flood-hold-ms`, so far more is offered than one sample a
     message can carry: what the broker trains when engines return every sample alone and never wait.
     flood-ceiling: flood's workers and load against the echo broker, the ceiling over flood's.
+    flood-crowd: flood with `--crowd` more workers registered (1,008: 1,024 in all, a cluster's count),
+    each holding a one-sample lease for the whole run and sending a heartbeat a second: a cluster whose
+    other engines are busy. What the broker does per message must not grow with the workers it knows.
     """
     if name in ECHO_OF:
         return replace(scenario_settings(args, ECHO_OF[name]), name=name, echo=True)
@@ -122,6 +136,8 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True)
     if name == "flood":
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.flood_hold_ms, stream=True)
+    if name == "flood-crowd":
+        return replace(scenario_settings(args, "flood"), name=name, crowd=args.crowd)
     return Scenario(name, 1, args.max_staleness, args.hold_ms)
 
 
@@ -355,6 +371,41 @@ def run_worker(args: argparse.Namespace) -> None:
         worker.close()
 
 
+def run_crowd(args: argparse.Namespace) -> None:
+    """`--crowd` workers in one process (`crowd-0000`, ...), one slot each: each says hello, is leased one
+    sample, and holds it until SIGTERM, sending a Heartbeat a second (staggered over the second) as an
+    idle-looking busy worker must; what the broker sends them is read and dropped. Writes `--stats` once
+    every hello is sent."""
+    should_stop = stop_requested()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, args.crowd + 64)  # libzmq's default is 1,023 sockets a context
+    ids = [f"crowd-{i:04d}" for i in range(args.crowd)]
+    socks = [dealer(ctx, args.broker, worker_id) for worker_id in ids]
+    poller = zmq.Poller()
+    for worker_id, sock in zip(ids, socks, strict=True):
+        hello = protocol.WorkerHello(
+            worker_id, "bench-crowd", 1, 0, os.getpid(), platform.node(), protocol.empty_lease_ids()
+        )
+        send_counted(sock, hello)
+        poller.register(sock, zmq.POLLIN)
+    Path(args.stats).write_text("ready\n")
+    start = time.monotonic()
+    beats = deque((start + (i + 1) / len(socks), sock) for i, sock in enumerate(socks))  # due time order
+    while not should_stop():
+        for sock, _ in poller.poll(50):
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        now = time.monotonic()
+        while beats and beats[0][0] <= now:
+            due, sock = beats.popleft()
+            send_counted(sock, protocol.Heartbeat())
+            beats.append((due + 1.0, sock))
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+
+
 # ------------------------------------------------------------------------------------------------ learner
 
 
@@ -376,6 +427,7 @@ class LearnerLog:
     batches: list[BatchSeen] = field(default_factory=list)
     weights_published: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    workers_alive: int | None = None  # live workers in the broker's status (`ScriptedLearner.ask_status`)
 
 
 class ScriptedLearner:
@@ -403,6 +455,8 @@ class ScriptedLearner:
             msg = protocol.decode(frames)
             if isinstance(msg, protocol.Error):
                 self.log.errors[msg.code] = self.log.errors.get(msg.code, 0) + 1
+            elif isinstance(msg, protocol.StatusReply):
+                self.log.workers_alive = sum(1 for w in msg.status.workers if w.alive)
             return
         # The body map only: batch id and array lengths (the arrays are the broker's cost, not ours).
         body = msgpack.unpackb(frames[1], raw=False)
@@ -428,6 +482,13 @@ class ScriptedLearner:
             send_counted(self.sock, protocol.WeightsReady(self.version, f"bench://v{self.version}", sha))
             self.log.weights_published += 1
         send_counted(self.sock, protocol.BatchRequest(self.step, self.last_batch_id))
+
+    def ask_status(self, timeout_s: float) -> None:
+        """How many workers the broker counts alive (`log.workers_alive`), going on with batches meanwhile."""
+        send_counted(self.sock, protocol.StatusRequest())
+        deadline = time.monotonic() + timeout_s
+        while self.log.workers_alive is None and time.monotonic() < deadline:
+            self.poll(50)
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -541,6 +602,20 @@ def echo_command(args: argparse.Namespace, port: int, bound: Path, config: Path)
         f"--stats={bound}",
         f"--config={config}",
     ]
+
+
+def start_crowd(
+    args: argparse.Namespace, port: int, ready: Path, crowd: int, deadline: float
+) -> subprocess.Popen[bytes]:
+    """The crowd process (`run_crowd`), once it has said every hello."""
+    command = [sys.executable, __file__, "--role=crowd", f"--broker=tcp://127.0.0.1:{port}"]
+    proc = subprocess.Popen([*command, f"--crowd={crowd}", f"--stats={ready}"], env=child_env())
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the crowd of {crowd} workers did not start (exit {proc.poll()})")
+        time.sleep(0.05)
+    return proc
 
 
 def broker_command(run_dir: Path, profile: Path | None) -> list[str]:
@@ -713,6 +788,8 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
             for i in range(args.workers)
         ]
         procs.extend(workers)
+        if settings.crowd:
+            procs.append(start_crowd(args, ports[0], run_dir / "crowd.ready", settings.crowd, deadline))
         learner = ScriptedLearner(ctx, f"tcp://127.0.0.1:{ports[1]}", settings.weights_every)
         try:
             if not settings.echo:  # the echo broker forms no batches: no learner
@@ -741,6 +818,8 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
                 learner.poll(5)
             cpu1 = CpuSample.take(broker.pid, worker_pids)
             assert cpu0 is not None
+            if not settings.echo:
+                learner.ask_status(timeout_s=10.0)
             # state.snap (live groups) and the complete.*.log segments (complete groups, appended once each)
             snapshot_bytes = sum(f.stat().st_size for f in (run_dir / "broker").glob("*") if f.is_file())
         finally:
@@ -759,6 +838,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
             worker_logs.append(json.loads(path.read_text()))
     result = summarize(args, scenario, learner.log, worker_logs, (window_start, window_end), cpu0, cpu1)
     result["snapshot_mb_at_end"] = snapshot_bytes / 1e6
+    result["workers_alive_at_end"] = learner.log.workers_alive  # the crowd's included (None: echo)
     log_text = broker_log.read_text(errors="replace")
     result["aborts"] = log_text.count("abort round") // 2  # each round logs its start and confirmation
     return result
@@ -900,6 +980,7 @@ SMOKE: dict[str, Any] = {
     "weights_every": 2,
     "stream_hold_ms": 100.0,  # 2 workers x 8 slots: 160 samples/s offered, a batch of 16 every 0.1 s
     "flood_hold_ms": 10.0,  # 1,600 samples/s offered
+    "crowd": 30,
     "out": "bench-out/broker_throughput-smoke.json",
 }
 
@@ -921,6 +1002,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--flood-hold-ms", type=float, default=50.0, help="mean hold time of each sample in flood")
     p.add_argument("--max-staleness", type=int, default=1, help="algo.max_staleness of `bounded`")
+    p.add_argument("--crowd", type=int, default=1008, help="busy one-slot workers added in flood-crowd")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {SCENARIOS}")
     p.add_argument("--out", default="bench-out/broker_throughput.json", help="JSON results file")
     p.add_argument("--run-root", default="", help="parent of the run directories (default: a temp dir)")
@@ -931,7 +1013,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--smoke", action="store_true", help="a few seconds a scenario: tiny sizes (options given win)"
     )
     # worker role (started by this script)
-    p.add_argument("--role", choices=("bench", "worker", "echo"), default="bench", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--role", choices=("bench", "worker", "echo", "crowd"), default="bench", help=argparse.SUPPRESS
+    )
     p.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-id", default="", help=argparse.SUPPRESS)
     p.add_argument("--broker", default="", help=argparse.SUPPRESS)
@@ -962,6 +1046,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if args.role == "echo":
         run_echo_broker(args)
+        return
+    if args.role == "crowd":
+        run_crowd(args)
         return
     load_start = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="april-bench-", dir=args.run_root or None))

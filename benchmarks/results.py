@@ -713,6 +713,13 @@ def block_cluster_load() -> str:
             f"against an echo broker, `flood-ceiling`, {flood_ceiling['generated_per_s']:,.0f}), trained | "
             f"{flood['samples_per_s']:,.0f} |"
         )
+    crowd = broker.get("flood-crowd")
+    if crowd is not None:  # artifacts from before the scenario existed have none
+        rows.append(
+            f"| the same with {crowd['workers_alive_at_end']:,} workers registered (`flood-crowd`: flood's "
+            f"{crowd['workers_alive_at_end'] - crowd['crowd']} and {crowd['crowd']:,} more, each busy with a "
+            f"one-sample lease and sending a heartbeat a second), trained | {crowd['samples_per_s']:,.0f} |"
+        )
     return "\n".join([*rows, "", source("cluster-load"), "", source("broker-throughput")])
 
 

@@ -63,7 +63,17 @@ def check_broker_throughput(tmp_path: Path) -> None:
     assert report["machine"]["cpu_count"] >= 1
     assert all(finite(x) for x in report["load_average"]["start"] + report["load_average"]["end"])
     results = report["results"]
-    names = ["steady", "weights", "bounded", "streamed", "flood", "floor", "ceiling", "flood-ceiling"]
+    names = [
+        "steady",
+        "weights",
+        "bounded",
+        "streamed",
+        "flood",
+        "flood-crowd",
+        "floor",
+        "ceiling",
+        "flood-ceiling",
+    ]
     assert [r["scenario"] for r in results] == names
     *results, floor, ceiling, flood_ceiling = results
     n = params["rollout_batch_size"] * params["n_samples_per_prompt"]
@@ -92,14 +102,14 @@ def check_broker_throughput(tmp_path: Path) -> None:
         # the learner publishes after every `weights_every`-th batch it acks
         every = r["weights_every"]
         assert r["weights_published"] == (r["batches_total"] // every if every else 0), name
-    steady, weights, bounded, streamed, flood = results
+    steady, weights, bounded, streamed, flood, crowd = results
     assert (
         steady["max_staleness"]
         == weights["max_staleness"]
         > bounded["max_staleness"]
         == params["max_staleness"]
     )
-    for r in (steady, weights, streamed, flood):  # these must not be held back by admission
+    for r in (steady, weights, streamed, flood, crowd):  # these must not be held back by admission
         assert r["admission_headroom_groups"] > 0, r
     # streamed: engines' way, one sample a result as each finishes, every result answered by a Lease
     assert streamed["samples_per_result"] == 1.0 and streamed["stream"] is True, streamed
@@ -107,6 +117,13 @@ def check_broker_throughput(tmp_path: Path) -> None:
     # flood: streamed's way with a shorter hold, so far more is offered
     assert flood["stream"] is True and flood["samples_per_result"] == 1.0, flood
     assert flood["hold_ms"] < streamed["hold_ms"] and flood["max_staleness"] == steady["max_staleness"]
+    # flood-crowd: flood's, with a crowd of one-slot workers the broker counts alive to the end
+    assert {k: v for k, v in crowd.items() if k in ("stream", "hold_ms", "max_staleness")} == {
+        k: flood[k] for k in ("stream", "hold_ms", "max_staleness")
+    }
+    assert crowd["crowd"] == params["crowd"] > 0 and flood["crowd"] == 0, crowd
+    assert crowd["workers_alive_at_end"] == params["workers"] + params["crowd"], crowd
+    assert flood["workers_alive_at_end"] == params["workers"], flood
     # floor: streamed's workers and load against the echo broker, which answers every result (and forms
     # no batches: no learner)
     assert floor["stream"] is True and floor["hold_ms"] == streamed["hold_ms"], floor
