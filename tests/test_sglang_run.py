@@ -67,7 +67,14 @@ def test_a_worker_survives_its_sglang_server_killed_and_restarted_mid_run(
     cluster: Callable[..., Cluster], tmp_path: Path
 ) -> None:
     with tiny_server() as server:
-        c = cluster(run={"mode": "april"}, worker={"engine": "sglang", "sglang_urls": server.url, "slots": 8})
+        # a liveness window of 2 s, not the harness's 0.6: once, in a full suite, the worker answering an
+        # abort as its server was killed went 0.6 s without a message and was declared dead (a stall of
+        # the loaded machine; production's window is 3 s)
+        c = cluster(
+            run={"mode": "april"},
+            worker={"engine": "sglang", "sglang_urls": server.url, "slots": 8},
+            broker={"liveness": 10},
+        )
         c.start_broker()
         log = c.start_worker("w0")
         engine_killed_and_restarted_mid_run(
