@@ -27,6 +27,9 @@ whenever it forms a batch, whatever `snapshot_interval_s` says.
 The learner does not decode the sample arrays (it reads the body map only), so that the harness takes as
 little CPU from the broker as it can; workers decode Leases with the strict codec, as a real worker does.
 
+`--repeat N` runs the scenarios N times round-robin and reports each one's median run (this shared
+machine's figures move by a tenth or more from one run to the next), with every run's main figures.
+
 Not a test: nothing is asserted. Prints a table and writes JSON (`--out`).
 Usage: python benchmarks/broker_throughput.py [--workers 16 --tokens 2048 --seconds 10 --warmup 3]
        python benchmarks/broker_throughput.py --smoke     # every scenario at tiny sizes (the suite runs it)
@@ -916,6 +919,15 @@ def summarize(
 # ------------------------------------------------------------------------------------------------ report
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median figure (trained samples/s; returned, against an echo broker), whole, so
+    that its fields stay one run's; `repeats` lists every run's main figures, in the order they ran."""
+    key = "generated_per_s" if runs[0]["echo"] else "samples_per_s"
+    chosen = sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+    figures = ("samples_per_s", "generated_per_s", "broker_cpu_us_per_sample", "latency_ms_p99")
+    return {**chosen, "repeats": [{k: r[k] for k in figures} for r in runs]}
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
@@ -947,6 +959,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
         "(samples/s = trained (in Batches), gen/s = returned by workers; cpu: 100% = one core busy; "
         "MB/s in = SampleResult frames from workers, out = Batch frames)"
     )
+    if len(results[0]["repeats"]) > 1:
+        print(f"the median of {len(results[0]['repeats'])} runs each; samples/s (gen/s) of every run:")
+        for r in results:
+            key = "generated_per_s" if r["echo"] else "samples_per_s"
+            print(f"  {r['scenario']}: " + ", ".join(f"{x[key]:,.0f}" for x in r["repeats"]))
 
 
 def machine_info() -> dict[str, Any]:
@@ -1004,6 +1021,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=1, help="algo.max_staleness of `bounded`")
     p.add_argument("--crowd", type=int, default=1008, help="busy one-slot workers added in flood-crowd")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {SCENARIOS}")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each scenario (round-robin); the median run is reported",
+    )
     p.add_argument("--out", default="bench-out/broker_throughput.json", help="JSON results file")
     p.add_argument("--run-root", default="", help="parent of the run directories (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the run directories (broker logs, snapshots)")
@@ -1025,6 +1048,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.smoke:  # the smoke sizes become the defaults, so options given on the command line still win
         p.set_defaults(**SMOKE)
         args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat: {args.repeat}, must be >= 1")
     unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
     if unknown:
         p.error(f"--scenarios: unknown {sorted(unknown)}, expected some of {SCENARIOS}")
@@ -1052,20 +1077,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     load_start = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="april-bench-", dir=args.run_root or None))
-    results = []
+    scenarios = args.scenarios.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in scenarios}
     try:
-        for scenario in args.scenarios.split(","):
-            print(
-                f"running {scenario}: {args.workers} workers x {args.slots} slots, {args.tokens} tokens, "
-                f"{args.warmup:.0f}s warm-up + {args.seconds:.0f}s",
-                flush=True,
-            )
-            results.append(run_scenario(args, scenario, root))
+        for rep in range(args.repeat):  # round-robin, so that a slow spell of the machine hits them all
+            for scenario in scenarios:
+                print(
+                    f"running {scenario} ({rep + 1}/{args.repeat}): {args.workers} workers x {args.slots} "
+                    f"slots, {args.tokens} tokens, {args.warmup:.0f}s warm-up + {args.seconds:.0f}s",
+                    flush=True,
+                )
+                runs[scenario].append(run_scenario(args, scenario, root / f"{rep}"))
     finally:
         if args.keep:
             print(f"run directories kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
+    results = [median_run(runs[name]) for name in scenarios]
     print()
     print_table(results)
     load_end = os.getloadavg()

@@ -145,7 +145,7 @@ STEPS: tuple[Step, ...] = (
     Step(
         "broker-throughput",
         "results/broker-throughput",
-        "python benchmarks/broker_throughput.py --out {out}/broker_throughput.json",
+        "python benchmarks/broker_throughput.py --repeat 3 --out {out}/broker_throughput.json",
         minutes=2,
     ),
     Step(

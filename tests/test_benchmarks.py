@@ -97,6 +97,7 @@ def check_broker_throughput(tmp_path: Path) -> None:
         assert r["latency_ms_p50"] <= r["latency_ms_p99"] <= r["latency_ms_max"], name
         assert r["latency_count"] >= 1 and r["sample_results"] >= 1, name
         assert r["worker_logs"] == params["workers"], name
+        assert [x["samples_per_s"] for x in r["repeats"]] == [r["samples_per_s"]], name  # one run: itself
         assert r["learner_errors"] == {}, name  # the broker rejected nothing the scripted learner sent
         assert "Error" not in r["worker_other_messages"], name
         # the learner publishes after every `weights_every`-th batch it acks
