@@ -666,6 +666,14 @@ def bytes_written(pid: int) -> int:
     return 0
 
 
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory (VmHWM of /proc/PID/status), in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds per thread name (e.g. the Python main thread vs ZeroMQ's I/O threads)."""
     out: dict[str, float] = {}
@@ -820,6 +828,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
                     raise RuntimeError(f"broker exited with {broker.returncode}:\n{tail(broker_log)}")
                 learner.poll(5)
             cpu1 = CpuSample.take(broker.pid, worker_pids)
+            broker_rss = peak_rss_mb(broker.pid)
             assert cpu0 is not None
             if not settings.echo:
                 learner.ask_status(timeout_s=10.0)
@@ -841,6 +850,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
             worker_logs.append(json.loads(path.read_text()))
     result = summarize(args, scenario, learner.log, worker_logs, (window_start, window_end), cpu0, cpu1)
     result["snapshot_mb_at_end"] = snapshot_bytes / 1e6
+    result["broker_peak_rss_mb"] = broker_rss
     result["workers_alive_at_end"] = learner.log.workers_alive  # the crowd's included (None: echo)
     log_text = broker_log.read_text(errors="replace")
     result["aborts"] = log_text.count("abort round") // 2  # each round logs its start and confirmation
