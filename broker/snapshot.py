@@ -350,13 +350,15 @@ def restore(snap: BrokerSnapshot, mode: Mode, algo: AlgoConfig, source: PromptSo
     by_group: dict[int, list] = {}  # type: ignore[type-arg]
     for s in snap.samples.to_samples():
         by_group.setdefault(s.group_id, []).append(s)
+    finished = {*snap.complete_order, *snap.batch_groups}
     for gid, samples in by_group.items():
         samples.sort(key=lambda s: s.index)
         cursor = cursors[gid]
         entry = GroupEntry(gid, samples, cursor=cursor, prompt_index=source.get(cursor).prompt_index)
         state.groups[gid] = entry
-        if gid in snap.complete_order or gid in snap.batch_groups:
+        if gid in finished:
             continue
+        state.unfinished[gid] = entry
         state._moved("done", entry.state)
         for s in samples:
             if s.status in (SampleStatus.PENDING, SampleStatus.INTERRUPTED):
