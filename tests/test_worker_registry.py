@@ -59,7 +59,8 @@ def test_the_longest_silent_is_found_dead_first_and_a_new_worker_is_due_a_heartb
     workers = Workers(INTERVAL, LIVENESS)
     a = workers.register("a", 0.0, slots=2)
     workers.register("b", 1.0, slots=2)
-    assert a is not None and sorted(p.peer_id for p in workers.due_heartbeat(1.0)) == ["a", "b"]  # never sent to
+    assert a is not None
+    assert sorted(p.peer_id for p in workers.due_heartbeat(1.0)) == ["a", "b"]  # never sent to
     workers.sent(a, 1.0)
     assert [p.peer_id for p in workers.due_heartbeat(1.5)] == ["b"]
     assert workers.dead(3.5) == ["a"] and workers.dead(4.5) == ["a", "b"]
