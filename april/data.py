@@ -30,7 +30,7 @@ _INT32_MAX = 2**31 - 1
 KEPT_PROMPT_BYTES = 32 << 20
 
 
-def _kept_bytes(tokens: int) -> int:
+def _record_bytes(tokens: int) -> int:
     return 1024 + 8 * tokens
 
 
@@ -122,10 +122,10 @@ class SyntheticPromptSource:
         if record is None:
             record = self._build(index)
             self._kept[index] = record
-            self._kept_bytes += _kept_bytes(len(record.prompt_ids))
+            self._kept_bytes += _record_bytes(len(record.prompt_ids))
             while self._kept_bytes > KEPT_PROMPT_BYTES:
                 oldest = self._kept.pop(next(iter(self._kept)))
-                self._kept_bytes -= _kept_bytes(len(oldest.prompt_ids))
+                self._kept_bytes -= _record_bytes(len(oldest.prompt_ids))
         return record
 
     def _build(self, index: int) -> PromptRecord:

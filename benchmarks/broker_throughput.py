@@ -607,9 +607,7 @@ def echo_command(args: argparse.Namespace, port: int, bound: Path, config: Path)
     ]
 
 
-def start_crowd(
-    args: argparse.Namespace, port: int, ready: Path, crowd: int, deadline: float
-) -> subprocess.Popen[bytes]:
+def start_crowd(port: int, ready: Path, crowd: int, deadline: float) -> subprocess.Popen[bytes]:
     """The crowd process (`run_crowd`), once it has said every hello."""
     command = [sys.executable, __file__, "--role=crowd", f"--broker=tcp://127.0.0.1:{port}"]
     proc = subprocess.Popen([*command, f"--crowd={crowd}", f"--stats={ready}"], env=child_env())
@@ -800,7 +798,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
         ]
         procs.extend(workers)
         if settings.crowd:
-            procs.append(start_crowd(args, ports[0], run_dir / "crowd.ready", settings.crowd, deadline))
+            procs.append(start_crowd(ports[0], run_dir / "crowd.ready", settings.crowd, deadline))
         learner = ScriptedLearner(ctx, f"tcp://127.0.0.1:{ports[1]}", settings.weights_every)
         try:
             if not settings.echo:  # the echo broker forms no batches: no learner
@@ -929,10 +927,15 @@ def summarize(
 # ------------------------------------------------------------------------------------------------ report
 
 
+def main_figure(result: dict[str, Any]) -> str:
+    """A scenario's figure: samples/s trained, or returned against an echo broker (which trains none)."""
+    return "generated_per_s" if result["echo"] else "samples_per_s"
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median figure (trained samples/s; returned, against an echo broker), whole, so
-    that its fields stay one run's; `repeats` lists every run's main figures, in the order they ran."""
-    key = "generated_per_s" if runs[0]["echo"] else "samples_per_s"
+    """The run with the median `main_figure`, whole, so that its fields stay one run's; `repeats` lists
+    every run's main figures, in the order they ran."""
+    key = main_figure(runs[0])
     chosen = sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
     figures = ("samples_per_s", "generated_per_s", "broker_cpu_us_per_sample", "latency_ms_p99")
     return {**chosen, "repeats": [{k: r[k] for k in figures} for r in runs]}
@@ -972,8 +975,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
     if len(results[0]["repeats"]) > 1:
         print(f"the median of {len(results[0]['repeats'])} runs each; samples/s (gen/s) of every run:")
         for r in results:
-            key = "generated_per_s" if r["echo"] else "samples_per_s"
-            print(f"  {r['scenario']}: " + ", ".join(f"{x[key]:,.0f}" for x in r["repeats"]))
+            print(f"  {r['scenario']}: " + ", ".join(f"{x[main_figure(r)]:,.0f}" for x in r["repeats"]))
 
 
 def machine_info() -> dict[str, Any]:

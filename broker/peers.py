@@ -16,6 +16,7 @@ come from one monotonic clock, as the broker's do.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from april.protocol import LearnerPhase
@@ -159,20 +160,22 @@ class Workers:
 
     def dead(self, now: float) -> list[str]:
         """Workers silent for longer than the liveness window, the longest silent first."""
-        window, out = self.window, []
-        for worker_id in self._by_seen:
-            if now - self.peers[worker_id].last_seen <= window:
-                break  # every later one was heard from since
-            out.append(worker_id)
-        return out
+        window = self.window
+        return [p.peer_id for p in self._oldest_while(self._by_seen, lambda p: now - p.last_seen > window)]
 
     def due_heartbeat(self, now: float) -> list[WorkerPeer]:
         """Workers sent nothing for a heartbeat interval."""
+        return self._oldest_while(self._by_sent, lambda p: now - p.last_sent >= self.interval)
+
+    def _oldest_while(
+        self, order: OrderedDict[str, None], overdue: Callable[[WorkerPeer], bool]
+    ) -> list[WorkerPeer]:
+        """The workers of `order` from its front while `overdue`: every later one is more recent."""
         out = []
-        for worker_id in self._by_sent:
+        for worker_id in order:
             peer = self.peers[worker_id]
-            if now - peer.last_sent < self.interval:
-                break  # every later one was sent to since
+            if not overdue(peer):
+                break
             out.append(peer)
         return out
 

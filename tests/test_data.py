@@ -129,7 +129,7 @@ def reference_synthetic(seed: int, index: int, len_min: int, len_max: int, vocab
 def test_synthetic_records_match_the_reference_also_when_kept(
     vocab: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(data, "KEPT_PROMPT_BYTES", 256 * data._kept_bytes(6))  # about 256 records
+    monkeypatch.setattr(data, "KEPT_PROMPT_BYTES", 256 * data._record_bytes(6))  # about 256 records
     size = 256 * 2 + 7
     source = SyntheticPromptSource(size, seed=3, prompt_len_min=1, prompt_len_max=12, vocab_size=vocab)
     # draws that revisit recent cursors (kept records) and, past the budget, dropped ones (rebuilt)
@@ -150,7 +150,7 @@ def test_synthetic_keeps_the_records_within_its_budget_and_only_those(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     kept = 50
-    monkeypatch.setattr(data, "KEPT_PROMPT_BYTES", kept * data._kept_bytes(8))
+    monkeypatch.setattr(data, "KEPT_PROMPT_BYTES", kept * data._record_bytes(8))
     source = SyntheticPromptSource(kept * 4, seed=1, prompt_len_min=8, prompt_len_max=8, shuffle=False)
     first = source.get(0)
     assert source.get(0) is first  # built once: the broker gets a windowed prompt twice
@@ -164,7 +164,7 @@ def test_synthetic_keeps_the_records_within_its_budget_and_only_those(
 
 def test_the_default_synthetic_dataset_is_kept_whole() -> None:
     cfg = DataConfig()
-    per_record = data._kept_bytes(cfg.synthetic_prompt_len_max)
+    per_record = data._record_bytes(cfg.synthetic_prompt_len_max)
     assert cfg.synthetic_size * per_record <= KEPT_PROMPT_BYTES
 
 
