@@ -2,8 +2,10 @@
 
 One loop, top to bottom: read the broker's messages (leases, aborts, weights, heartbeats), advance the
 engine one step, score what finished (rewards run in a killable child process and never block), send
-what is ready, keep the connection alive. Speaks only `april.protocol` to the broker and only
-`actors.engine.Engine` to the engine; knows nothing of scheduling policy.
+what is ready (at once, or gathered for up to `worker.result_hold_ms` into one message: `actors.outbox`,
+whose results no later message overtakes and whose leases a hello names), keep the connection alive.
+Speaks only `april.protocol` to the broker and only `actors.engine.Engine` to the engine; knows nothing
+of scheduling policy.
 
 Contracts it keeps (docs/protocol.md): a sample leased with its `greedy` flag set (an evaluation sample)
 is decoded greedily; a sample that finished generating frees its engine slot at once
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import time
@@ -56,6 +59,7 @@ from actors.engine import (
 )
 from actors.engine_health import EngineHealth, one_line
 from actors.engines.sim_engine import SampleIdentity
+from actors.outbox import Outbox
 from actors.reward_runner import RewardRunner
 from actors.slot_meter import SlotMeter
 from actors.tokenizer import Tokenizer
@@ -67,7 +71,6 @@ from april.keys import ClientKeys
 from april.peer_link import PeerLink
 from april.records import FinishReason, Sample
 from april.sample_draw import prompt_key
-from april.wire_records import SampleBatch
 
 log = logging.getLogger("april.worker")
 EngineFactory = Callable[[SamplingParams, int], Engine]  # (sampling, starting version) -> engine
@@ -132,6 +135,8 @@ class Worker:
         self.meter: SlotMeter | None = None  # slot usage, reported as EngineUsage (from the engine's start)
         self.held: dict[int, Held] = {}  # lease id -> sample in the engine
         self.scoring: dict[int, Sample] = {}  # lease id -> finished sample waiting for its reward
+        # results and credit owed to the broker, held up to result_hold_ms and sent as one message
+        self.outbox = Outbox(cfg.result_hold_ms / 1e3, max_samples=cfg.slots)
         # the engine is built on a thread after the first Welcome (a vLLM or SGLang start can outlast the
         # broker's liveness window): until then it is "starting", and the broker leases it nothing
         self.health = EngineHealth(down=True, detail=protocol.ENGINE_STARTING)
@@ -153,8 +158,9 @@ class Worker:
             while not should_stop():
                 busy = self.engine is not None and not self.health.down and self.engine.active > 0
                 # idle, the loop waits on the broker socket; a fetch finishing does not wake it, so it
-                # looks every 5 ms while one is on its way (a version loads promptly, sync_s is honest)
-                self._read_broker(0 if busy else 5 if self.sync.busy else 50)
+                # looks every 5 ms while one is on its way (a version loads promptly, sync_s is honest),
+                # and no longer than what the outbox holds may wait
+                self._read_broker(0 if busy else self._idle_wait_ms(5 if self.sync.busy else 50))
                 self._sync_weights()
                 self._meter_usage()
                 if self.health.down:
@@ -163,6 +169,7 @@ class Worker:
                     self._step()
                     self._meter_usage()
                 self._send_scored()
+                self._send_outbox_if_due()
                 self._report_health()
                 self.link.keep_alive()
             self._shutdown()
@@ -243,7 +250,7 @@ class Worker:
                     self.health.failed += 1
                 failed.append((lease_id, sample.failed(f"engine rejected the request: {exc}"[:500])))
         if failed:
-            self._send_results(failed, credit=0 if self.health.down else len(failed))
+            self._owe(failed, credit=0 if self.health.down else len(failed))
 
     def _step(self) -> None:
         """One engine step. An EngineError no request was blamed for leaves the engine in a state the
@@ -288,9 +295,9 @@ class Worker:
                 self._score(out.request_id, apply_output(held.sample, out))
                 finished += 1
         if done:
-            self._send_results(done, credit=0 if asked else len(done))
+            self._owe(done, credit=0 if asked else len(done))
         if finished:
-            self._send(protocol.LeaseRequest(finished))
+            self._owe([], finished)
 
     def _score(self, lease_id: int, sample: Sample) -> None:
         self.scoring[lease_id] = sample
@@ -309,16 +316,27 @@ class Worker:
                 log.warning("sample %s failed its reward: %s", sample.key, result.error)
                 done.append((result.key, sample.failed(result.error)))
         if done:
-            self._send_results(done)
+            self._owe(done)
 
-    def _send_results(self, items: list[tuple[int, Sample]], credit: int = 0) -> None:
-        self._send(
-            protocol.SampleResult(
-                lease_ids=np.array([lease_id for lease_id, _ in items], dtype=np.int64),
-                samples=SampleBatch.from_samples([s for _, s in items]),
-                credit=credit,
-            )
-        )
+    def _owe(self, items: list[tuple[int, Sample]], credit: int = 0) -> None:
+        """Results and freed slots for the broker: into the outbox, sent once it is due (at once with
+        result_hold_ms 0)."""
+        self.outbox.add(items, credit, time.monotonic())
+        self._send_outbox_if_due()
+
+    def _send_outbox_if_due(self) -> None:
+        if self.outbox.due(time.monotonic()):
+            self._send_outbox()
+
+    def _send_outbox(self) -> None:
+        msg = self.outbox.take()
+        if msg is not None:
+            self.link.send(msg)
+
+    def _idle_wait_ms(self, wait_ms: int) -> int:
+        """How long an idle loop may block on the broker socket: `wait_ms`, or until the outbox is due."""
+        left = self.outbox.wait_s(time.monotonic())
+        return wait_ms if left is None else min(wait_ms, math.ceil(left * 1e3))
 
     def _on_abort(self, round_id: int) -> None:
         """Return every unfinished sample as a partial; confirm once the engine is idle (a down engine
@@ -450,7 +468,7 @@ class Worker:
         self.health.go_down(str(exc), time.monotonic())
         self._report_health()
         if back or failed:
-            self._send_results(failed + back)  # credit 0: nothing more until the engine serves
+            self._owe(failed + back)  # credit 0: nothing more until the engine serves
         if not was_down:
             log.error(
                 "engine down (%s): %d samples returned, leasing nothing until it serves again",
@@ -460,7 +478,7 @@ class Worker:
 
     def _return_unstarted(self, items: list[tuple[int, Sample]]) -> None:
         """Leases that reached a down engine's worker: back as leased, no credit."""
-        self._send_results([(lease_id, interrupted(sample, None)) for lease_id, sample in items])
+        self._owe([(lease_id, interrupted(sample, None)) for lease_id, sample in items])
         self.health.returned += len(items)
 
     def _probe(self, now: float) -> None:
@@ -528,7 +546,7 @@ class Worker:
     def _hello(self) -> list[protocol.Message]:
         """What introduces this worker to a broker that may have lost it: the leases it still holds, and
         its engine's health when that is not the broker's default (up, nothing lost)."""
-        held = np.array(sorted([*self.held, *self.scoring]), dtype=np.int64)
+        held = np.array(sorted([*self.held, *self.scoring, *self.outbox.lease_ids()]), dtype=np.int64)
         version = self.engine.version if self.engine is not None else 0
         hello = protocol.WorkerHello(
             self.worker_id, self.cfg.engine, self.cfg.slots, version, os.getpid(), socket.gethostname(), held
@@ -537,6 +555,8 @@ class Worker:
         return [hello] if self.health.pristine else [hello, self.health.sent]
 
     def _send(self, msg: protocol.Message) -> None:
+        """Send `msg` after everything the outbox holds, so that no held result is overtaken."""
+        self._send_outbox()
         self.link.send(msg)
 
     def _shutdown(self) -> None:

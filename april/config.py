@@ -266,6 +266,8 @@ class BrokerConfig:
 # hidden states at a time): 512 x a 151,936-token vocabulary is 311 MB of float32 logits per chunk.
 DEFAULT_LOGPROB_CHUNK_TOKENS = 512
 VLLM_DTYPES = ("", "auto", "float32", "float", "bfloat16", "float16", "half")
+# worker.result_hold_ms: held longer, results would wait on the order of a heartbeat (april.peer_link)
+MAX_RESULT_HOLD_MS = 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +278,7 @@ class WorkerConfig:
     model: str = ""  # Hugging Face model directory (torch, vllm need one); empty: byte-level tokenizer
     reward: str = "exact"  # built-in name or "module:function"
     reward_timeout_s: float = 10.0  # seconds one reward call may take before it scores as failed
+    result_hold_ms: float = 0.0  # hold results and freed slots up to this long, as one message; 0: at once
     worker_id: str = ""  # empty: <hostname>-<pid>
     device: str = "cpu"  # torch and vllm engines: cpu, cuda, cuda:1, ...
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
@@ -299,6 +302,12 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         _endpoint("worker.broker", self.broker)
         _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads")
+        _check(
+            0 <= self.result_hold_ms <= MAX_RESULT_HOLD_MS,
+            "worker.result_hold_ms",
+            self.result_hold_ms,
+            f"must be in [0, {MAX_RESULT_HOLD_MS}] (0 = send at once)",
+        )
         _check(self.sim_time_scale >= 0, "worker.sim_time_scale", self.sim_time_scale, "must be >= 0")
         _check(
             0 <= self.sim_prompt_corr < 1, "worker.sim_prompt_corr", self.sim_prompt_corr, "must be in [0, 1)"

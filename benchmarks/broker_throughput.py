@@ -17,7 +17,8 @@ Measured over a fixed window (`--seconds`) after a warm-up (`--warmup`) that sta
 - samples/s trained: samples in the Batches the learner received in the window;
 - MB/s: bytes of SampleResult frames the workers sent (in) and of Batch frames the learner got (out);
 - message latency: per worker, from sending a SampleResult (which carries credit) to receiving the next
-  Lease, a request-reply through the broker; p50/p99 over all workers;
+  Lease, a request-reply through the broker; in the streamed scenarios from when each sample's result is
+  owed (it finished), so a gathering worker's hold counts; p50/p99 over all workers;
 - broker CPU per sample: utime + stime of the broker process (all its threads: Python + ZeroMQ I/O)
   from /proc over the window, divided by samples trained; plus the workers' and learner's CPU share.
 
@@ -64,6 +65,7 @@ import zmq
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from actors.outbox import Outbox  # noqa: E402
 from april import protocol  # noqa: E402
 from april.codec import decode_header  # noqa: E402
 from april.config import load_config  # noqa: E402
@@ -80,6 +82,7 @@ SCENARIOS = (
     "bounded",
     "streamed",
     "flood",
+    "flood-gathered",
     "flood-crowd",
     "floor",
     "ceiling",
@@ -103,6 +106,7 @@ class Scenario:
     stream: bool = False  # return each sample alone, after its own exponential hold (streamed)
     echo: bool = False  # the broker is `run_echo_broker`, not `april broker` (ECHO_OF)
     crowd: int = 0  # more workers, one slot each, busy for the whole run (`run_crowd`)
+    result_hold_ms: float = 0.0  # streamed: each worker's outbox hold (worker.result_hold_ms)
 
 
 def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
@@ -125,6 +129,9 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     flood: streamed, but each sample held `--flood-hold-ms`, so far more is offered than one sample a
     message can carry: what the broker trains when engines return every sample alone and never wait.
     flood-ceiling: flood's workers and load against the echo broker, the ceiling over flood's.
+    flood-gathered: flood's workers and load, each worker holding what it owes (results and credit) for up
+    to `--gather-hold-ms` in the real worker's outbox (actors/outbox.py, worker.result_hold_ms) and sending
+    it as one SampleResult: what gathering saves the broker when engines finish samples one at a time.
     flood-crowd: flood with `--crowd` more workers registered (1,008: 1,024 in all, a cluster's count),
     each holding a one-sample lease for the whole run and sending a heartbeat a second: a cluster whose
     other engines are busy. What the broker does per message must not grow with the workers it knows.
@@ -139,6 +146,8 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True)
     if name == "flood":
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.flood_hold_ms, stream=True)
+    if name == "flood-gathered":
+        return replace(scenario_settings(args, "flood"), name=name, result_hold_ms=args.gather_hold_ms)
     if name == "flood-crowd":
         return replace(scenario_settings(args, "flood"), name=name, crowd=args.crowd)
     return Scenario(name, 1, args.max_staleness, args.hold_ms)
@@ -236,7 +245,8 @@ class ScriptedWorker:
     """Answers each Lease with one SampleResult, at once or after `hold_s` (a stand-in for generation
     time, so that a new weight version finds leased work to abort). On Abort it returns what it holds
     INTERRUPTED, with the share of `tokens` its hold time allowed, then confirms with AbortDone.
-    With `--stream` it returns each leased sample alone (credit 1) after its own exponential hold."""
+    With `--stream` it returns each leased sample (credit 1) after its own exponential hold, through the
+    real worker's outbox: alone at once, or gathered for up to `--result-hold-ms`."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -253,7 +263,8 @@ class ScriptedWorker:
         self.stream = args.stream
         self.rng = np.random.default_rng(sum(args.worker_id.encode()))
         self.streaming: list[tuple[float, int, int, int, Sample]] = []  # heap: (due, seq, lease, budget, s)
-        self.awaiting: deque[float] = deque()  # streamed: send time of each credit not yet answered
+        self.awaiting: deque[float] = deque()  # streamed: when each credit not yet answered was owed
+        self.outbox = Outbox(args.result_hold_ms / 1e3, max_samples=args.slots)
         self.other: dict[str, int] = {}
 
     def send(self, msg: protocol.Message) -> int:
@@ -286,9 +297,9 @@ class ScriptedWorker:
         for _, _, lease_id, budget, sample in self.streaming:  # half generated, whatever their hold
             ids, lps = self.pool.take(max(0, min(self.args.tokens // 2 - sample.response_len, budget)))
             done = sample.extend(ids, lps, self.version, FinishReason.ABORT)
-            lease_ids = np.array([lease_id], np.int64)
-            self.send(protocol.SampleResult(lease_ids, SampleBatch.from_samples([done]), 0))
+            self.outbox.add([(lease_id, done)], 0, now)
         self.streaming.clear()
+        self.send_outbox()  # nothing held may come after the AbortDone (as in actors/worker.py)
         self.send(protocol.AbortDone(round_id, self.args.slots, np.zeros(0, np.int64)))
 
     def take_streamed(self, lease: protocol.Lease, now: float) -> None:
@@ -300,13 +311,20 @@ class ScriptedWorker:
             due = now + float(self.rng.exponential(self.hold_s))
             heapq.heappush(self.streaming, (due, lease_id, lease_id, budget, sample))
 
-    def finish_streamed(self, lease_id: int, budget: int, sample: Sample) -> None:
+    def finish_streamed(self, lease_id: int, budget: int, sample: Sample, now: float) -> None:
         ids, lps = self.pool.take(max(0, min(self.args.tokens - sample.response_len, budget)))
         done = sample.extend(ids, lps, self.version, FinishReason.STOP).scored(float(sample.index % 2 == 0))
-        result = protocol.SampleResult(np.array([lease_id], np.int64), SampleBatch.from_samples([done]), 1)
-        nbytes = self.send(result)
-        self.awaiting.append(self.last_sent)
-        self.sends.append((self.last_sent, 1, nbytes))
+        self.outbox.add([(lease_id, done)], 1, now)
+        self.awaiting.append(now)
+        if self.outbox.due(now):
+            self.send_outbox()
+
+    def send_outbox(self) -> None:
+        msg = self.outbox.take()
+        if msg is not None:
+            nbytes = self.send(msg)
+            if isinstance(msg, protocol.SampleResult):
+                self.sends.append((self.last_sent, len(msg.samples), nbytes))
 
     def handle(self, msg: protocol.Message, now: float) -> None:
         match msg:
@@ -347,8 +365,12 @@ class ScriptedWorker:
             while self.held and self.held[0][0] <= now:
                 self.finish(self.held.pop(0)[1])
             while self.streaming and self.streaming[0][0] <= now:
-                self.finish_streamed(*heapq.heappop(self.streaming)[2:])
+                self.finish_streamed(*heapq.heappop(self.streaming)[2:], now)
+            if self.outbox.due(now):
+                self.send_outbox()
             due = [q[0][0] for q in (self.held, self.streaming) if q]
+            if (left := self.outbox.wait_s(now)) is not None:
+                due.append(now + left)
             wait_ms = 100 if not due else max(1, math.ceil((min(due) - now) * 1e3))  # never a busy poll(0)
             if self.sock.poll(wait_ms, zmq.POLLIN):
                 frames = self.sock.recv_multipart(copy=False)
@@ -790,6 +812,7 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path) -> dict[st
                     f"--slots={args.slots}",
                     f"--hold-ms={settings.hold_ms}",
                     *(["--stream"] if settings.stream else []),
+                    f"--result-hold-ms={settings.result_hold_ms}",
                     f"--stats={run_dir / f'worker{i:02d}.json'}",
                 ],
                 env=child_env(),
@@ -1030,6 +1053,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--stream-hold-ms", type=float, default=2000.0, help="mean hold time of each sample in streamed"
     )
     p.add_argument("--flood-hold-ms", type=float, default=50.0, help="mean hold time of each sample in flood")
+    p.add_argument(
+        "--gather-hold-ms", type=float, default=10.0, help="each worker's outbox hold in flood-gathered"
+    )
     p.add_argument("--max-staleness", type=int, default=1, help="algo.max_staleness of `bounded`")
     p.add_argument("--crowd", type=int, default=1008, help="busy one-slot workers added in flood-crowd")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {SCENARIOS}")
@@ -1052,6 +1078,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--role", choices=("bench", "worker", "echo", "crowd"), default="bench", help=argparse.SUPPRESS
     )
     p.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result-hold-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--worker-id", default="", help=argparse.SUPPRESS)
     p.add_argument("--broker", default="", help=argparse.SUPPRESS)
     p.add_argument("--stats", default="", help=argparse.SUPPRESS)

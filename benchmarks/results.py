@@ -713,6 +713,17 @@ def block_cluster_load() -> str:
             f"against an echo broker, `flood-ceiling`, {flood_ceiling['generated_per_s']:,.0f}), trained | "
             f"{flood['samples_per_s']:,.0f} |"
         )
+    gathered = broker.get("flood-gathered")
+    if flood is not None and gathered is not None:  # artifacts from before the scenario have none
+        rows.append(
+            f"| the same, each worker sending what finishes within {gathered['result_hold_ms']:g} ms as one "
+            f"message (`flood-gathered`, `worker.result_hold_ms`: {gathered['samples_per_result']:.1f} "
+            f"samples a message; {gathered['broker_cpu_us_per_sample']:,.0f} us of broker CPU per sample "
+            f"against flood's {flood['broker_cpu_us_per_sample']:,.0f}; p50 / p99 from a sample's finish "
+            f"to its slot's next lease {gathered['latency_ms_p50']:.1f} / {gathered['latency_ms_p99']:.1f} "
+            f"ms against {flood['latency_ms_p50']:.1f} / {flood['latency_ms_p99']:.1f}), trained | "
+            f"{gathered['samples_per_s']:,.0f} |"
+        )
     crowd = broker.get("flood-crowd")
     if crowd is not None:  # artifacts from before the scenario existed have none
         rows.append(

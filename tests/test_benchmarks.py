@@ -69,6 +69,7 @@ def check_broker_throughput(tmp_path: Path) -> None:
         "bounded",
         "streamed",
         "flood",
+        "flood-gathered",
         "flood-crowd",
         "floor",
         "ceiling",
@@ -103,14 +104,14 @@ def check_broker_throughput(tmp_path: Path) -> None:
         # the learner publishes after every `weights_every`-th batch it acks
         every = r["weights_every"]
         assert r["weights_published"] == (r["batches_total"] // every if every else 0), name
-    steady, weights, bounded, streamed, flood, crowd = results
+    steady, weights, bounded, streamed, flood, gathered, crowd = results
     assert (
         steady["max_staleness"]
         == weights["max_staleness"]
         > bounded["max_staleness"]
         == params["max_staleness"]
     )
-    for r in (steady, weights, streamed, flood, crowd):  # these must not be held back by admission
+    for r in (steady, weights, streamed, flood, gathered, crowd):  # not held back by admission
         assert r["admission_headroom_groups"] > 0, r
     # streamed: engines' way, one sample a result as each finishes, every result answered by a Lease
     assert streamed["samples_per_result"] == 1.0 and streamed["stream"] is True, streamed
@@ -118,6 +119,12 @@ def check_broker_throughput(tmp_path: Path) -> None:
     # flood: streamed's way with a shorter hold, so far more is offered
     assert flood["stream"] is True and flood["samples_per_result"] == 1.0, flood
     assert flood["hold_ms"] < streamed["hold_ms"] and flood["max_staleness"] == steady["max_staleness"]
+    # flood-gathered: flood's workers and load, each worker's outbox gathering what finishes within its hold
+    assert {k: gathered[k] for k in ("stream", "hold_ms", "max_staleness")} == {
+        k: flood[k] for k in ("stream", "hold_ms", "max_staleness")
+    }
+    assert gathered["result_hold_ms"] == params["gather_hold_ms"] > 0 == flood["result_hold_ms"], gathered
+    assert gathered["samples_per_result"] > 1, gathered
     # flood-crowd: flood's, with a crowd of one-slot workers the broker counts alive to the end
     assert {k: v for k, v in crowd.items() if k in ("stream", "hold_ms", "max_staleness")} == {
         k: flood[k] for k in ("stream", "hold_ms", "max_staleness")

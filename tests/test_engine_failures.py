@@ -140,14 +140,19 @@ class Running:
 
 
 @contextmanager
-def running_worker(script: EngineScript, weights: WeightsConfig | None = None) -> Iterator[Running]:
+def running_worker(
+    script: EngineScript, weights: WeightsConfig | None = None, result_hold_ms: float = 0.0
+) -> Iterator[Running]:
     """A worker loop on a thread, welcomed by the bare broker (which then owns the conversation); on
     exit the worker is stopped and must have left cleanly (Disconnect), never died. `weights`: its
-    [weights] settings (tests/test_weight_fetch.py)."""
+    [weights] settings (tests/test_weight_fetch.py); `result_hold_ms`: its outbox's hold
+    (tests/test_outbox.py)."""
     broker = BareBroker()
     engines: list[ScriptedEngine] = []
     rewards = HeldRewards()
-    cfg = WorkerConfig(broker=broker.address, engine="sim", slots=SLOTS, worker_id="w0")
+    cfg = WorkerConfig(
+        broker=broker.address, engine="sim", slots=SLOTS, worker_id="w0", result_hold_ms=result_hold_ms
+    )
     worker: Worker
 
     def make(sampling: SamplingParams, version: int) -> ScriptedEngine:
@@ -469,7 +474,7 @@ def test_an_engine_down_fails_a_request_it_had_refused_and_returns_the_others() 
         seed=0,  # type: ignore[arg-type]
     )
     sent: list[tuple[list[tuple[int, Sample]], int]] = []
-    worker._send_results = lambda items, credit=0: sent.append((items, credit))  # type: ignore[method-assign]
+    worker._owe = lambda items, credit=0: sent.append((items, credit))  # type: ignore[method-assign]
     worker._report_health = lambda: None  # type: ignore[method-assign]
     fresh = {
         lid: Sample(group_id=lid, index=0, prompt_ids=PROMPT, status=SampleStatus.RUNNING)

@@ -60,3 +60,27 @@ def test_worker_sigterm_returns_leases_and_sigkill_is_survived(cluster: Callable
     broker_log = (c.tmp / "broker.log").read_text()
     assert "worker leaver disconnected: shutdown" in broker_log  # SIGTERM: a clean goodbye
     assert "worker victim silent for" in broker_log  # SIGKILL: found dead by liveness, leases re-queued
+
+
+def test_workers_that_hold_their_results_lose_nothing_across_aborts(cluster: Callable[..., Cluster]) -> None:
+    """`worker.result_hold_ms` (actors/outbox.py) with real processes: each worker gathers what it owes for
+    up to 200 ms, across async's abort at every new version; every sample is trained once, the ledger
+    balances, and resumed partials keep their tokens' versions."""
+    c = cluster(
+        run={"mode": "async"},
+        algo={"max_new_tokens": 40, "max_staleness": 1},
+        worker={"result_hold_ms": 200.0},
+    )
+    c.start_broker()
+    c.start_worker("w0")
+    c.start_worker("w1")
+    c.start_learner(steps=4, train_s=0.05)
+    c.wait_exit("learner", 90)
+    batches = c.batches()
+    assert len(batches) == 4 and all(b["ok"] for b in batches)
+    keys = [(g, i) for b in batches for g, i in b["keys"]]
+    assert len(keys) == len(set(keys)), "a sample was trained twice"
+    status = c.status()
+    assert status.ledger_balanced and status.ledger.trained == 16
+    assert status.totals.aborted > 0 and status.totals.resumed > 0
+    assert all(w.version >= 3 for w in status.workers)
