@@ -81,6 +81,7 @@ SCENARIOS = (
     "weights",
     "bounded",
     "streamed",
+    "streamed-gathered",
     "flood",
     "flood-gathered",
     "flood-crowd",
@@ -116,7 +117,8 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     back before the broker reads the learner's socket, and nothing is ever aborted).
     bounded: a WeightsReady after every batch and `--max-staleness`, as a real async run: the admission
     bound (max_staleness + version + 1) x B is then the only backpressure, so the backlog stays bounded.
-    streamed: steady's broker, but workers return samples as engines do, one at a time as each finishes
+    streamed: steady's broker, but workers return samples as engines do, one at a time as each finishes,
+    and as the real worker sends them: the slot's credit (LeaseRequest), then the result
     (each sample held an exponential time of mean `--stream-hold-ms`, so results arrive as a Poisson
     stream of workers x slots / hold samples/s), below what the broker can take: its latency is then the
     broker's response time to one result, not the queue that a saturating closed loop builds (there, by
@@ -129,9 +131,10 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
     flood: streamed, but each sample held `--flood-hold-ms`, so far more is offered than one sample a
     message can carry: what the broker trains when engines return every sample alone and never wait.
     flood-ceiling: flood's workers and load against the echo broker, the ceiling over flood's.
-    flood-gathered: flood's workers and load, each worker holding what it owes (results and credit) for up
-    to `--gather-hold-ms` in the real worker's outbox (actors/outbox.py, worker.result_hold_ms) and sending
-    it as one SampleResult: what gathering saves the broker when engines finish samples one at a time.
+    streamed-gathered, flood-gathered: streamed's and flood's workers and load, each worker holding what it
+    owes (credit and results) for up to `--gather-hold-ms` in the real worker's outbox (actors/outbox.py,
+    worker.result_hold_ms) and sending it as one SampleResult (GATHERED_OF): what gathering saves the
+    broker, and what the hold costs in latency, when engines finish samples one at a time.
     flood-crowd: flood with `--crowd` more workers registered (1,008: 1,024 in all, a cluster's count),
     each holding a one-sample lease for the whole run and sending a heartbeat a second: a cluster whose
     other engines are busy. What the broker does per message must not grow with the workers it knows.
@@ -146,8 +149,10 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.stream_hold_ms, stream=True)
     if name == "flood":
         return Scenario(name, 0, ADMISSION_FREE_STALENESS, args.flood_hold_ms, stream=True)
-    if name == "flood-gathered":
-        return replace(scenario_settings(args, "flood"), name=name, result_hold_ms=args.gather_hold_ms)
+    if name in GATHERED_OF:
+        return replace(
+            scenario_settings(args, GATHERED_OF[name]), name=name, result_hold_ms=args.gather_hold_ms
+        )
     if name == "flood-crowd":
         return replace(scenario_settings(args, "flood"), name=name, crowd=args.crowd)
     return Scenario(name, 1, args.max_staleness, args.hold_ms)
@@ -155,6 +160,8 @@ def scenario_settings(args: argparse.Namespace, name: str) -> Scenario:
 
 # the scenarios run against the echo broker, each with the workers and load of the one it is paired with
 ECHO_OF = {"floor": "streamed", "ceiling": "steady", "flood-ceiling": "flood"}
+# the scenarios whose workers gather what they owe (`--gather-hold-ms`), each with the load of its pair
+GATHERED_OF = {"streamed-gathered": "streamed", "flood-gathered": "flood"}
 
 
 # run.steps: never reached, as in a run measured mid-way (past its last step the broker takes the run's
@@ -245,8 +252,11 @@ class ScriptedWorker:
     """Answers each Lease with one SampleResult, at once or after `hold_s` (a stand-in for generation
     time, so that a new weight version finds leased work to abort). On Abort it returns what it holds
     INTERRUPTED, with the share of `tokens` its hold time allowed, then confirms with AbortDone.
-    With `--stream` it returns each leased sample (credit 1) after its own exponential hold, through the
-    real worker's outbox: alone at once, or gathered for up to `--result-hold-ms`."""
+    With `--stream` each leased sample finishes after its own exponential hold, and the worker owes what
+    the real one owes when an engine finishes a sample: its slot's credit, then its scored result (actors/
+    worker.py `_on_outputs`, `_send_scored`), through the real worker's outbox: with `--result-hold-ms` 0 a
+    LeaseRequest and a SampleResult of one sample, as a real worker sends them; with a hold, everything
+    owed within it as one SampleResult carrying the credit."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -259,6 +269,7 @@ class ScriptedWorker:
         self.last_sent = time.monotonic()
         self.pending_since = -1.0  # when our last SampleResult (with credit) left
         self.sends: list[tuple[float, int, int]] = []  # (time sent, samples, bytes) per SampleResult
+        self.credit_sends: list[float] = []  # time sent of each LeaseRequest
         self.latencies: list[tuple[float, float]] = []  # (Lease arrival, seconds since our SampleResult)
         self.stream = args.stream
         self.rng = np.random.default_rng(sum(args.worker_id.encode()))
@@ -314,10 +325,11 @@ class ScriptedWorker:
     def finish_streamed(self, lease_id: int, budget: int, sample: Sample, now: float) -> None:
         ids, lps = self.pool.take(max(0, min(self.args.tokens - sample.response_len, budget)))
         done = sample.extend(ids, lps, self.version, FinishReason.STOP).scored(float(sample.index % 2 == 0))
-        self.outbox.add([(lease_id, done)], 1, now)
+        for items, credit in (([], 1), ([(lease_id, done)], 0)):  # the slot is free, then the result scored
+            self.outbox.add(items, credit, now)
+            if self.outbox.due(now):
+                self.send_outbox()
         self.awaiting.append(now)
-        if self.outbox.due(now):
-            self.send_outbox()
 
     def send_outbox(self) -> None:
         msg = self.outbox.take()
@@ -325,6 +337,8 @@ class ScriptedWorker:
             nbytes = self.send(msg)
             if isinstance(msg, protocol.SampleResult):
                 self.sends.append((self.last_sent, len(msg.samples), nbytes))
+            else:
+                self.credit_sends.append(self.last_sent)
 
     def handle(self, msg: protocol.Message, now: float) -> None:
         match msg:
@@ -383,7 +397,12 @@ class ScriptedWorker:
             self.send(protocol.Disconnect("benchmark over"))
         self.sock.close(linger=0)
         self.ctx.term()
-        stats = {"sends": self.sends, "latencies": self.latencies, "other": self.other}
+        stats = {
+            "sends": self.sends,
+            "credit_sends": self.credit_sends,
+            "latencies": self.latencies,
+            "other": self.other,
+        }
         Path(self.args.stats).write_text(json.dumps(stats))
 
 
@@ -528,11 +547,12 @@ def run_echo_broker(args: argparse.Namespace) -> None:
     """The broker of `floor` and `ceiling`: the least a broker must do for the workers, to measure what
     is left when the broker costs (almost) nothing. It reads every message with the strict codec (a
     broker must, to answer bad input with an error, and a Lease only follows a result it has read),
-    answers a WorkerHello with a Welcome and a Lease of `--slots` fresh samples, and a SampleResult with
-    a Lease of as many fresh samples as its credit. No books, batches or snapshots. Leases are encoded
-    once per credit and sent again (workers only read them): the echo broker costs as little as it can.
-    Its samples are the real broker's: the prompts (token ids, text and metadata) of the scenario's
-    config (`--config`), so its workers read and return as much per sample as the real broker's do.
+    answers a WorkerHello with a Welcome and a Lease of `--slots` fresh samples, and a SampleResult or a
+    LeaseRequest with a Lease of as many fresh samples as its credit. No books, batches or snapshots.
+    Leases are encoded once per credit and sent again (workers only read them): the echo broker costs as
+    little as it can. Its samples are the real broker's: the prompts (token ids, text and metadata) of
+    the scenario's config (`--config`), so its workers read and return as much per sample as the real
+    broker's do.
     Writes `--stats` once bound, and runs until SIGTERM."""
     should_stop = stop_requested()
     config = load_config(args.config)
@@ -570,7 +590,7 @@ def run_echo_broker(args: argparse.Namespace) -> None:
                 welcome = protocol.Welcome(msg.worker_id, "async", 0, "", "", 5.0, args.tokens, 1.0, 1.0, 0)
                 sock.send_multipart([peer, *protocol.encode(welcome)])
                 sock.send_multipart([peer, *lease_frames(msg.slots)])
-            case protocol.SampleResult() if msg.credit:
+            case protocol.SampleResult() | protocol.LeaseRequest() if msg.credit:
                 if msg.credit not in made:
                     made[msg.credit] = lease_frames(msg.credit)
                 sock.send_multipart([peer, *made[msg.credit]])
@@ -894,6 +914,7 @@ def summarize(
     tokens = sum(b.tokens for b in batches)
     out_bytes = sum(b.nbytes for b in batches)
     sends = [s for log in worker_logs for s in log["sends"] if lo <= s[0] < hi]
+    credit_sends = [t for log in worker_logs for t in log["credit_sends"] if lo <= t < hi]
     in_bytes = sum(s[2] for s in sends)
     lat = np.array([x[1] for log in worker_logs for x in log["latencies"] if lo <= x[0] < hi])
     broker_cpu = cpu1.broker - cpu0.broker
@@ -928,6 +949,10 @@ def summarize(
         "admission_headroom_groups": limit - last.issued,
         "sample_results": len(sends),
         "samples_per_result": (sum(s[1] for s in sends) / len(sends)) if sends else 0.0,
+        "lease_requests": len(credit_sends),
+        # messages the workers sent per sample they returned (SampleResults and LeaseRequests; heartbeats
+        # are none: any message counts as one, and the loaded workers always have something to send)
+        "messages_per_sample": (len(sends) + len(credit_sends)) / max(1, sum(s[1] for s in sends)),
         "latency_ms_p50": float(np.percentile(lat, 50) * 1e3) if lat.size else None,
         "latency_ms_p99": float(np.percentile(lat, 99) * 1e3) if lat.size else None,
         "latency_ms_max": float(lat.max() * 1e3) if lat.size else None,

@@ -670,6 +670,19 @@ def block_scheduling() -> str:
     return "\n".join([*rows, "", note, "", source("scheduling")])
 
 
+def gathered_row(pair: dict[str, Any], plain: dict[str, Any]) -> str:
+    """The row of a gathered scenario (`streamed-gathered`, `flood-gathered`) set against its plain pair."""
+    return (
+        f"| the same, each worker sending what it owes within {pair['result_hold_ms']:g} ms as one message "
+        f"(`{pair['scenario']}`, `worker.result_hold_ms`): {pair['messages_per_sample']:.2f} messages a "
+        f"sample against {plain['messages_per_sample']:.2f}, {pair['broker_cpu_us_per_sample']:,.0f} us of "
+        f"broker CPU per sample against {plain['broker_cpu_us_per_sample']:,.0f}, p50 / p99 from a sample's "
+        f"finish to its slot's next lease {pair['latency_ms_p50']:.1f} / {pair['latency_ms_p99']:.1f} ms "
+        f"against {plain['latency_ms_p50']:.1f} / {plain['latency_ms_p99']:.1f} | "
+        f"{pair['samples_per_s']:,.0f} |"
+    )
+
+
 def block_cluster_load() -> str:
     sim = load("results/cluster-load/simulate.json")
     (fig,) = sim["modes"].values()
@@ -705,6 +718,8 @@ def block_cluster_load() -> str:
             f"{streamed['broker_cpu_us_per_sample']:,.0f} us of broker CPU per sample | "
             f"{streamed['samples_per_s']:,.0f} |"
         )
+        if (pair := broker.get("streamed-gathered")) is not None:
+            rows.append(gathered_row(pair, streamed))
     flood, flood_ceiling = broker.get("flood"), broker.get("flood-ceiling")
     if flood is not None and flood_ceiling is not None:  # artifacts from before the scenarios have none
         rows.append(
@@ -715,15 +730,7 @@ def block_cluster_load() -> str:
         )
     gathered = broker.get("flood-gathered")
     if flood is not None and gathered is not None:  # artifacts from before the scenario have none
-        rows.append(
-            f"| the same, each worker sending what finishes within {gathered['result_hold_ms']:g} ms as one "
-            f"message (`flood-gathered`, `worker.result_hold_ms`: {gathered['samples_per_result']:.1f} "
-            f"samples a message; {gathered['broker_cpu_us_per_sample']:,.0f} us of broker CPU per sample "
-            f"against flood's {flood['broker_cpu_us_per_sample']:,.0f}; p50 / p99 from a sample's finish "
-            f"to its slot's next lease {gathered['latency_ms_p50']:.1f} / {gathered['latency_ms_p99']:.1f} "
-            f"ms against {flood['latency_ms_p50']:.1f} / {flood['latency_ms_p99']:.1f}), trained | "
-            f"{gathered['samples_per_s']:,.0f} |"
-        )
+        rows.append(gathered_row(gathered, flood))
     crowd = broker.get("flood-crowd")
     if crowd is not None:  # artifacts from before the scenario existed have none
         rows.append(

@@ -68,6 +68,7 @@ def check_broker_throughput(tmp_path: Path) -> None:
         "weights",
         "bounded",
         "streamed",
+        "streamed-gathered",
         "flood",
         "flood-gathered",
         "flood-crowd",
@@ -104,14 +105,14 @@ def check_broker_throughput(tmp_path: Path) -> None:
         # the learner publishes after every `weights_every`-th batch it acks
         every = r["weights_every"]
         assert r["weights_published"] == (r["batches_total"] // every if every else 0), name
-    steady, weights, bounded, streamed, flood, gathered, crowd = results
+    steady, weights, bounded, streamed, streamed_gathered, flood, gathered, crowd = results
     assert (
         steady["max_staleness"]
         == weights["max_staleness"]
         > bounded["max_staleness"]
         == params["max_staleness"]
     )
-    for r in (steady, weights, streamed, flood, gathered, crowd):  # not held back by admission
+    for r in (steady, weights, streamed, streamed_gathered, flood, gathered, crowd):  # admission never holds
         assert r["admission_headroom_groups"] > 0, r
     # streamed: engines' way, one sample a result as each finishes, every result answered by a Lease
     assert streamed["samples_per_result"] == 1.0 and streamed["stream"] is True, streamed
@@ -119,12 +120,18 @@ def check_broker_throughput(tmp_path: Path) -> None:
     # flood: streamed's way with a shorter hold, so far more is offered
     assert flood["stream"] is True and flood["samples_per_result"] == 1.0, flood
     assert flood["hold_ms"] < streamed["hold_ms"] and flood["max_staleness"] == steady["max_staleness"]
-    # flood-gathered: flood's workers and load, each worker's outbox gathering what finishes within its hold
-    assert {k: gathered[k] for k in ("stream", "hold_ms", "max_staleness")} == {
-        k: flood[k] for k in ("stream", "hold_ms", "max_staleness")
-    }
-    assert gathered["result_hold_ms"] == params["gather_hold_ms"] > 0 == flood["result_hold_ms"], gathered
-    assert gathered["samples_per_result"] > 1, gathered
+    # streamed and flood send what a real worker sends for a sample: its slot's credit, then its result
+    for r in (streamed, flood):
+        assert r["messages_per_sample"] == pytest.approx(2.0, rel=0.02) and r["result_hold_ms"] == 0, r
+    # the gathered pairs: the same workers and load, each worker's outbox sending what it owes within its
+    # hold as one result that carries the credit (never a LeaseRequest of its own: both are owed at once)
+    for plain, pair in ((streamed, streamed_gathered), (flood, gathered)):
+        assert {k: pair[k] for k in ("stream", "hold_ms", "max_staleness")} == {
+            k: plain[k] for k in ("stream", "hold_ms", "max_staleness")
+        }
+        assert pair["result_hold_ms"] == params["gather_hold_ms"] > 0, pair
+        assert pair["messages_per_sample"] <= 1.0 and pair["lease_requests"] == 0, pair
+    assert gathered["samples_per_result"] > 1, gathered  # flood's workers finish several within the hold
     # flood-crowd: flood's, with a crowd of one-slot workers the broker counts alive to the end
     assert {k: v for k, v in crowd.items() if k in ("stream", "hold_ms", "max_staleness")} == {
         k: flood[k] for k in ("stream", "hold_ms", "max_staleness")
