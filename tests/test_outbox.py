@@ -12,6 +12,7 @@ import pytest
 from harness import wait_for
 from scripted_engine import EngineScript, response_length
 from test_engine_failures import PROMPT, SLOTS, HeldRewards, groups_where, lease, results, running_worker
+from test_peer_link import FakeClock
 
 from actors.outbox import Outbox
 from actors.tokenizer import ByteTokenizer
@@ -68,14 +69,6 @@ def test_an_outbox_refuses_what_it_cannot_keep() -> None:
             WorkerConfig(result_hold_ms=bad)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class SentLink:
     """Stands in for the worker's PeerLink: keeps what the worker sends, in order."""
 
@@ -90,8 +83,8 @@ class SentLink:
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
-    c = Clock()
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    c = FakeClock()
     monkeypatch.setattr("actors.worker.time.monotonic", c)
     return c
 
@@ -111,7 +104,7 @@ def worker_on(hold_ms: float) -> tuple[Worker, SentLink]:
     return worker, sent
 
 
-def test_a_worker_with_the_hold_sends_what_it_owes_once_due_and_before_anything_else(clock: Clock) -> None:
+def test_a_holding_worker_sends_what_it_owes_once_due_and_before_anything_else(clock: FakeClock) -> None:
     worker, link = worker_on(hold_ms=100)
     worker._owe([], 1)  # a finish frees a slot
     clock.now += 0.04
@@ -134,7 +127,7 @@ def test_a_worker_with_the_hold_sends_what_it_owes_once_due_and_before_anything_
     assert isinstance(done, protocol.AbortDone) and len(worker.outbox) == 0
 
 
-def test_a_worker_without_the_hold_sends_every_result_and_credit_at_once(clock: Clock) -> None:
+def test_a_worker_without_the_hold_sends_every_result_and_credit_at_once(clock: FakeClock) -> None:
     worker, link = worker_on(hold_ms=0)
     worker._owe([], 2)
     worker._owe([(11, finished(1))])
@@ -143,7 +136,7 @@ def test_a_worker_without_the_hold_sends_every_result_and_credit_at_once(clock: 
     assert len(link.sent) == 2 and worker._idle_wait_ms(50) == 50  # nothing held: it may block
 
 
-def test_an_idle_worker_blocks_no_longer_than_its_outbox_may_wait(clock: Clock) -> None:
+def test_an_idle_worker_blocks_no_longer_than_its_outbox_may_wait(clock: FakeClock) -> None:
     worker, _ = worker_on(hold_ms=100)
     worker._owe([(11, finished(1))])
     clock.now += 0.0625

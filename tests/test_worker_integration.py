@@ -6,19 +6,26 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
+from typing import Any
 
 from harness import Cluster, wait_for
 
 
-def test_april_run_with_real_workers(cluster: Callable[..., Cluster]) -> None:
-    c = cluster(run={"mode": "april"}, algo={"max_new_tokens": 40})
+def train_with_two_workers(c: Cluster, steps: int) -> list[dict[str, Any]]:
+    """Broker, workers w0 and w1 and the scripted learner for `steps` steps: the batches, each one ok."""
     c.start_broker()
     c.start_worker("w0")
     c.start_worker("w1")
-    c.start_learner(steps=4, train_s=0.05)
+    c.start_learner(steps=steps, train_s=0.05)
     c.wait_exit("learner", 90)
     batches = c.batches()
-    assert len(batches) == 4 and all(b["ok"] for b in batches)
+    assert len(batches) == steps and all(b["ok"] for b in batches)
+    return batches
+
+
+def test_april_run_with_real_workers(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(run={"mode": "april"}, algo={"max_new_tokens": 40})
+    batches = train_with_two_workers(c, steps=4)
     status = c.status()
     assert status.ledger_balanced and status.ledger.trained == 16
     assert status.totals.aborted > 0 and status.totals.resumed > 0
@@ -71,13 +78,7 @@ def test_workers_that_hold_their_results_lose_nothing_across_aborts(cluster: Cal
         algo={"max_new_tokens": 40, "max_staleness": 1},
         worker={"result_hold_ms": 200.0},
     )
-    c.start_broker()
-    c.start_worker("w0")
-    c.start_worker("w1")
-    c.start_learner(steps=4, train_s=0.05)
-    c.wait_exit("learner", 90)
-    batches = c.batches()
-    assert len(batches) == 4 and all(b["ok"] for b in batches)
+    batches = train_with_two_workers(c, steps=4)
     keys = [(g, i) for b in batches for g, i in b["keys"]]
     assert len(keys) == len(set(keys)), "a sample was trained twice"
     status = c.status()
