@@ -113,6 +113,15 @@ STEPS: tuple[Step, ...] = (
         minutes=16,
     ),
     Step(
+        "result-hold",
+        "bench/result-hold",
+        "april bench --engine sim --workload math-long-tail --steps 8 --slots 64 --engines 8 --target-s 100 "
+        "--variant april-hold20:april:worker.result_hold_ms=20 "
+        "--variant async-hold20:async:worker.result_hold_ms=20 --out {work}/bench",
+        collect=BENCH_FILES,
+        minutes=8,
+    ),
+    Step(
         "scheduling-short",
         "bench/scheduling-short",
         "april bench --engine sim --workload short-answer --max-new-tokens 1024 --steps 8 "
@@ -146,7 +155,7 @@ STEPS: tuple[Step, ...] = (
         "broker-throughput",
         "results/broker-throughput",
         "python benchmarks/broker_throughput.py --repeat 3 --out {out}/broker_throughput.json",
-        minutes=2,
+        minutes=10,
     ),
     Step(
         "engine-throughput",
@@ -752,6 +761,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "torch-tiny": lambda: bench_table("torch-tiny"),
     "scheduling-paper": lambda: bench_table("scheduling-paper"),
     "scheduling-short": lambda: bench_table("scheduling-short"),
+    "result-hold": lambda: bench_table("result-hold"),
     "components": block_components,
     "learner-memory": block_learner_memory,
     "weight-sync": block_weight_sync,
