@@ -253,10 +253,10 @@ class ScriptedWorker:
     time, so that a new weight version finds leased work to abort). On Abort it returns what it holds
     INTERRUPTED, with the share of `tokens` its hold time allowed, then confirms with AbortDone.
     With `--stream` each leased sample finishes after its own exponential hold, and the worker owes what
-    the real one owes when an engine finishes a sample: its slot's credit, then its scored result (actors/
-    worker.py `_on_outputs`, `_send_scored`), through the real worker's outbox: with `--result-hold-ms` 0 a
-    LeaseRequest and a SampleResult of one sample, as a real worker sends them; with a hold, everything
-    owed within it as one SampleResult carrying the credit."""
+    the real one owes when an engine finishes a sample: its slot's credit, then its scored result
+    (`_on_outputs` and `_send_scored` in actors/worker.py), through the real worker's outbox: with
+    `--result-hold-ms` 0 a LeaseRequest and a SampleResult of one sample, as a real worker sends them;
+    with a hold, everything owed within it as one SampleResult carrying the credit."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
