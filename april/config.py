@@ -306,7 +306,7 @@ class WorkerConfig:
             0 <= self.result_hold_ms <= MAX_RESULT_HOLD_MS,
             "worker.result_hold_ms",
             self.result_hold_ms,
-            f"must be in [0, {MAX_RESULT_HOLD_MS}] (0 = send at once)",
+            f"must be in [0, {MAX_RESULT_HOLD_MS:g}] (0 = send at once)",
         )
         _check(self.sim_time_scale >= 0, "worker.sim_time_scale", self.sim_time_scale, "must be >= 0")
         _check(
