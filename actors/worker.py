@@ -437,7 +437,9 @@ class Worker:
         now = time.monotonic()
         self.meter.observe(now, 0 if self.health.down else self.engine.active)
         if self.meter.due(now, self.link.interval):
-            self._send(self.meter.report(now, self.engine))
+            # straight to the broker, not after the outbox: a cumulative report commutes with results, and
+            # sent every ~0.1 s while generating it would cut every longer hold short
+            self.link.send(self.meter.report(now, self.engine))
 
     # ------------------------------------------------------------------ engine down and back
 
@@ -555,7 +557,8 @@ class Worker:
         return [hello] if self.health.pristine else [hello, self.health.sent]
 
     def _send(self, msg: protocol.Message) -> None:
-        """Send `msg` after everything the outbox holds, so that no held result is overtaken."""
+        """Send `msg` after everything the outbox holds, so that no held result is overtaken (only the
+        usage report, which commutes with results, goes straight to the link: `_meter_usage`)."""
         self._send_outbox()
         self.link.send(msg)
 

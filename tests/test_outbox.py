@@ -7,6 +7,8 @@ how fast the machine is); the last test runs the real worker loop against a bare
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from harness import wait_for
@@ -15,6 +17,7 @@ from test_engine_failures import PROMPT, SLOTS, HeldRewards, groups_where, lease
 from test_peer_link import FakeClock
 
 from actors.outbox import Outbox
+from actors.slot_meter import SlotMeter
 from actors.tokenizer import ByteTokenizer
 from actors.worker import Worker
 from april import protocol
@@ -127,6 +130,22 @@ def test_a_holding_worker_sends_what_it_owes_once_due_and_before_anything_else(c
     assert isinstance(done, protocol.AbortDone) and len(worker.outbox) == 0
 
 
+def test_usage_reports_while_generating_leave_held_results_held(clock: FakeClock) -> None:
+    """A busy engine's usage report goes out every ~0.1 s; cumulative, it commutes with results, so it must
+    not send the outbox, or no hold could outlast it."""
+    worker, link = worker_on(hold_ms=500)
+    link.interval = 1.0  # type: ignore[attr-defined]
+    worker.engine = types.SimpleNamespace(active=2)  # type: ignore[assignment]
+    worker.meter = SlotMeter(SLOTS, clock.now)
+    worker.health.come_up()
+    worker._owe([(11, finished(1))], 1)
+    for _ in range(3):
+        clock.now += 0.15
+        worker._meter_usage()
+    assert [type(m) for m in link.sent] == [protocol.EngineUsage] * 3
+    assert worker.outbox.lease_ids() == [11]  # still held: 0.45 s of a 0.5 s hold
+
+
 def test_a_worker_without_the_hold_sends_every_result_and_credit_at_once(clock: FakeClock) -> None:
     worker, link = worker_on(hold_ms=0)
     worker._owe([], 2)
@@ -148,14 +167,16 @@ def test_an_abort_finds_every_held_result_sent_before_its_abort_done() -> None:
     """The real worker loop with a long hold: two samples finish and are scored, held in the outbox; the
     Abort's partial and its AbortDone must come after them, and every lease is either returned before the
     AbortDone or named in its `scoring`, as the protocol asks whether or not results are held."""
-    script = EngineScript(step_s=0.1)  # the long one runs >= 1.1 s: the Abort finds it running
+    script = EngineScript(step_s=0.1, length_max=40)  # the long one runs >= 3 s: the Abort finds it running
     short = groups_where(lambda key: response_length(key, script) <= 4, 2, script)
-    long = groups_where(lambda key: response_length(key, script) >= 11, 1, script)[0]
+    long = groups_where(lambda key: response_length(key, script) >= 30, 1, script)[0]
     with running_worker(script, result_hold_ms=1000) as w:
         w.rewards.released = True
         # three of the four slots: the outbox never fills an engine, so only the rule can send it in time
         w.broker.send(lease([(1, short[0]), (2, short[1]), (3, long)]))
-        wait_for(lambda: len(w.worker.outbox) >= 2, 10, "both short samples scored and held")
+        # both short ones finished and scored: held in the outbox (unless a stalled machine let the hold run
+        # out; the rules below hold either way)
+        wait_for(lambda: list(w.worker.held) == [3] and not w.worker.scoring, 10, "both short ones scored")
         w.broker.send(protocol.Abort(7))
         back: dict[int, Sample] = {}
         credit = 0
