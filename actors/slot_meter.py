@@ -20,8 +20,9 @@ BUSY_REPORT_S = 0.1  # report period while sequences run (the broker's phase spl
 
 
 class SlotMeter:
-    def __init__(self, slots: int, now: float) -> None:
+    def __init__(self, slots: int, now: float, busy_period_s: float = BUSY_REPORT_S) -> None:
         self.slots = slots
+        self.busy_period_s = busy_period_s  # report period while sequences run (worker.usage_report_s)
         self.active = 0  # sequences running since `last`
         self.last = now
         self.started = now
@@ -41,11 +42,11 @@ class SlotMeter:
         self.last, self.active = now, active
 
     def due(self, now: float, idle_period_s: float) -> bool:
-        """A report is due: every BUSY_REPORT_S while running, at once when the engine went idle, and
+        """A report is due: every `busy_period_s` while running, at once when the engine went idle, and
         every `idle_period_s` while idle (with the heartbeat)."""
         since = now - self.reported_at
         if self.active:
-            return since >= BUSY_REPORT_S
+            return since >= self.busy_period_s
         return self.reported_active > 0 or since >= idle_period_s
 
     def report(self, now: float, engine: object = None) -> EngineUsage:

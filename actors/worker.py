@@ -217,7 +217,7 @@ class Worker:
         self.engine = engine
         if isinstance(engine, TensorLoading):  # it can take the learner's broadcast, when one is announced
             self.sync.accept_broadcast(self.cfg.device)
-        self.meter = SlotMeter(engine.slots, time.monotonic())
+        self.meter = SlotMeter(engine.slots, time.monotonic(), self.cfg.usage_report_s)
         log.info("worker %s: engine %s ready (%d slots)", self.worker_id, engine.name, engine.slots)
 
     def _on_lease(self, msg: protocol.Lease) -> None:

@@ -279,6 +279,7 @@ class WorkerConfig:
     reward: str = "exact"  # built-in name or "module:function"
     reward_timeout_s: float = 10.0  # seconds one reward call may take before it scores as failed
     result_hold_ms: float = 0.0  # hold results and freed slots up to this long, as one message; 0: at once
+    usage_report_s: float = 0.1  # seconds between slot-usage reports while generating (cumulative figures)
     worker_id: str = ""  # empty: <hostname>-<pid>
     device: str = "cpu"  # torch and vllm engines: cpu, cuda, cuda:1, ...
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
@@ -301,7 +302,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _endpoint("worker.broker", self.broker)
-        _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads")
+        _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads", "usage_report_s")
         _check(
             0 <= self.result_hold_ms <= MAX_RESULT_HOLD_MS,
             "worker.result_hold_ms",

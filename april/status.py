@@ -59,6 +59,13 @@ class WorkerStatus:
     returned_by_engine: int = 0  # samples it returned as partials because of engine errors or an engine down
     weights_transport: str = ""  # how its weights version came: file, network or broadcast ("" = none yet)
     weights_sync_s: float = 0.0  # seconds from hearing of that version to serving it
+    messages: int = 0  # messages heard from it since its last WorkerHello (heartbeats, usage reports too)
+    samples_returned: int = 0  # samples in its SampleResults since then (evaluation samples included)
+
+    @property
+    def messages_per_sample(self) -> float | None:
+        """What each returned sample cost the broker in messages from this worker (None before any)."""
+        return self.messages / self.samples_returned if self.samples_returned else None
 
     @property
     def weights_sync(self) -> str:
@@ -245,6 +252,14 @@ class BrokerStatus:
     @property
     def workers_alive(self) -> int:
         return sum(1 for w in self.workers if w.alive)
+
+    @property
+    def messages_per_sample(self) -> float | None:
+        """Messages heard from the live workers per sample they returned, since their hellos: what a sample
+        costs the broker in messages (None before any sample)."""
+        alive = [w for w in self.workers if w.alive]
+        samples = sum(w.samples_returned for w in alive)
+        return sum(w.messages for w in alive) / samples if samples else None
 
     @property
     def step_figures(self) -> StepFigures:

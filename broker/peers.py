@@ -44,6 +44,8 @@ class WorkerPeer(Peer):
     pid: int = 0
     host: str = ""
     tokens_generated: int = 0  # new response tokens accepted from this worker (for its tokens/s)
+    messages: int = 0  # messages heard from it since its hello (heartbeats and usage reports included)
+    samples_returned: int = 0  # samples in its SampleResults since its hello
     restored: bool = False  # known only from a snapshot's leases; has not said hello to this broker
     hello_asked: float = float("-inf")  # when a restored worker was last asked to say hello
     engine_ok: bool = True  # its latest EngineHealth: False while its engine cannot serve

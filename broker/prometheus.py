@@ -43,6 +43,11 @@ GAUGES: tuple[tuple[str, str, Callable[[BrokerStatus], float]], ...] = (
         lambda s: sum(1 for w in s.workers if not w.engine_ok),
     ),
     (
+        "worker_messages_per_sample",
+        "messages heard from live workers per sample they returned, since their hellos (NaN before any)",
+        lambda s: math.nan if s.messages_per_sample is None else s.messages_per_sample,
+    ),
+    (
         "weights_sync_seconds_max",
         "slowest live worker serving the broker's version: seconds from hearing of it to serving it",
         lambda s: max(

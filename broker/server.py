@@ -280,6 +280,7 @@ class Broker:
             self._reject(self.worker_sock, identity, "not_registered", "send WorkerHello first")
             return
         self.workers.heard(peer, now)
+        peer.messages += 1
         if peer.restored and now - peer.hello_asked >= self.cfg.heartbeat_interval_s:
             # a worker whose socket reconnected to this restarted broker by itself never finds it silent
             # (it answers and sends heartbeats): only this asks it for the hello that makes it leasable
@@ -291,6 +292,7 @@ class Broker:
             case protocol.LeaseRequest(credit=credit):
                 self._grant(worker_id, credit)
             case protocol.SampleResult():
+                peer.samples_returned += len(msg.samples)
                 self._on_results(worker_id, msg)
                 # refill at once (the slot is idle until then), spreading as every dispatch does; no
                 # training work once the round is complete

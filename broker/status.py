@@ -107,6 +107,8 @@ def _workers(broker: Broker, now: float) -> list[WorkerStatus]:
             returned_by_engine=p.returned_by_engine,
             weights_transport=p.weights_transport,
             weights_sync_s=round(p.weights_sync_s, 4),
+            messages=p.messages,
+            samples_returned=p.samples_returned,
         )
         for p in broker.workers.peers.values()
     ]

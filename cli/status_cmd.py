@@ -119,7 +119,13 @@ def render_status(status: BrokerStatus) -> Group:
     staleness = Table("staleness", "partial samples", title="partial buffer staleness")
     for k, v in status.partial_staleness.items():
         staleness.add_row(Text(k), str(v))
-    return Group(head, ledger_line, workers, *down, staleness)
+    per_sample = status.messages_per_sample
+    cost = Text(
+        "messages from live workers per sample returned: "
+        + ("-" if per_sample is None else f"{per_sample:.2f}")
+        + " (worker.result_hold_ms and worker.usage_report_s lower it)"
+    )
+    return Group(head, ledger_line, workers, cost, *down, staleness)
 
 
 def print_status(status: BrokerStatus, as_json: bool) -> None:

@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from harness import local_broker
+from harness import local_broker, wait_for
 
 from april import protocol
 from april.records import FinishReason
 from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
+from broker.prometheus import status_metrics
 from broker.server import DRAIN_LIMIT_BATCH_DUE
 
 DEADLINE_S = 60.0
@@ -135,3 +136,40 @@ def test_a_due_batch_waits_behind_no_more_than_a_few_worker_messages(stepped: St
     assert not b._batch_due()
     b._drain(backlog, handle, batch_first=True)  # type: ignore[arg-type]
     assert len(seen) == 100 and seen == ["Heartbeat"] * 100  # nothing due: the backlog in one go
+
+
+def test_the_status_counts_what_each_sample_cost_in_messages(stepped: SteppedBroker) -> None:
+    """Per worker, since its hello: every message heard (heartbeats, usage reports and credit included) and
+    every sample its results carried; `april status` and Prometheus show their ratio, what a sample costs
+    the broker in messages (worker.result_hold_ms and worker.usage_report_s lower it)."""
+    b = stepped.broker
+    send(stepped.worker, protocol.WorkerHello("w0", "sim", 2, 0, 1, "node", np.zeros(0, np.int64)))
+    lease = stepped.until(stepped.worker, protocol.Lease)
+    assert isinstance(lease, protocol.Lease)
+    (before,) = b.status(time.monotonic()).workers
+    assert (before.messages, before.samples_returned, before.messages_per_sample) == (0, 0, None)
+    done = [
+        s.extend([5, 6], [-0.5, -0.5], 0, FinishReason.STOP).scored(1.0) for s in lease.samples.to_samples()
+    ]
+    for msg in (
+        protocol.Heartbeat(),
+        protocol.EngineUsage(0.1, 0.2, 0.0, 0.1),
+        protocol.LeaseRequest(1),
+        protocol.SampleResult(lease.lease_ids[:1], SampleBatch.from_samples(done[:1]), 0),
+        protocol.SampleResult(lease.lease_ids[1:], SampleBatch.from_samples(done[1:]), 1),
+    ):
+        send(stepped.worker, msg)
+    wait_for(
+        lambda: stepped.step() or b.status(time.monotonic()).workers[0].messages == 5,
+        DEADLINE_S,
+        "5 messages heard",
+    )
+    (after,) = b.status(time.monotonic()).workers
+    assert after.samples_returned == 2 and after.messages_per_sample == 2.5
+    assert b.status(time.monotonic()).messages_per_sample == 2.5  # over the live workers
+    (family,) = [
+        m
+        for m in status_metrics(b.status(time.monotonic()))
+        if m.name == "april_broker_worker_messages_per_sample"
+    ]
+    assert [s.value for s in family.samples] == [2.5]
