@@ -20,6 +20,19 @@ def test_the_meter_integrates_the_count_held_since_the_last_observation() -> Non
     assert (r.busy_slot_s, r.slot_s, r.free_slot_s, r.elapsed_s) == pytest.approx((9.0, 16.0, 2.0, 4.0))
 
 
+def test_a_longer_busy_period_reports_less_often_while_busy_and_still_at_once_on_going_idle() -> None:
+    """worker.usage_report_s: fewer messages from a generating worker; reports are cumulative: none lost."""
+    m = SlotMeter(slots=2, now=0.0, busy_period_s=1.0)
+    m.observe(0.0, 2)
+    assert not m.due(0.5, idle_period_s=5.0) and not m.due(0.99, idle_period_s=5.0)
+    assert m.due(1.0, idle_period_s=5.0)
+    m.report(1.0)
+    m.observe(1.1, 0)
+    assert m.due(1.1, idle_period_s=5.0)
+    r = m.report(1.1)
+    assert (r.busy_slot_s, r.slot_s) == pytest.approx((2.2, 2.2))
+
+
 def test_reports_are_due_often_while_busy_at_once_on_going_idle_and_rarely_while_idle() -> None:
     m = SlotMeter(slots=2, now=0.0)
     assert not m.due(0.5, idle_period_s=1.0)
