@@ -16,11 +16,9 @@ from dataclasses import replace
 from actors.engine import CostModelled
 from april.protocol import EngineUsage
 
-BUSY_REPORT_S = 0.1  # report period while sequences run (the broker's phase split is this fine)
-
 
 class SlotMeter:
-    def __init__(self, slots: int, now: float, busy_period_s: float = BUSY_REPORT_S) -> None:
+    def __init__(self, slots: int, now: float, busy_period_s: float) -> None:
         self.slots = slots
         self.busy_period_s = busy_period_s  # report period while sequences run (worker.usage_report_s)
         self.active = 0  # sequences running since `last`

@@ -279,7 +279,7 @@ class WorkerConfig:
     reward: str = "exact"  # built-in name or "module:function"
     reward_timeout_s: float = 10.0  # seconds one reward call may take before it scores as failed
     result_hold_ms: float = 0.0  # hold results and freed slots up to this long, as one message; 0: at once
-    usage_report_s: float = 0.1  # seconds between slot-usage reports while generating (cumulative figures)
+    usage_report_s: float = 0.1  # seconds between usage reports while generating: the phase split's grain
     worker_id: str = ""  # empty: <hostname>-<pid>
     device: str = "cpu"  # torch and vllm engines: cpu, cuda, cuda:1, ...
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)

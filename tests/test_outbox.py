@@ -136,7 +136,7 @@ def test_usage_reports_while_generating_leave_held_results_held(clock: FakeClock
     worker, link = worker_on(hold_ms=500)
     link.interval = 1.0  # type: ignore[attr-defined]
     worker.engine = types.SimpleNamespace(active=2)  # type: ignore[assignment]
-    worker.meter = SlotMeter(SLOTS, clock.now)
+    worker.meter = SlotMeter(SLOTS, clock.now, worker.cfg.usage_report_s)
     worker.health.come_up()
     worker._owe([(11, finished(1))], 1)
     for _ in range(3):

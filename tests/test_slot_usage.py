@@ -7,13 +7,16 @@ import math
 
 import pytest
 
-from actors.slot_meter import BUSY_REPORT_S, SlotMeter
+from actors.slot_meter import SlotMeter
+from april.config import WorkerConfig
 from april.protocol import EngineUsage
 from broker.usage import SlotUsage
 
+BUSY_REPORT_S = WorkerConfig().usage_report_s  # the default report period while sequences run
+
 
 def test_the_meter_integrates_the_count_held_since_the_last_observation() -> None:
-    m = SlotMeter(slots=4, now=0.0)
+    m = SlotMeter(slots=4, now=0.0, busy_period_s=BUSY_REPORT_S)
     m.observe(1.0, 4)  # idle for 1 s, then 4 running
     m.observe(3.0, 1)  # 4 running for 2 s, then 1
     r = m.report(4.0)  # 1 running for 1 s
@@ -34,7 +37,7 @@ def test_a_longer_busy_period_reports_less_often_while_busy_and_still_at_once_on
 
 
 def test_reports_are_due_often_while_busy_at_once_on_going_idle_and_rarely_while_idle() -> None:
-    m = SlotMeter(slots=2, now=0.0)
+    m = SlotMeter(slots=2, now=0.0, busy_period_s=BUSY_REPORT_S)
     assert not m.due(0.5, idle_period_s=1.0)
     assert m.due(1.0, idle_period_s=1.0)
     m.report(1.0)
@@ -99,7 +102,7 @@ def test_a_cost_modelled_engine_reports_its_reprefill_and_stale_kv_counters() ->
 
     engine = SimEngine("fixed:4", slots=2, sleep=False)
     engine.elapsed_s, engine.reprefill_s, engine.stale_kv_tokens = 2.0, 0.5, 7
-    m = SlotMeter(slots=2, now=0.0)
+    m = SlotMeter(slots=2, now=0.0, busy_period_s=BUSY_REPORT_S)
     r = m.report(1.0, engine)
     assert (r.model_busy_s, r.reprefill_s, r.stale_kv_tokens) == (2.0, 0.5, 7)
     assert (m.report(1.0, object()).model_busy_s, m.report(1.0).reprefill_s) == (0.0, 0.0)
