@@ -14,8 +14,8 @@ make holding safe:
 - nothing overtakes a held result: the worker sends the outbox before any other message of its own, so
   an `AbortDone` (which replaces credit and names what is still being scored) or a `Disconnect` comes
   after every result it follows, as if nothing had been held. The one exception is the usage report
-  (`EngineUsage`): cumulative, it commutes with results, and sent every ~0.1 s while the engine runs it
-  would otherwise cut every longer hold short;
+  (`EngineUsage`): cumulative, it commutes with results, and sent every `worker.usage_report_s` while
+  the engine runs it would otherwise cut every longer hold short;
 - nothing held is forgotten: a hello after a reconnect names the held leases (`lease_ids`) as leases the
   worker still holds, so a broker that lost the worker keeps them and accepts their results when sent.
 

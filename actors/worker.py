@@ -438,7 +438,7 @@ class Worker:
         self.meter.observe(now, 0 if self.health.down else self.engine.active)
         if self.meter.due(now, self.link.interval):
             # straight to the broker, not after the outbox: a cumulative report commutes with results, and
-            # sent every ~0.1 s while generating it would cut every longer hold short
+            # sent every usage_report_s while generating it would cut every longer hold short
             self.link.send(self.meter.report(now, self.engine))
 
     # ------------------------------------------------------------------ engine down and back

@@ -63,11 +63,6 @@ class WorkerStatus:
     samples_returned: int = 0  # samples in its SampleResults since then (evaluation samples included)
 
     @property
-    def messages_per_sample(self) -> float | None:
-        """What each returned sample cost the broker in messages from this worker (None before any)."""
-        return self.messages / self.samples_returned if self.samples_returned else None
-
-    @property
     def weights_sync(self) -> str:
         """How its weights came and how long that took, for people: "network 0.41s"; "-" before any."""
         return f"{self.weights_transport} {self.weights_sync_s:.2f}s" if self.weights_transport else "-"
