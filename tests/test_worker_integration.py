@@ -72,7 +72,7 @@ def test_worker_sigterm_returns_leases_and_sigkill_is_survived(cluster: Callable
 def test_workers_that_hold_their_results_lose_nothing_across_aborts(cluster: Callable[..., Cluster]) -> None:
     """`worker.result_hold_ms` (actors/outbox.py) with real processes: each worker gathers what it owes for
     up to 200 ms, across async's abort at every new version; every sample is trained once, the ledger
-    balances, and resumed partials keep their tokens' versions."""
+    balances, and partials are aborted and resumed."""
     c = cluster(
         run={"mode": "async"},
         algo={"max_new_tokens": 40, "max_staleness": 1},
