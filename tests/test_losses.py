@@ -120,15 +120,17 @@ def reference_weights(x: dict[str, Tensor], i: int, real: list[int], cfg: LossCo
 
 
 def reference_kl(d: Tensor, cfg: LossConfig) -> Tensor:
-    """One token's KL estimate from d = log pi_theta - log pi_ref, with the guards."""
-    d = clamp_log(d, cfg)
+    """One token's KL estimate from d = log pi_theta - log pi_ref; only k3, where d < 0, is guarded."""
     if cfg.kl_estimator == KLEstimator.K1:
-        kl = d
-    elif cfg.kl_estimator == KLEstimator.K2:
-        kl = d * d / 2
-    else:
-        kl = torch.exp(-d) - 1 + d
-    return clip(kl, -cfg.kl_clamp, cfg.kl_clamp) if cfg.kl_clamp else kl
+        return d
+    if cfg.kl_estimator == KLEstimator.K2:
+        return d * d / 2
+    if cfg.log_ratio_clamp and d < -cfg.log_ratio_clamp:
+        d = d * 0 - cfg.log_ratio_clamp
+    kl = torch.exp(-d) - 1 + d
+    if cfg.kl_clamp and d < 0 and kl > cfg.kl_clamp:
+        return kl * 0 + cfg.kl_clamp
+    return kl
 
 
 def reference_loss(
