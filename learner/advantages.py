@@ -27,25 +27,29 @@ def group_advantages(rewards: Tensor, algorithm: Algorithm | str, eps: float = 1
     - `gspo`:    same as grpo (the GSPO paper keeps the group-normalised advantage)
     - `dr_grpo`: A_gi = r_gi - mean_g (no std division; its length normalisation is removed in the loss)
 
-    A group whose rewards are all equal gets advantage 0 for every sample (no learning signal).
+    A group whose rewards are all equal gets exactly 0 for every sample (no learning signal): such groups
+    are found by comparing the rewards themselves, since a computed mean can miss a fractional reward by
+    a rounding (seven float32 rewards of 0.1 gave -0.0074 each once divided by std + eps). The rest is
+    computed in float64 and returned in the rewards' dtype.
     """
     algo = Algorithm(algorithm)
     if rewards.ndim != 2 or rewards.shape[1] < 1:
         raise ValueError(f"group_advantages: rewards of shape {tuple(rewards.shape)}, expected [G, n>=1]")
+    if not rewards.is_floating_point():
+        raise ValueError(f"group_advantages: rewards of dtype {rewards.dtype}, expected a floating dtype")
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("group_advantages: non-finite reward (expected every sample scored)")
     if eps < 0:
         raise ValueError(f"group_advantages: eps = {eps}, expected >= 0")
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if algo is Algorithm.DR_GRPO:
-        return centred
-    if rewards.shape[1] == 1:
-        std = torch.zeros_like(rewards)
-    else:
-        std = rewards.std(dim=1, keepdim=True, correction=1)
-    if eps == 0:  # all-equal groups would give 0/0: their advantage is 0 by definition
-        return torch.where(std > 0, centred / torch.where(std > 0, std, 1.0), 0.0)
-    return centred / (std + eps)
+    r = rewards.to(torch.float64)
+    uniform = (r == r[:, :1]).all(dim=1, keepdim=True)  # [G, 1]
+    centred = torch.where(uniform, 0.0, r - r.mean(dim=1, keepdim=True))
+    if algo is Algorithm.DR_GRPO or rewards.shape[1] == 1:  # a group of one is uniform: 0
+        return centred.to(rewards.dtype)
+    std = r.std(dim=1, keepdim=True, correction=1)
+    if eps == 0:  # a uniform group (std 0) would give 0/0; its advantage is already 0
+        return torch.where(std > 0, centred / torch.where(std > 0, std, 1.0), 0.0).to(rewards.dtype)
+    return (centred / (std + eps)).to(rewards.dtype)
 
 
 def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float = 1.0) -> Tensor:

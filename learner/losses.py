@@ -38,8 +38,8 @@ a masked token is exactly a weight-0 token and the normalisers are fixed when th
 mask is applied with `torch.where` on the log-ratio before `exp`, never by multiplying by 0: a masked
 token with a huge ratio would give inf x 0 = NaN in the loss and in its gradient.
 Optional terms, aggregated the same way (sequence-mean for gspo) over kept tokens, not IS-weighted:
-`kl_coef` x the `kl_estimator` (k1, k2 or k3 of d = log pi_theta - log pi_ref_model, clamped: see
-`kl_estimate` for what each one's gradient is), and `-entropy_coef` x entropy.
+`kl_coef` x the `kl_estimator` (k1, k2 or k3 of d = log pi_theta - log pi_ref_model; see `kl_estimate`
+for what each one's gradient is and where k3 is capped), and `-entropy_coef` x entropy.
 
 Several optimizer steps per batch: pi_prox stays the weights before the *first* step and the version
 advances once per batch (weights are published once), so at step j (0-based) of k a token tagged
@@ -77,7 +77,7 @@ class LossConfig:
 
     Every guard is on by default with the peers' value and off at 0: `log_ratio_clamp` 20 (verl's
     core_algos.py clamps log(pi/pi_old) to [-20, 20]), `clip_ratio_c` 3 (verl's dual-clip default),
-    `kl_clamp` 10 (verl's and slime's clamp of the low-variance KL).
+    `kl_clamp` 10 (the cap verl and slime put on k3, here on its exploding side only: `kl_estimate`).
     """
 
     algorithm: Algorithm = Algorithm.GRPO
@@ -94,7 +94,7 @@ class LossConfig:
     log_ratio_clamp: float = 20.0  # every log-ratio is clamped to [-c, c] before exp; 0 = off
     clip_ratio_c: float = 3.0  # dual-clip: for A < 0 the surrogate is at least c A; 0 = off
     kl_estimator: KLEstimator = KLEstimator.K3
-    kl_clamp: float = 10.0  # each token's KL estimate clamped to [-kl_clamp, kl_clamp]; 0 = off
+    kl_clamp: float = 10.0  # k3's value capped at kl_clamp where d < 0 (k1, k2: never); 0 = off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
@@ -320,20 +320,21 @@ def kl_estimate(d: Tensor, cfg: LossConfig) -> Tensor:
       as a value, but its gradient (1 - pi_ref / pi_theta) grad log pi_theta is in expectation the gradient
       of the *forward* KL(pi_ref || pi_theta); GRPO's and verl's `low_var_kl`.
 
-    The names are slime's (slime/utils/ppo_utils.py compute_approx_kl: k1, k2, k3, and `low_var_kl` = k3
-    clamped to [-10, 10]). Guards, as verl's core_algos.py kl_penalty: d is clamped to [-log_ratio_clamp,
-    log_ratio_clamp] before exp and the estimate to [-kl_clamp, kl_clamp]; a clamped token gets no gradient
-    from the KL term.
+    Guards only where a value explodes. k1 and k2 are polynomials of a finite d and are never clamped: a
+    clamp would take the gradient from exactly the most drifted tokens. k3's exp(-d) explodes as d -> -inf
+    (pi_theta << pi_ref): there d is clamped below at -log_ratio_clamp before exp, and the value is capped
+    at kl_clamp (with 10, below d = -2.61: such a token gets no gradient from the KL term, where the
+    uncapped gradient pi_ref / pi_theta - 1 would exceed 12.6). Where d > 0, k3 ~ d - 1 grows like k1 and
+    keeps its gradient. docs/learner.md compares this with verl, slime and AReaL.
     """
-    if cfg.log_ratio_clamp > 0:
-        d = d.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     if cfg.kl_estimator is KLEstimator.K1:
-        kl = d
-    elif cfg.kl_estimator is KLEstimator.K2:
-        kl = 0.5 * d * d
-    else:
-        kl = torch.exp(-d) - 1 + d
-    return kl.clamp(-cfg.kl_clamp, cfg.kl_clamp) if cfg.kl_clamp > 0 else kl
+        return d
+    if cfg.kl_estimator is KLEstimator.K2:
+        return 0.5 * d * d
+    if cfg.log_ratio_clamp > 0:
+        d = d.clamp(min=-cfg.log_ratio_clamp)
+    kl = torch.exp(-d) - 1 + d
+    return torch.where(d < 0, kl.clamp(max=cfg.kl_clamp), kl) if cfg.kl_clamp > 0 else kl
 
 
 def _check_inputs(

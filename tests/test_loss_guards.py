@@ -7,7 +7,8 @@ each with the failure it prevents.
   and decoupled's default bound (an off-policy weight of e^10 otherwise drives the whole gradient);
 - masks by torch.where: a `mask`-ed token with a huge ratio made the loss NaN;
 - the KL estimators: their expectations and expected gradients, computed exactly over a small vocabulary,
-  are what `kl_estimate`'s docstring says.
+  are what `kl_estimate`'s docstring says; a drifted token's gradient (|d| = 5, 50) is the textbook
+  formula's (float64 autograd), except on k3's capped side, where it is 0 as documented.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ VARIANTS: dict[str, tuple[OffPolicy, dict[str, Any], str]] = {
     ),
     "none-dual-clip": (OffPolicy.NONE, {"clip_ratio_c": 1.5}, "dual_clip_frac"),
     "mask-tight-clamp": (OffPolicy.MASK, {"log_ratio_clamp": 0.3, "clip_ratio_c": 1.2}, "dual_clip_frac"),
+    # kl_clamp leaves k1 and k2 alone, and caps k3 where d < 0 only (the reference says the same)
     "tis-k1": (OffPolicy.TIS, {"kl_estimator": KLEstimator.K1, "kl_clamp": 0.1}, ""),
     "tis-k2": (OffPolicy.TIS, {"kl_estimator": KLEstimator.K2, "kl_clamp": 0.02}, ""),
     "none-k3-clamped": (OffPolicy.NONE, {"kl_estimator": KLEstimator.K3, "kl_clamp": 0.02}, ""),
@@ -251,6 +253,89 @@ def test_kl_estimators_have_the_documented_expected_gradients(estimator: KLEstim
     assert torch.allclose(got, want, atol=1e-12), (got, want)
     if estimator is not KLEstimator.K2:  # k1 and k3 are unbiased for the value of KL(pi || ref)
         assert float(expected.detach()) == pytest.approx(float(reverse.detach()), abs=1e-12)
+
+
+def textbook_kl(d: Tensor, estimator: KLEstimator) -> Tensor:
+    """The estimators as Schulman's note writes them, without any guard."""
+    if estimator is KLEstimator.K1:
+        return d
+    if estimator is KLEstimator.K2:
+        return d * d / 2
+    return torch.exp(-d) - 1 + d
+
+
+def textbook_grad(d: float, estimator: KLEstimator) -> tuple[float, float]:
+    """(value, d value / d d) of the textbook formula at d, by float64 autograd."""
+    x = torch.tensor(d, dtype=torch.float64, requires_grad=True)
+    value = textbook_kl(x, estimator)
+    (grad,) = torch.autograd.grad(value, x)
+    return float(value.detach()), float(grad)
+
+
+def estimate_grad(d: float, cfg: LossConfig, dtype: torch.dtype) -> tuple[float, float]:
+    x = torch.tensor([d], dtype=dtype, requires_grad=True)
+    value = kl_estimate(x, cfg)
+    (grad,) = torch.autograd.grad(value.sum(), x)
+    return float(value.detach()[0]), float(grad[0])
+
+
+K3_CAPPED = (-5.0, -50.0)  # k3 > kl_clamp = 10 where d < 0: capped, no gradient (kl_estimate)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("d", [5.0, -5.0, 50.0, -50.0])
+@pytest.mark.parametrize("estimator", list(KLEstimator), ids=[k.value for k in KLEstimator])
+def test_a_drifted_token_keeps_the_textbook_kl_gradient(
+    estimator: KLEstimator, d: float, dtype: torch.dtype
+) -> None:
+    value, grad = estimate_grad(d, LossConfig(kl_estimator=estimator), dtype)  # default guards
+    want_value, want_grad = textbook_grad(d, estimator)
+    rel = 1e-6 if dtype == torch.float32 else 1e-14
+    if estimator is KLEstimator.K3 and d in K3_CAPPED:
+        assert value == 10.0 and grad == 0.0 and abs(want_grad) > 100
+        return
+    assert value == pytest.approx(want_value, rel=rel) and grad == pytest.approx(want_grad, rel=rel)
+    assert abs(grad) > 0.99  # when every estimate was clamped, k2 had none at |d| = 5 and 50, k1 none at 50
+
+
+@pytest.mark.parametrize("d", [5.0, -5.0, 50.0, -50.0])
+@pytest.mark.parametrize("estimator", list(KLEstimator), ids=[k.value for k in KLEstimator])
+def test_kl_guards_off_give_the_textbook_formula(estimator: KLEstimator, d: float) -> None:
+    value, grad = estimate_grad(d, LossConfig(kl_estimator=estimator, **OFF), torch.float64)
+    want_value, want_grad = textbook_grad(d, estimator)
+    assert value == pytest.approx(want_value, rel=1e-14) and grad == pytest.approx(want_grad, rel=1e-14)
+
+
+def test_k3_is_capped_from_where_its_value_passes_kl_clamp() -> None:
+    # k3(d) = 10 at d = -2.6109: just above it the gradient is the textbook 1 - e^-d (about -12.5); below, 0
+    k3 = LossConfig(kl_estimator=KLEstimator.K3)
+    value, grad = estimate_grad(-2.60, k3, torch.float64)
+    assert value < 10 and grad == pytest.approx(textbook_grad(-2.60, KLEstimator.K3)[1], rel=1e-14)
+    assert estimate_grad(-2.62, k3, torch.float64) == (10.0, 0.0)
+    wider = LossConfig(kl_estimator=KLEstimator.K3, kl_clamp=20.0)  # the cap moves with kl_clamp
+    assert estimate_grad(-2.62, wider, torch.float64)[1] < -12
+
+
+@pytest.mark.parametrize("d", [5.0, -5.0])
+@pytest.mark.parametrize("estimator", list(KLEstimator), ids=[k.value for k in KLEstimator])
+def test_the_kl_term_reaches_a_drifted_token_through_the_loss(estimator: KLEstimator, d: float) -> None:
+    # float32, 6,400 tokens (dapo: the KL term is summed over tokens / 6,400); the reference model agrees
+    # with pi_theta on every token but (0, 0), where log pi_theta - log pi_ref = d
+    x = spike_batch(0.0, 1.0)
+    ref = x["new"].clone()
+    ref[0, 0] = x["new"][0, 0] - d
+
+    def grad_at_token(kl_coef: float) -> float:
+        new = x["new"].clone().requires_grad_(True)
+        cfg = LossConfig(algorithm=Algorithm.DAPO, kl_estimator=estimator, kl_coef=kl_coef)
+        loss, _ = policy_loss(new, x["beh"], None, x["adv"], x["mask"], x["versions"], CUR, cfg, logp_ref=ref)
+        (grad,) = torch.autograd.grad(loss, new)
+        return float(grad[0, 0])
+
+    kl_part = grad_at_token(0.5) - grad_at_token(0.0)
+    capped = estimator is KLEstimator.K3 and d in K3_CAPPED
+    want = 0.0 if capped else 0.5 * textbook_grad(d, estimator)[1] / 6400
+    assert kl_part == pytest.approx(want, rel=1e-4, abs=1e-9)
 
 
 def test_kl_clamp_bounds_the_estimate_and_its_gradient() -> None:
