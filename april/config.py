@@ -372,7 +372,7 @@ class LearnerConfig:
     eps_high: float = -1.0  # clip above 1 + eps_high; < 0: the algorithm's default (dapo 0.28)
     kl_coef: float = 0.0  # weight of the KL to the initial model (0: no reference model is kept)
     kl_estimator: KLEstimator = KLEstimator.K3  # per-token KL estimate: k1, k2 or k3 (docs/learner.md)
-    kl_clamp: float = 10.0  # each token's KL estimate is clamped to [-kl_clamp, kl_clamp]; 0 = off
+    kl_clamp: float = 10.0  # k3's value capped at kl_clamp where log pi < log pi_ref (k1, k2: never); 0 = off
     entropy_coef: float = 0.0  # weight of the entropy bonus in the loss (0: off)
     log_ratio_clamp: float = 20.0  # log(pi / pi_ref) clamped to [-c, c] before exp (ratios, weights); 0 = off
     clip_ratio_c: float = 3.0  # dual-clip: a negative-advantage token's loss is at most c x |A|; > 1, 0 = off
