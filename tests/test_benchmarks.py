@@ -5,13 +5,16 @@ in benchmarks/ without a check here fails `test_every_benchmark_has_a_smoke_chec
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +25,23 @@ BENCHMARKS = REPO / "benchmarks"
 DEADLINE_S = 300  # "did not hang", not "was fast": the smoke sizes take seconds to a minute or two
 
 
-def run_smoke(script: str, out: Path, cwd: Path, verb: str = "") -> str:
-    """`python benchmarks/SCRIPT [VERB] --smoke --out OUT` with this tree's april first on the path; its
-    output."""
+def run_smoke(script: str, out: Path, cwd: Path, verb: str = "", extra: Sequence[str] = ()) -> str:
+    """`python benchmarks/SCRIPT [VERB] --smoke --out OUT [EXTRA]` with this tree's april first on the
+    path; its output."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
     }
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *([verb] if verb else []), "--smoke", "--out", str(out)],
+        [
+            sys.executable,
+            str(BENCHMARKS / script),
+            *([verb] if verb else []),
+            "--smoke",
+            "--out",
+            str(out),
+            *extra,
+        ],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -342,6 +353,120 @@ def check_scheduling(tmp_path: Path) -> None:
     assert {r["run"] for r in rows} == {"sync", "april", "april-auto128"}
 
 
+def load_benchmark(name: str) -> Any:
+    """A module of benchmarks/ imported as its script imports its neighbours (benchmarks/ on the path)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def check_gpu_check(tmp_path: Path) -> None:
+    """Every phase of the GPU check at its smoke size on the CPU, through the same code as on a GPU; an
+    engine option bound on the way (`prefill_tokens`, a keyword TorchEngine has)."""
+    out = tmp_path / "gpu-check"
+    printed = run_smoke("gpu_check.py", out, tmp_path, extra=["--engine-option", "prefill_tokens=64"])
+    a = json.loads((out / "gpu_check.json").read_text())
+    phases = a["phases"]
+    assert a["benchmark"] == "gpu_check" and a["smoke"] is True and a["device"]["device"] == "cpu"
+    assert list(phases) == ["device", "learner-torch", "up", "engine", "gpu-tests"]
+    for name, e in phases.items():  # every phase ran to its end, without an error
+        assert (e["status"], e["errors"], e["exit_code"]) == ("ok", [], 0), (name, e)
+        assert 0 < e["wall_s"] <= e["timeout_s"] <= e["budget_s"], name
+    assert 0 < a["wall_s"] <= a["budget_s"] and positive(a["device"]["matmul_tflops"])
+    assert a["device"]["libraries"]["torch"] and a["device"]["libraries"]["deepspeed"]
+
+    learner = phases["learner-torch"]["result"]
+    model, params = learner["model"], phases["learner-torch"]["params"]
+    assert learner["engine"]["optimizer"] == ["AdamW"]  # what the engine holds on the CPU
+    assert [
+        [r["samples"], r["response_len"], len(r["warmup_s"]), len(r["step_s"])] for r in learner["sizes"]
+    ] == (params["sizes"])
+    for r in learner["sizes"]:
+        seqs = [r["prompt_len"] + r["response_len"]] * r["samples"]
+        assert r["tokens"] == sum(seqs) and r["response_tokens"] == r["samples"] * r["response_len"]
+        assert r["weight_flops"] == 6 * model["matmul_weights"] * r["tokens"]
+        assert r["attention_flops"] == 6 * model["layers"] * model["heads"] * model["head_dim"] * sum(
+            t * (t + 1) for t in seqs
+        )
+        assert (
+            r["median_s"] == statistics.median(r["step_s"])
+            and positive(r["tokens_per_s"])
+            and finite(r["loss"])
+        )
+        measured = a["device"]["matmul_tflops"] * 1e12
+        assert r["mfu"]["measured"]["weights"] == pytest.approx(r["weight_flops"] / r["median_s"] / measured)
+        assert r["mfu"]["spec"] == {"weights": None, "with_attention": None}  # no data-sheet peak for a CPU
+
+    run = phases["up"]["result"]["run"]
+    assert run["exit_code"] == 0 and run["steps"] == 1 and run["samples_per_step"] == [2 * 2]
+    assert 0 < run["first_step_s"] <= run["wall_s"] and positive(run["samples_per_s"])
+    assert phases["up"]["result"]["command"].startswith("april up --headless --steps 1 --workers 1")
+
+    engine = phases["engine"]["result"]
+    assert engine["engine_options"] == {"prefill_tokens": 64}
+    assert list(engine["decode"]) == ["tiny", "qwen3-smoke"]
+    for d in engine["decode"].values():
+        assert [r["active"] for r in d["rows"]] == [1, 2] and all(
+            positive(r["ms_per_step"]) for r in d["rows"]
+        )
+    b = engine["batching"]
+    assert b["continuous"]["useful_tokens"] == b["static_generate"]["useful_tokens"] == b["lengths"]["total"]
+    assert b["ratio"] == pytest.approx(b["continuous"]["tokens_per_s"] / b["static_generate"]["tokens_per_s"])
+
+    tests = phases["gpu-tests"]["result"]
+    assert "tests/test_gpu.py" in tests["files"] and len(tests["tests"]) == sum(tests["counts"].values()) >= 1
+    assert tests["counts"]["failed"] == tests["counts"]["error"] == 0
+
+    targets = {t["target"]: t for t in a["targets"]}
+    assert len(targets) == 3 and all(t["met"] is None for n, t in targets.items() if "64 rows" in n)
+    (cb,) = (t for n, t in targets.items() if "continuous" in n)
+    assert cb["measured"] == b["ratio"] and cb["met"] == (b["ratio"] >= 5)
+
+    stamp = json.loads((out / "provenance.json").read_text())
+    assert stamp["command"] == (
+        "python benchmarks/gpu_check.py --smoke --out docs/results/gpu-check "
+        "--engine-option prefill_tokens=64"
+    )
+    assert {"commit", "dirty", "date", "machine", "wall_s"} <= set(stamp) and "gpu" in stamp["machine"]
+    assert "===== up: ok" in (out / "gpu_check.log").read_text()
+    assert "learner-torch      ok" in printed
+    block = load_benchmark("results").block_gpu_check(out)  # docs/bench.md's section from this artifact
+    assert all(f"| {name} | ok |" in block for name in phases) and "Source: " in block
+
+
+def test_a_failing_or_overrunning_gpu_check_phase_keeps_what_it_measured(tmp_path: Path) -> None:
+    """The GPU check's runner: a phase that raises records its error, one killed at its timeout keeps what
+    it had recorded (the device's identity, before its matmul), and one with too little of the check's
+    budget left is skipped; each is judged on its own."""
+    gpu_check = load_benchmark("gpu_check")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    deadline = time.monotonic() + 600
+    no_gpu = gpu_check.Phase(
+        "d", "hardware", 120, 1, {"device": "cuda", "matmul_n": 8, "matmul_reps": 1, "rounds": 1}
+    )
+    failed = gpu_check.run_phase(no_gpu, tmp_path, env, deadline)
+    assert failed["status"] == "error" and failed["exit_code"] == 1, failed
+    assert failed["errors"] == [
+        "phase: RuntimeError: device cuda: torch sees no CUDA device (torch "
+        f"{failed['result']['identity']['libraries']['torch']})"
+    ]
+    assert failed["result"]["identity"]["cuda_available"] is False and "log_tail" in failed
+
+    huge = {"device": "cpu", "matmul_n": 4096, "matmul_reps": 10_000, "rounds": 1}
+    slow = gpu_check.run_phase(gpu_check.Phase("s", "hardware", 20, 1, huge), tmp_path, env, deadline)
+    assert slow["status"] == "timeout" and slow["exit_code"] is None, slow
+    assert slow["errors"] == ["timed out after 20 s"] and slow["result"]["identity"]["device"] == "cpu"
+    assert "matmul" not in slow["result"] and 20 <= slow["wall_s"] < 20 + 45
+
+    late = gpu_check.run_phase(
+        gpu_check.Phase("l", "hardware", 60, 30, huge), tmp_path, env, time.monotonic() + 5
+    )
+    assert late["status"] == "skipped" and late["reason"].startswith("out of time") and late["wall_s"] == 0.0
+
+
 CHECKS: dict[str, Callable[[Path], None]] = {
     "broker_throughput.py": check_broker_throughput,
     "engine_throughput.py": check_engine_throughput,
@@ -352,6 +477,7 @@ CHECKS: dict[str, Callable[[Path], None]] = {
     "soak.py": check_soak,
     "scheduling.py": check_scheduling,
     "results.py": check_results,
+    "gpu_check.py": check_gpu_check,
 }
 
 
