@@ -323,6 +323,21 @@ def with_utilisation(phases: dict[str, Any], device: dict[str, Any]) -> None:
             }
 
 
+def optimizer_comparison(phases: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per learner size measured under more than one `learner.adam_impl`: each one's median step seconds
+    and the fastest."""
+    times: dict[str, dict[str, float]] = {}
+    for name, entry in phases.items():
+        for row in entry.get("result", {}).get("sizes", []) if name.startswith("learner-") else []:
+            size = f"{row['samples']} x {row['response_len']}"
+            times.setdefault(size, {})[entry["result"]["engine"]["adam_impl"]] = row["median_s"]
+    return [
+        {"size": size, "median_s": by_impl, "fastest": min(by_impl, key=by_impl.__getitem__)}
+        for size, by_impl in times.items()
+        if len(by_impl) > 1
+    ]
+
+
 def arch_environment(env: dict[str, str], keep: bool) -> dict[str, Any]:
     found = env.get("TORCH_CUDA_ARCH_LIST")
     fixed = None if keep or found is None else arch_list_for_deepspeed(found)
@@ -432,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": wall_s,
         "phases": results,
         "targets": [t.judge(results) for t in TARGETS],
+        "optimizers": optimizer_comparison(results),
     }
     (args.out / "gpu_check.json").write_text(json.dumps(artifact, indent=1) + "\n", encoding="utf-8")
     prov = stamp(args, argv, device, wall_s)

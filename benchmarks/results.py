@@ -793,7 +793,7 @@ def gpu_phase_rows(phases: dict[str, Any]) -> list[str]:
     return rows
 
 
-def gpu_learner_rows(phases: dict[str, Any]) -> list[str]:
+def gpu_learner_rows(phases: dict[str, Any], comparison: list[dict[str, Any]]) -> list[str]:
     learners = {
         n: e for n, e in phases.items() if n.startswith("learner-") and e.get("result", {}).get("sizes")
     }
@@ -823,7 +823,16 @@ def gpu_learner_rows(phases: dict[str, Any]) -> list[str]:
                 f"{mfu['weights']} | {mfu['with_attention']} | {peak} | "
                 f"{r['model']['build_s']:.0f}, {r['engine']['setup_s']:.0f} |"
             )
-    return [*rows, ""]
+    rows.append("")
+    if comparison:
+        said = [
+            f"at {c['size']} "
+            + ", ".join(f"{impl} {sec:.2f} s" for impl, sec in c["median_s"].items())
+            + f" ({c['fastest']} the faster)"
+            for c in comparison
+        ]
+        rows += ["Optimizers, median step: " + "; ".join(said) + ".", ""]
+    return rows
 
 
 def gpu_up_line(phases: dict[str, Any]) -> list[str]:
@@ -906,7 +915,7 @@ def block_gpu_check(folder: Path | None = None) -> str:
             "",
             *gpu_phase_rows(a["phases"]),
             "",
-            *gpu_learner_rows(a["phases"]),
+            *gpu_learner_rows(a["phases"], a.get("optimizers", [])),
             *gpu_up_line(a["phases"]),
             *gpu_engine_rows(a["phases"]),
             *targets,

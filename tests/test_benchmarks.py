@@ -430,8 +430,87 @@ def check_gpu_check(tmp_path: Path) -> None:
     assert {"commit", "dirty", "date", "machine", "wall_s"} <= set(stamp) and "gpu" in stamp["machine"]
     assert "===== up: ok" in (out / "gpu_check.log").read_text()
     assert "learner-torch      ok" in printed
-    block = load_benchmark("results").block_gpu_check(out)  # docs/bench.md's section from this artifact
+    results = load_benchmark("results")
+    block = results.block_gpu_check(out)  # docs/bench.md's section from this artifact
     assert all(f"| {name} | ok |" in block for name in phases) and "Source: " in block
+    assert "| torch (AdamW) | 4 x (8 + 16) | 1 |" in block and "5 skipped" in block
+
+    # the same artifact as a run with both optimizers and a failed phase renders both, and says which won
+    phases["learner-deepspeed"] = variant = json.loads(json.dumps(phases["learner-torch"]))
+    variant["result"]["engine"]["adam_impl"] = "deepspeed"
+    for row in variant["result"]["sizes"]:
+        row["median_s"] /= 2
+    phases["up"].update(status="error", errors=["phase: RuntimeError: april up exited 1"])
+    a["optimizers"] = load_benchmark("gpu_check").optimizer_comparison(phases)
+    assert [c["fastest"] for c in a["optimizers"]] == ["deepspeed", "deepspeed"]
+    (out / "gpu_check.json").write_text(json.dumps(a))
+    block = results.block_gpu_check(out)
+    assert "| deepspeed (AdamW) | 8 x (8 + 16) |" in block and "(deepspeed the faster)" in block
+    assert "| up | error |" in block and "april up exited 1" in block
+
+
+def test_the_gpu_checks_full_size_is_the_issues() -> None:
+    """What `make gpu-check` runs on a GPU (the smoke runs the same code smaller): the phases in order,
+    the second optimizer last, the issue's shapes and sizes, budgets that fit the 6 minutes' plan."""
+    gpu_check = load_benchmark("gpu_check")
+    plan = gpu_check.plan(gpu_check.parse_args(["--out", "x"]))
+    names = [p.name for p in plan]
+    assert names == ["device", "learner-deepspeed", "up", "engine", "gpu-tests", "learner-torch"]
+    by = {p.name: p.params for p in plan}
+    assert all(p["device"] == "cuda" for p in by.values())
+    assert by["learner-deepspeed"]["shape"] == "qwen3-1.7b" and by["learner-torch"]["adam_impl"] == "torch"
+    assert [s[:2] for s in by["learner-deepspeed"]["sizes"]] == [[16, 8192], [64, 8192]]
+    assert by["up"] == {"device": "cuda", "steps": 3, "sets": []}
+    assert [d["name"] for d in by["engine"]["decode"]] == ["tiny", "qwen3-0.6b"] and by["engine"][
+        "prompt"
+    ] == 128
+    assert by["engine"]["max_rows"] == 64 and by["engine"]["batching"]["model"] == "tiny"
+    assert gpu_check.parse_args(["--out", "x"]).budget_s == 360
+    assert all(p.least_s <= p.budget_s for p in plan)
+
+
+def test_the_gpu_check_stops_without_a_gpu_and_takes_its_commit_from_the_wheels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine without CUDA the full check measures nothing on the CPU: the device phase fails and
+    the rest are skipped, exit 1. Where the tree has no git (the device's copy), provenance.json takes the
+    commit that `make gpu-wheels` wrote."""
+    out = tmp_path / "out"
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps({"commit": "a" * 40, "dirty": False}))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    argv = ["--out", str(out), "--phases", "device,up", "--source-stamp", str(source), "--device", "cuda:0"]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), *argv],
+        cwd=tmp_path,
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    a = json.loads((out / "gpu_check.json").read_text())
+    assert a["phases"]["device"]["status"] == "error"
+    assert a["phases"]["up"] == {"status": "skipped", "reason": "the device phase failed", "wall_s": 0.0}
+    stamp = json.loads((out / "provenance.json").read_text())
+    assert (
+        stamp["commit"]
+        == subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )  # git wins where there is one
+
+    gpu_check = load_benchmark("gpu_check")
+    args = gpu_check.parse_args(["--out", str(out), "--source-stamp", str(source)])
+    unknown = {"command": "", "commit": "unknown", "dirty": False, "machine": {}}
+    monkeypatch.setattr(gpu_check, "provenance", lambda command: dict(unknown, command=" ".join(command)))
+    stamp = gpu_check.stamp(args, ["--out", str(out), f"--source-stamp={source}"], {"name": "G"}, 1.0)
+    assert stamp["commit"] == "a" * 40 and stamp["commit_from"] == "source.json of make gpu-wheels"
+    assert stamp["command"] == "python benchmarks/gpu_check.py --out docs/results/gpu-check"
+    assert stamp["machine"]["gpu"]["name"] == "G"
 
 
 def test_a_failing_or_overrunning_gpu_check_phase_keeps_what_it_measured(tmp_path: Path) -> None:
