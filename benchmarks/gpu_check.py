@@ -134,18 +134,58 @@ FULL: dict[str, tuple[float, float, dict[str, Any]]] = {
 # `april up`'s learner is plain torch here: DeepSpeed's start-up is the learner phase's.
 SMOKE: dict[str, tuple[float, float, dict[str, Any]]] = {
     "device": (60, 5, {"matmul_n": 256, "matmul_reps": 4, "rounds": 2}),
-    "learner": (120, 5, {"shape": "qwen3-smoke", "prompt": 8, "group": 4,
-                         "sizes": [[4, 16, 1, 1], [8, 16, 0, 1]], "threads": 1}),
-    "up": (180, 5, {"steps": 1, "sets": [
-        "algo.rollout_batch_size=2", "algo.over_sampling_batch_size=2", "algo.n_samples_per_prompt=2",
-        "algo.max_new_tokens=16", "run.eval_every=0", "learner.backend=torch"]}),
-    "engine": (120, 5, {
-        "max_rows": 2, "prompt": 8, "repeats": 2, "threads": 1,
-        "decode": [{"name": "tiny", "dir": "models/tiny"}, {"name": "qwen3-smoke", "shape": "qwen3-smoke"}],
-        "batching": {"model": "tiny", "n": 8, "slots": 4, "prompt_min": 4, "prompt_max": 8, "median": 4.0,
-                     "sigma": 0.9, "cap": 12}}),
+    "learner": (
+        120,
+        5,
+        {
+            "shape": "qwen3-smoke",
+            "prompt": 8,
+            "group": 4,
+            "sizes": [[4, 16, 1, 1], [8, 16, 0, 1]],
+            "threads": 1,
+        },
+    ),
+    "up": (
+        180,
+        5,
+        {
+            "steps": 1,
+            "sets": [
+                "algo.rollout_batch_size=2",
+                "algo.over_sampling_batch_size=2",
+                "algo.n_samples_per_prompt=2",
+                "algo.max_new_tokens=16",
+                "run.eval_every=0",
+                "learner.backend=torch",
+            ],
+        },
+    ),
+    "engine": (
+        120,
+        5,
+        {
+            "max_rows": 2,
+            "prompt": 8,
+            "repeats": 2,
+            "threads": 1,
+            "decode": [
+                {"name": "tiny", "dir": "models/tiny"},
+                {"name": "qwen3-smoke", "shape": "qwen3-smoke"},
+            ],
+            "batching": {
+                "model": "tiny",
+                "n": 8,
+                "slots": 4,
+                "prompt_min": 4,
+                "prompt_max": 8,
+                "median": 4.0,
+                "sigma": 0.9,
+                "cap": 12,
+            },
+        },
+    ),
     "gpu-tests": (120, 5, {}),
-}  # fmt: skip
+}
 
 
 def plan(args: argparse.Namespace) -> list[Phase]:
@@ -389,56 +429,30 @@ def summary_lines(artifact: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if args.child:
-        return child(args.child[0], Path(args.child[1]), Path(args.child[2]))
-    phases = plan(args)
-    if args.phases:
-        wanted = {x.strip() for x in args.phases.split(",")}
-        unknown = wanted - {p.name for p in phases}
-        if unknown:
-            raise SystemExit(
-                f"gpu-check: error: --phases: unknown {sorted(unknown)} (known: {[p.name for p in phases]})"
-            )
-        phases = [p for p in phases if p.name in wanted]
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "TQDM_DISABLE": "1",  # transformers' progress bars, in every phase's log
-        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
-    }
-    environment = arch_environment(env, args.keep_arch_list)
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    deadline = started + args.budget_s
-    results: dict[str, Any] = {}
-    with (
-        tempfile.TemporaryDirectory(prefix="april-gpu-check-") as tmp,
-        open(args.out / "gpu_check.log", "w") as log,
-    ):
-        for phase in phases:
-            print(f"gpu-check: {phase.name} ...", flush=True)
-            results[phase.name] = entry = run_phase(phase, Path(tmp), env, deadline)
-            print(f"gpu-check: {phase.name}: {entry['status']} in {entry['wall_s']:.1f} s", flush=True)
-            log.write(f"===== {phase.name}: {entry['status']} in {entry['wall_s']:.1f} s\n")
-            log.write(tail(Path(tmp) / f"{phase.name}.log", LOG_LINES) + "\n")
-            if phase.name == "device" and entry["status"] != "ok" and not args.smoke:
-                break  # no GPU to measure: the other phases would only run on the CPU
-        for phase in phases:
-            results.setdefault(
-                phase.name, {"status": "skipped", "reason": "the device phase failed", "wall_s": 0.0}
-            )
-    device_result = results.get("device", {}).get("result", {})
+def selected(phases: list[Phase], names: str) -> list[Phase]:
+    """The phases `--phases` names (all when empty), in the plan's order."""
+    if not names:
+        return phases
+    wanted = {x.strip() for x in names.split(",")}
+    unknown = wanted - {p.name for p in phases}
+    if unknown:
+        known = ", ".join(p.name for p in phases)
+        raise SystemExit(f"gpu-check: error: --phases: unknown {', '.join(sorted(unknown))} (known: {known})")
+    return [p for p in phases if p.name in wanted]
+
+
+def artifact(
+    args: argparse.Namespace, environment: dict[str, Any], results: dict[str, Any], wall_s: float
+) -> dict[str, Any]:
+    """gpu_check.json's content from the phases' entries so far."""
+    measured = results.get("device", {}).get("result", {})
     device = {
-        **device_result.get("identity", {}),
-        "matmul_tflops": device_result.get("matmul", {}).get("tflops"),
-        "matmul": device_result.get("matmul"),
+        **measured.get("identity", {}),
+        "matmul_tflops": measured.get("matmul", {}).get("tflops"),
+        "matmul": measured.get("matmul"),
     }
     with_utilisation(results, device)
-    wall_s = time.monotonic() - started
-    artifact = {
+    return {
         "benchmark": "gpu_check",
         "smoke": args.smoke,
         "device": device,
@@ -449,10 +463,51 @@ def main(argv: list[str] | None = None) -> int:
         "targets": [t.judge(results) for t in TARGETS],
         "optimizers": optimizer_comparison(results),
     }
-    (args.out / "gpu_check.json").write_text(json.dumps(artifact, indent=1) + "\n", encoding="utf-8")
-    prov = stamp(args, argv, device, wall_s)
-    (args.out / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n", encoding="utf-8")
-    print("\n".join(summary_lines(artifact)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.child:
+        return child(args.child[0], Path(args.child[1]), Path(args.child[2]))
+    phases = selected(plan(args), args.phases)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TQDM_DISABLE": "1",  # transformers' progress bars, in every phase's log
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    environment = arch_environment(env, args.keep_arch_list)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+
+    def save() -> dict[str, Any]:  # after every phase: a check killed from outside keeps what it measured
+        doc = artifact(args, environment, results, time.monotonic() - started)
+        (args.out / "gpu_check.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        prov = stamp(args, argv, doc["device"], doc["wall_s"])
+        (args.out / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n", encoding="utf-8")
+        return doc
+
+    with (
+        tempfile.TemporaryDirectory(prefix="april-gpu-check-") as tmp,
+        open(args.out / "gpu_check.log", "w") as log,
+    ):
+        for phase in phases:
+            if phase.name in results:  # skipped already
+                continue
+            print(f"gpu-check: {phase.name} ...", flush=True)
+            results[phase.name] = entry = run_phase(phase, Path(tmp), env, started + args.budget_s)
+            print(f"gpu-check: {phase.name}: {entry['status']} in {entry['wall_s']:.1f} s", flush=True)
+            log.write(f"===== {phase.name}: {entry['status']} in {entry['wall_s']:.1f} s\n")
+            log.write(tail(Path(tmp) / f"{phase.name}.log", LOG_LINES) + "\n")
+            log.flush()
+            if phase.name == "device" and entry["status"] != "ok" and not args.smoke:
+                no_gpu = {"status": "skipped", "reason": "the device phase failed", "wall_s": 0.0}
+                results.update({p.name: dict(no_gpu) for p in phases if p.name not in results})
+            save()
+    doc = save()
+    print("\n".join(summary_lines(doc)))
     print(f"wrote {args.out}/gpu_check.json, provenance.json, gpu_check.log")
     return 0 if all(e["status"] in ("ok", "skipped") for e in results.values()) else 1
 

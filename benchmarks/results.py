@@ -805,8 +805,8 @@ def gpu_learner_rows(phases: dict[str, Any], comparison: list[dict[str, Any]]) -
         f"{model['dtype']}, random weights), `learner.step.train_step` with DeepSpeed and the default "
         "layout; model-FLOPs utilisation against the data sheet's peak / the matmul measured above:",
         "",
-        "| optimizer | samples x (prompt + response) | micro-batches | step s | tokens/s | MFU | MFU with "
-        "attention | peak GiB | model built, engine set up (s) |",
+        "| optimizer | samples x (prompt + response) | micro-batches | step s | tokens/s (all) | MFU "
+        "| MFU with attention | peak GiB | model built, engine set up (s) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in learners.values():

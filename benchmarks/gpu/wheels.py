@@ -256,7 +256,7 @@ def stamp(folder: Path) -> dict[str, object]:
     from april.provenance import commit
 
     head, dirty = commit()
-    record = {"commit": head, "dirty": dirty, "python_here": sys.version.split()[0]}
+    record = {"commit": head, "dirty": dirty}
     (folder / "source.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return record
 
