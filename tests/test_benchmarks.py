@@ -513,6 +513,41 @@ def test_the_gpu_check_stops_without_a_gpu_and_takes_its_commit_from_the_wheels(
     assert stamp["machine"]["gpu"]["name"] == "G"
 
 
+def test_the_gpu_wheels_check_names_what_the_machine_would_miss(tmp_path: Path) -> None:
+    """`make gpu-wheels`' check of its folder, on wheels written here: a requirement neither the folder
+    nor the image provides (markers and extras judged for CPython 3.12 on Linux), a second wheel of one
+    package, a wheel for another platform, a version other than the pin."""
+    import zipfile
+
+    wheels = load_benchmark("gpu.wheels")
+
+    def wheel(name: str, version: str, tags: str, *requires: str) -> None:
+        dist = f"{name.replace('-', '_')}-{version}"
+        with zipfile.ZipFile(tmp_path / f"{dist}-{tags}.whl", "w") as z:
+            lines = [f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+            z.writestr(f"{dist}.dist-info/METADATA", "\n".join(lines) + "\n")
+
+    wheel(
+        "alpha",
+        "1.0",
+        "py3-none-any",
+        "beta>=2",
+        "torch",
+        "gamma; extra == 'docs'",
+        "delta; python_version < '3.10'",
+    )
+    wheel("beta", "2.0", "cp312-cp312-manylinux_2_17_x86_64")
+    wheel("epsilon", "1.0", "py3-none-any", "zeta; sys_platform == 'linux'")
+    assert wheels.requirement_gaps(tmp_path) == [
+        'epsilon-1.0-py3-none-any.whl needs zeta; sys_platform == "linux"'
+    ]
+    wheel("beta", "2.1", "cp311-cp311-win_amd64")
+    problems = wheels.check(tmp_path, {"alpha": "1.0", "beta": "2.0", "epsilon": "1.0", "omega": "3"})
+    assert "two wheels of beta" in problems and "no wheel of omega==3" in problems
+    assert "beta-2.1-cp311-cp311-win_amd64.whl: not a cp312 manylinux x86-64 or pure wheel" in problems
+    assert any(p.endswith('needs zeta; sys_platform == "linux"') for p in problems)
+
+
 def test_a_failing_or_overrunning_gpu_check_phase_keeps_what_it_measured(tmp_path: Path) -> None:
     """The GPU check's runner: a phase that raises records its error, one killed at its timeout keeps what
     it had recorded (the device's identity, before its matmul), and one with too little of the check's
