@@ -20,7 +20,8 @@ SGLANG_TORCH_SPEC ?= torch==2.13.0+cpu
 SGLANG_IMPORTS := numpy triton transformers==5.19.0 aiohttp IPython tqdm pillow starlette pydantic pybase64 \
 	orjson psutil requests msgspec xxhash zstandard pyzmq
 
-.PHONY: install up test test-vllm test-sglang lint bench results docs wheelhouse base-image compose-test clean
+.PHONY: install up test test-vllm test-sglang lint bench results docs wheelhouse base-image compose-test clean \
+	gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -116,6 +117,19 @@ results: install
 # The configuration reference is generated from april/config.py; tests/test_config_doc.py fails when stale.
 docs: install
 	$(BIN)/python -m april.config_doc > docs/configuration.md.tmp && mv docs/configuration.md.tmp docs/configuration.md
+
+# The lent GPU machine (docs/bench.md, "On a GPU"): a CUDA image whose python3 has torch, no network.
+# `gpu-wheels`, here: the cp312 wheels of what that image lacks, at this venv's versions, checked
+# complete (benchmarks/gpu/wheels.py). `gpu-check`, there, with GPU_WHEELS carried: installs them into
+# GPU_SITE and runs benchmarks/gpu_check.py from this tree with the image's python3 (no venv), writing
+# the artifact to GPU_OUT (benchmarks/gpu/device.sh; `GPU_CHECK_ARGS=--smoke` runs it at tiny size).
+GPU_WHEELS := .gpu-wheels
+GPU_OUT ?= bench-out/gpu-check
+gpu-wheels: install
+	$(BIN)/python benchmarks/gpu/wheels.py $(GPU_WHEELS)
+
+gpu-check:
+	GPU_WHEELS=$(GPU_WHEELS) sh benchmarks/gpu/device.sh $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -15,6 +15,9 @@ README.md and docs/*.md from those artifacts alone (`--check`: exit 1 naming eac
 suite runs), so no figure in the docs can drift from its artifact, and each block names its source, command
 and commit. Prose around a block may say what a figure means; it quotes no number of its own.
 
+The GPU check's artifact (`docs/results/gpu-check/`, made on a lent GPU machine by `make gpu-check`, never
+by `run`) is rendered the same way; while none is committed, its block says how to make one.
+
 `--smoke` (with `run`) runs the two cheapest steps at tiny sizes into `--out` instead of docs/: the
 orchestration and the provenance, checked in seconds by tests/test_benchmarks.py.
 """
@@ -750,6 +753,180 @@ def block_cluster_load() -> str:
     return "\n".join([*rows, "", source("cluster-load"), "", source("broker-throughput")])
 
 
+GPU_CHECK = "results/gpu-check"  # made on a lent GPU machine by `make gpu-check`, never by `run`
+
+
+def count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def pct(value: Any) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def gpu_device_line(a: dict[str, Any]) -> str:
+    d, libs = a["device"], a["device"].get("libraries", {})
+    spec = d.get("dense_bf16_tflops_spec")
+    matmul = d.get("matmul") or {}
+    peak = (
+        f"dense bf16 peak {spec:,.0f} TFLOP/s (NVIDIA's data sheet)" if spec else "no data-sheet peak for it"
+    )
+    measured = (
+        f"a {matmul['n']:,}-cube {matmul['dtype']} matmul ran at {matmul['tflops']:,.1f} TFLOP/s in this run"
+        if matmul
+        else "no matmul measured"
+    )
+    memory = f"{d['memory_gib']:.1f} GiB, " if d.get("memory_gib") else ""
+    return (
+        f"On {d.get('name')} ({memory}driver {d.get('driver') or '-'}, compute capability "
+        f"{d.get('capability') or '-'}), torch {libs.get('torch')} (CUDA {d.get('torch_cuda') or '-'}), "
+        f"transformers {libs.get('transformers')}, DeepSpeed {libs.get('deepspeed')}: {peak}; {measured}. "
+        f"The check took {a['wall_s']:.0f} s of its {a['budget_s']:.0f} s budget."
+    )
+
+
+def gpu_phase_rows(phases: dict[str, Any]) -> list[str]:
+    rows = ["| phase | status | seconds | errors, or why skipped |", "|---|---|---|---|"]
+    for name, e in phases.items():
+        why = "; ".join(e.get("errors") or []) or e.get("reason", "")
+        rows.append(f"| {name} | {e['status']} | {e['wall_s']:.0f} | {why.replace('|', '/')} |")
+    return rows
+
+
+def gpu_learner_rows(phases: dict[str, Any], comparison: list[dict[str, Any]]) -> list[str]:
+    learners = {
+        n: e for n, e in phases.items() if n.startswith("learner-") and e.get("result", {}).get("sizes")
+    }
+    if not learners:
+        return []
+    model = next(iter(learners.values()))["result"]["model"]
+    rows = [
+        f"Learner step, {model['shape']} shape ({count(model['parameters'])} parameters, "
+        f"{model['dtype']}, random weights), `learner.step.train_step` with DeepSpeed and the default "
+        "layout; model-FLOPs utilisation against the data sheet's peak / the matmul measured above:",
+        "",
+        "| optimizer | samples x (prompt + response) | micro-batches | step s | tokens/s (all) | MFU "
+        "| MFU with attention | peak GiB | model built, engine set up (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in learners.values():
+        r = e["result"]
+        opt = f"{r['engine']['adam_impl']} ({' > '.join(r['engine']['optimizer'])})"
+        for z in r["sizes"]:
+            mfu = {
+                k: f"{pct(z['mfu']['spec'][k])} / {pct(z['mfu']['measured'][k])}" for k in z["mfu"]["spec"]
+            }
+            peak = "-" if z["peak_allocated_gib"] is None else f"{z['peak_allocated_gib']:.1f}"
+            size = f"{z['samples']} x ({z['prompt_len']} + {z['response_len']:,})"
+            rows.append(
+                f"| {opt} | {size} | {z['micro_batches']} | {z['median_s']:.2f} | {z['tokens_per_s']:,.0f} | "
+                f"{mfu['weights']} | {mfu['with_attention']} | {peak} | "
+                f"{r['model']['build_s']:.0f}, {r['engine']['setup_s']:.0f} |"
+            )
+    rows.append("")
+    if comparison:
+        said = [
+            f"at {c['size']} "
+            + ", ".join(f"{impl} {sec:.2f} s" for impl, sec in c["median_s"].items())
+            + f" ({c['fastest']} the faster)"
+            for c in comparison
+        ]
+        rows += ["Optimizers, median step: " + "; ".join(said) + ".", ""]
+    return rows
+
+
+def gpu_up_line(phases: dict[str, Any]) -> list[str]:
+    r = phases.get("up", {}).get("result", {})
+    run = r.get("run")
+    if not run or run.get("first_step_s") is None:
+        return []
+    return [
+        f"`{r['command']}`: the first trained step {run['first_step_s']:.0f} s after the launch, "
+        f"steps trained {run['steps']}, the exit at {run['wall_s']:.0f} s; "
+        f"{num(run['samples_per_s'], '.1f')} samples/s (summary.json's: trained samples over the steps' "
+        "time).",
+        "",
+    ]
+
+
+def gpu_engine_rows(phases: dict[str, Any]) -> list[str]:
+    r = phases.get("engine", {}).get("result", {})
+    decode, rows = r.get("decode", {}), []
+    if decode:
+        counts = sorted({int(k) for d in decode.values() for k in d["ms_at"]})
+        shown = [c for c in counts if c in (1, 16, 64)] or counts
+        rows += [
+            f"| torch engine, model | decode ms a step, rows {' / '.join(map(str, shown))} |",
+            "|---|---|",
+            *(
+                f"| {name} | {' / '.join(num(d['ms_at'].get(str(c)), '.2f') for c in shown)} |"
+                for name, d in decode.items()
+            ),
+            "",
+        ]
+        prompt = next(iter(decode.values()))["prompt"]
+        options = r.get("engine_options") or "none"
+        rows += [f"Decode after a {prompt}-token prompt per row; engine options {options}.", ""]
+    b = r.get("batching")
+    if b:
+        rows += [
+            f"Continuous batching on {b['model']}, {b['n']} prompts at {b['slots']} slots, lengths median "
+            f"{b['lengths']['median']:.0f}, p99 {b['lengths']['p99']:.0f}, max {b['lengths']['max']}: "
+            f"{b['continuous']['tokens_per_s']:,.0f} useful tokens/s against HF `generate`'s "
+            f"{b['static_generate']['tokens_per_s']:,.0f} on static batches ({b['ratio']:.2f}x).",
+            "",
+        ]
+    return rows
+
+
+def gpu_tests_line(phases: dict[str, Any]) -> list[str]:
+    r = phases.get("gpu-tests", {}).get("result", {})
+    if "counts" not in r:
+        return []
+    counts = ", ".join(f"{n} {k}" for k, n in r["counts"].items() if n)
+    reasons = sorted({t["message"] for t in r["tests"] if t["outcome"] == "skipped"})
+    return [
+        f"`pytest -m gpu`: {counts or 'nothing collected'}"
+        + (f" (skipped: {'; '.join(reasons)})" if reasons else "")
+        + ".",
+        "",
+    ]
+
+
+def block_gpu_check(folder: Path | None = None) -> str:
+    """docs/bench.md's "On a GPU": the committed GPU check, or how to make one where none is."""
+    folder = folder or DOCS / GPU_CHECK
+    if not (folder / "gpu_check.json").exists():
+        return (
+            "No GPU run has been committed yet. A session lent a GPU machine makes one with the commands "
+            "above and commits what comes back as `docs/results/gpu-check/`."
+        )
+    a = json.loads((folder / "gpu_check.json").read_text())
+    p = json.loads((folder / "provenance.json").read_text())
+    targets = ["| target | limit | measured | met |", "|---|---|---|---|"] + [
+        f"| {t['target']} | {t['limit']} | {num(t['measured'], '.2f')} | "
+        f"{ {True: 'yes', False: '**no**', None: 'not measured'}[t['met']] } |"
+        for t in a["targets"]
+    ]
+    dirty = " (with uncommitted changes)" if p["dirty"] else ""
+    return "\n".join(
+        [
+            gpu_device_line(a),
+            "",
+            *gpu_phase_rows(a["phases"]),
+            "",
+            *gpu_learner_rows(a["phases"], a.get("optimizers", [])),
+            *gpu_up_line(a["phases"]),
+            *gpu_engine_rows(a["phases"]),
+            *targets,
+            "",
+            *gpu_tests_line(a["phases"]),
+            f"Source: [`docs/{GPU_CHECK}/`]({{root}}{GPU_CHECK}/), made by `{p['command']}` at commit "
+            f"`{p['commit'][:10]}`{dirty} on {p['date'][:10]}, {p['wall_s'] / 60:.0f} min.",
+        ]
+    )
+
+
 BLOCKS: dict[str, Callable[[], str]] = {
     "cluster-load": block_cluster_load,
     "scheduling": block_scheduling,
@@ -771,6 +948,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "soak-table": block_soak_table,
     "fuzz": block_fuzz,
     "compose": block_compose,
+    "gpu-check": block_gpu_check,
 }
 MARKER = re.compile(r"<!-- measured:([\w-]+) -->(.*?)<!-- /measured:\1 -->", re.S)
 

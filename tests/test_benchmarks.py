@@ -5,13 +5,16 @@ in benchmarks/ without a check here fails `test_every_benchmark_has_a_smoke_chec
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +25,23 @@ BENCHMARKS = REPO / "benchmarks"
 DEADLINE_S = 300  # "did not hang", not "was fast": the smoke sizes take seconds to a minute or two
 
 
-def run_smoke(script: str, out: Path, cwd: Path, verb: str = "") -> str:
-    """`python benchmarks/SCRIPT [VERB] --smoke --out OUT` with this tree's april first on the path; its
-    output."""
+def run_smoke(script: str, out: Path, cwd: Path, verb: str = "", extra: Sequence[str] = ()) -> str:
+    """`python benchmarks/SCRIPT [VERB] --smoke --out OUT [EXTRA]` with this tree's april first on the
+    path; its output."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
     }
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *([verb] if verb else []), "--smoke", "--out", str(out)],
+        [
+            sys.executable,
+            str(BENCHMARKS / script),
+            *([verb] if verb else []),
+            "--smoke",
+            "--out",
+            str(out),
+            *extra,
+        ],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -342,6 +353,234 @@ def check_scheduling(tmp_path: Path) -> None:
     assert {r["run"] for r in rows} == {"sync", "april", "april-auto128"}
 
 
+def load_benchmark(name: str) -> Any:
+    """A module of benchmarks/ imported as its script imports its neighbours (benchmarks/ on the path)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def check_gpu_check(tmp_path: Path) -> None:
+    """Every phase of the GPU check at its smoke size on the CPU, through the same code as on a GPU; an
+    engine option bound on the way (`prefill_tokens`, a keyword TorchEngine has)."""
+    out = tmp_path / "gpu-check"
+    printed = run_smoke("gpu_check.py", out, tmp_path, extra=["--engine-option", "prefill_tokens=64"])
+    a = json.loads((out / "gpu_check.json").read_text())
+    phases = a["phases"]
+    assert a["benchmark"] == "gpu_check" and a["smoke"] is True and a["device"]["device"] == "cpu"
+    assert list(phases) == ["device", "learner-torch", "up", "engine", "gpu-tests"]
+    for name, e in phases.items():  # every phase ran to its end, without an error
+        assert (e["status"], e["errors"], e["exit_code"]) == ("ok", [], 0), (name, e)
+        assert 0 < e["wall_s"] <= e["timeout_s"] <= e["budget_s"], name
+    assert 0 < a["wall_s"] <= a["budget_s"] and positive(a["device"]["matmul_tflops"])
+    assert a["device"]["libraries"]["torch"] and a["device"]["libraries"]["deepspeed"]
+
+    learner = phases["learner-torch"]["result"]
+    model, params = learner["model"], phases["learner-torch"]["params"]
+    assert learner["engine"]["optimizer"] == ["AdamW"]  # what the engine holds on the CPU
+    assert [
+        [r["samples"], r["response_len"], len(r["warmup_s"]), len(r["step_s"])] for r in learner["sizes"]
+    ] == (params["sizes"])
+    for r in learner["sizes"]:
+        seqs = [r["prompt_len"] + r["response_len"]] * r["samples"]
+        assert r["tokens"] == sum(seqs) and r["response_tokens"] == r["samples"] * r["response_len"]
+        assert r["weight_flops"] == 6 * model["matmul_weights"] * r["tokens"]
+        assert r["attention_flops"] == 6 * model["layers"] * model["heads"] * model["head_dim"] * sum(
+            t * (t + 1) for t in seqs
+        )
+        assert (
+            r["median_s"] == statistics.median(r["step_s"])
+            and positive(r["tokens_per_s"])
+            and finite(r["loss"])
+        )
+        measured = a["device"]["matmul_tflops"] * 1e12
+        assert r["mfu"]["measured"]["weights"] == pytest.approx(r["weight_flops"] / r["median_s"] / measured)
+        assert r["mfu"]["spec"] == {"weights": None, "with_attention": None}  # no data-sheet peak for a CPU
+
+    run = phases["up"]["result"]["run"]
+    assert run["exit_code"] == 0 and run["steps"] == 1 and run["samples_per_step"] == [2 * 2]
+    assert 0 < run["first_step_s"] <= run["wall_s"] and positive(run["samples_per_s"])
+    assert phases["up"]["result"]["command"].startswith("april up --headless --steps 1 --workers 1")
+
+    engine = phases["engine"]["result"]
+    assert engine["engine_options"] == {"prefill_tokens": 64}
+    assert list(engine["decode"]) == ["tiny", "qwen3-smoke"]
+    for d in engine["decode"].values():
+        assert [r["active"] for r in d["rows"]] == [1, 2] and all(
+            positive(r["ms_per_step"]) for r in d["rows"]
+        )
+    b = engine["batching"]
+    assert b["continuous"]["useful_tokens"] == b["static_generate"]["useful_tokens"] == b["lengths"]["total"]
+    assert b["ratio"] == pytest.approx(b["continuous"]["tokens_per_s"] / b["static_generate"]["tokens_per_s"])
+
+    tests = phases["gpu-tests"]["result"]
+    assert "tests/test_gpu.py" in tests["files"] and len(tests["tests"]) == sum(tests["counts"].values()) >= 1
+    assert tests["counts"]["failed"] == tests["counts"]["error"] == 0
+
+    targets = {t["target"]: t for t in a["targets"]}
+    assert len(targets) == 3 and all(t["met"] is None for n, t in targets.items() if "64 rows" in n)
+    (cb,) = (t for n, t in targets.items() if "continuous" in n)
+    assert cb["measured"] == b["ratio"] and cb["met"] == (b["ratio"] >= 5)
+
+    stamp = json.loads((out / "provenance.json").read_text())
+    assert stamp["command"] == (
+        "python benchmarks/gpu_check.py --smoke --out docs/results/gpu-check "
+        "--engine-option prefill_tokens=64"
+    )
+    assert {"commit", "dirty", "date", "machine", "wall_s"} <= set(stamp) and "gpu" in stamp["machine"]
+    assert "===== up: ok" in (out / "gpu_check.log").read_text()
+    assert "learner-torch      ok" in printed
+    results = load_benchmark("results")
+    block = results.block_gpu_check(out)  # docs/bench.md's section from this artifact
+    assert all(f"| {name} | ok |" in block for name in phases) and "Source: " in block
+    assert "| torch (AdamW) | 4 x (8 + 16) | 1 |" in block and "5 skipped" in block
+
+    # the same artifact as a run with both optimizers and a failed phase renders both, and says which won
+    phases["learner-deepspeed"] = variant = json.loads(json.dumps(phases["learner-torch"]))
+    variant["result"]["engine"]["adam_impl"] = "deepspeed"
+    for row in variant["result"]["sizes"]:
+        row["median_s"] /= 2
+    phases["up"].update(status="error", errors=["phase: RuntimeError: april up exited 1"])
+    a["optimizers"] = load_benchmark("gpu_check").optimizer_comparison(phases)
+    assert [c["fastest"] for c in a["optimizers"]] == ["deepspeed", "deepspeed"]
+    (out / "gpu_check.json").write_text(json.dumps(a))
+    block = results.block_gpu_check(out)
+    assert "| deepspeed (AdamW) | 8 x (8 + 16) |" in block and "(deepspeed the faster)" in block
+    assert "| up | error |" in block and "april up exited 1" in block
+
+
+def test_the_gpu_checks_full_size_is_the_issues() -> None:
+    """What `make gpu-check` runs on a GPU (the smoke runs the same code smaller): the phases in order,
+    the second optimizer last, the issue's shapes and sizes, budgets that fit the 6 minutes' plan."""
+    gpu_check = load_benchmark("gpu_check")
+    plan = gpu_check.plan(gpu_check.parse_args(["--out", "x"]))
+    names = [p.name for p in plan]
+    assert names == ["device", "learner-deepspeed", "up", "engine", "gpu-tests", "learner-torch"]
+    by = {p.name: p.params for p in plan}
+    assert all(p["device"] == "cuda" for p in by.values())
+    assert by["learner-deepspeed"]["shape"] == "qwen3-1.7b" and by["learner-torch"]["adam_impl"] == "torch"
+    assert [s[:2] for s in by["learner-deepspeed"]["sizes"]] == [[16, 8192], [64, 8192]]
+    assert by["up"] == {"device": "cuda", "steps": 3, "sets": []}
+    assert [d["name"] for d in by["engine"]["decode"]] == ["tiny", "qwen3-0.6b"] and by["engine"][
+        "prompt"
+    ] == 128
+    assert by["engine"]["max_rows"] == 64 and by["engine"]["batching"]["model"] == "tiny"
+    assert gpu_check.parse_args(["--out", "x"]).budget_s == 360
+    assert all(p.least_s <= p.budget_s for p in plan)
+
+
+def test_the_gpu_check_stops_without_a_gpu_and_takes_its_commit_from_the_wheels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine without CUDA the full check measures nothing on the CPU: the device phase fails and
+    the rest are skipped, exit 1. Where the tree has no git (the device's copy), provenance.json takes the
+    commit that `make gpu-wheels` wrote."""
+    out = tmp_path / "out"
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps({"commit": "a" * 40, "dirty": False}))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    argv = ["--out", str(out), "--phases", "device,up", "--source-stamp", str(source), "--device", "cuda:0"]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), *argv],
+        cwd=tmp_path,
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    a = json.loads((out / "gpu_check.json").read_text())
+    assert a["phases"]["device"]["status"] == "error"
+    assert a["phases"]["up"] == {"status": "skipped", "reason": "the device phase failed", "wall_s": 0.0}
+    stamp = json.loads((out / "provenance.json").read_text())
+    assert (
+        stamp["commit"]
+        == subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )  # git wins where there is one
+
+    gpu_check = load_benchmark("gpu_check")
+    args = gpu_check.parse_args(["--out", str(out), "--source-stamp", str(source)])
+    unknown = {"command": "", "commit": "unknown", "dirty": False, "machine": {}}
+    monkeypatch.setattr(gpu_check, "provenance", lambda command: dict(unknown, command=" ".join(command)))
+    stamp = gpu_check.stamp(args, ["--out", str(out), f"--source-stamp={source}"], {"name": "G"}, 1.0)
+    assert stamp["commit"] == "a" * 40 and stamp["commit_from"] == "source.json of make gpu-wheels"
+    assert stamp["command"] == "python benchmarks/gpu_check.py --out docs/results/gpu-check"
+    assert stamp["machine"]["gpu"]["name"] == "G"
+
+
+def test_the_gpu_wheels_check_names_what_the_machine_would_miss(tmp_path: Path) -> None:
+    """`make gpu-wheels`' check of its folder, on wheels written here: a requirement neither the folder
+    nor the image provides (markers and extras judged for CPython 3.12 on Linux), a second wheel of one
+    package, a wheel for another platform, a version other than the pin."""
+    import zipfile
+
+    wheels = load_benchmark("gpu.wheels")
+
+    def wheel(name: str, version: str, tags: str, *requires: str) -> None:
+        dist = f"{name.replace('-', '_')}-{version}"
+        with zipfile.ZipFile(tmp_path / f"{dist}-{tags}.whl", "w") as z:
+            lines = [f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+            z.writestr(f"{dist}.dist-info/METADATA", "\n".join(lines) + "\n")
+
+    wheel(
+        "alpha",
+        "1.0",
+        "py3-none-any",
+        "beta>=2",
+        "torch",
+        "gamma; extra == 'docs'",
+        "delta; python_version < '3.10'",
+    )
+    wheel("beta", "2.0", "cp312-cp312-manylinux_2_17_x86_64")
+    wheel("epsilon", "1.0", "py3-none-any", "zeta; sys_platform == 'linux'")
+    assert wheels.requirement_gaps(tmp_path) == [
+        'epsilon-1.0-py3-none-any.whl needs zeta; sys_platform == "linux"'
+    ]
+    wheel("beta", "2.1", "cp311-cp311-win_amd64")
+    problems = wheels.check(tmp_path, {"alpha": "1.0", "beta": "2.0", "epsilon": "1.0", "omega": "3"})
+    assert "two wheels of beta" in problems and "no wheel of omega==3" in problems
+    assert "beta-2.1-cp311-cp311-win_amd64.whl: not a cp312 manylinux x86-64 or pure wheel" in problems
+    assert any(p.endswith('needs zeta; sys_platform == "linux"') for p in problems)
+
+
+def test_a_failing_or_overrunning_gpu_check_phase_keeps_what_it_measured(tmp_path: Path) -> None:
+    """The GPU check's runner: a phase that raises records its error, one killed at its timeout keeps what
+    it had recorded (the device's identity, before its matmul), and one with too little of the check's
+    budget left is skipped; each is judged on its own."""
+    gpu_check = load_benchmark("gpu_check")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    deadline = time.monotonic() + 600
+    no_gpu = gpu_check.Phase(
+        "d", "hardware", 120, 1, {"device": "cuda", "matmul_n": 8, "matmul_reps": 1, "rounds": 1}
+    )
+    failed = gpu_check.run_phase(no_gpu, tmp_path, env, deadline)
+    assert failed["status"] == "error" and failed["exit_code"] == 1, failed
+    assert failed["errors"] == [
+        "phase: RuntimeError: device cuda: torch sees no CUDA device (torch "
+        f"{failed['result']['identity']['libraries']['torch']})"
+    ]
+    assert failed["result"]["identity"]["cuda_available"] is False and "log_tail" in failed
+
+    huge = {"device": "cpu", "matmul_n": 4096, "matmul_reps": 10_000, "rounds": 1}
+    slow = gpu_check.run_phase(gpu_check.Phase("s", "hardware", 20, 1, huge), tmp_path, env, deadline)
+    assert slow["status"] == "timeout" and slow["exit_code"] is None, slow
+    assert slow["errors"] == ["timed out after 20 s"] and slow["result"]["identity"]["device"] == "cpu"
+    assert "matmul" not in slow["result"] and 20 <= slow["wall_s"] < 20 + 45
+
+    late = gpu_check.run_phase(
+        gpu_check.Phase("l", "hardware", 60, 30, huge), tmp_path, env, time.monotonic() + 5
+    )
+    assert late["status"] == "skipped" and late["reason"].startswith("out of time") and late["wall_s"] == 0.0
+
+
 CHECKS: dict[str, Callable[[Path], None]] = {
     "broker_throughput.py": check_broker_throughput,
     "engine_throughput.py": check_engine_throughput,
@@ -352,6 +591,7 @@ CHECKS: dict[str, Callable[[Path], None]] = {
     "soak.py": check_soak,
     "scheduling.py": check_scheduling,
     "results.py": check_results,
+    "gpu_check.py": check_gpu_check,
 }
 
 
