@@ -216,7 +216,7 @@ def test_every_format_gives_the_jsonl_records_in_order_and_shuffled(tmp_path: Pa
         "score": "0.5",
         "answer": "34",
         "prompt_index": "0",
-        "messages": json.dumps(rows[0]["prompt"]),
+        "messages": json.dumps(rows[0]["prompt"], sort_keys=True),
     }
     assert source.describe().startswith(f"{source.rows.kind}({path}, 9 prompts")
 

@@ -128,7 +128,8 @@ class RecordFields:
             users = [m.get("content") for m in messages if m.get("role") == "user"]
             if not users or not isinstance(users[-1], str) or not users[-1].strip():
                 raise RecordError(f"chat prompt {key!r} has no non-empty user message content")
-            text, metadata["messages"] = users[-1], json.dumps(messages, ensure_ascii=False)
+            # keys sorted: Arrow may order a struct's fields differently from the JSON it came from
+            text, metadata["messages"] = users[-1], json.dumps(messages, ensure_ascii=False, sort_keys=True)
         elif isinstance(prompt, list) and prompt:
             if not all(type(i) is int and 0 <= i <= INT32_MAX for i in prompt):
                 raise RecordError(f"prompt {key!r} must be a string, chat messages or non-negative int ids")
