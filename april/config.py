@@ -207,11 +207,19 @@ class AlgoConfig:
         return 5.0 if self.offpolicy == OffPolicy.DECOUPLED else 0.0
 
 
+class AnswerFormat(enum.StrEnum):
+    """How the answer field's value becomes the answer given to the reward (april.data.fields)."""
+
+    RAW = "raw"  # the value as it is (a number as its text)
+    GSM8K = "gsm8k"  # the text after the last "####", commas dropped: GSM8K's "...\n#### 1,000" -> "1000"
+
+
 @dataclass(frozen=True, slots=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", "task" (the built-in task) or a path to a JSONL file
-    prompt_key: str = "prompt"  # JSONL field holding the prompt (a dotted path reaches nested fields)
-    answer_key: str = "answer"  # JSONL field holding the reference answer given to the reward
+    source: str = "synthetic"  # "synthetic", "task", or a JSONL/JSON/Parquet/Arrow file or save_to_disk dir
+    prompt_key: str = "prompt"  # field holding the prompt: text, chat messages or token ids (dotted: nested)
+    answer_key: str = "answer"  # field holding the reference answer given to the reward; empty: none
+    answer_format: AnswerFormat = AnswerFormat.RAW  # raw: as it is; gsm8k: the text after its last "####"
     shuffle: bool = True  # a new seeded permutation of the prompts each epoch; false: file order
     synthetic_prompt_len_min: int = 8  # synthetic source: shortest prompt, in tokens
     synthetic_prompt_len_max: int = 64  # synthetic source: longest prompt, in tokens

@@ -22,7 +22,7 @@ from actors.engines.sim_engine import SampleIdentity
 from actors.factory import check_worker, make_engine, make_tokenizer
 from actors.reward_runner import RewardRunner
 from april.config import Config
-from april.data import JsonlPromptSource
+from april.data import FilePromptSource
 
 
 def generate(config: Config, prompts: Path, n: int, as_json: bool) -> None:
@@ -30,10 +30,11 @@ def generate(config: Config, prompts: Path, n: int, as_json: bool) -> None:
     algo = config.algo
     check_worker(cfg)
     tokenizer = make_tokenizer(cfg)
-    source = JsonlPromptSource(
+    source = FilePromptSource(
         prompts,
         prompt_key=config.data.prompt_key,
         answer_key=config.data.answer_key,
+        answer_format=config.data.answer_format,
         shuffle=False,
         require_answer=False,  # generating needs no answer; a prompt without one is not scored
     )

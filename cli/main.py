@@ -13,6 +13,7 @@ import typer
 from april.config import Mode
 from cli.bench_cmd import bench_command
 from cli.broker_cmd import run_broker
+from cli.data_cmd import SAMPLE, TINY_MODEL, data_app
 from cli.keys_cmd import keys_app
 from cli.options import AprilGroup, resolve_config
 from cli.sft_cmd import sft_command, task_app
@@ -120,7 +121,9 @@ def generate(
     prompts: Annotated[
         Path,
         typer.Option(
-            "--prompts", help="JSONL prompts (prompt field; answer optional).", exists=True, dir_okay=False
+            "--prompts",
+            help="Prompts (answer optional): JSONL, JSON, Parquet, Arrow or a save_to_disk directory.",
+            exists=True,
         ),
     ],
     engine: Annotated[str | None, typer.Option("--engine", help="torch | sglang | vllm | sim.")] = None,
@@ -146,6 +149,28 @@ app.command("bench")(bench_command)
 app.command("sft")(sft_command)
 app.add_typer(task_app, name="task")
 app.add_typer(keys_app, name="keys")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("inspect")
+def data_inspect(
+    source: Annotated[
+        str | None, typer.Argument(help="Dataset path, synthetic or task (data.source; default: config's).")
+    ] = None,
+    model: Annotated[
+        Path, typer.Option("--model", help="HF model directory whose tokenizer counts prompt tokens.")
+    ] = TINY_MODEL,
+    sample: Annotated[
+        int, typer.Option("--sample", help="Records tokenized for the length percentiles (0: all).", min=0)
+    ] = SAMPLE,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Records, fields, the first prompt as the model reads it, prompt token percentiles (data.* keys)."""
+    from cli.data_cmd import inspect_dataset, render
+
+    cfg = resolve_config(config, set_, data__source=source)
+    print(render(inspect_dataset(cfg, model, sample)))
 
 
 @app.command()

@@ -9,17 +9,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from april import data
 from april.config import DataConfig
 from april.data import (
     KEPT_PROMPT_BYTES,
     DatasetError,
-    JsonlPromptSource,
+    FilePromptSource,
     PromptRecord,
     PromptSource,
     SyntheticPromptSource,
     export_jsonl,
     open_source,
+    records,
+    synthetic,
 )
 
 
@@ -50,7 +51,7 @@ def test_same_cursor_same_record_across_instances(tmp_path: Path, kind: str, shu
     def make() -> PromptSource:
         if kind == "synthetic":
             return SyntheticPromptSource(50, seed=3, shuffle=shuffle)
-        return JsonlPromptSource(small_jsonl(tmp_path), seed=3, shuffle=shuffle)
+        return FilePromptSource(small_jsonl(tmp_path), seed=3, shuffle=shuffle)
 
     first, resumed = make(), make()
     cursors = list(range(120))
@@ -67,7 +68,7 @@ def test_shuffle_covers_each_index_once_per_epoch_and_epochs_differ(tmp_path: Pa
     if kind == "synthetic":
         source = SyntheticPromptSource(n, seed=1, shuffle=True)
     else:
-        source = JsonlPromptSource(small_jsonl(tmp_path, n), seed=1, shuffle=True)
+        source = FilePromptSource(small_jsonl(tmp_path, n), seed=1, shuffle=True)
     epochs = [[source.get(e * n + p).prompt_index for p in range(n)] for e in range(3)]
     for order in epochs:
         assert sorted(order) == list(range(n))
@@ -129,7 +130,7 @@ def reference_synthetic(seed: int, index: int, len_min: int, len_max: int, vocab
 def test_synthetic_records_match_the_reference_also_when_kept(
     vocab: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(data, "KEPT_PROMPT_BYTES", 256 * data._record_bytes(6))  # about 256 records
+    monkeypatch.setattr(records, "KEPT_PROMPT_BYTES", 256 * synthetic.record_bytes(6))  # about 256 records
     size = 256 * 2 + 7
     source = SyntheticPromptSource(size, seed=3, prompt_len_min=1, prompt_len_max=12, vocab_size=vocab)
     # draws that revisit recent cursors (kept records) and, past the budget, dropped ones (rebuilt)
@@ -150,7 +151,7 @@ def test_synthetic_keeps_the_records_within_its_budget_and_only_those(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     kept = 50
-    monkeypatch.setattr(data, "KEPT_PROMPT_BYTES", kept * data._record_bytes(8))
+    monkeypatch.setattr(records, "KEPT_PROMPT_BYTES", kept * synthetic.record_bytes(8))
     source = SyntheticPromptSource(kept * 4, seed=1, prompt_len_min=8, prompt_len_max=8, shuffle=False)
     first = source.get(0)
     assert source.get(0) is first  # built once: the broker gets a windowed prompt twice
@@ -164,7 +165,7 @@ def test_synthetic_keeps_the_records_within_its_budget_and_only_those(
 
 def test_the_default_synthetic_dataset_is_kept_whole() -> None:
     cfg = DataConfig()
-    per_record = data._record_bytes(cfg.synthetic_prompt_len_max)
+    per_record = synthetic.record_bytes(cfg.synthetic_prompt_len_max)
     assert cfg.synthetic_size * per_record <= KEPT_PROMPT_BYTES
 
 
@@ -188,7 +189,7 @@ def test_jsonl_text_prompts_with_metadata(tmp_path: Path) -> None:
         '{"prompt": "Name a colour.", "answer": "red"}\n',
         encoding="utf-8",
     )
-    source = JsonlPromptSource(path, shuffle=False)
+    source = FilePromptSource(path, shuffle=False)
     assert len(source) == 2
     r0, r1 = source.get(0), source.get(1)
     assert r0.text == "What is 2+2?" and r0.prompt_ids.size == 0 and r0.prompt_ids.dtype == np.int32
@@ -199,7 +200,7 @@ def test_jsonl_text_prompts_with_metadata(tmp_path: Path) -> None:
 
 def test_jsonl_token_id_prompts_and_custom_keys(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [5, 0, 17], "label": 1.5}])
-    r = JsonlPromptSource(path, prompt_key="input_ids", answer_key="label").get(0)
+    r = FilePromptSource(path, prompt_key="input_ids", answer_key="label").get(0)
     assert r.prompt_ids.dtype == np.int32 and r.prompt_ids.tolist() == [5, 0, 17]
     assert r.text == "" and r.metadata["answer"] == "1.5"
 
@@ -219,7 +220,7 @@ def test_jsonl_dapo_chat_messages_and_dotted_answer_key(tmp_path: Path) -> None:
         "extra_info": {"index": "abc"},
     }
     path = write_jsonl(tmp_path / "dapo.jsonl", [row])
-    r = JsonlPromptSource(path, answer_key="reward_model.ground_truth").get(0)
+    r = FilePromptSource(path, answer_key="reward_model.ground_truth").get(0)
     assert r.text == "Solve x+1=3." and r.prompt_ids.size == 0
     assert json.loads(r.metadata["messages"]) == messages
     assert r.metadata["answer"] == "2"
@@ -229,20 +230,20 @@ def test_jsonl_dapo_chat_messages_and_dotted_answer_key(tmp_path: Path) -> None:
 
 def test_empty_answer_key_means_no_answers(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
-    assert "answer" not in JsonlPromptSource(path, answer_key="").get(0).metadata
+    assert "answer" not in FilePromptSource(path, answer_key="").get(0).metadata
 
 
 def test_answers_are_optional_only_when_not_required(tmp_path: Path) -> None:
     """`april generate` reads prompts with require_answer=False; training (the default) needs every answer."""
     rows = [{"prompt": "a"}, {"prompt": "b", "answer": 7}, {"prompt": "c", "answer": None}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    src = JsonlPromptSource(path, shuffle=False, require_answer=False)
+    src = FilePromptSource(path, shuffle=False, require_answer=False)
     assert [src.get(i).metadata.get("answer") for i in range(3)] == [None, "7", None]
     with pytest.raises(DatasetError, match=r"d\.jsonl:1: missing answer field 'answer'"):
-        JsonlPromptSource(path)
+        FilePromptSource(path)
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "answer": [1]}])
     with pytest.raises(DatasetError, match=r"bad\.jsonl:1: answer 'answer' must be a string or number"):
-        JsonlPromptSource(bad, require_answer=False)  # present answers are still checked
+        FilePromptSource(bad, require_answer=False)  # present answers are still checked
 
 
 # --- JSONL errors: one line naming the file, the line and the problem ---------------------------------
@@ -275,7 +276,7 @@ def test_jsonl_errors_name_file_and_line(tmp_path: Path, bad_line: str, expected
     path = tmp_path / "bad.jsonl"
     path.write_text(f"{GOOD}\n\n{bad_line}\n{GOOD}\n", encoding="utf-8")
     with pytest.raises(DatasetError) as info:
-        JsonlPromptSource(path)
+        FilePromptSource(path)
     message = str(info.value)
     assert message.startswith(f"{path}:3: ") and expected in message and "\n" not in message
 
@@ -283,23 +284,23 @@ def test_jsonl_errors_name_file_and_line(tmp_path: Path, bad_line: str, expected
 def test_jsonl_error_dotted_answer_key_missing(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "reward_model": {"style": "rule"}}])
     with pytest.raises(DatasetError, match=r":1: missing answer field 'reward_model.ground_truth'"):
-        JsonlPromptSource(path, answer_key="reward_model.ground_truth")
+        FilePromptSource(path, answer_key="reward_model.ground_truth")
 
 
 def test_jsonl_error_not_utf8_names_the_line(tmp_path: Path) -> None:
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(GOOD.encode() + b"\n" + '{"prompt": "café", "answer": "1"}'.encode("latin-1") + b"\n")
     with pytest.raises(DatasetError, match=r"latin1\.jsonl:2: not valid UTF-8"):
-        JsonlPromptSource(path)
+        FilePromptSource(path)
 
 
 def test_jsonl_error_missing_file_and_empty_dataset(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"nope\.jsonl: cannot read dataset file"):
-        JsonlPromptSource(tmp_path / "nope.jsonl")
+        FilePromptSource(tmp_path / "nope.jsonl")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n", encoding="utf-8")
     with pytest.raises(DatasetError, match=r"empty\.jsonl: dataset is empty"):
-        JsonlPromptSource(empty)
+        FilePromptSource(empty)
     assert issubclass(DatasetError, ValueError)
 
 
@@ -311,14 +312,14 @@ def test_open_source_picks_the_source(tmp_path: Path) -> None:
     assert isinstance(synthetic, SyntheticPromptSource) and 2 <= len(synthetic.get(0).prompt_ids) <= 3
     path = write_jsonl(tmp_path / "d.jsonl", [{"q": "hi", "gt": "x"}])
     jsonl = open_source(DataConfig(source=str(path), prompt_key="q", answer_key="gt", shuffle=False), seed=5)
-    assert isinstance(jsonl, JsonlPromptSource) and jsonl.get(0).metadata["answer"] == "x"
+    assert isinstance(jsonl, FilePromptSource) and jsonl.get(0).metadata["answer"] == "x"
 
 
 def test_export_synthetic_round_trip(tmp_path: Path) -> None:
     source = SyntheticPromptSource(100, seed=11, shuffle=True)
     path = tmp_path / "export.jsonl"
     export_jsonl(source, path, 30)
-    reread = JsonlPromptSource(path, shuffle=False)
+    reread = FilePromptSource(path, shuffle=False)
     assert len(reread) == 30
     for c in range(30):
         original, copy = source.get(c), reread.get(c)
@@ -333,10 +334,10 @@ def test_export_chat_and_text_round_trip_with_dotted_key(tmp_path: Path) -> None
         {"prompt": messages, "reward_model": {"ground_truth": "7"}, "ability": "MATH"},
         {"prompt": "plain text", "reward_model": {"ground_truth": "8"}},
     ]
-    src = JsonlPromptSource(write_jsonl(tmp_path / "a.jsonl", rows), answer_key="reward_model.ground_truth")
+    src = FilePromptSource(write_jsonl(tmp_path / "a.jsonl", rows), answer_key="reward_model.ground_truth")
     out = tmp_path / "b.jsonl"
     export_jsonl(src, out, 2, answer_key="reward_model.ground_truth")
-    back = JsonlPromptSource(out, answer_key="reward_model.ground_truth", shuffle=False)
+    back = FilePromptSource(out, answer_key="reward_model.ground_truth", shuffle=False)
     by_text = {back.get(c).text: back.get(c) for c in range(2)}
     assert by_text.keys() == {"Solve it.", "plain text"}
     assert json.loads(by_text["Solve it."].metadata["messages"]) == messages

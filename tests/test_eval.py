@@ -18,7 +18,7 @@ from harness import Cluster, wait_for
 from sglang_server import FakeSGLangServer
 
 from april.config import ConfigError
-from april.data import JsonlPromptSource, PromptSource, SyntheticPromptSource
+from april.data import FilePromptSource, PromptSource, SyntheticPromptSource
 from april.heldout import split_held_out
 from april.records import FinishReason, Sample
 from april.status import BrokerStatus
@@ -58,7 +58,7 @@ def _cursor_of(source: PromptSource, index: int, epoch: int) -> int:
 def test_jsonl_held_out_is_the_first_lines_without_shuffle(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(10)))
-    train, held = split_held_out(JsonlPromptSource(path, shuffle=False), 3)
+    train, held = split_held_out(FilePromptSource(path, shuffle=False), 3)
     assert [r.text for r in held] == ["q0", "q1", "q2"]
     assert [train.get(c).text for c in range(8)] == [f"q{i}" for i in (3, 4, 5, 6, 7, 8, 9, 3)]
     assert "without 3 held-out prompts" in train.describe()

@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from actors.tokenizer import HFTokenizer
-from april.data import JsonlPromptSource
+from april.data import FilePromptSource
 from april.hf import load_model, load_tokenizer, make_tiny_tokenizer
 from april.task import TaskPromptSource, TaskSpec, make_example
 from cli.main import app
@@ -105,7 +105,7 @@ def test_sft_command_trains_and_export_command_writes_jsonl(tmp_path: Path) -> N
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [make_example(2, i).prompt for i in range(5)]
-    assert len(JsonlPromptSource(path)) == 5
+    assert len(FilePromptSource(path)) == 5
 
 
 def test_shipped_model_loads_and_its_tokenizer_round_trips() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from actors.rewards import exact_reward
 from april.config import DataConfig
-from april.data import JsonlPromptSource, export_jsonl, open_source
+from april.data import FilePromptSource, export_jsonl, open_source
 from april.task import (
     MAX_NEW_TOKENS,
     TaskExample,
@@ -115,7 +115,7 @@ def test_jsonl_export_reads_back_as_a_user_dataset(tmp_path: Path) -> None:
     source = TaskPromptSource(seed=2)
     path = tmp_path / "task.jsonl"
     export_jsonl(source, path, 40)
-    loaded = JsonlPromptSource(path, shuffle=False)
+    loaded = FilePromptSource(path, shuffle=False)
     assert len(loaded) == 40
     for i in range(40):
         want, got = source.get(i), loaded.get(i)

@@ -18,7 +18,9 @@ What does not apply, and why:
     directory without one is valid for it; it is given one missing entirely instead).
   - a missing config file: `simulate`, `bench`, `status`, `sft`, `keys` and `task` read no config file.
   - a malformed --set / an unknown config key: only the commands that take `--set` (up, generate,
-    broker, worker, learner).
+    broker, worker, learner, data inspect).
+  - `data inspect` reads the {prompts} file with training's keys, which need an answer: its model cases
+    set `data.answer_key=` (no answers) so that the model, not the dataset, is what is wrong.
 """
 
 from __future__ import annotations
@@ -160,6 +162,23 @@ CASES = [
     case("task", "negative count", "task export --out {out} --count -1", "--count", "-1"),
     case("task", "missing option", "task export", "--out"),
     case("task", "unknown subcommand", "task import", "'import'"),
+
+    case("data", "missing dataset", f"data inspect {M}/d.parquet", f"{M}/d.parquet", "cannot read dataset"),
+    case("data", "not a dataset directory", "data inspect {tmp}", "{tmp}", "not a saved dataset"),
+    case("data", "bad field", "data inspect {prompts} --set data.prompt_key=question", "{prompts}:1",
+         "'question'"),
+    case("data", "missing answer", "data inspect {prompts}", "{prompts}:1", "missing answer field 'answer'"),
+    case("data", "missing config", f"data inspect {{prompts}} --config {M}/a.toml", "--config", "a.toml"),
+    case("data", "malformed --set", "data inspect {prompts} --set data", "--set", "data"),
+    case("data", "unknown config key", "data inspect {prompts} --set data.bogus=1", "bogus"),
+    case("data", "bad enum", "data inspect {prompts} --set data.answer_format=boxed", "data.answer_format",
+         "'boxed'"),
+    case("data", "missing model dir", f"data inspect {{prompts}} --set data.answer_key= --model {M}/m",
+         f"{M}/m", NOT_FOUND),
+    case("data", "model without tokenizer", "data inspect {prompts} --set data.answer_key= --model {notok}",
+         "{notok}", NO_TOKENIZER),
+    case("data", "negative count", "data inspect {prompts} --sample -1", "--sample", "-1"),
+    case("data", "unknown subcommand", "data check", "'check'"),
 
     case("april", "unknown command", "launch", "'launch'"),
     case("april", "unknown option", "--verbose", "--verbose"),

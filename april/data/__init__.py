@@ -1,0 +1,67 @@
+"""Prompt sources: where the broker draws each new group's prompt from (`[data] source`).
+
+A source maps a prompt *cursor* (a count of prompts drawn so far: 0, 1, 2, ... forever) to a
+`PromptRecord`: epoch = cursor // len, position = cursor % len; with shuffle on, each epoch is a fresh
+permutation seeded by (seed, epoch), so the whole sequence is deterministic and a run resumes from its
+saved cursor alone. `open_source` picks the source a config names: synthetic prompts, the built-in task,
+or a dataset file or directory (JSON Lines, a JSON array, Parquet, Arrow, a `datasets` save_to_disk
+directory: docs/data.md).
+
+Deliberately does not: keep or persist the cursor (the broker does), tokenize (records from text datasets
+carry empty `prompt_ids`; the worker tokenizes them and applies chat templates), touch sockets or torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from april.data.export import export_jsonl
+from april.data.file_source import FilePromptSource
+from april.data.records import (
+    KEPT_PROMPT_BYTES,
+    DatasetError,
+    PromptRecord,
+    PromptSource,
+    RecordError,
+)
+from april.data.synthetic import SyntheticPromptSource
+
+if TYPE_CHECKING:
+    from april.config import DataConfig
+
+__all__ = [
+    "KEPT_PROMPT_BYTES",
+    "DatasetError",
+    "FilePromptSource",
+    "PromptRecord",
+    "PromptSource",
+    "RecordError",
+    "SyntheticPromptSource",
+    "export_jsonl",
+    "open_source",
+]
+
+
+def open_source(data_config: DataConfig, seed: int) -> PromptSource:
+    """The source named by `[data] source`: "synthetic", "task" (the built-in task) or a dataset path."""
+    if data_config.source == "task":
+        from april.task import TaskPromptSource  # april.task imports this package
+
+        return TaskPromptSource(seed=seed)
+    if data_config.source == "synthetic":
+        return SyntheticPromptSource(
+            data_config.synthetic_size,
+            seed=seed,
+            prompt_len_min=data_config.synthetic_prompt_len_min,
+            prompt_len_max=data_config.synthetic_prompt_len_max,
+            vocab_size=data_config.synthetic_vocab_size,
+            shuffle=data_config.shuffle,
+        )
+    return FilePromptSource(
+        data_config.source,
+        prompt_key=data_config.prompt_key,
+        answer_key=data_config.answer_key,
+        answer_format=data_config.answer_format,
+        seed=seed,
+        shuffle=data_config.shuffle,
+    )
