@@ -93,6 +93,7 @@ class _View:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         state, wide, status = self.state, options.max_width >= WIDE, self.state.status
         parts: list[RenderableType] = [_header(state, self.now, wide)]
+        parts += [_start_error(line, roles) for line, roles in state.start_errors.items()]
         parts += [_alert(role, tail) for role, tail in state.alerts.items()]
         if status is not None:
             figures = status.step_figures
@@ -181,6 +182,11 @@ def _learner_word(learner: LearnerStatus | None) -> tuple[str, str]:
     return learner.phase or "training", "green"
 
 
+def _start_error(line: str, roles: list[str]) -> Panel:
+    title = f"{escape(', '.join(roles))}: not restarted (a restart would fail alike)"
+    return _panel(Text(line, "bold red"), title, "red")
+
+
 def _alert(role: str, tail: list[str]) -> Panel:
     body = Text("\n".join(tail) or "(empty log)", overflow="ellipsis", no_wrap=True)
     return _panel(body, f"{escape(role)} crashed: last lines of its log", "red")
@@ -199,7 +205,7 @@ def _workers_panel(state: DashboardState, status: BrokerStatus, wide: bool) -> P
         where: list[RenderableType] = [Text(w.host or DASH), str(w.pid)] if wide else []
         table.add_row(
             Text(w.id),  # Text, not markup: names come from the peers
-            Text(w.engine),
+            Text(w.engine_label),  # and where it runs: "torch · cuda:0"
             *where,
             f"{w.leases}/{w.slots} {bar(w.leases / w.slots if w.slots else 0.0, 10 if wide else 5)}",
             si(window.rate() if window else None),
@@ -324,6 +330,7 @@ def _learner_panel(status: BrokerStatus, wide: bool) -> Panel:
     evaluated = f" · eval {fmt(m.eval_accuracy)}" if math.isfinite(m.eval_accuracy) else ""
     rows: list[tuple[str, str | Text | Table]] = [
         ("learner", f"[{style}]{escape(word)}[/]{seen}"),
+        ("engine", Text(learner.engine if learner and learner.engine else DASH)),  # backend, device, AdamW
         ("last step", f"{fmt_int(m.step)} -> v{fmt_int(m.version)}"),
         ("loss", fmt(m.loss, ".4g")),
         ("reward", fmt(m.reward_mean)),

@@ -21,7 +21,7 @@ from learner.losses import LossConfig
 from learner.trainer import BroadcastSend, PhaseReport, ResumePoint, launched_rank, launched_world_size
 
 if TYPE_CHECKING:
-    from learner.engine import TrainEngine
+    from learner.engine import TrainEngine, TrainSettings
 
 
 def loss_config(config: Config) -> LossConfig:
@@ -39,11 +39,12 @@ def loss_config(config: Config) -> LossConfig:
     )
 
 
-def engine_summary(config: Config, world_size: int) -> str:
-    """What `start` builds, for the phase report: 'DeepSpeed ZeRO-2 on cpu, 2 ranks'."""
-    lc = config.learner
-    engine = f"DeepSpeed ZeRO-{lc.zero_stage}" if lc.backend == "deepspeed" else "torch AdamW"
-    return f"{engine} on {lc.device}, {world_size} rank{'s' if world_size > 1 else ''}"
+def engine_summary(settings: TrainSettings, world_size: int) -> str:
+    """What `start` builds, for the phase report (the broker keeps it as the learner's engine):
+    'DeepSpeed ZeRO-2 on cuda, torch fused AdamW, 2 ranks'."""
+    s = settings
+    engine = f"DeepSpeed ZeRO-{s.zero_stage}" if s.backend == "deepspeed" else "torch"
+    return f"{engine} on {s.device}, {s.optimizer}, {world_size} rank{'s' if world_size > 1 else ''}"
 
 
 class ModelTrainer:
@@ -97,26 +98,26 @@ class ModelTrainer:
             self._engine.close()
 
     def start(self, report: PhaseReport) -> None:
+        from april.devices import init_cuda, resolve_device
         from april.hf import enable_activation_checkpointing, load_model, set_torch_threads
         from learner.engine import TrainEngine, TrainSettings
         from learner.logprob_head import check_supported
 
         lc = self.config.learner
+        device = resolve_device(lc.device, "learner.device")
+        if device.startswith("cuda"):
+            init_cuda(device, "learner")  # a GPU torch cannot use: one line now, not mid-load
         report(protocol.LearnerPhase.LOADING_MODEL, lc.model)
         set_torch_threads(lc.torch_threads)
-        model = load_model(lc.model, device=lc.device, dtype="float32" if lc.device == "cpu" else "auto")
+        model = load_model(lc.model, device=device, dtype="float32" if device == "cpu" else "auto")
         if lc.logprob_chunk_tokens > 0:
             check_supported(model)  # at start, not at the first batch
         if lc.gradient_checkpointing:
             enable_activation_checkpointing(model)
         if lc.kl_coef > 0:
-            self._reference = load_model(lc.model, device=lc.device)
+            self._reference = load_model(lc.model, device=device)
             self._reference.train(False)
             self._reference.requires_grad_(False)
-        report(
-            protocol.LearnerPhase.INITIALISING_ENGINE,
-            engine_summary(self.config, launched_world_size()),
-        )
         settings = TrainSettings(
             backend=lc.backend,  # type: ignore[arg-type]
             zero_stage=lc.zero_stage,
@@ -128,8 +129,10 @@ class ModelTrainer:
             eps=lc.adam_eps,
             grad_clip=lc.grad_clip,
             warmup_steps=lc.warmup_steps,
-            device=lc.device,
+            device=device,
+            adam_impl=lc.adam_impl.value,
         )
+        report(protocol.LearnerPhase.INITIALISING_ENGINE, engine_summary(settings, launched_world_size()))
         self._engine = TrainEngine(model, settings)
         hf_model: Any = self._engine.module
         self._vocab = int(hf_model.get_input_embeddings().num_embeddings)

@@ -34,12 +34,8 @@ from april.hf import load_model, make_tiny_model  # noqa: E402
 from april.weights_uri import published_versions  # noqa: E402
 from learner import checkpoint, weights  # noqa: E402
 from learner.ds_config import deepspeed_config  # noqa: E402
-from learner.engine import (  # noqa: E402
-    TrainEngine,
-    TrainSettings,
-    extensions_dir,
-    use_environment_extensions_dir,
-)
+from learner.ds_ops import extensions_dir, use_environment_extensions_dir  # noqa: E402
+from learner.engine import TrainEngine, TrainSettings  # noqa: E402
 
 SEQ_LEN = 32
 BASE = {"micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-3, "weight_decay": 0.01, "grad_clip": 1.0}
@@ -164,13 +160,17 @@ def test_ds_config_cpu_is_fp32_torch_adamw() -> None:
     json.dumps(cfg)  # plain JSON values only
 
 
-def test_ds_config_gpu_is_bf16_fused_adam() -> None:
+def test_ds_config_gpu_is_bf16_torch_fused_adamw_or_deepspeeds_fused_adam() -> None:
     cfg = _cfg(device="cuda", zero_stage=3, world_size=8, grad_clip=0.0)
     assert cfg["bf16"] == {"enabled": True}
-    assert cfg["optimizer"]["params"]["torch_adam"] is False
+    # the default: torch's fused AdamW, which needs no build
+    assert cfg["optimizer"]["params"]["torch_adam"] is True and cfg["optimizer"]["params"]["fused"] is True
     assert cfg["zero_optimization"]["stage"] == 3
     assert cfg["train_batch_size"] == 4 * 8 * 8
     assert cfg["gradient_clipping"] == 0.0
+    deepspeeds = _cfg(device="cuda", adam_impl="deepspeed")["optimizer"]["params"]
+    assert deepspeeds["torch_adam"] is False and "fused" not in deepspeeds  # FusedAdam, built at first use
+    assert _cfg(adam_impl="deepspeed") == _cfg()  # on CPU both are torch.optim.AdamW
 
 
 def test_ds_config_is_pure() -> None:
@@ -181,7 +181,8 @@ def test_ds_config_is_pure() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("zero_stage", 4), ("micro_batch_size", 0), ("grad_accum_steps", 0), ("world_size", 0), ("lr", 0.0),
-     ("betas", (0.9, 1.0)), ("eps", 0.0), ("device", "tpu"), ("weight_decay", -1.0)],
+     ("betas", (0.9, 1.0)), ("eps", 0.0), ("device", "tpu"), ("weight_decay", -1.0),
+     ("adam_impl", "apex")],
 )  # fmt: skip
 def test_ds_config_rejects_bad_values(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):
