@@ -323,8 +323,8 @@ class Run:
             self.supervisor.running(s.name) for s in self.specs if s.name.startswith("worker-")
         )
 
-    def _log(self, name: str) -> Path | None:
-        return next((s.log for s in self.specs if s.name == name), None)
+    def _log(self, name: str) -> Path:
+        return next(s.log for s in self.specs if s.name == name)
 
     def save_screenshot(self) -> None:
         if self.screenshot is not None:
