@@ -29,6 +29,7 @@ from cli.dashboard_state import DASH, DashboardState, fmt, fmt_int, num
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 WIDE = 110  # columns from which the header takes a line less and the workers table shows hosts
 STALE_S = 3.0  # the broker publishes every second: silence past this is shown in the header
+ENGINE_WIDE, ENGINE_NARROW = 32, 18  # most columns a worker's "engine · placement" takes
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -198,7 +199,11 @@ def _workers_panel(state: DashboardState, status: BrokerStatus, wide: bool) -> P
     names = ("engine", "host", "pid", "busy", "tok/s", "ver", "sync", "seen", "state")
     for name in names if wide else [n for n in names if n not in ("host", "pid")]:
         left = name in ("engine", "host", "busy", "state")
-        table.add_column(name, no_wrap=True, justify="left" if left else "right", overflow="ellipsis")
+        # the engine's placement gives way before the worker ids do
+        most = (ENGINE_WIDE if wide else ENGINE_NARROW) if name == "engine" else None
+        table.add_column(
+            name, no_wrap=True, justify="left" if left else "right", overflow="ellipsis", max_width=most
+        )
     workers = sorted(status.workers, key=lambda w: w.id)
     for w in workers[: state.worker_rows]:
         window = state.worker_tokens.get(w.id)

@@ -103,6 +103,7 @@ def render_status(status: BrokerStatus) -> Group:
         title="workers",
     )
     workers.columns[0].no_wrap = True  # ids must stay whole: other columns give way
+    workers.columns[1].overflow = "fold"  # where the engine runs (a URL) folds over lines, cut nowhere
     for w in status.workers:
         workers.add_row(
             Text(w.id),  # Text, not markup: names come from the peers

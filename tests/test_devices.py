@@ -103,3 +103,30 @@ def test_cuda_that_cannot_start_is_one_startup_line() -> None:
     line = str(err.value)
     assert line.startswith("worker: CUDA could not start on 'cuda:0': ") and "\n" not in line
     assert line.endswith('or set worker.device = "cpu"')
+
+
+def test_a_worker_runs_where_its_device_resolves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`on_device`, at a worker's start: the torch and vLLM engines get the resolved device, the engines
+    that run on no device of the worker's keep theirs untouched (and start no CUDA)."""
+    from actors.factory import on_device
+
+    assert on_device(WorkerConfig(engine="torch")).device == "cpu"  # auto, on this machine
+    assert on_device(WorkerConfig(engine="vllm", device="auto")).device == "cpu"
+    for engine in ("sim", "sglang"):
+        assert on_device(WorkerConfig(engine=engine, device="cuda")).device == "cuda"  # not theirs to use
+    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    assert on_device(WorkerConfig(engine="vllm")).device == "cuda"  # vLLM starts CUDA in its processes
+    with pytest.raises(StartupError, match=r"^worker: CUDA could not start on 'cuda'"):
+        on_device(WorkerConfig(engine="torch"))  # the torch engine's CUDA starts with the worker
+
+
+def test_the_torch_engine_is_built_on_the_resolved_device() -> None:
+    from actors.engine import SamplingParams
+    from actors.factory import make_engine
+
+    model = str(REPO / "models" / "tiny")
+    engine = make_engine(WorkerConfig(engine="torch", model=model, slots=1), SamplingParams(), None, 0)  # type: ignore[arg-type]
+    try:
+        assert engine.placement == "cpu"
+    finally:
+        engine.close()

@@ -509,11 +509,13 @@ def test_the_hello_of_a_worker_whose_engine_is_down_says_so() -> None:
         assert health == protocol.EngineHealth(False, "starting", 0, 0)
         worker.health.come_up()
         assert [type(m) for m in worker._hello()] == [protocol.WorkerHello]  # up, nothing lost: the default
+        worker.health.placement = "cuda:0"  # an engine built: a broker that lost the worker learns where
+        assert worker._hello()[1] == protocol.EngineHealth(True, "", 0, 0, placement="cuda:0")
         worker.health.returned = 2
         worker.health.go_down("scripted: connection refused", time.monotonic())
         hello, health = worker._hello()  # a broker that lost this worker must not lease to it
         assert isinstance(hello, protocol.WorkerHello)
-        assert health == protocol.EngineHealth(False, "scripted: connection refused", 0, 2)
+        assert health == protocol.EngineHealth(False, "scripted: connection refused", 0, 2, "cuda:0")
     finally:
         worker.link.close(linger_ms=0)
 

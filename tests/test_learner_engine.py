@@ -98,6 +98,30 @@ def train(spec: dict[str, Any]) -> None:
     engine.close()  # as the learner does: no rank tears the group down under another's last collective
 
 
+def optimizer_of_the_cuda_config(spec: dict[str, Any]) -> None:
+    """DeepSpeed initialised on CPU with the optimizer section the learner gives it on CUDA (bf16 aside, which
+    needs a GPU); writes which optimizer DeepSpeed built from it, after one step with it."""
+    import deepspeed
+
+    from learner.engine import init_process_group
+
+    init_process_group("cpu")
+    model = load_model(spec["model_dir"])
+    args = {**BASE, "micro_batch_size": 1, "grad_accum_steps": 1, "betas": (0.9, 0.999), "eps": 1e-8}
+    config = deepspeed_config(**args, zero_stage=spec["zero_stage"], device="cpu", world_size=1)
+    config["optimizer"] = deepspeed_config(**args, zero_stage=0, device="cuda", world_size=1)["optimizer"]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
+    )
+    engine.backward(lm_loss(engine, torch.randint(3, 259, (1, SEQ_LEN))))
+    engine.step()
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps the basic optimizer
+    found = {"type": f"{type(optimizer).__module__}.{type(optimizer).__name__}"}
+    found["fused"] = optimizer.defaults.get("fused")
+    Path(spec["out"]).write_text(json.dumps(found))
+    torch.distributed.destroy_process_group()
+
+
 def run_children(specs: list[dict[str, Any]], tmp: Path) -> None:
     """Run `train` in one subprocess per spec (ranks of one run when there are several), and wait."""
     files = [tmp / f"spec{rank}.json" for rank in range(len(specs))]
@@ -171,6 +195,19 @@ def test_ds_config_gpu_is_bf16_torch_fused_adamw_or_deepspeeds_fused_adam() -> N
     deepspeeds = _cfg(device="cuda", adam_impl="deepspeed")["optimizer"]["params"]
     assert deepspeeds["torch_adam"] is False and "fused" not in deepspeeds  # FusedAdam, built at first use
     assert _cfg(adam_impl="deepspeed") == _cfg()  # on CPU both are torch.optim.AdamW
+
+
+def test_the_settings_name_the_adamw_they_step_with() -> None:
+    """What the learner reports as its engine (the broker's status shows it): backend, device, AdamW."""
+    from learner.model_trainer import engine_summary
+
+    cuda = TrainSettings(backend="deepspeed", zero_stage=2, device="cuda")
+    assert engine_summary(cuda, 8) == "DeepSpeed ZeRO-2 on cuda, torch fused AdamW, 8 ranks"
+    deepspeeds = TrainSettings(backend="deepspeed", device="cuda:1", adam_impl="deepspeed")
+    assert engine_summary(deepspeeds, 1) == "DeepSpeed ZeRO-0 on cuda:1, DeepSpeed FusedAdam, 1 rank"
+    assert engine_summary(TrainSettings(backend="torch"), 1) == "torch on cpu, torch AdamW, 1 rank"
+    with pytest.raises(ValueError, match="needs backend = 'deepspeed'"):
+        TrainSettings(backend="torch", adam_impl="deepspeed")
 
 
 def test_ds_config_is_pure() -> None:
@@ -248,6 +285,20 @@ def test_accumulation_may_change_between_steps(model_dir: Path, tmp_path: Path, 
     for got, want in zip(ds_m, ref_m, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_deepspeed_builds_torchs_fused_adamw_from_the_cuda_config(
+    model_dir: Path, tmp_path: Path, zero_stage: int
+) -> None:
+    """The learner's default on CUDA needs no op built: `"torch_adam": true, "fused": true` makes DeepSpeed
+    0.19.8 hand `fused=True` on to torch.optim.AdamW (`runtime/engine.py`, `get_optimizer_configuration`
+    pops only its own keys). Checked on CPU, where torch's fused AdamW runs too."""
+    out = tmp_path / "optimizer.json"
+    spec = {"probe": True, "model_dir": str(model_dir), "out": str(out), "zero_stage": zero_stage}
+    run_children([spec], tmp_path)
+    assert json.loads(out.read_text()) == {"type": "torch.optim.adamw.AdamW", "fused": True}
 
 
 # ---------------------------------------------------------------------- DeepSpeed's compiled ops
@@ -466,4 +517,8 @@ def test_engine_enforces_the_accumulation_count(model_dir: Path) -> None:
 
 
 if __name__ == "__main__":  # a child process of the DeepSpeed tests: python test_learner_engine.py SPEC
-    train(json.loads(Path(sys.argv[1]).read_text()))
+    child = json.loads(Path(sys.argv[1]).read_text())
+    if child.get("probe"):
+        optimizer_of_the_cuda_config(child)
+    else:
+        train(child)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from actors.engine import EngineError, SamplingParams
 from actors.engines.vllm_engine import (
+    VLLMEngine,
     VLLMSettings,
     cuda_visible_devices,
     engine_args,
@@ -83,6 +85,17 @@ def test_a_device_vllm_does_not_run_on_is_one_line(device: str) -> None:
     for engine in ("vllm", "torch"):  # the config refuses it for every engine, before anything starts
         with pytest.raises(ConfigError, match=r"worker\.device = .*'auto', 'cpu', 'cuda' or 'cuda:N'"):
             WorkerConfig(engine=engine, device=device)
+
+
+def test_its_placement_is_its_device_and_whether_it_captures_cuda_graphs() -> None:
+    """`VLLMEngine.placement` reads its settings only: checked without starting vLLM."""
+
+    def placement(settings: VLLMSettings) -> str:
+        return str(VLLMEngine.placement.fget(SimpleNamespace(settings=settings)))  # type: ignore[attr-defined]
+
+    assert placement(VLLMSettings("cuda:1")) == "cuda:1, cuda graphs"
+    assert placement(VLLMSettings("cuda", enforce_eager=True)) == "cuda, eager"
+    assert placement(VLLMSettings()) == "cpu, eager"  # always eager on CPU
 
 
 def test_cuda_n_narrows_the_visible_devices() -> None:
