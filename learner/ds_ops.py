@@ -2,7 +2,8 @@
 
 DeepSpeed builds its C++/CUDA ops with torch's JIT the first time they are used. The learner needs at
 most one: FusedAdam, on CUDA with `learner.adam_impl = "deepspeed"` (the default, torch's fused AdamW,
-needs none). Owns keeping DeepSpeed from building the shared-memory op training never uses, the build
+needs none; the ops of ZeRO++'s quantizer and of the CPU and NVMe offloads are not on the learner's
+path). Owns keeping DeepSpeed from building the shared-memory op training never uses, the build
 directory per Python environment, the architecture list a build is given, and building FusedAdam up
 front so that a failure is one `StartupError` line with its fix, not a traceback from inside
 `deepspeed.initialize` that `april up` would restart three times.
@@ -10,7 +11,7 @@ front so that a failure is one `StartupError` line with its fix, not a traceback
 The arch list: DeepSpeed 0.19.8 parses TORCH_CUDA_ARCH_LIST as numbers
 (`op_builder/builder.py`, `compute_capability_args`: `int("0a")` raises) while torch and Hopper images
 use arch suffixes ("9.0a"). `deepspeed_arch_list` hands DeepSpeed the same list without them ("9.0")
-for the duration of its start-up only, says so in the log, and gives the variable back unchanged.
+for the build only, says so in the log, and gives the variable back unchanged.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def builder_arch_list(value: str) -> str:
 
 @contextmanager
 def deepspeed_arch_list() -> Iterator[None]:
-    """While DeepSpeed starts (and may build an op), TORCH_CUDA_ARCH_LIST in a form its builder parses;
-    afterwards exactly what it was (DeepSpeed's own builder rewrites the variable as it builds, too)."""
+    """While DeepSpeed builds an op, TORCH_CUDA_ARCH_LIST in a form its builder parses; afterwards exactly
+    what it was (DeepSpeed's own builder rewrites the variable as it builds, too)."""
     given = os.environ.get(ARCH_LIST)
     usable = builder_arch_list(given) if given is not None else None
     if given is None or usable == given.strip():

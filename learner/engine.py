@@ -26,12 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from april.ports import free_ports
 from learner.ds_config import ZERO_STAGES, AdamImpl, deepspeed_config
-from learner.ds_ops import (
-    build_fused_adam,
-    deepspeed_arch_list,
-    skip_shared_memory_comm_op,
-    use_environment_extensions_dir,
-)
+from learner.ds_ops import build_fused_adam, skip_shared_memory_comm_op, use_environment_extensions_dir
 
 if TYPE_CHECKING:
     import torch
@@ -185,13 +180,12 @@ class TrainEngine:
         if on_gpu and s.adam_impl == "deepspeed":
             build_fused_adam()  # now, so that a failed build is one line (StartupError), not a traceback
         warmup = _warmup_factor(s.warmup_steps)
-        with deepspeed_arch_list():  # whatever else DeepSpeed builds as it starts gets a list it parses
-            ds_engine, _, _, _ = deepspeed.initialize(
-                model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad],
-                config=config,
-                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup),
-            )
+        ds_engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup),
+        )
         return ds_engine
 
     # ------------------------------------------------------------------ properties

@@ -89,7 +89,12 @@ class ModelTrainer:
         lc = self.config.learner
         # refused here, before the model loads or rank 0 registers with the broker
         checkpoint.check_resumable(
-            latest, meta, world_size=launched_world_size(), backend=lc.backend, zero_stage=lc.zero_stage
+            latest,
+            meta,
+            world_size=launched_world_size(),
+            backend=lc.backend,
+            zero_stage=lc.zero_stage,
+            optimizer=self.settings().optimizer,
         )
         return ResumePoint(meta.step, meta.version, meta.last_batch_id, source=str(latest))
 
@@ -97,14 +102,36 @@ class ModelTrainer:
         if self._engine is not None:
             self._engine.close()
 
+    def settings(self) -> TrainSettings:
+        """The training engine's settings from the learner's config, on the device it resolves to."""
+        from april.devices import resolve_device
+        from learner.engine import TrainSettings
+
+        lc = self.config.learner
+        return TrainSettings(
+            backend=lc.backend,  # type: ignore[arg-type]
+            zero_stage=lc.zero_stage,
+            micro_batch_size=1,
+            grad_accum_steps=lc.micro_batches,
+            lr=lc.lr,
+            weight_decay=lc.weight_decay,
+            betas=(lc.beta1, lc.beta2),
+            eps=lc.adam_eps,
+            grad_clip=lc.grad_clip,
+            warmup_steps=lc.warmup_steps,
+            device=resolve_device(lc.device, "learner.device"),
+            adam_impl=lc.adam_impl.value,
+        )
+
     def start(self, report: PhaseReport) -> None:
-        from april.devices import init_cuda, resolve_device
+        from april.devices import init_cuda
         from april.hf import enable_activation_checkpointing, load_model, set_torch_threads
-        from learner.engine import TrainEngine, TrainSettings
+        from learner.engine import TrainEngine
         from learner.logprob_head import check_supported
 
         lc = self.config.learner
-        device = resolve_device(lc.device, "learner.device")
+        settings = self.settings()
+        device = settings.device
         if device.startswith("cuda"):
             init_cuda(device, "learner")  # a GPU torch cannot use: one line now, not mid-load
         report(protocol.LearnerPhase.LOADING_MODEL, lc.model)
@@ -118,20 +145,6 @@ class ModelTrainer:
             self._reference = load_model(lc.model, device=device)
             self._reference.train(False)
             self._reference.requires_grad_(False)
-        settings = TrainSettings(
-            backend=lc.backend,  # type: ignore[arg-type]
-            zero_stage=lc.zero_stage,
-            micro_batch_size=1,
-            grad_accum_steps=lc.micro_batches,
-            lr=lc.lr,
-            weight_decay=lc.weight_decay,
-            betas=(lc.beta1, lc.beta2),
-            eps=lc.adam_eps,
-            grad_clip=lc.grad_clip,
-            warmup_steps=lc.warmup_steps,
-            device=device,
-            adam_impl=lc.adam_impl.value,
-        )
         report(protocol.LearnerPhase.INITIALISING_ENGINE, engine_summary(settings, launched_world_size()))
         self._engine = TrainEngine(model, settings)
         hf_model: Any = self._engine.module
@@ -187,5 +200,6 @@ class ModelTrainer:
             world_size=self.engine.world_size,
             backend=lc.backend,
             zero_stage=lc.zero_stage,
+            optimizer=self.engine.settings.optimizer,
         )
         checkpoint.save(self.engine, self.checkpoints, meta, keep=lc.keep_checkpoints)

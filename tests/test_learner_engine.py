@@ -89,7 +89,9 @@ def train(spec: dict[str, Any]) -> None:
             {"step": step, "loss": sum(losses) / len(losses), "grad_norm": norm, "lr": lr, "probe": probe}
         )
         if step == spec.get("checkpoint_at"):
-            meta = checkpoint.CheckpointMeta(step, step, step - 1, engine.world_size, s.backend, s.zero_stage)
+            meta = checkpoint.CheckpointMeta(
+                step, step, step - 1, engine.world_size, s.backend, s.zero_stage, s.optimizer
+            )
             checkpoint.save(engine, ckpt_dir, meta)
     published = engine.state_dict_for_publish()  # a collective under ZeRO-3
     if engine.rank == 0:
@@ -377,7 +379,7 @@ def test_torch_checkpoint_resume_equals_uninterrupted(model_dir: Path, tmp_path:
     assert found is not None and found.name == "step_00000002"
     meta = json.loads((found / checkpoint.META).read_text())
     assert meta == {"step": 2, "version": 2, "last_batch_id": 1, "world_size": 1, "backend": "torch",
-                    "zero_stage": 0}  # fmt: skip
+                    "zero_stage": 0, "optimizer": "torch AdamW"}  # fmt: skip
 
 
 @needs_deepspeed
@@ -419,6 +421,24 @@ def test_a_checkpoint_resumes_only_into_the_layout_that_wrote_it(tmp_path: Path)
         assert f"written by 2 ranks of DeepSpeed ZeRO-3; this learner runs {runs}:" in message
     torch_meta = checkpoint.CheckpointMeta(4, 4, 3, world_size=1, backend="torch", zero_stage=2)
     checkpoint.check_resumable(path, torch_meta, world_size=1, backend="torch", zero_stage=0)  # no stages
+
+
+def test_a_checkpoint_resumes_only_with_an_optimizer_that_holds_its_state(tmp_path: Path) -> None:
+    """torch's AdamW, fused or not, keeps one state; DeepSpeed's FusedAdam another: a resume across them is
+    one line with the fix. An older checkpoint that does not say which is taken as it is."""
+    path = tmp_path / "step_00000004"
+    layout = {"world_size": 1, "backend": "deepspeed", "zero_stage": 0}
+    fused = checkpoint.CheckpointMeta(4, 4, 3, **layout, optimizer="DeepSpeed FusedAdam")
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.check_resumable(path, fused, **layout, optimizer="torch fused AdamW")
+    assert str(info.value) == (
+        f"checkpoint {path} holds the state of DeepSpeed FusedAdam; this learner steps torch fused AdamW: "
+        'set learner.adam_impl="deepspeed" to resume it, or start a new run'
+    )
+    torch_adamw = checkpoint.CheckpointMeta(4, 4, 3, **layout, optimizer="torch AdamW")  # written on CPU
+    checkpoint.check_resumable(path, torch_adamw, **layout, optimizer="torch fused AdamW")
+    older = checkpoint.CheckpointMeta(4, 4, 3, **layout)
+    checkpoint.check_resumable(path, older, **layout, optimizer="DeepSpeed FusedAdam")
 
 
 def test_checkpoint_latest_ignores_incomplete(tmp_path: Path) -> None:
