@@ -229,7 +229,7 @@ def test_the_model_trainer_reports_its_start_up_phases(tmp_path: Path) -> None:
     trainer.start(lambda phase, detail: reported.append((phase, detail)))
     assert reported == [
         (LearnerPhase.LOADING_MODEL, str(model)),
-        (LearnerPhase.INITIALISING_ENGINE, "torch AdamW on cpu, 1 rank"),
+        (LearnerPhase.INITIALISING_ENGINE, "torch on cpu, torch AdamW, 1 rank"),  # learner.device auto
     ]
     assert trainer.rank == 0 and trainer.world_size == 1 and trainer.vocab_size == 320
     assert trainer.resume_point() is None  # nothing saved yet
