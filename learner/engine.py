@@ -162,8 +162,9 @@ class TrainEngine:
         s = self.settings
         init_process_group(s.device)
         on_gpu = s.on_cuda
-        if on_gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if on_gpu:  # DeepSpeed places the model on the current device: the one asked for, or the rank's
+            index = torch.device(s.device).index
+            torch.cuda.set_device(index if index is not None else int(os.environ.get("LOCAL_RANK", "0")))
         config = deepspeed_config(
             zero_stage=s.zero_stage,
             micro_batch_size=s.micro_batch_size,

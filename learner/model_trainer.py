@@ -11,6 +11,7 @@ Composes those pieces; owns none of their logic, and knows nothing of the broker
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,11 +104,15 @@ class ModelTrainer:
             self._engine.close()
 
     def settings(self) -> TrainSettings:
-        """The training engine's settings from the learner's config, on the device it resolves to."""
+        """The training engine's settings from the learner's config, on the device it resolves to: under a
+        launcher, every rank on CUDA takes its own GPU (`cuda:LOCAL_RANK`, as launchers mean it)."""
         from april.devices import resolve_device
         from learner.engine import TrainSettings
 
         lc = self.config.learner
+        device = resolve_device(lc.device, "learner.device")
+        if device.startswith("cuda") and launched_world_size() > 1:
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         return TrainSettings(
             backend=lc.backend,  # type: ignore[arg-type]
             zero_stage=lc.zero_stage,
@@ -119,7 +124,7 @@ class ModelTrainer:
             eps=lc.adam_eps,
             grad_clip=lc.grad_clip,
             warmup_steps=lc.warmup_steps,
-            device=resolve_device(lc.device, "learner.device"),
+            device=device,
             adam_impl=lc.adam_impl.value,
         )
 

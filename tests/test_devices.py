@@ -130,3 +130,20 @@ def test_the_torch_engine_is_built_on_the_resolved_device() -> None:
         assert engine.placement == "cpu"
     finally:
         engine.close()
+
+
+def test_the_learner_runs_where_its_device_resolves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The learner's engine settings: auto resolved; under a launcher "cuda" is the rank's own GPU."""
+    from learner.model_trainer import ModelTrainer
+
+    def settings(**over: str) -> str:
+        config = load_config(env={}, overrides={f"learner.{k}": v for k, v in over.items()})
+        return ModelTrainer(config, tmp_path).settings().device
+
+    assert settings() == "cpu"
+    monkeypatch.setattr(devices, "gpu_count", lambda: 4)
+    assert settings() == "cuda" and settings(device="cuda:2") == "cuda:2"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert settings() == "cuda:3" and settings(device="cuda") == "cuda:3"
+    assert settings(device="cuda:1") == "cuda:3"  # each rank its own GPU, whatever one index says
