@@ -3,14 +3,14 @@
 Owns the launch plan: which config a run gets (the built-in task on the shipped tiny model unless a
 config file says otherwise; `--resume D` reuses D/config.toml), the checks that turn a doomed start into
 one error line (bad config, missing model, unknown engine, a device torch does not see, busy port), the
-children (`april broker`,
-K x `april worker`, `april learner`, each logging to D/logs/<role>-<id>.log), and the end of the run:
-the learner finishing its steps, a child failing for good, or Ctrl-C / SIGTERM, after which every child
-is stopped (learner and workers first, the broker last, so its snapshot has everything) and D is left
-resumable. Crashed children are restarted within a bound (broker and learner with --resume); a child that
-exits with a user error (exit 2) or could not start (`april.startup.STARTUP_EXIT`) would fail alike again:
-it is not restarted, and its one error line is reported once (several workers failing alike included).
-The process plumbing is `cli.supervisor`; the view is `cli.dashboard` / `cli.dashboard_feed`.
+children (`april broker`, K x `april worker`, `april learner`, each logging to D/logs/<role>-<id>.log),
+and the end of the run: the learner finishing its steps, a child failing for good, or Ctrl-C / SIGTERM,
+after which every child is stopped (learner and workers first, the broker last, so its snapshot has
+everything) and D is left resumable. Crashed children are restarted within a bound (broker and learner
+with --resume); a child that exits with a user error (exit 2) or could not start (`STARTUP_EXIT`) would
+fail alike again: it is not restarted, and its one error line is reported once (several workers failing
+alike included). The process plumbing is `cli.supervisor`; the view is `cli.dashboard` /
+`cli.dashboard_feed`.
 """
 
 from __future__ import annotations
