@@ -131,6 +131,12 @@ class Engine(Protocol):
     version: int  # weights version loaded now
 
     @property
+    def placement(self) -> str:
+        """Where and how the engine runs, for people (the status shows it): "cuda:0, cuda graphs", a
+        server's URL, "sim". One line; it does not change while the engine lives."""
+        ...
+
+    @property
     def active(self) -> int:
         """Requests added and not yet returned."""
         ...

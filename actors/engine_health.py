@@ -4,7 +4,8 @@ what engine errors have cost so far, as the worker reports it to the broker in `
 Owns the probe schedule: the first probe `BACKOFF_MIN_S` after the engine went down, each failed probe
 doubling the wait up to `BACKOFF_MAX_S` (the peer link's reconnect backoff, docs/protocol.md section 7,
 so a worker backs off from a dead server as it does from a dead broker), and the cumulative counts of
-samples failed and returned because of the engine. Knows nothing of engines or sockets: the worker calls
+samples failed and returned because of the engine, and where the engine runs once it is built (its
+`placement`). Knows nothing of engines or sockets: the worker calls
 `Engine.probe` when `probe_due` says so and sends `report()` when `unsent()` says it changed.
 """
 
@@ -30,6 +31,7 @@ class EngineHealth:
     wait_s: float = BACKOFF_MIN_S  # before the next probe
     next_probe: float = float("inf")  # monotonic seconds
     probes_failed: int = 0  # since the engine went down
+    placement: str = ""  # where and how the engine runs (Engine.placement); "" until it is built
     # the last report sent to the broker; before any, what a broker assumes of a worker that said hello
     sent: protocol.EngineHealth = field(default_factory=lambda: protocol.EngineHealth(True, "", 0, 0))
 
@@ -53,11 +55,12 @@ class EngineHealth:
 
     @property
     def pristine(self) -> bool:
-        """Nothing a broker that lost this worker needs to hear: up, and no sample lost to the engine."""
-        return not self.down and self.failed == 0 and self.returned == 0
+        """Nothing a broker that lost this worker needs to hear: up, no sample lost to the engine, and no
+        placement to tell (none built)."""
+        return not self.down and self.failed == 0 and self.returned == 0 and not self.placement
 
     def report(self) -> protocol.EngineHealth:
-        return protocol.EngineHealth(not self.down, self.detail, self.failed, self.returned)
+        return protocol.EngineHealth(not self.down, self.detail, self.failed, self.returned, self.placement)
 
     def unsent(self) -> protocol.EngineHealth | None:
         """The report if it differs from the last one sent (marking it sent), else None."""

@@ -1,4 +1,5 @@
-"""Building the engine and tokenizer a worker was configured with, importing only the one asked for."""
+"""Building the engine and tokenizer a worker was configured with, importing only the one asked for, on the
+device `worker.device` names (resolved and checked by `april.devices`)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,22 @@ from actors.engines.sim_engine import Identify
 from actors.engines.vllm_engine import VLLMSettings
 from actors.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from april.config import ResumeKV, WorkerConfig
+from april.devices import check_device, init_cuda, resolve_device
 from april.hf import check_model_dir
+
+DEVICE_ENGINES = ("torch", "vllm")  # engines on worker.device (sim runs on none, sglang on its servers')
 
 
 def check_worker(cfg: WorkerConfig) -> None:
     """What would otherwise fail only once a worker holds leases, checked before it connects (or before
-    `april up` starts one): an unknown engine (EngineError), an incomplete model directory (ModelError)."""
+    `april up` starts one): an unknown engine (EngineError), an incomplete model directory (ModelError),
+    a device torch does not see (DeviceError; "auto" is always usable and imports nothing)."""
     if cfg.engine not in ENGINES:
         raise EngineError(f"unknown engine {cfg.engine!r} (expected one of {', '.join(ENGINES)})")
     if cfg.model:  # the worker's tokenizer comes from it, whatever the engine
         check_model_dir(cfg.model)
-    if cfg.engine == "vllm":  # a device vLLM cannot run on (EngineError)
-        vllm_settings(cfg)
+    if cfg.engine in DEVICE_ENGINES:
+        check_device(cfg.device, "worker.device")
     if cfg.resume_kv is ResumeKV.REUSE and not engine_class(cfg.engine).can_reuse_kv:
         raise EngineError(
             f"worker.resume_kv = 'reuse': engine {cfg.engine!r} cannot keep its prefix cache across a weight "
@@ -50,10 +55,22 @@ def engine_class(name: str) -> type[Engine]:
     return VLLMEngine
 
 
-def vllm_settings(cfg: WorkerConfig) -> VLLMSettings:
-    """The vLLM engine's device settings from the worker's (no vllm import)."""
+def on_device(cfg: WorkerConfig) -> WorkerConfig:
+    """`cfg` with its device resolved ("auto": cuda when torch sees a GPU) and, for the torch engine on
+    CUDA, CUDA started (StartupError: one line, at the worker's start). Unchanged for the engines that
+    run on no device of this process (sim, sglang); vLLM starts CUDA in its own processes."""
+    if cfg.engine not in DEVICE_ENGINES:
+        return cfg
+    device = resolve_device(cfg.device, "worker.device")
+    if cfg.engine == "torch" and device.startswith("cuda"):
+        init_cuda(device, "worker")
+    return dataclasses.replace(cfg, device=device)
+
+
+def vllm_settings(cfg: WorkerConfig, device: str) -> VLLMSettings:
+    """The vLLM engine's settings from the worker's, on `device` (resolved; no vllm import)."""
     return VLLMSettings(
-        device=cfg.device,
+        device=device,
         kv_cache_gib=cfg.vllm_kv_cache_gib,
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         dtype=cfg.vllm_dtype,
@@ -117,7 +134,8 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
         set_torch_threads(cfg.torch_threads)
         # one generator per engine: salted with the worker id, or two workers would draw the same noise
         sampling = dataclasses.replace(sampling, seed=worker_seed(sampling.seed, cfg.worker_id))
-        return TorchEngine(cfg.model, cfg.slots, sampling, device=cfg.device, version=version)
+        device = resolve_device(cfg.device, "worker.device")
+        return TorchEngine(cfg.model, cfg.slots, sampling, device=device, version=version)
     if cfg.engine == "sglang":
         from actors.engines.sglang_engine import SGLangEngine
 
@@ -131,5 +149,6 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
     if cfg.engine == "vllm":
         from actors.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(cfg.model, cfg.slots, sampling, version=version, settings=vllm_settings(cfg))
+        settings = vllm_settings(cfg, resolve_device(cfg.device, "worker.device"))
+        return VLLMEngine(cfg.model, cfg.slots, sampling, version=version, settings=settings)
     raise EngineError(f"unknown engine {cfg.engine!r} (expected one of {', '.join(ENGINES)})")

@@ -215,10 +215,17 @@ class Worker:
 
     def _engine_built(self, engine: Engine) -> None:
         self.engine = engine
+        self.health.placement = one_line(engine.placement, protocol.MAX_PLACEMENT)  # told with its coming up
         if isinstance(engine, TensorLoading):  # it can take the learner's broadcast, when one is announced
             self.sync.accept_broadcast(self.cfg.device)
         self.meter = SlotMeter(engine.slots, time.monotonic(), self.cfg.usage_report_s)
-        log.info("worker %s: engine %s ready (%d slots)", self.worker_id, engine.name, engine.slots)
+        log.info(
+            "worker %s: engine %s ready (%d slots, %s)",
+            self.worker_id,
+            engine.name,
+            engine.slots,
+            self.health.placement,
+        )
 
     def _on_lease(self, msg: protocol.Lease) -> None:
         leased = list(

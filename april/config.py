@@ -14,6 +14,7 @@ computes anything, and nothing is done at import time.
 import dataclasses
 import enum
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -83,6 +84,13 @@ class ResumeKV(enum.StrEnum):
     REUSE = "reuse"  # kept: the resume attends to KV of the weights that generated it (cheaper)
 
 
+class AdamImpl(enum.StrEnum):
+    """Which AdamW the learner steps with on CUDA (docs/learner.md); on CPU both are torch.optim.AdamW."""
+
+    TORCH = "torch"  # torch.optim.AdamW, fused on CUDA: nothing to build
+    DEEPSPEED = "deepspeed"  # DeepSpeed's FusedAdam on CUDA, built with nvcc at first use
+
+
 class WeightsTransport(enum.StrEnum):
     """How a published weights version reaches the workers (docs/design.md section 6)."""
 
@@ -104,6 +112,15 @@ def _check(ok: bool, name: str, value: object, expected: str) -> None:
 def _endpoint(name: str, address: str) -> None:
     problem = endpoint_problem(address)
     _check(problem is None, name, address, problem or "")
+
+
+# worker.device, learner.device: "auto" (cuda when torch sees a GPU, else cpu), "cpu", "cuda", "cuda:N".
+# Only the form is checked here (no torch); whether the GPU is there is april.devices' (at start).
+DEVICE = re.compile(r"(auto|cpu|cuda(?::(\d+))?)")
+
+
+def _device(name: str, value: str) -> None:
+    _check(DEVICE.fullmatch(value) is not None, name, value, "expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
 def _positive(section: object, prefix: str, *names: str) -> None:
@@ -289,7 +306,7 @@ class WorkerConfig:
     result_hold_ms: float = 0.0  # hold results and freed slots up to this long, as one message; 0: at once
     usage_report_s: float = 0.1  # seconds between usage reports while generating: the phase split's grain
     worker_id: str = ""  # empty: <hostname>-<pid>
-    device: str = "cpu"  # torch and vllm engines: cpu, cuda, cuda:1, ...
+    device: str = "auto"  # torch, vllm engines: auto (cuda if torch sees a GPU, else cpu), cpu, cuda, cuda:N
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
     sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
     sglang_weights_dir: str = ""  # sglang: a directory per weights version, for its servers (empty: temp)
@@ -310,6 +327,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _endpoint("worker.broker", self.broker)
+        _device("worker.device", self.device)
         _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads", "usage_report_s")
         _check(
             0 <= self.result_hold_ms <= MAX_RESULT_HOLD_MS,
@@ -372,7 +390,8 @@ class LearnerConfig:
     logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS  # response tokens per log-prob chunk (0: full)
     pack_sequences: bool = False  # one padding-free row per micro-batch (needs packed-sequence support)
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward (less memory)
-    device: str = "cpu"  # cpu | cuda | cuda:N
+    device: str = "auto"  # auto (cuda if torch sees a GPU, else cpu) | cpu | cuda | cuda:N
+    adam_impl: AdamImpl = AdamImpl.TORCH  # CUDA: torch (fused AdamW, no build) | deepspeed (FusedAdam, nvcc)
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
@@ -402,6 +421,7 @@ class LearnerConfig:
 
     def __post_init__(self) -> None:
         _endpoint("learner.broker", self.broker)
+        _device("learner.device", self.device)
         _positive(self, "learner", "lr", "micro_batches", "torch_threads", "updates_per_batch", "adam_eps")
         _check(self.keep_checkpoints >= 1, "learner.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
         for name in ("beta1", "beta2"):
@@ -412,6 +432,12 @@ class LearnerConfig:
             "learner.backend",
             self.backend,
             "deepspeed, torch or sim",
+        )
+        _check(
+            self.adam_impl != AdamImpl.DEEPSPEED or self.backend != "torch",
+            "learner.adam_impl",
+            self.adam_impl,
+            "'deepspeed' needs learner.backend = 'deepspeed' (the torch backend steps torch.optim.AdamW)",
         )
         _check(self.sim_step_s >= 0, "learner.sim_step_s", self.sim_step_s, "must be >= 0")
         _check(

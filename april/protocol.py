@@ -247,6 +247,7 @@ class EngineUsage:
 
 
 MAX_ENGINE_DETAIL = 500  # characters: why an engine is down, one line
+MAX_PLACEMENT = 200  # characters: where and how an engine runs (Engine.placement)
 
 
 ENGINE_STARTING = "starting"  # EngineHealth.detail of an engine still being built
@@ -265,17 +266,22 @@ class EngineHealth:
     came up: a vLLM or SGLang start can take minutes). `failed_by_engine` / `returned_by_engine`
     count, since the worker started, the samples it failed because the engine failed their request and
     those it returned as partials because of an engine error or an engine down (cumulative: a lost report
-    loses nothing)."""
+    loses nothing). `placement` says where and how the engine runs, for people ("cuda:0, cuda graphs",
+    a server's URL; `Engine.placement`), "" until it is built; once it is, every hello is followed by a
+    report, so a broker that lost the worker learns it again."""
 
     ok: bool
     detail: str
     failed_by_engine: int
     returned_by_engine: int
+    placement: str = ""
 
     def validate(self) -> None:
         _check_non_negative(self, "failed_by_engine", "returned_by_engine")
         if len(self.detail) > MAX_ENGINE_DETAIL:
             raise ValueError(f"detail has {len(self.detail)} characters, at most {MAX_ENGINE_DETAIL} allowed")
+        if len(self.placement) > MAX_PLACEMENT:
+            raise ValueError(f"placement has {len(self.placement)} characters, at most {MAX_PLACEMENT}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,13 @@ class WorkerStatus:
     weights_sync_s: float = 0.0  # seconds from hearing of that version to serving it
     messages: int = 0  # messages heard from it since its last WorkerHello (heartbeats, usage reports too)
     samples_returned: int = 0  # samples in its SampleResults since then (evaluation samples included)
+    placement: str = ""  # where and how its engine runs ("cuda:0, cuda graphs"); "" until the engine is up
+
+    @property
+    def engine_label(self) -> str:
+        """Its engine and where it runs, for people: "torch · cuda:0"; the engine alone if it says no more."""
+        shown = self.placement and self.placement != self.engine
+        return f"{self.engine} · {self.placement}" if shown else self.engine
 
     @property
     def weights_sync(self) -> str:
@@ -72,7 +79,9 @@ class WorkerStatus:
 class LearnerStatus:
     """The connected learner (rank 0). `phase` is what it last said it is doing (`LearnerPhase` in lower
     case with spaces: "loading model", "initialising engine", ..., "training"), `phase_detail` which
-    model, engine or step, `phase_s` for how long; empty and 0 when it does not say."""
+    model, engine or step, `phase_s` for how long; empty and 0 when it does not say. `engine` is the
+    detail it gave when initialising its engine: backend, device, optimizer and ranks ("DeepSpeed ZeRO-0
+    on cuda, torch fused AdamW, 1 rank"); empty until then."""
 
     EVOLVABLE: ClassVar[bool] = True
     id: str
@@ -81,6 +90,7 @@ class LearnerStatus:
     phase: str = ""
     phase_detail: str = ""
     phase_s: float = 0.0
+    engine: str = ""
 
 
 @dataclass(frozen=True, slots=True)

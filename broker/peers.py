@@ -2,9 +2,9 @@
 
 Tracks liveness (any message counts as a heartbeat; a peer silent for liveness x interval is dead),
 credit (free engine slots a worker granted; none while its engine is down), each worker's engine health
-and engine-error counts (its EngineHealth), the weights version each worker acked, what the learner
-says it is doing (its latest phase), and bounded per-peer, per-reason rejection counters. Knows nothing
-about samples or leases.
+and engine-error counts and where its engine runs (its EngineHealth), the weights version each worker
+acked, what the learner says it is doing (its latest phase) and which engine it initialised, and
+bounded per-peer, per-reason rejection counters. Knows nothing about samples or leases.
 
 The broker asks after every message which workers are dead, are due a heartbeat, or have credit. With a
 cluster's thousand workers a scan of them all each time cost more than handling the message (157 us a
@@ -52,6 +52,7 @@ class WorkerPeer(Peer):
     engine_detail: str = ""
     failed_by_engine: int = 0  # cumulative counts from its latest EngineHealth
     returned_by_engine: int = 0
+    placement: str = ""  # where and how its engine runs (EngineHealth.placement; "" until it is built)
 
     @property
     def leasable(self) -> bool:
@@ -64,9 +65,12 @@ class LearnerPeer(Peer):
     phase: LearnerPhase | None = None  # its latest LearnerPhaseReport; None before the first
     phase_detail: str = ""  # which model, engine or step (LearnerPhaseReport.detail)
     phase_since: float = 0.0  # broker clock when that phase was reported
+    engine: str = ""  # the detail of its INITIALISING_ENGINE report: backend, device, optimizer, ranks
 
     def enter(self, phase: LearnerPhase, detail: str, now: float) -> None:
         self.phase, self.phase_detail, self.phase_since = phase, detail, now
+        if phase == LearnerPhase.INITIALISING_ENGINE:
+            self.engine = detail
 
 
 @dataclass(slots=True)

@@ -389,6 +389,7 @@ class Broker:
                 log.warning("worker %s: engine down, leasing it nothing: %s", peer.peer_id, msg.detail)
         peer.engine_ok, peer.engine_detail = msg.ok, msg.detail
         peer.failed_by_engine, peer.returned_by_engine = msg.failed_by_engine, msg.returned_by_engine
+        peer.placement = msg.placement
         if not msg.ok:
             self.workers.set_credit(peer, 0)
 

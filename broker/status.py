@@ -54,6 +54,7 @@ def build_status(broker: Broker, now: float) -> BrokerStatus:
             phase="" if learner.phase is None else learner.phase.name.lower().replace("_", " "),
             phase_detail=learner.phase_detail,
             phase_s=0.0 if learner.phase is None else round(now - learner.phase_since, 3),
+            engine=learner.engine,
         ),
         learner_metrics=dict(broker.learner_metrics),
         in_flight_groups=state.in_flight,
@@ -109,6 +110,7 @@ def _workers(broker: Broker, now: float) -> list[WorkerStatus]:
             weights_sync_s=round(p.weights_sync_s, 4),
             messages=p.messages,
             samples_returned=p.samples_returned,
+            placement=p.placement,
         )
         for p in broker.workers.peers.values()
     ]

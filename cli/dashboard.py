@@ -29,6 +29,7 @@ from cli.dashboard_state import DASH, DashboardState, fmt, fmt_int, num
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 WIDE = 110  # columns from which the header takes a line less and the workers table shows hosts
 STALE_S = 3.0  # the broker publishes every second: silence past this is shown in the header
+ENGINE_WIDE, ENGINE_NARROW = 32, 18  # most columns a worker's "engine · placement" takes
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -93,6 +94,7 @@ class _View:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         state, wide, status = self.state, options.max_width >= WIDE, self.state.status
         parts: list[RenderableType] = [_header(state, self.now, wide)]
+        parts += [_start_error(line, roles) for line, roles in state.start_errors.items()]
         parts += [_alert(role, tail) for role, tail in state.alerts.items()]
         if status is not None:
             figures = status.step_figures
@@ -181,6 +183,11 @@ def _learner_word(learner: LearnerStatus | None) -> tuple[str, str]:
     return learner.phase or "training", "green"
 
 
+def _start_error(line: str, roles: list[str]) -> Panel:
+    title = f"{escape(', '.join(roles))}: not restarted (a restart would fail alike)"
+    return _panel(Text(line, "bold red"), title, "red")
+
+
 def _alert(role: str, tail: list[str]) -> Panel:
     body = Text("\n".join(tail) or "(empty log)", overflow="ellipsis", no_wrap=True)
     return _panel(body, f"{escape(role)} crashed: last lines of its log", "red")
@@ -192,14 +199,18 @@ def _workers_panel(state: DashboardState, status: BrokerStatus, wide: bool) -> P
     names = ("engine", "host", "pid", "busy", "tok/s", "ver", "sync", "seen", "state")
     for name in names if wide else [n for n in names if n not in ("host", "pid")]:
         left = name in ("engine", "host", "busy", "state")
-        table.add_column(name, no_wrap=True, justify="left" if left else "right", overflow="ellipsis")
+        # the engine's placement gives way before the worker ids do
+        most = (ENGINE_WIDE if wide else ENGINE_NARROW) if name == "engine" else None
+        table.add_column(
+            name, no_wrap=True, justify="left" if left else "right", overflow="ellipsis", max_width=most
+        )
     workers = sorted(status.workers, key=lambda w: w.id)
     for w in workers[: state.worker_rows]:
         window = state.worker_tokens.get(w.id)
         where: list[RenderableType] = [Text(w.host or DASH), str(w.pid)] if wide else []
         table.add_row(
             Text(w.id),  # Text, not markup: names come from the peers
-            Text(w.engine),
+            Text(w.engine_label),  # and where it runs: "torch · cuda:0"
             *where,
             f"{w.leases}/{w.slots} {bar(w.leases / w.slots if w.slots else 0.0, 10 if wide else 5)}",
             si(window.rate() if window else None),
@@ -324,6 +335,7 @@ def _learner_panel(status: BrokerStatus, wide: bool) -> Panel:
     evaluated = f" · eval {fmt(m.eval_accuracy)}" if math.isfinite(m.eval_accuracy) else ""
     rows: list[tuple[str, str | Text | Table]] = [
         ("learner", f"[{style}]{escape(word)}[/]{seen}"),
+        ("engine", Text(learner.engine if learner and learner.engine else DASH)),  # backend, device, AdamW
         ("last step", f"{fmt_int(m.step)} -> v{fmt_int(m.version)}"),
         ("loss", fmt(m.loss, ".4g")),
         ("reward", fmt(m.reward_mean)),

@@ -1,8 +1,9 @@
 """What the live dashboard knows: the state folded from the broker's published statuses.
 
 Owns `DashboardState` (the last broker status, run-long `Series` for the sparklines, token-rate
-`RateWindow`s, the event log and crash alerts), `apply_status` (folds one status into the state and derives
-events from the difference with the previous one), `add_event` / `add_alert` / `clear_alert`, and the
+`RateWindow`s, the event log, crash alerts and start-up errors), `apply_status` (folds one status into the
+state and derives events from the difference with the previous one), `add_event` / `add_alert` /
+`clear_alert` / `add_start_error`, and the
 number formatters (`num`, `fmt`, `fmt_int`: a missing figure or NaN reads as a default or a dash, never
 raises). Statuses arrive as typed records (`april.status`), already checked by the codec. It does not draw
 anything (`cli/dashboard.py`) nor talk to sockets or run a loop (`cli/dashboard_feed.py`).
@@ -91,6 +92,8 @@ class DashboardState:
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=200))
     events_total: int = 0  # events ever added (a headless printer prints those past its own count)
     alerts: dict[str, list[str]] = field(default_factory=dict)  # role -> tail of its log
+    # children not restarted because a restart would fail alike: their one error line -> the children
+    start_errors: dict[str, list[str]] = field(default_factory=dict)
     event_rows: int = 8  # events shown when the console height is unknown
     worker_rows: int = 16
 
@@ -111,6 +114,12 @@ def add_alert(state: DashboardState, role: str, tail_lines: Iterable[str], keep:
 
 def clear_alert(state: DashboardState, role: str) -> None:
     state.alerts.pop(role, None)
+
+
+def add_start_error(state: DashboardState, role: str, line: str) -> None:
+    """`role` exited with an error a restart would meet again, saying `line` (several workers of one
+    config fail alike: the line is shown once, with every child that said it)."""
+    state.start_errors.setdefault(line, []).append(role)
 
 
 def apply_status(state: DashboardState, status: BrokerStatus, now: float) -> None:

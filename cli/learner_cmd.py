@@ -3,19 +3,24 @@ either way) until run.steps are trained or SIGINT/SIGTERM arrives."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from april.config import Config, write_config
+from april.devices import resolve_device
 from april.hf import check_model_dir
 from cli.process import setup_logging, stop_requested
 from learner.wandb_sink import check_wandb
 
 
 def run_learner_process(config: Config, run_dir: Path, resume: bool) -> None:
-    # what can fail before anything starts, as one line: a missing wandb, an incomplete model directory
+    # what can fail before anything starts, as one line: a missing wandb, an incomplete model directory, a
+    # device torch does not see ("auto" becomes the device it picks: the run's config.learner.toml says it)
     check_wandb(config.learner)
     if config.learner.backend != "sim":
         check_model_dir(config.learner.model, tokenizer=False)  # the learner trains on ids: no tokenizer
+        device = resolve_device(config.learner.device, "learner.device")
+        config = dataclasses.replace(config, learner=dataclasses.replace(config.learner, device=device))
     setup_logging()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_config(config, run_dir / "config.learner.toml")

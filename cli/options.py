@@ -8,7 +8,9 @@ User errors are the one place that decides what a user sees when a command canno
 `USER_ERRORS` (the domain's error types: a bad config, dataset, model directory, key directory, engine,
 length spec, a file that cannot be read or written, or a command's own `UserError`) and the command
 line's usage errors (typer's: a bad option value, a missing option, an unknown command) both become
-`april: error: <one line>` on stderr with exit code 2, never a traceback or a usage box. `AprilGroup`
+`april: error: <one line>` on stderr with exit code 2, never a traceback or a usage box; a role that
+cannot start on this machine (`april.startup.StartupError`) says so the same way with its own exit code
+(`STARTUP_EXIT`), so that `april up` does not restart it. `AprilGroup`
 applies that around every command and subcommand of the `april` app; commands raise, they do not catch.
 Anything else is a bug and keeps its traceback.
 """
@@ -30,6 +32,7 @@ from actors.rewards import RewardError
 from april.config import Config, ConfigError, load_config, parse_override
 from april.data import DatasetError
 from april.hf import ModelError
+from april.startup import STARTUP_EXIT, StartupError
 from broker.sim.model import SimulationError
 
 USAGE_EXIT = 2  # click's exit code for usage errors; user errors share it
@@ -83,9 +86,12 @@ def fail(message: str, code: int = USAGE_EXIT) -> NoReturn:
 
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Print a user error as one line on stderr and exit 2, instead of a traceback."""
+    """Print a user error as one line on stderr and exit 2 (a start-up error: `STARTUP_EXIT`), instead of a
+    traceback."""
     try:
         yield
+    except StartupError as exc:
+        fail(one_line(str(exc)), STARTUP_EXIT)
     except USER_ERRORS as exc:
         if isinstance(exc, OSError) and exc.filename is None:
             raise  # not a path the user gave (a socket, a pipe, ...): a bug or a fault, keep its traceback

@@ -82,6 +82,12 @@ def render_status(status: BrokerStatus) -> Group:
         f"  ({'balanced' if status.ledger_balanced else 'NOT BALANCED'});"
         f"  rejected messages: {status.rejected.total}"
     )
+    learner = status.learner
+    learner_line = Text(
+        "learner: not connected"
+        if learner is None
+        else f"learner: {learner.phase or 'connected'}; engine: {learner.engine or '-'}"
+    )
     workers = Table(
         "worker",
         "engine",
@@ -97,10 +103,11 @@ def render_status(status: BrokerStatus) -> Group:
         title="workers",
     )
     workers.columns[0].no_wrap = True  # ids must stay whole: other columns give way
+    workers.columns[1].overflow = "fold"  # where the engine runs (a URL) folds over lines, cut nowhere
     for w in status.workers:
         workers.add_row(
             Text(w.id),  # Text, not markup: names come from the peers
-            Text(w.engine),
+            Text(w.engine_label),  # and where it runs
             str(w.slots),
             str(w.credit),
             str(w.leases),
@@ -125,7 +132,7 @@ def render_status(status: BrokerStatus) -> Group:
         + ("-" if per_sample is None else f"{per_sample:.2f}")
         + " (worker.result_hold_ms and worker.usage_report_s lower it)"
     )
-    return Group(head, ledger_line, workers, cost, *down, staleness)
+    return Group(head, ledger_line, learner_line, workers, cost, *down, staleness)
 
 
 def print_status(status: BrokerStatus, as_json: bool) -> None:

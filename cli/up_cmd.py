@@ -2,12 +2,15 @@
 
 Owns the launch plan: which config a run gets (the built-in task on the shipped tiny model unless a
 config file says otherwise; `--resume D` reuses D/config.toml), the checks that turn a doomed start into
-one error line (bad config, missing model, unknown engine, busy port), the children (`april broker`,
-K x `april worker`, `april learner`, each logging to D/logs/<role>-<id>.log), and the end of the run:
-the learner finishing its steps, a child failing for good, or Ctrl-C / SIGTERM, after which every child
-is stopped (learner and workers first, the broker last, so its snapshot has everything) and D is left
-resumable. Crashed children are restarted within a bound (broker and learner with --resume).
-The process plumbing is `cli.supervisor`; the view is `cli.dashboard` / `cli.dashboard_feed`.
+one error line (bad config, missing model, unknown engine, a device torch does not see, busy port), the
+children (`april broker`, K x `april worker`, `april learner`, each logging to D/logs/<role>-<id>.log),
+and the end of the run: the learner finishing its steps, a child failing for good, or Ctrl-C / SIGTERM,
+after which every child is stopped (learner and workers first, the broker last, so its snapshot has
+everything) and D is left resumable. Crashed children are restarted within a bound (broker and learner
+with --resume); a child that exits with a user error (exit 2) or could not start (`STARTUP_EXIT`) would
+fail alike again: it is not restarted, and its one error line is reported once (several workers failing
+alike included). The process plumbing is `cli.supervisor`; the view is `cli.dashboard` /
+`cli.dashboard_feed`.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from types import FrameType
 from typing import Any
 
 from april.config import BrokerConfig, Config, Mode, WeightsTransport, write_config
+from april.devices import check_device
 from april.files import read_jsonl
 from april.keys import configured_client_keys, server_keys, weights_client_keys, weights_server_keys
+from april.startup import STARTUP_EXIT
 from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
-from cli.dashboard_state import DashboardState, add_alert, add_event
-from cli.options import UserError, resolve_config
+from cli.dashboard_state import DashboardState, add_alert, add_event, add_start_error
+from cli.options import USAGE_EXIT, UserError, resolve_config
 from cli.supervisor import ChildExit, ChildSpec, Supervisor
 from learner.checkpoint import latest as latest_checkpoint
 from learner.wandb_sink import check_wandb
@@ -42,6 +47,9 @@ BROKER_START_S = 60.0  # the broker answers its first status within this (import
 FINAL_EVAL_WAIT_S = 120.0  # after the last step, the final evaluation may take this long to finish
 LEARNER = "learner"
 BROKER = "broker"
+# a child that exits so would exit so again: a user error (its input) or a start-up error (this machine)
+FINAL_EXITS = (USAGE_EXIT, STARTUP_EXIT)
+ERROR_PREFIX = "april: error: "  # how a child's one error line starts (cli.options)
 
 
 class UpError(UserError):
@@ -135,14 +143,15 @@ def wire_addresses(config: Config) -> Config:
 
 def preflight(config: Config) -> None:
     """Every check that can fail before a process starts, each as one line (UpError, or the domain's
-    error: EngineError, ModelError, DatasetError, ConfigError, KeysError)."""
+    error: EngineError, ModelError, DatasetError, ConfigError, DeviceError, KeysError)."""
     from actors.factory import check_worker
     from april.hf import check_model_dir
     from broker.server import open_prompts
 
-    check_worker(config.worker)
-    if config.learner.backend != "sim":  # the simulated learner has no model
+    check_worker(config.worker)  # the worker's device too
+    if config.learner.backend != "sim":  # the simulated learner has no model, nor device
         check_model_dir(config.learner.model)
+        check_device(config.learner.device, "learner.device")
     check_wandb(config.learner)  # wandb_project set and wandb not installed: the learner would fail
     open_prompts(config)  # the broker's prompts (a JSONL file read whole) and held-out split
     b = config.broker
@@ -267,7 +276,9 @@ class Run:
             self.checkpoint = found
 
     def _check_exits(self) -> None:
-        for ex in self.supervisor.poll(lambda name, code: name == LEARNER and code == 0):
+        for ex in self.supervisor.poll(
+            lambda name, code: (name == LEARNER and code == 0) or code in FINAL_EXITS
+        ):
             self._report(ex)
 
     def _report(self, ex: ChildExit) -> None:
@@ -275,6 +286,9 @@ class Run:
         if ex.name == LEARNER and ex.code == 0 and not ex.restarted:
             self.outcome, self.finished_at = "finished", now
             add_event(self.state, now, f"learner finished {self.config.run.steps} steps", "green")
+            return
+        if ex.code in FINAL_EXITS and not ex.restarted:
+            self._not_restarted(ex, now)
             return
         if ex.restarted:
             add_event(
@@ -287,10 +301,30 @@ class Run:
             return
         add_event(self.state, now, f"{ex.name} exited {ex.code}: out of restarts", "red")
         add_alert(self.state, f"{ex.name} (exit {ex.code})", ex.tail)
-        if ex.name in (LEARNER, BROKER) or not any(
-            self.supervisor.running(s.name) for s in self.specs if s.name.startswith("worker-")
-        ):
+        if self._fatal(ex.name):
             self.outcome = f"failed: {ex.name} exited {ex.code} after {ex.restarts} restarts"
+
+    def _not_restarted(self, ex: ChildExit, now: float) -> None:
+        """A child whose exit says a restart would fail alike (a user error, or one that could not start):
+        its error line shown once (workers of one config fail alike), the run failed if the child was the
+        broker, the learner or the last worker."""
+        said = [line for line in ex.tail if line.startswith(ERROR_PREFIX)]
+        line = said[-1] if said else f"{ERROR_PREFIX}{ex.name} exited {ex.code}: see {self._log(ex.name)}"
+        add_start_error(self.state, ex.name, line)
+        add_event(
+            self.state, now, f"{ex.name} exited {ex.code}: not restarted (it would fail alike)", "bold red"
+        )
+        if self._fatal(ex.name):
+            self.outcome = f"failed: {ex.name} exited {ex.code}, not restarted"
+
+    def _fatal(self, name: str) -> bool:
+        """Whether the run cannot go on without child `name` (now exited for good)."""
+        return name in (LEARNER, BROKER) or not any(
+            self.supervisor.running(s.name) for s in self.specs if s.name.startswith("worker-")
+        )
+
+    def _log(self, name: str) -> Path:
+        return next(s.log for s in self.specs if s.name == name)
 
     def save_screenshot(self) -> None:
         if self.screenshot is not None:
@@ -334,6 +368,8 @@ def run_up(opts: UpOptions) -> int:
     for role, tail in run.state.alerts.items():
         print(f"--- {role}: last lines of its log", file=sys.stderr)
         print("\n".join(tail), file=sys.stderr)
+    for line in run.state.start_errors:  # once, however many children said it
+        print(line, file=sys.stderr)
     print(summary_line(run), file=sys.stderr)
     if run.outcome == "finished":
         return 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from actors.engine import Engine, SamplingParams
 from actors.engines.sim_engine import Identify
-from actors.factory import check_worker, make_engine, make_tokenizer
+from actors.factory import check_worker, make_engine, make_tokenizer, on_device
 from actors.reward_runner import RewardRunner
 from actors.worker import Worker
 from april.config import Config, WeightsTransport, WorkerConfig
@@ -26,6 +26,7 @@ def run_worker(config: Config, build_engine: EngineBuilder = make_engine) -> Non
     curve = configured_client_keys(config.broker.curve_keys_dir)  # bad keys: one error line, before any load
     weights_keys = configured_weights_keys(config)
     check_worker(cfg)  # an unknown engine would only fail at the first lease
+    cfg = on_device(cfg)  # "auto" resolved; a GPU torch sees and cannot use is one line, before connecting
     tokenizer = make_tokenizer(cfg)
     rewards = RewardRunner(cfg.reward, cfg.reward_timeout_s)
     worker: Worker

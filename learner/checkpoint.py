@@ -2,15 +2,17 @@
 
 A checkpoint holds the engine's state (`engine/`: model, optimizer, LR scheduler, DeepSpeed's or ours),
 every rank's RNG states (`rng_rank{r}.json`: python `random`, numpy's global generator, torch CPU and
-CUDA) and `meta.json` (step, version, last batch id, world size, backend, ZeRO stage). It is written
+CUDA) and `meta.json` (step, version, last batch id, world size, backend, ZeRO stage, optimizer). It is
+written
 into `.tmp-step_*` by every rank and renamed into place by rank 0 once `meta.json` is on disk, so
 `latest()` only ever sees complete checkpoints; a crash leaves a temp dir that the next save removes.
 
 Resuming restores all of it, so the next step equals the one an uninterrupted run would have taken.
-A checkpoint resumes only into the layout that wrote it (same number of ranks, backend and ZeRO stage):
-DeepSpeed's engine files are one per rank and ZeRO-1..3 split the optimizer state (ZeRO-3 the weights too)
-by rank, and every rank's RNG state is its own. Any other layout is refused with one line before anything
-loads (`check_resumable`) rather than half-restored.
+A checkpoint resumes only into the layout that wrote it (same number of ranks, backend and ZeRO stage, and
+an optimizer whose state it holds: torch's AdamW, fused or not, or DeepSpeed's FusedAdam): DeepSpeed's
+engine files are one per rank and ZeRO-1..3 split the optimizer state (ZeRO-3 the weights too) by rank,
+and every rank's RNG state is its own. Any other layout is refused with one line before anything loads
+(`check_resumable`) rather than half-restored.
 Nothing here is pickled by us: metadata and RNG are JSON (DeepSpeed pickles its own engine files).
 Does not decide when to checkpoint (the learner loop does, every `checkpoint_every` steps).
 """
@@ -44,6 +46,7 @@ class CheckpointMeta:
     world_size: int = 1
     backend: str = "deepspeed"
     zero_stage: int = 0
+    optimizer: str = ""  # TrainSettings.optimizer ("torch fused AdamW", ...); "" in older checkpoints
 
 
 class CheckpointError(ConfigError):
@@ -99,10 +102,12 @@ def read_meta(path: Path) -> CheckpointMeta:
 
 
 def check_resumable(
-    path: Path, meta: CheckpointMeta, *, world_size: int, backend: str, zero_stage: int
+    path: Path, meta: CheckpointMeta, *, world_size: int, backend: str, zero_stage: int, optimizer: str = ""
 ) -> None:
     """Raise CheckpointError unless checkpoint `path` (with `meta`) was written by this layout: the same
-    number of ranks, backend and ZeRO stage (the torch backend has no stages)."""
+    number of ranks, backend and ZeRO stage (the torch backend has no stages), and an optimizer of the same
+    kind (torch's AdamW and DeepSpeed's FusedAdam keep their state differently; an older checkpoint that
+    does not say is taken as it is)."""
     wrote, runs = (
         _layout(meta.world_size, meta.backend, meta.zero_stage),
         _layout(world_size, backend, zero_stage),
@@ -112,6 +117,16 @@ def check_resumable(
             f"checkpoint {path} was written by {wrote}; this learner runs {runs}: resume with the layout "
             "that wrote it (its engine state is split by rank), or start a new run"
         )
+    if meta.optimizer and optimizer and _adam_kind(meta.optimizer) != _adam_kind(optimizer):
+        raise CheckpointError(
+            f"checkpoint {path} holds the state of {meta.optimizer}; this learner steps {optimizer}: set "
+            f'learner.adam_impl="{_adam_kind(meta.optimizer)}" to resume it, or start a new run'
+        )
+
+
+def _adam_kind(optimizer: str) -> str:
+    """The `learner.adam_impl` an optimizer name belongs to: "deepspeed" (FusedAdam) or "torch"."""
+    return "deepspeed" if optimizer.startswith("DeepSpeed") else "torch"
 
 
 def _layout(world_size: int, backend: str, zero_stage: int) -> str:

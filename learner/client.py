@@ -2,10 +2,11 @@
 
 Owns what the learner says to the broker and what it must say again to a broker that lost it (after a
 reconnect, or when the broker answers `not_registered`): its hello, the latest weights and phase (which
-a restored broker may have lost) and the BatchRequest it is waiting on. Keeps the idempotent-ack rule: every
-BatchRequest names the last batch trained, and a batch already trained is acked again, never trained
-twice. The connection itself (heartbeats while waiting, as a batch can take minutes to form; reconnecting
-with backoff when the broker goes silent) is `april.peer_link`'s. Knows nothing of torch.
+a restored broker may have lost; the engine it initialised too, which the broker shows as the learner's
+engine once the phase has moved on) and the BatchRequest it is waiting on. Keeps the idempotent-ack
+rule: every BatchRequest names the last batch trained, and a batch already trained is acked again, never
+trained twice. The connection itself (heartbeats while waiting, as a batch can take minutes to form;
+reconnecting with backoff when the broker goes silent) is `april.peer_link`'s. Knows nothing of torch.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class BrokerClient:
         self.last_batch_id = last_batch_id
         self.latest_weights: protocol.WeightsReady | None = None
         self.latest_phase: protocol.LearnerPhaseReport | None = None
+        self.engine_report: protocol.LearnerPhaseReport | None = None  # its INITIALISING_ENGINE report
         self.waiting: protocol.BatchRequest | None = None  # the request next_batch waits on
         # `curve`: CurveZMQ client keys when the broker requires them
         self.link = PeerLink(address, self.learner_id, self._hello, curve)
@@ -50,8 +52,9 @@ class BrokerClient:
     def _hello(self) -> list[protocol.Message]:
         """What introduces this learner to a broker that may have lost it."""
         hello: list[protocol.Message] = [protocol.LearnerHello(self.learner_id, self.version, os.getpid())]
-        # a restored or restarted broker may have lost the latest announcement and phase
-        hello += [msg for msg in (self.latest_weights, self.latest_phase) if msg is not None]
+        # a restored or restarted broker may have lost the latest announcement, the engine and the phase
+        engine = self.engine_report if self.engine_report != self.latest_phase else None
+        hello += [msg for msg in (self.latest_weights, engine, self.latest_phase) if msg is not None]
         if self.waiting is not None:
             hello.append(self.waiting)
         return hello
@@ -85,6 +88,8 @@ class BrokerClient:
     def report_phase(self, phase: protocol.LearnerPhase, detail: str) -> None:
         """Tell the broker what the learner does from now on (shown in its status)."""
         self.latest_phase = protocol.LearnerPhaseReport(phase, detail[: protocol.MAX_PHASE_DETAIL])
+        if phase == protocol.LearnerPhase.INITIALISING_ENGINE:
+            self.engine_report = self.latest_phase
         self.link.send(self.latest_phase)
 
     def workers_behind(self, version: int, timeout_s: float) -> int | None:

@@ -1,9 +1,11 @@
 """The DeepSpeed config dict, built by one pure function of the learner's training settings.
 
 Owns the mapping from our settings (ZeRO stage, batch split, AdamW hyper-parameters, clipping, device) to
-DeepSpeed's JSON config: fp32 + `torch.optim.AdamW` (`"torch_adam": true`) on CPU, bf16 + DeepSpeed's
-fused Adam on CUDA. Nothing else: it imports nothing heavy, touches no process group and reads no
-environment, so it is unit-tested as a plain dict.
+DeepSpeed's JSON config: fp32 + `torch.optim.AdamW` (`"torch_adam": true`) on CPU; bf16 on CUDA with
+torch's fused AdamW (`"torch_adam": true, "fused": true`, which DeepSpeed 0.19.8 passes on to
+`torch.optim.AdamW`: `runtime/engine.py`, `get_optimizer_configuration`) or, with `adam_impl`
+"deepspeed", DeepSpeed's FusedAdam (an op it builds with nvcc at first use). Nothing else: it imports
+nothing heavy, touches no process group and reads no environment, so it is unit-tested as a plain dict.
 
 Batch arithmetic (DeepSpeed checks it at initialize):
 `train_batch_size = micro_batch_size * grad_accum_steps * world_size`, all in samples.
@@ -14,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 Device = Literal["cpu", "cuda"]
+AdamImpl = Literal["torch", "deepspeed"]  # learner.adam_impl: whose AdamW steps on CUDA
 
 ZERO_STAGES = (0, 1, 2, 3)
 # DeepSpeed prints a line every `steps_per_print` steps; the learner logs its own metrics.
@@ -32,6 +35,7 @@ def deepspeed_config(
     grad_clip: float,
     device: Device,
     world_size: int,
+    adam_impl: AdamImpl = "torch",
 ) -> dict[str, Any]:
     """The config for `deepspeed.initialize`; raises ValueError naming the bad argument.
 
@@ -46,7 +50,15 @@ def deepspeed_config(
     _check(all(0 <= b < 1 for b in betas) and len(betas) == 2, "betas", betas, "two values in [0, 1)")
     _check(eps > 0, "eps", eps, "> 0")
     _check(device in ("cpu", "cuda"), "device", device, '"cpu" or "cuda"')
+    _check(adam_impl in ("torch", "deepspeed"), "adam_impl", adam_impl, '"torch" or "deepspeed"')
     on_gpu = device == "cuda"
+    adam: dict[str, Any] = {
+        # CPU: torch.optim.AdamW (DeepSpeed's CPU Adam needs a compiled op and differs from torch's).
+        # CUDA: torch's fused AdamW (nothing to build), or DeepSpeed's FusedAdam in AdamW mode.
+        "torch_adam": not on_gpu or adam_impl == "torch",
+    }
+    if on_gpu and adam_impl == "torch":
+        adam["fused"] = True
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage == 3:
         # Publishing gathers parameters one by one; never let DeepSpeed keep a full copy around.
@@ -63,9 +75,7 @@ def deepspeed_config(
                 "betas": [float(betas[0]), float(betas[1])],
                 "eps": float(eps),
                 "weight_decay": float(weight_decay),
-                # CPU: torch.optim.AdamW (DeepSpeed's CPU Adam needs a compiled op and differs from torch's).
-                # CUDA: DeepSpeed's FusedAdam in AdamW mode.
-                "torch_adam": not on_gpu,
+                **adam,
             },
         },
         "bf16": {"enabled": on_gpu},

@@ -1,9 +1,10 @@
 """The training engine: one small API over plain torch or DeepSpeed (ZeRO 0-3, CPU gloo or GPU NCCL).
 
-Owns the optimizer (AdamW), gradient clipping, gradient accumulation, the optional linear LR warm-up,
-the process group DeepSpeed needs (and which of DeepSpeed's compiled ops it may build, where), gathering
-full weights for publishing, and saving/loading the engine's own state (model, optimizer, scheduler, step
-count) into a directory.
+Owns the optimizer (AdamW: torch's, fused on CUDA, or DeepSpeed's FusedAdam with `adam_impl`
+"deepspeed"), gradient clipping, gradient accumulation, the optional linear LR warm-up, the process group
+DeepSpeed needs, gathering full weights for publishing, and saving/loading the engine's own state (model,
+optimizer, scheduler, step count) into a directory. Which of DeepSpeed's compiled ops get built, where and
+how is `learner.ds_ops`.
 
 Knows nothing of RL, samples or tokenization: the caller gives a loss function
 `(model, micro_batch) -> scalar loss tensor` and calls `forward_backward` once per micro-batch, then
@@ -17,16 +18,15 @@ Heavy imports (torch, deepspeed, safetensors) happen inside functions.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from april.ports import free_ports
-from learner.ds_config import ZERO_STAGES, deepspeed_config
+from learner.ds_config import ZERO_STAGES, AdamImpl, deepspeed_config
+from learner.ds_ops import build_fused_adam, skip_shared_memory_comm_op, use_environment_extensions_dir
 
 if TYPE_CHECKING:
     import torch
@@ -50,11 +50,16 @@ class TrainSettings:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     warmup_steps: int = 0  # linear LR warm-up over this many optimizer steps; 0: constant LR
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (resolved: april.devices)
+    adam_impl: AdamImpl = "torch"  # CUDA: torch's fused AdamW, or DeepSpeed's FusedAdam (built at first use)
 
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "deepspeed"):
             raise ValueError(f"backend = {self.backend!r}, expected 'torch' or 'deepspeed'")
+        if self.adam_impl not in ("torch", "deepspeed"):
+            raise ValueError(f"adam_impl = {self.adam_impl!r}, expected 'torch' or 'deepspeed'")
+        if self.adam_impl == "deepspeed" and self.backend != "deepspeed":
+            raise ValueError("adam_impl = 'deepspeed' needs backend = 'deepspeed'")
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage = {self.zero_stage!r}, expected one of 0, 1, 2, 3")
         for name in ("micro_batch_size", "grad_accum_steps"):
@@ -64,6 +69,17 @@ class TrainSettings:
             raise ValueError(f"warmup_steps = {self.warmup_steps!r}, expected >= 0")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device = {self.device!r}, expected 'cpu', 'cuda' or 'cuda:N'")
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def optimizer(self) -> str:
+        """The AdamW these settings step with, for people: "torch fused AdamW", "DeepSpeed FusedAdam"."""
+        if not self.on_cuda:
+            return "torch AdamW"
+        return "DeepSpeed FusedAdam" if self.adam_impl == "deepspeed" else "torch fused AdamW"
 
 
 def init_process_group(device: str) -> None:
@@ -101,46 +117,6 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def skip_shared_memory_comm_op() -> None:
-    """Keep DeepSpeed from compiling its CPU shared-memory communication op, which training never uses.
-
-    DeepSpeed's communication backend (`deepspeed.comm.torch.TorchBackend`) builds the `deepspeed_shm_comm`
-    C++ op whenever it is created, at any world size: a JIT compile of 30 s to minutes on a small machine,
-    repeated whenever another environment compiled it last. The op serves only `inference_all_reduce`
-    (tensor-parallel inference); ZeRO's collectives go through torch.distributed (gloo, NCCL). DeepSpeed
-    skips the build for an op its compatibility table marks unusable, so we mark this one. A DeepSpeed
-    without that table (or that op) is left alone: it builds as before.
-    """
-    import deepspeed.ops  # type: ignore[import-untyped]
-    from deepspeed.accelerator import get_accelerator  # type: ignore[import-untyped]
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
-    if builder is not None and isinstance(compatible, dict):
-        compatible[builder.NAME] = False
-
-
-def extensions_dir(prefix: str, cache_root: Path) -> Path:
-    """This Python environment's own directory for compiled torch extensions, under `cache_root`.
-
-    torch keeps one directory per op for every environment of a user; an op compiled by another
-    environment has other include paths, so each environment rebuilds what the last one built. One
-    directory per environment (named by its `sys.prefix`) builds each op once per environment.
-    """
-    digest = hashlib.sha256(os.path.realpath(prefix).encode()).hexdigest()[:12]
-    return cache_root / f"{Path(prefix).name.lstrip('.') or 'env'}-{digest}"
-
-
-def use_environment_extensions_dir() -> None:
-    """Compile DeepSpeed's ops (e.g. FusedAdam on CUDA) into this environment's own directory, unless
-    TORCH_EXTENSIONS_DIR already names one."""
-    if "TORCH_EXTENSIONS_DIR" in os.environ:
-        return
-    from torch.utils.cpp_extension import get_default_build_root
-
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(sys.prefix, Path(get_default_build_root())))
-
-
 def _warmup_factor(warmup_steps: int) -> Callable[[int], float]:
     """LR multiplier for optimizer step s (0-based): (s + 1) / warmup_steps, then 1."""
     return lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps > 0 else 1.0
@@ -170,6 +146,7 @@ class TrainEngine:
                 betas=settings.betas,
                 eps=settings.eps,
                 weight_decay=settings.weight_decay,
+                fused=True if settings.on_cuda else None,  # one kernel per step on CUDA, nothing to build
             )
             self._scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self._optimizer, _warmup_factor(settings.warmup_steps)
@@ -184,9 +161,10 @@ class TrainEngine:
 
         s = self.settings
         init_process_group(s.device)
-        on_gpu = s.device.startswith("cuda")
-        if on_gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        on_gpu = s.on_cuda
+        if on_gpu:  # DeepSpeed places the model on the current device: the one asked for, or the rank's
+            index = torch.device(s.device).index
+            torch.cuda.set_device(index if index is not None else int(os.environ.get("LOCAL_RANK", "0")))
         config = deepspeed_config(
             zero_stage=s.zero_stage,
             micro_batch_size=s.micro_batch_size,
@@ -198,7 +176,10 @@ class TrainEngine:
             grad_clip=s.grad_clip,
             device="cuda" if on_gpu else "cpu",
             world_size=dist.get_world_size(),
+            adam_impl=s.adam_impl,
         )
+        if on_gpu and s.adam_impl == "deepspeed":
+            build_fused_adam()  # now, so that a failed build is one line (StartupError), not a traceback
         warmup = _warmup_factor(s.warmup_steps)
         ds_engine, _, _, _ = deepspeed.initialize(
             model=model,

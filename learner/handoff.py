@@ -134,8 +134,10 @@ class WeightsHandOff:
 def _open_hub(config: Config, endpoint: str) -> BroadcastHub:
     """The broadcast hub on the service's host (gloo sockets on the address workers reach the service at;
     NCCL with a CUDA learner)."""
+    from april.devices import resolve_device
     from learner.weight_broadcast import BroadcastHub  # imports torch: only for the broadcast transport
 
-    backend = "nccl" if config.learner.device.startswith("cuda") else "gloo"
+    device = resolve_device(config.learner.device, "learner.device")
+    backend = "nccl" if device.startswith("cuda") else "gloo"
     host = urlparse(endpoint).hostname or config.weights.bind_host
     return BroadcastHub.from_config(config.weights, host, backend)

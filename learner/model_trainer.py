@@ -11,6 +11,7 @@ Composes those pieces; owns none of their logic, and knows nothing of the broker
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from learner.losses import LossConfig
 from learner.trainer import BroadcastSend, PhaseReport, ResumePoint, launched_rank, launched_world_size
 
 if TYPE_CHECKING:
-    from learner.engine import TrainEngine
+    from learner.engine import TrainEngine, TrainSettings
 
 
 def loss_config(config: Config) -> LossConfig:
@@ -39,11 +40,12 @@ def loss_config(config: Config) -> LossConfig:
     )
 
 
-def engine_summary(config: Config, world_size: int) -> str:
-    """What `start` builds, for the phase report: 'DeepSpeed ZeRO-2 on cpu, 2 ranks'."""
-    lc = config.learner
-    engine = f"DeepSpeed ZeRO-{lc.zero_stage}" if lc.backend == "deepspeed" else "torch AdamW"
-    return f"{engine} on {lc.device}, {world_size} rank{'s' if world_size > 1 else ''}"
+def engine_summary(settings: TrainSettings, world_size: int) -> str:
+    """What `start` builds, for the phase report (the broker keeps it as the learner's engine):
+    'DeepSpeed ZeRO-2 on cuda, torch fused AdamW, 2 ranks'."""
+    s = settings
+    engine = f"DeepSpeed ZeRO-{s.zero_stage}" if s.backend == "deepspeed" else "torch"
+    return f"{engine} on {s.device}, {s.optimizer}, {world_size} rank{'s' if world_size > 1 else ''}"
 
 
 class ModelTrainer:
@@ -88,7 +90,12 @@ class ModelTrainer:
         lc = self.config.learner
         # refused here, before the model loads or rank 0 registers with the broker
         checkpoint.check_resumable(
-            latest, meta, world_size=launched_world_size(), backend=lc.backend, zero_stage=lc.zero_stage
+            latest,
+            meta,
+            world_size=launched_world_size(),
+            backend=lc.backend,
+            zero_stage=lc.zero_stage,
+            optimizer=self.settings().optimizer,
         )
         return ResumePoint(meta.step, meta.version, meta.last_batch_id, source=str(latest))
 
@@ -96,28 +103,17 @@ class ModelTrainer:
         if self._engine is not None:
             self._engine.close()
 
-    def start(self, report: PhaseReport) -> None:
-        from april.hf import enable_activation_checkpointing, load_model, set_torch_threads
-        from learner.engine import TrainEngine, TrainSettings
-        from learner.logprob_head import check_supported
+    def settings(self) -> TrainSettings:
+        """The training engine's settings from the learner's config, on the device it resolves to: under a
+        launcher, every rank on CUDA takes its own GPU (`cuda:LOCAL_RANK`, as launchers mean it)."""
+        from april.devices import resolve_device
+        from learner.engine import TrainSettings
 
         lc = self.config.learner
-        report(protocol.LearnerPhase.LOADING_MODEL, lc.model)
-        set_torch_threads(lc.torch_threads)
-        model = load_model(lc.model, device=lc.device, dtype="float32" if lc.device == "cpu" else "auto")
-        if lc.logprob_chunk_tokens > 0:
-            check_supported(model)  # at start, not at the first batch
-        if lc.gradient_checkpointing:
-            enable_activation_checkpointing(model)
-        if lc.kl_coef > 0:
-            self._reference = load_model(lc.model, device=lc.device)
-            self._reference.train(False)
-            self._reference.requires_grad_(False)
-        report(
-            protocol.LearnerPhase.INITIALISING_ENGINE,
-            engine_summary(self.config, launched_world_size()),
-        )
-        settings = TrainSettings(
+        device = resolve_device(lc.device, "learner.device")
+        if device.startswith("cuda") and launched_world_size() > 1:
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        return TrainSettings(
             backend=lc.backend,  # type: ignore[arg-type]
             zero_stage=lc.zero_stage,
             micro_batch_size=1,
@@ -128,8 +124,33 @@ class ModelTrainer:
             eps=lc.adam_eps,
             grad_clip=lc.grad_clip,
             warmup_steps=lc.warmup_steps,
-            device=lc.device,
+            device=device,
+            adam_impl=lc.adam_impl.value,
         )
+
+    def start(self, report: PhaseReport) -> None:
+        from april.devices import init_cuda
+        from april.hf import enable_activation_checkpointing, load_model, set_torch_threads
+        from learner.engine import TrainEngine
+        from learner.logprob_head import check_supported
+
+        lc = self.config.learner
+        settings = self.settings()
+        device = settings.device
+        if device.startswith("cuda"):
+            init_cuda(device, "learner")  # a GPU torch cannot use: one line now, not mid-load
+        report(protocol.LearnerPhase.LOADING_MODEL, lc.model)
+        set_torch_threads(lc.torch_threads)
+        model = load_model(lc.model, device=device, dtype="float32" if device == "cpu" else "auto")
+        if lc.logprob_chunk_tokens > 0:
+            check_supported(model)  # at start, not at the first batch
+        if lc.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        if lc.kl_coef > 0:
+            self._reference = load_model(lc.model, device=device)
+            self._reference.train(False)
+            self._reference.requires_grad_(False)
+        report(protocol.LearnerPhase.INITIALISING_ENGINE, engine_summary(settings, launched_world_size()))
         self._engine = TrainEngine(model, settings)
         hf_model: Any = self._engine.module
         self._vocab = int(hf_model.get_input_embeddings().num_embeddings)
@@ -184,5 +205,6 @@ class ModelTrainer:
             world_size=self.engine.world_size,
             backend=lc.backend,
             zero_stage=lc.zero_stage,
+            optimizer=self.engine.settings.optimizer,
         )
         checkpoint.save(self.engine, self.checkpoints, meta, keep=lc.keep_checkpoints)

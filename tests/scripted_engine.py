@@ -94,6 +94,10 @@ class ScriptedEngine:
         self.probes: list[float] = []  # monotonic time of every probe (in-process tests read them)
 
     @property
+    def placement(self) -> str:
+        return "scripted"
+
+    @property
     def active(self) -> int:
         return len(self.requests)
 

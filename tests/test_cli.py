@@ -247,6 +247,24 @@ def test_render_status_shows_mode_ledger_and_workers() -> None:
     assert any(line.startswith("│ 1 ") and "│ 2 " in line for line in lines), text  # staleness 1: 2
 
 
+def test_render_status_shows_where_each_worker_and_the_learner_run() -> None:
+    state = hand_state()
+    text = render(state)
+    assert "learner: connected; engine: -" in text  # a learner that has not said (no phase, no engine)
+    placed = dataclasses.replace(
+        state,
+        workers=[dataclasses.replace(state.workers[0], placement="http://node7:30000")],
+        learner=dataclasses.replace(
+            state.learner, phase="training", engine="DeepSpeed ZeRO-3 on cuda, DeepSpeed FusedAdam, 8 ranks"
+        ),
+    )
+    text = render(placed)
+    assert "learner: training; engine: DeepSpeed ZeRO-3 on cuda, DeepSpeed FusedAdam, 8 ranks" in text
+    cells = [line.split("│")[2].strip() for line in text.splitlines() if line.count("│") > 3]
+    assert "".join(cells) == "sglang·http://node7:30000"  # the engine cell, folded over its lines
+    assert "learner: not connected" in render(dataclasses.replace(state, learner=None))
+
+
 def test_render_status_shows_a_down_engine_with_its_reason_and_the_engine_error_counts() -> None:
     state = hand_state()
     row = next(line for line in render(state).splitlines() if "gpu-node-7" in line)

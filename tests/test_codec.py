@@ -105,6 +105,7 @@ def _broker_status() -> BrokerStatus:
             WorkerStatus(
                 id="worker-0", engine="sglang", slots=8, credit=2, leases=6, tokens_generated=900, version=3,
                 pid=4242, host="node-1", last_seen_s=0.25, restored=False, alive=True,
+                placement="http://node-1:30000",
             ),
             WorkerStatus(
                 id="worker-1", engine="sglang", slots=8, credit=0, leases=0, tokens_generated=40, version=3,
@@ -113,7 +114,10 @@ def _broker_status() -> BrokerStatus:
                 returned_by_engine=6,
             ),
         ],
-        learner=LearnerStatus(id="learner-0", last_seen_s=0.5, waiting_for_batch=True, phase="training"),
+        learner=LearnerStatus(
+            id="learner-0", last_seen_s=0.5, waiting_for_batch=True, phase="training",
+            engine="DeepSpeed ZeRO-2 on cuda, torch fused AdamW, 8 ranks",
+        ),
         learner_metrics={"step": 2.0, "loss": 0.5, "learner/clip_frac": 0.125, "eval_accuracy": math.nan},
         in_flight_groups=4, leased_samples=6, queued_samples=2, partial_groups=1, partial_buffer=2,
         partial_staleness={"0": 1, "1": 1}, complete_groups=1,
@@ -137,6 +141,7 @@ EXAMPLES: dict[type, Any] = {
         detail="sglang http://gpu-1:30000 does not answer: connection refused",
         failed_by_engine=2,
         returned_by_engine=7,
+        placement="http://gpu-1:30000",
     ),
     P.Error: P.Error(code="not_leased", detail="lease 12 is not held by worker-0"),
     P.WorkerHello: P.WorkerHello(
@@ -872,6 +877,13 @@ BODY_CASES = [
         "invalid_value",
         ["detail has 501 characters"],
         id="health_detail",
+    ),
+    pytest.param(
+        P.EngineHealth,
+        lambda b: b.update(placement="x" * 201),
+        "invalid_value",
+        ["placement has 201 characters"],
+        id="health_placement",
     ),
     pytest.param(
         P.LearnerPhaseReport, lambda b: b.update(phase=99), "invalid_value", ["phase", "99"], id="phase_code"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from april.config import (
+    AdamImpl,
     AlgoConfig,
     Algorithm,
     BrokerConfig,
@@ -355,3 +356,19 @@ def test_endpoint_check_agrees_with_zeromq(address: str) -> None:
         assert zmq_accepts, address
     if not zmq_accepts:
         assert endpoint_problem(address) is not None, address
+
+
+def test_adam_impl_picks_the_learners_adamw_on_cuda() -> None:
+    assert load_config(env={}).learner.adam_impl is AdamImpl.TORCH  # the one that needs no build
+    assert (
+        load_config(env={}, overrides={"learner.adam_impl": "deepspeed"}).learner.adam_impl
+        is AdamImpl.DEEPSPEED
+    )
+    with pytest.raises(
+        ConfigError, match=r"learner\.adam_impl = 'apex' \(str\): expected one of 'torch', 'deepspeed'"
+    ):
+        load_config(env={}, overrides={"learner.adam_impl": "apex"})
+    with pytest.raises(
+        ConfigError, match=r"learner\.adam_impl = 'deepspeed': 'deepspeed' needs learner\.backend"
+    ):
+        load_config(env={}, overrides={"learner.adam_impl": "deepspeed", "learner.backend": "torch"})

@@ -180,6 +180,21 @@ def test_a_down_engine_shows_in_red_with_its_reason_and_what_engine_errors_cost(
     )
 
 
+@pytest.mark.parametrize("width", [120, 80])
+def test_where_each_worker_and_the_learner_run(width: int) -> None:
+    """A worker's engine with its placement ("torch · cuda:0, cuda graphs"), the engine alone while it has
+    none (starting, or a broker that predates placements); the learner's engine, device and AdamW."""
+    engine = "DeepSpeed ZeRO-0 on cuda, torch fused AdamW, 1 rank"
+    placed = with_worker(status(), 0, engine="torch", placement="cuda:0, cuda graphs")
+    placed = dataclasses.replace(placed, learner=dataclasses.replace(placed.learner, engine=engine))
+    out = text(fed(placed), width)
+    assert "torch · cuda:0" in line_with(out, "w-a")  # the rest gives way to the ids at 80 columns
+    assert ("torch · cuda:0, cuda graphs" in out) == (width >= 110)
+    assert "sglang" in line_with(out, "w-b") and "·" not in line_with(out, "w-b")
+    assert "engine    DeepSpeed ZeRO-0 on cuda," in out  # the learner panel (wrapped after it at 80)
+    assert f"engine    {DASH}" in text(fed(status()), width)  # not said yet: a dash
+
+
 def test_rollout_panel_shows_buffers_aborts_histogram_and_offpolicy_share() -> None:
     start = status(10.0, version=3)
     totals = Totals(aborted=34, resumed=26, tokens_generated=0, samples_finished=100, batches_acked=3)

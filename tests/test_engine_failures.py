@@ -178,7 +178,7 @@ def running_worker(
         assert broker.expect(protocol.EngineHealth) == protocol.EngineHealth(False, "starting", 0, 0)
         broker.send(welcome())
         # the engine is built on the probe thread (the connection stays alive meanwhile), then serves
-        assert broker.expect(protocol.EngineHealth) == protocol.EngineHealth(True, "", 0, 0)
+        assert broker.expect(protocol.EngineHealth) == protocol.EngineHealth(True, "", 0, 0, "scripted")
         assert broker.expect(protocol.LeaseRequest).credit == SLOTS
         assert len(engines) == 1
         yield Running(worker, broker, engines, rewards)
@@ -271,7 +271,7 @@ def test_a_failed_request_fails_its_sample_and_a_transient_error_returns_a_parti
         finished, credit = back[2]
         assert finished.status == SampleStatus.FINISHED and credit == 0 and granted == 1
         assert finished.response_len == response_length(sample_key(ok, 0), script)
-        assert health == protocol.EngineHealth(True, "", failed_by_engine=1, returned_by_engine=1)
+        assert health == protocol.EngineHealth(True, "", 1, 1, placement="scripted")
 
 
 def test_an_engine_down_returns_every_lease_leases_nothing_and_comes_back_after_probing() -> None:
@@ -419,7 +419,7 @@ def test_an_engine_whose_server_is_not_up_yet_is_built_when_it_answers_and_the_l
         back = broker.expect(protocol.SampleResult)
         assert back.credit == 0 and results(back)[7].status == SampleStatus.INTERRUPTED
         assert broker.expect(protocol.EngineHealth).returned_by_engine == 1
-        assert broker.expect(protocol.EngineHealth) == protocol.EngineHealth(True, "", 0, 1)
+        assert broker.expect(protocol.EngineHealth) == protocol.EngineHealth(True, "", 0, 1, "scripted")
         assert broker.expect(protocol.LeaseRequest).credit == SLOTS
         assert len(attempts) == 3 and len(built) == 1
         assert attempts[2] - attempts[1] >= 2 * BACKOFF_MIN_S - 0.05  # backoff doubled after a failed probe
@@ -509,11 +509,13 @@ def test_the_hello_of_a_worker_whose_engine_is_down_says_so() -> None:
         assert health == protocol.EngineHealth(False, "starting", 0, 0)
         worker.health.come_up()
         assert [type(m) for m in worker._hello()] == [protocol.WorkerHello]  # up, nothing lost: the default
+        worker.health.placement = "cuda:0"  # an engine built: a broker that lost the worker learns where
+        assert worker._hello()[1] == protocol.EngineHealth(True, "", 0, 0, placement="cuda:0")
         worker.health.returned = 2
         worker.health.go_down("scripted: connection refused", time.monotonic())
         hello, health = worker._hello()  # a broker that lost this worker must not lease to it
         assert isinstance(hello, protocol.WorkerHello)
-        assert health == protocol.EngineHealth(False, "scripted: connection refused", 0, 2)
+        assert health == protocol.EngineHealth(False, "scripted: connection refused", 0, 2, "cuda:0")
     finally:
         worker.link.close(linger_ms=0)
 

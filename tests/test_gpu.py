@@ -41,6 +41,7 @@ UP = [
     "--workers", "1",  # one engine on the one GPU (two would each claim the GPU's memory share)
     "--set=run.eval_every=3",  # the baseline evaluation and one at the final version
     "--set=learner.backend=torch",  # the learner on the CPU, whatever accelerator DeepSpeed would detect
+    "--set=learner.device=cpu",  # (its default, auto, would take the GPU)
 ]  # fmt: skip
 # SGLang flags (checked against `python -m sglang.launch_server --help`, 0.5.6 and 0.5.23): the triton
 # attention backend takes the tiny model's head size 32; half the GPU leaves room for CUDA graphs.
@@ -141,6 +142,26 @@ def test_april_up_with_vllm_on_cuda(tmp_path: Path) -> None:
     assert code == 0, f"{out}\n--- worker log ---\n{tail(worker_log)}"
     check_contract(run_dir, out)
     assert f"weights v{STEPS} loaded" in worker_log.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("adam_impl", ["torch", "deepspeed"])
+def test_april_up_on_cuda_with_a_hopper_arch_list(tmp_path: Path, adam_impl: str) -> None:
+    """What failed on the lent H200: the DeepSpeed learner on CUDA where TORCH_CUDA_ARCH_LIST=9.0a (Hopper
+    images set it). torch's fused AdamW (the default) builds nothing; DeepSpeed's FusedAdam is built with
+    the list as its parser takes it ("9.0"), which the learner's log says."""
+    need_cuda()
+    run_dir = tmp_path / "run"
+    args = ["--steps", str(STEPS), "--workers", "1", "--set=run.eval_every=3", "--run-dir", str(run_dir)]
+    args += ["--set=worker.device=cuda", "--set=learner.device=cuda", f"--set=learner.adam_impl={adam_impl}"]
+    code, out, _ = run_up(args, RUN_S, env={**os.environ, "TORCH_CUDA_ARCH_LIST": "9.0a"})
+    learner_log = run_dir / "logs" / "learner-0.log"
+    assert code == 0, f"{out}\n--- learner log ---\n{tail(learner_log)}"
+    check_contract(run_dir, out)
+    said = learner_log.read_text(errors="replace")
+    engine = "torch fused AdamW" if adam_impl == "torch" else "DeepSpeed FusedAdam"
+    assert f"DeepSpeed ZeRO-0 on cuda, {engine}, 1 rank" in said
+    built = "TORCH_CUDA_ARCH_LIST='9.0a' is given to DeepSpeed's op builds as '9.0'"
+    assert (built in said) == (adam_impl == "deepspeed")
 
 
 # A member process on its own GPU: receives one version over NCCL and saves it (cloned to the CPU).

@@ -34,12 +34,8 @@ from april.hf import load_model, make_tiny_model  # noqa: E402
 from april.weights_uri import published_versions  # noqa: E402
 from learner import checkpoint, weights  # noqa: E402
 from learner.ds_config import deepspeed_config  # noqa: E402
-from learner.engine import (  # noqa: E402
-    TrainEngine,
-    TrainSettings,
-    extensions_dir,
-    use_environment_extensions_dir,
-)
+from learner.ds_ops import extensions_dir, use_environment_extensions_dir  # noqa: E402
+from learner.engine import TrainEngine, TrainSettings  # noqa: E402
 
 SEQ_LEN = 32
 BASE = {"micro_batch_size": 2, "grad_accum_steps": 2, "lr": 1e-3, "weight_decay": 0.01, "grad_clip": 1.0}
@@ -93,13 +89,39 @@ def train(spec: dict[str, Any]) -> None:
             {"step": step, "loss": sum(losses) / len(losses), "grad_norm": norm, "lr": lr, "probe": probe}
         )
         if step == spec.get("checkpoint_at"):
-            meta = checkpoint.CheckpointMeta(step, step, step - 1, engine.world_size, s.backend, s.zero_stage)
+            meta = checkpoint.CheckpointMeta(
+                step, step, step - 1, engine.world_size, s.backend, s.zero_stage, s.optimizer
+            )
             checkpoint.save(engine, ckpt_dir, meta)
     published = engine.state_dict_for_publish()  # a collective under ZeRO-3
     if engine.rank == 0:
         path, sha = weights.publish(published, out / "weights", spec["steps"])
         (out / "result.json").write_text(json.dumps({"metrics": metrics, "path": str(path), "sha": sha}))
     engine.close()  # as the learner does: no rank tears the group down under another's last collective
+
+
+def optimizer_of_the_cuda_config(spec: dict[str, Any]) -> None:
+    """DeepSpeed initialised on CPU with the optimizer section the learner gives it on CUDA (bf16 aside, which
+    needs a GPU); writes which optimizer DeepSpeed built from it, after one step with it."""
+    import deepspeed
+
+    from learner.engine import init_process_group
+
+    init_process_group("cpu")
+    model = load_model(spec["model_dir"])
+    args = {**BASE, "micro_batch_size": 1, "grad_accum_steps": 1, "betas": (0.9, 0.999), "eps": 1e-8}
+    config = deepspeed_config(**args, zero_stage=spec["zero_stage"], device="cpu", world_size=1)
+    config["optimizer"] = deepspeed_config(**args, zero_stage=0, device="cuda", world_size=1)["optimizer"]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=config
+    )
+    engine.backward(lm_loss(engine, torch.randint(3, 259, (1, SEQ_LEN))))
+    engine.step()
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps the basic optimizer
+    found = {"type": f"{type(optimizer).__module__}.{type(optimizer).__name__}"}
+    found["fused"] = optimizer.defaults.get("fused")
+    Path(spec["out"]).write_text(json.dumps(found))
+    torch.distributed.destroy_process_group()
 
 
 def run_children(specs: list[dict[str, Any]], tmp: Path) -> None:
@@ -164,13 +186,30 @@ def test_ds_config_cpu_is_fp32_torch_adamw() -> None:
     json.dumps(cfg)  # plain JSON values only
 
 
-def test_ds_config_gpu_is_bf16_fused_adam() -> None:
+def test_ds_config_gpu_is_bf16_torch_fused_adamw_or_deepspeeds_fused_adam() -> None:
     cfg = _cfg(device="cuda", zero_stage=3, world_size=8, grad_clip=0.0)
     assert cfg["bf16"] == {"enabled": True}
-    assert cfg["optimizer"]["params"]["torch_adam"] is False
+    # the default: torch's fused AdamW, which needs no build
+    assert cfg["optimizer"]["params"]["torch_adam"] is True and cfg["optimizer"]["params"]["fused"] is True
     assert cfg["zero_optimization"]["stage"] == 3
     assert cfg["train_batch_size"] == 4 * 8 * 8
     assert cfg["gradient_clipping"] == 0.0
+    deepspeeds = _cfg(device="cuda", adam_impl="deepspeed")["optimizer"]["params"]
+    assert deepspeeds["torch_adam"] is False and "fused" not in deepspeeds  # FusedAdam, built at first use
+    assert _cfg(adam_impl="deepspeed") == _cfg()  # on CPU both are torch.optim.AdamW
+
+
+def test_the_settings_name_the_adamw_they_step_with() -> None:
+    """What the learner reports as its engine (the broker's status shows it): backend, device, AdamW."""
+    from learner.model_trainer import engine_summary
+
+    cuda = TrainSettings(backend="deepspeed", zero_stage=2, device="cuda")
+    assert engine_summary(cuda, 8) == "DeepSpeed ZeRO-2 on cuda, torch fused AdamW, 8 ranks"
+    deepspeeds = TrainSettings(backend="deepspeed", device="cuda:1", adam_impl="deepspeed")
+    assert engine_summary(deepspeeds, 1) == "DeepSpeed ZeRO-0 on cuda:1, DeepSpeed FusedAdam, 1 rank"
+    assert engine_summary(TrainSettings(backend="torch"), 1) == "torch on cpu, torch AdamW, 1 rank"
+    with pytest.raises(ValueError, match="needs backend = 'deepspeed'"):
+        TrainSettings(backend="torch", adam_impl="deepspeed")
 
 
 def test_ds_config_is_pure() -> None:
@@ -181,7 +220,8 @@ def test_ds_config_is_pure() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("zero_stage", 4), ("micro_batch_size", 0), ("grad_accum_steps", 0), ("world_size", 0), ("lr", 0.0),
-     ("betas", (0.9, 1.0)), ("eps", 0.0), ("device", "tpu"), ("weight_decay", -1.0)],
+     ("betas", (0.9, 1.0)), ("eps", 0.0), ("device", "tpu"), ("weight_decay", -1.0),
+     ("adam_impl", "apex")],
 )  # fmt: skip
 def test_ds_config_rejects_bad_values(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=field):
@@ -247,6 +287,20 @@ def test_accumulation_may_change_between_steps(model_dir: Path, tmp_path: Path, 
     for got, want in zip(ds_m, ref_m, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_deepspeed_builds_torchs_fused_adamw_from_the_cuda_config(
+    model_dir: Path, tmp_path: Path, zero_stage: int
+) -> None:
+    """The learner's default on CUDA needs no op built: `"torch_adam": true, "fused": true` makes DeepSpeed
+    0.19.8 hand `fused=True` on to torch.optim.AdamW (`runtime/engine.py`, `get_optimizer_configuration`
+    pops only its own keys). Checked on CPU, where torch's fused AdamW runs too."""
+    out = tmp_path / "optimizer.json"
+    spec = {"probe": True, "model_dir": str(model_dir), "out": str(out), "zero_stage": zero_stage}
+    run_children([spec], tmp_path)
+    assert json.loads(out.read_text()) == {"type": "torch.optim.adamw.AdamW", "fused": True}
 
 
 # ---------------------------------------------------------------------- DeepSpeed's compiled ops
@@ -325,7 +379,7 @@ def test_torch_checkpoint_resume_equals_uninterrupted(model_dir: Path, tmp_path:
     assert found is not None and found.name == "step_00000002"
     meta = json.loads((found / checkpoint.META).read_text())
     assert meta == {"step": 2, "version": 2, "last_batch_id": 1, "world_size": 1, "backend": "torch",
-                    "zero_stage": 0}  # fmt: skip
+                    "zero_stage": 0, "optimizer": "torch AdamW"}  # fmt: skip
 
 
 @needs_deepspeed
@@ -367,6 +421,24 @@ def test_a_checkpoint_resumes_only_into_the_layout_that_wrote_it(tmp_path: Path)
         assert f"written by 2 ranks of DeepSpeed ZeRO-3; this learner runs {runs}:" in message
     torch_meta = checkpoint.CheckpointMeta(4, 4, 3, world_size=1, backend="torch", zero_stage=2)
     checkpoint.check_resumable(path, torch_meta, world_size=1, backend="torch", zero_stage=0)  # no stages
+
+
+def test_a_checkpoint_resumes_only_with_an_optimizer_that_holds_its_state(tmp_path: Path) -> None:
+    """torch's AdamW, fused or not, keeps one state; DeepSpeed's FusedAdam another: a resume across them is
+    one line with the fix. An older checkpoint that does not say which is taken as it is."""
+    path = tmp_path / "step_00000004"
+    layout = {"world_size": 1, "backend": "deepspeed", "zero_stage": 0}
+    fused = checkpoint.CheckpointMeta(4, 4, 3, **layout, optimizer="DeepSpeed FusedAdam")
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.check_resumable(path, fused, **layout, optimizer="torch fused AdamW")
+    assert str(info.value) == (
+        f"checkpoint {path} holds the state of DeepSpeed FusedAdam; this learner steps torch fused AdamW: "
+        'set learner.adam_impl="deepspeed" to resume it, or start a new run'
+    )
+    torch_adamw = checkpoint.CheckpointMeta(4, 4, 3, **layout, optimizer="torch AdamW")  # written on CPU
+    checkpoint.check_resumable(path, torch_adamw, **layout, optimizer="torch fused AdamW")
+    older = checkpoint.CheckpointMeta(4, 4, 3, **layout)
+    checkpoint.check_resumable(path, older, **layout, optimizer="DeepSpeed FusedAdam")
 
 
 def test_checkpoint_latest_ignores_incomplete(tmp_path: Path) -> None:
@@ -465,4 +537,8 @@ def test_engine_enforces_the_accumulation_count(model_dir: Path) -> None:
 
 
 if __name__ == "__main__":  # a child process of the DeepSpeed tests: python test_learner_engine.py SPEC
-    train(json.loads(Path(sys.argv[1]).read_text()))
+    child = json.loads(Path(sys.argv[1]).read_text())
+    if child.get("probe"):
+        optimizer_of_the_cuda_config(child)
+    else:
+        train(child)

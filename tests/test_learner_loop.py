@@ -229,7 +229,7 @@ def test_the_model_trainer_reports_its_start_up_phases(tmp_path: Path) -> None:
     trainer.start(lambda phase, detail: reported.append((phase, detail)))
     assert reported == [
         (LearnerPhase.LOADING_MODEL, str(model)),
-        (LearnerPhase.INITIALISING_ENGINE, "torch AdamW on cpu, 1 rank"),
+        (LearnerPhase.INITIALISING_ENGINE, "torch on cpu, torch AdamW, 1 rank"),  # learner.device auto
     ]
     assert trainer.rank == 0 and trainer.world_size == 1 and trainer.vocab_size == 320
     assert trainer.resume_point() is None  # nothing saved yet
@@ -288,6 +288,39 @@ def test_a_restarted_broker_hears_the_learner_phase_again(cluster: Callable[...,
             client.next_batch(0, heard)  # asks, is refused, says hello again, stops once heard
             assert heard()
             assert second.broker.learner is not None and second.broker.learner.phase_detail == "models/tiny"
+        finally:
+            second.close()
+    finally:
+        client.close()
+
+
+def test_a_restarted_broker_hears_the_learners_engine_again(cluster: Callable[..., Cluster]) -> None:
+    """The broker shows the engine the learner initialised after the phase moved on, and a broker that
+    lost the learner hears it again with the hello (before the latest phase, which stays the latest)."""
+    c = cluster()
+    config = load_config(c.config_path)
+    first = serve(config, c.run_dir)
+    client = BrokerClient(c.learner_address, version=0)
+    engine = "DeepSpeed ZeRO-0 on cpu, torch AdamW, 1 rank"
+    try:
+        client.report_phase(LearnerPhase.INITIALISING_ENGINE, engine)
+        client.report_phase(LearnerPhase.WAITING_FOR_BATCH, "step 1")
+        wait_for(
+            lambda: first.broker.learner and first.broker.learner.phase == LearnerPhase.WAITING_FOR_BATCH,
+            DEADLINE_S,
+            "the first broker",
+        )
+        assert first.broker.learner is not None and first.broker.learner.engine == engine
+        first.close()
+        second = serve(config, c.tmp / "second")
+        try:
+
+            def heard() -> bool:
+                learner = second.broker.learner
+                return learner is not None and learner.phase == LearnerPhase.WAITING_FOR_BATCH
+
+            client.next_batch(0, heard)
+            assert second.broker.learner is not None and second.broker.learner.engine == engine
         finally:
             second.close()
     finally:

@@ -125,6 +125,14 @@ def test_every_call_uses_an_origin_form_target(make_server: Any, make_engine: An
     assert server.calls and all(path.startswith("/") for _, path in server.calls)
 
 
+def test_its_placement_is_its_servers(make_server: Any, make_engine: Any) -> None:
+    """What the status shows as where the engine runs: the servers' URLs; past two, the first and a count."""
+    one, two, three = make_server(), make_server(), make_server()
+    assert make_engine(one).placement == one.url
+    assert make_engine(one, two).placement == f"{one.url}, {two.url}"
+    assert make_engine(one, two, three).placement == f"{one.url} and 2 more servers"
+
+
 def test_generate_round_trip(make_server: Any, make_engine: Any) -> None:
     server = make_server(model=ToyModel(eos_at=5))
     engine = make_engine(server)

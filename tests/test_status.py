@@ -163,3 +163,60 @@ def test_step_figures_read_flat_and_namespaced_names_and_nan_for_the_rest() -> N
     assert math.isnan(figures.accuracy)  # a bool is not a figure
     assert math.isnan(figures.entropy)  # not sent
     assert StepFigures.read({"step": math.nan}).step is None
+
+
+def test_the_status_says_where_each_worker_and_the_learner_run(tmp_path: Path) -> None:
+    """A worker's engine placement comes with its EngineHealth, the learner's engine with its
+    INITIALISING_ENGINE report; both stay in the status (and its JSON) after the learner moves on, and
+    a new hello forgets them until they are said again (the worker's and learner's clients re-send them)."""
+    b = LiveBroker(tmp_path)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    engine = "DeepSpeed ZeRO-0 on cuda, torch fused AdamW, 1 rank"
+    try:
+        worker, learner = dealer(ctx, b.worker_address, "w0"), dealer(ctx, b.learner_address, "learner-0")
+        send(worker, protocol.WorkerHello("w0", "torch", 4, 0, 4242, "node-1", np.zeros(0, np.int64)))
+        send(worker, protocol.EngineHealth(True, "", 0, 0, placement="cuda:0, cuda graphs"))
+        send(learner, protocol.LearnerHello("learner-0", 0, 77))
+        send(learner, protocol.LearnerPhaseReport(protocol.LearnerPhase.INITIALISING_ENGINE, engine))
+        send(learner, protocol.LearnerPhaseReport(protocol.LearnerPhase.WAITING_FOR_BATCH, "step 1"))
+
+        def said() -> bool:
+            s = fetch_status(b.learner_address, 5)
+            return bool(s.workers) and s.workers[0].placement != "" and s.learner is not None
+
+        wait_for(said, 60, "the worker's placement and the learner's engine")
+        status = fetch_status(b.learner_address, 5)
+        assert status.workers[0].placement == "cuda:0, cuda graphs"
+        assert status.workers[0].engine_label == "torch · cuda:0, cuda graphs"
+        assert status.learner is not None and status.learner.phase == "waiting for batch"
+        assert status.learner.engine == engine
+        printed = json.loads(json.dumps(status.to_json()))
+        assert printed["workers"][0]["placement"] == "cuda:0, cuda graphs"
+        assert printed["learner"]["engine"] == engine
+
+        send(learner, protocol.LearnerHello("learner-0", 0, 77))  # a new session: said again, or unknown
+        send(worker, protocol.WorkerHello("w0", "torch", 4, 0, 4242, "node-1", np.zeros(0, np.int64)))
+        wait_for(
+            lambda: (
+                (s := fetch_status(b.learner_address, 5)).learner is not None
+                and s.learner.engine == ""
+                and s.workers[0].placement == ""
+            ),
+            60,
+            "the hellos forgetting what the sessions before them said",
+        )
+    finally:
+        b.halt()
+        ctx.destroy(linger=0)
+        b.broker.close()
+
+
+def test_an_older_status_without_placements_reads_as_unknown() -> None:
+    """The fields are evolvable additions: a status from a broker before them reads with "" for both."""
+    obj = _json_of_example()
+    for w in obj["workers"]:
+        w.pop("placement", None)
+    obj["learner"].pop("engine", None)
+    status = BrokerStatus.from_json(obj)
+    assert all(w.placement == "" and w.engine_label == w.engine for w in status.workers)
+    assert status.learner is not None and status.learner.engine == ""

@@ -245,7 +245,7 @@ def free_port_set() -> list[str]:
     return [f"--set=broker.{n}={p}" for n, p in zip(names, free_ports(3), strict=True)]
 
 
-def run_up(args: list[str], timeout: float) -> tuple[int, str, list[int]]:
+def run_up(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, list[int]]:
     """`april up ARGS` as a real process; returns its exit code, output and the pids of its children."""
     proc = subprocess.Popen(
         [
@@ -260,6 +260,7 @@ def run_up(args: list[str], timeout: float) -> tuple[int, str, list[int]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=REPO,
+        env=env,
     )
     children: set[int] = set()
     deadline = time.monotonic() + timeout
@@ -394,3 +395,92 @@ def test_a_killed_worker_is_restarted_and_the_run_carries_on(tmp_path: Path) -> 
     assert proc.returncode == 0, text
     assert "exited -9: restarted (1/3)" in text
     check_run(run_dir, 12, samples=4)
+
+
+# ---------------------------------------------------------------------- errors a restart would meet again
+
+# Python runs a `sitecustomize` module at every start: this one makes torch report one CUDA GPU. torch here
+# is built without CUDA, so starting CUDA on that "GPU" really fails, as on a machine whose driver torch
+# cannot use. Every process of the run (the children too) sees it.
+UNUSABLE_GPU = "import torch\ntorch.cuda.is_available = lambda: True\ntorch.cuda.device_count = lambda: 1\n"
+CUDA_FAILS = "april: error: {role}: CUDA could not start on 'cuda': "
+
+
+def unusable_gpu_env(tmp_path: Path) -> dict[str, str]:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(UNUSABLE_GPU)
+    path = os.pathsep.join(p for p in (str(site), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def test_a_worker_whose_gpu_cannot_start_exits_with_one_line_and_the_startup_code(tmp_path: Path) -> None:
+    from april.startup import STARTUP_EXIT
+    from cli.up_cmd import TINY_MODEL
+
+    args = ["worker", "--engine", "torch", "--model", str(TINY_MODEL), "--set", "worker.device=cuda"]
+    result = subprocess.run(
+        [sys.executable, "-c", "from cli.main import main; main()", *args],
+        env=unusable_gpu_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == STARTUP_EXIT, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(CUDA_FAILS.format(role="worker")), result.stderr
+    assert lines[0].endswith('or set worker.device = "cpu"') and "Traceback" not in result.stderr
+
+
+def test_april_up_reports_a_learner_that_cannot_start_once_and_does_not_restart_it(tmp_path: Path) -> None:
+    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+    args = ["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "2", "--set", "learner.device=cuda"]
+    code, out, children = run_up(args, 300, env=unusable_gpu_env(tmp_path))
+    assert code == 1, out
+    said = [line for line in out.splitlines() if line.startswith("april: error: ")]
+    assert len(said) == 1 and said[0].startswith(CUDA_FAILS.format(role="learner")), out
+    assert "learner exited 3: not restarted" in out and "restarted (1/" not in out, out
+    log = (run_dir / "logs" / "learner-0.log").read_text()
+    assert log.count("april: error: ") == 1  # started once
+    assert "Traceback" not in out + log
+    assert not wait_all_exited(children)
+
+
+def test_april_up_reports_workers_that_cannot_start_once(tmp_path: Path) -> None:
+    """Two workers of one config fail alike: the line is reported once, neither is restarted, and the
+    run ends once no worker is left."""
+    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+    args = ["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "2", "--workers", "2"]
+    args += ["--set", "worker.engine=torch", "--set", "worker.device=cuda", "--set", "learner.device=cpu"]
+    code, out, children = run_up(args, 300, env=unusable_gpu_env(tmp_path))
+    assert code == 1, out
+    said = [line for line in out.splitlines() if line.startswith("april: error: ")]
+    assert len(said) == 1 and said[0].startswith(CUDA_FAILS.format(role="worker")), out
+    for i in range(2):
+        assert f"worker-{i} exited 3: not restarted" in out, out
+        assert (run_dir / "logs" / f"worker-{i}.log").read_text().count("april: error: ") == 1
+    assert "restarted (1/" not in out and "Traceback" not in out
+    assert not wait_all_exited(children)
+
+
+def test_a_user_error_or_a_start_error_is_shown_once_on_the_dashboard(tmp_path: Path) -> None:
+    """`Run._report` for exits a restart would meet again (2: a user error; 3: could not start): one
+    red panel per distinct line naming every child that said it, an event per child, and the run failed
+    once no worker is left (`_fatal`)."""
+    from test_dashboard import fed, status, text
+
+    from april.config import Config
+    from cli.supervisor import ChildExit
+    from cli.up_cmd import Run
+
+    specs = [ChildSpec(name, (), (), tmp_path / f"{name}.log") for name in ("broker", "worker-0", "worker-1")]
+    run = Run(Config(), tmp_path, specs)
+    run.state = fed(status())
+    line = "april: error: worker: CUDA could not start on 'cuda': no driver; or set worker.device = \"cpu\""
+    run._report(ChildExit("worker-0", 3, False, 0, ("INFO starting", line)))
+    run._report(ChildExit("worker-1", 3, False, 0, ("INFO starting", line)))
+    assert run.state.start_errors == {line: ["worker-0", "worker-1"]}
+    assert run.outcome == "failed: worker-1 exited 3, not restarted"  # no worker left
+    shown = text(run.state, 160)
+    assert shown.count("CUDA could not start on 'cuda'") == 1
+    assert "worker-0, worker-1: not restarted (a restart would fail alike)" in shown
+    assert "worker-0 exited 3: not restarted" in shown and "worker-1 exited 3: not restarted" in shown
+    run._report(ChildExit("broker", 2, False, 0, ()))  # no error line in its log: it is named with its code
+    assert f"april: error: broker exited 2: see {tmp_path / 'broker.log'}" in run.state.start_errors

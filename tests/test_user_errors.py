@@ -10,15 +10,17 @@ Placeholders in the arguments, filled per test: {tmp} (a fresh directory), {out}
 directory in it, which must not exist afterwards: nothing started), {missing} (a directory that does not
 exist), {notok} (a complete model directory without tokenizer files), {file} (a regular file,
 for paths that need a directory there), {keys} (a generated CurveZMQ key directory), {prompts} (a JSONL
-prompt file).
+prompt file), {tiny} (the shipped tiny model).
 
 What does not apply, and why:
   - a model directory without a tokenizer: `simulate`, `status`, `keys`, `task` and `broker` take no model;
     `sft` builds its model from scratch; the learner trains on token ids and needs no tokenizer (a model
     directory without one is valid for it; it is given one missing entirely instead).
   - a missing config file: `simulate`, `bench`, `status`, `sft`, `keys` and `task` read no config file.
-  - a malformed --set / an unknown config key: only the commands that take `--set` (up, generate,
-    broker, worker, learner, data inspect).
+  - a malformed --set / an unknown config key / a device of a bad form: only the commands that take
+    `--set` (up, generate, broker, worker, learner, data inspect).
+  - a device torch does not see (this machine has no GPU: "cuda", "cuda:N"): only the commands that run
+    something on a device (up, generate, worker, learner); the broker runs on none.
   - `data inspect` reads the {prompts} file with training's keys, which need an answer: its model cases
     set `data.answer_key=` (no answers) so that the model, not the dataset, is what is wrong.
 """
@@ -59,6 +61,8 @@ def case(command: str, wrong: str, args: str, *names: str) -> Case:
 
 NO_TOKENIZER = "has no tokenizer"
 NOT_FOUND = "does not exist"
+NO_GPU = "torch sees no CUDA GPU"
+DEVICE_FORMS = "expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
 M = "{missing}"
 
 CASES = [
@@ -75,6 +79,14 @@ CASES = [
     case("up", "negative count", "up --headless --workers -1", "--workers", "-1"),
     case("up", "malformed --set", "up --headless --set run.steps", "--set", "run.steps"),
     case("up", "unknown config key", "up --headless --set run.bogus=1", "bogus"),
+    case("up", "bad worker device", "up --headless --steps 1 --run-dir {out} --set worker.device=bogus",
+         "worker.device", "'bogus'", DEVICE_FORMS),
+    case("up", "bad learner device", "up --headless --run-dir {out} --set learner.device=gpu",
+         "learner.device", "'gpu'", DEVICE_FORMS),
+    case("up", "worker device without a GPU", "up --headless --run-dir {out} --set worker.device=cuda",
+         "worker.device", "'cuda'", NO_GPU),
+    case("up", "learner device without a GPU", "up --headless --run-dir {out} --set learner.device=cuda:1",
+         "learner.device", "'cuda:1'", NO_GPU),
 
     case("bench", "missing lengths file", f"bench --workload {M}/l.txt --out {{out}}", "--workload",
          f"{M}/l.txt"),
@@ -103,6 +115,11 @@ CASES = [
     case("generate", "negative count", "generate --engine sim --n -1 --prompts {prompts}", "--n", "-1"),
     case("generate", "malformed --set", "generate --prompts {prompts} --set worker", "--set", "worker"),
     case("generate", "unknown config key", "generate --prompts {prompts} --set worker.bogus=1", "bogus"),
+    case("generate", "bad device", "generate --engine sim --prompts {prompts} --set worker.device=gpu",
+         "worker.device", "'gpu'", DEVICE_FORMS),
+    case("generate", "device without a GPU",
+         "generate --engine torch --model {tiny} --prompts {prompts} --set worker.device=cuda",
+         "worker.device", "'cuda'", NO_GPU),
 
     case("broker", "missing --run-dir", "broker", "--run-dir"),
     case("broker", "missing config", f"broker --run-dir {{out}} --config {M}/a.toml", "--config", "a.toml"),
@@ -113,6 +130,8 @@ CASES = [
          "-1"),
     case("broker", "malformed --set", "broker --run-dir {out} --set =3", "--set", "'=3'"),
     case("broker", "unknown config key", "broker --run-dir {out} --set broker.bogus=1", "bogus"),
+    case("broker", "bad device", "broker --run-dir {out} --set learner.device=cuda:x", "learner.device",
+         "'cuda:x'", DEVICE_FORMS),
 
     case("worker", "missing config", f"worker --config {M}/a.toml", "--config", "a.toml"),
     case("worker", "missing keys dir", f"worker --engine sim --set broker.curve_keys_dir={M}/keys",
@@ -124,6 +143,10 @@ CASES = [
     case("worker", "negative count", "worker --engine sim --slots -1", "slots", "-1"),
     case("worker", "malformed --set", "worker --engine sim --set slots=3", "--set", "slots"),
     case("worker", "unknown config key", "worker --engine sim --set worker.bogus=1", "bogus"),
+    case("worker", "bad device", "worker --engine torch --model {tiny} --set worker.device=bogus",
+         "worker.device", "'bogus'", DEVICE_FORMS),
+    case("worker", "device without a GPU", "worker --engine torch --model {tiny} --set worker.device=cuda:0",
+         "worker.device", "'cuda:0'", NO_GPU),
     case("worker", "malformed broker address", "worker --engine sim --broker nowhere", "worker.broker",
          "'nowhere'", "tcp://HOST:PORT"),
 
@@ -140,6 +163,11 @@ CASES = [
     case("learner", "negative count", "learner --run-dir {out} --steps -1", "run.steps", "-1"),
     case("learner", "malformed --set", "learner --run-dir {out} --set learner", "--set", "learner"),
     case("learner", "unknown config key", "learner --run-dir {out} --set learner.bogus=1", "bogus"),
+    case("learner", "bad device", "learner --run-dir {out} --set learner.device=bogus", "learner.device",
+         "'bogus'", DEVICE_FORMS),
+    case("learner", "device without a GPU",
+         "learner --run-dir {out} --model {tiny} --set learner.device=cuda", "learner.device", "'cuda'",
+         NO_GPU),
 
     case("status", "missing keys dir", f"status --keys {M}/keys", f"{M}/keys"),
     case("status", "bad value", "status --timeout soon", "--timeout", "'soon'"),
@@ -225,6 +253,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "file": str(plain),
         "keys": str(root / "keys"),
         "prompts": str(prompts),
+        "tiny": str(TINY),
     }
 
 

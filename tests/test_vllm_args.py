@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from actors.engine import EngineError, SamplingParams
 from actors.engines.vllm_engine import (
+    VLLMEngine,
     VLLMSettings,
     cuda_visible_devices,
     engine_args,
     logprobs_mode,
 )
-from actors.factory import check_worker, vllm_settings
+from actors.factory import vllm_settings
 from april.config import ConfigError, WorkerConfig
 
 TINY = Path(__file__).resolve().parents[1] / "models" / "tiny"  # a bfloat16 checkpoint
@@ -80,9 +82,20 @@ def test_logprobs_mode_matches_the_learner_where_vllm_can() -> None:
 def test_a_device_vllm_does_not_run_on_is_one_line(device: str) -> None:
     with pytest.raises(EngineError, match=r"worker.device = .*'cpu', 'cuda' or 'cuda:N'"):
         VLLMSettings(device=device)
-    with pytest.raises(EngineError, match=r"worker\.device"):  # `april up` refuses it before starting
-        check_worker(WorkerConfig(engine="vllm", device=device))
-    check_worker(WorkerConfig(engine="torch", device=device))  # the vllm check only for vllm
+    for engine in ("vllm", "torch"):  # the config refuses it for every engine, before anything starts
+        with pytest.raises(ConfigError, match=r"worker\.device = .*'auto', 'cpu', 'cuda' or 'cuda:N'"):
+            WorkerConfig(engine=engine, device=device)
+
+
+def test_its_placement_is_its_device_and_whether_it_captures_cuda_graphs() -> None:
+    """`VLLMEngine.placement` reads its settings only: checked without starting vLLM."""
+
+    def placement(settings: VLLMSettings) -> str:
+        return str(VLLMEngine.placement.fget(SimpleNamespace(settings=settings)))  # type: ignore[attr-defined]
+
+    assert placement(VLLMSettings("cuda:1")) == "cuda:1, cuda graphs"
+    assert placement(VLLMSettings("cuda", enforce_eager=True)) == "cuda, eager"
+    assert placement(VLLMSettings()) == "cpu, eager"  # always eager on CPU
 
 
 def test_cuda_n_narrows_the_visible_devices() -> None:
@@ -104,8 +117,8 @@ def test_worker_config_maps_onto_the_settings() -> None:
         vllm_enforce_eager=True,
         vllm_max_model_len=2048,
     )
-    assert vllm_settings(cfg) == VLLMSettings("cuda", 0.0, 0.5, "bfloat16", True, 2048)
-    assert vllm_settings(WorkerConfig()) == VLLMSettings()  # the defaults agree
+    assert vllm_settings(cfg, "cuda") == VLLMSettings("cuda", 0.0, 0.5, "bfloat16", True, 2048)
+    assert vllm_settings(WorkerConfig(), "cpu") == VLLMSettings()  # the defaults agree
     for field, value in [
         ("vllm_gpu_memory_utilization", 1.5),
         ("vllm_gpu_memory_utilization", -0.1),

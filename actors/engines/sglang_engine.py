@@ -160,6 +160,14 @@ class SGLangEngine:
     # -- the Engine interface ---------------------------------------------------------------------
 
     @property
+    def placement(self) -> str:
+        """The servers it drives: their URLs ("http://10.0.0.5:30000, http://10.0.0.5:30001"), or the
+        first and how many more past two."""
+        if len(self.urls) <= 2:
+            return ", ".join(self.urls)
+        return f"{self.urls[0]} and {len(self.urls) - 1} more servers"
+
+    @property
     def active(self) -> int:
         return self._flights.active
 

@@ -173,6 +173,10 @@ class SimEngine:
         self.stale_kv_tokens = 0  # tokens generated attending to KV of older weights than the loaded ones
 
     @property
+    def placement(self) -> str:
+        return "sim"  # a cost model: no device
+
+    @property
     def active(self) -> int:
         return len(self._running) + len(self._ready)
 

@@ -199,6 +199,10 @@ class TorchEngine:
     # ---- Engine interface -------------------------------------------------------------------------
 
     @property
+    def placement(self) -> str:
+        return str(self.device)
+
+    @property
     def active(self) -> int:
         return len(self._pending) + len(self._rows) + len(self._done)
 

@@ -254,6 +254,14 @@ class VLLMEngine:
     # -- the Engine interface ---------------------------------------------------------------------
 
     @property
+    def placement(self) -> str:
+        """Its device, and on CUDA whether vLLM captures CUDA graphs ("cuda:0, cuda graphs")."""
+        s = self.settings
+        if not s.on_cuda:
+            return f"{s.device}, eager"
+        return f"{s.device}, {'eager' if s.enforce_eager else 'cuda graphs'}"
+
+    @property
     def active(self) -> int:
         return self._flights.active
 
