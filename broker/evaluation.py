@@ -1,6 +1,6 @@
 """Evaluation on the held-out prompts: when the broker evaluates, the evaluation leases and the result.
 
-An evaluation runs the fixed held-out prompts (`april.heldout`) once each, greedily, under the weights
+An evaluation runs the fixed held-out prompts (`broker.heldout`) once each, greedily, under the weights
 version that triggered it: the starting weights (v0) when a run starts, after the learner publishes version
 v with `v % run.eval_every == 0`, and after the final version `run.steps`. One evaluation runs at a time;
 one that falls due meanwhile starts when it finishes, at the broker's version then. Its samples live here,

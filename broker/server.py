@@ -5,7 +5,7 @@ snapshots (5557). Every poll has a timeout; every received message is decoded st
 dropped, counted (per peer, per reason) and answered with an Error: the broker never exits on a peer's
 message. Orchestrates what needs clocks: liveness, the confirmed abort (re-abort on timeout, then declare
 the worker dead), heartbeats, periodic snapshots and status publishing. Scheduling decisions are the
-policy's (`april.policy`), the books are `broker.state`'s, evaluations on the held-out prompts are
+policy's (`broker.policy`), the books are `broker.state`'s, evaluations on the held-out prompts are
 `broker.evaluation`'s and the Prometheus endpoint is `broker.prometheus`'s; this module only wires them to
 the network.
 """
@@ -23,11 +23,10 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from april import policy, protocol
+from april import protocol
 from april.codec import ProtocolError
 from april.config import Config, ConfigError
 from april.data import PromptRecord, PromptSource, open_source
-from april.heldout import split_held_out
 from april.keys import server_keys
 from april.protocol import Message
 from april.records import SETTLED, Sample
@@ -35,9 +34,10 @@ from april.status import BrokerStatus
 from april.transport import configure
 from april.weights_uri import WEIGHT_TRANSPORTS
 from april.wire_records import SampleBatch
-from broker import snapshot
+from broker import policy, snapshot
 from broker.auth import CurveGate
 from broker.evaluation import EvalResult, Evaluations
+from broker.heldout import split_held_out
 from broker.peers import LearnerPeer, Rejections, WorkerPeer, Workers
 from broker.prometheus import PrometheusExporter
 from broker.result_check import ResultRejected

@@ -334,7 +334,7 @@ def simulate_command(
 ) -> None:
     """Predict what april / async give over sync on a length distribution, in virtual time.
 
-    A discrete-event model drives the broker's own books and scheduling policy (BrokerState, april.policy)
+    A discrete-event model drives the broker's own books and scheduling policy (BrokerState, broker.policy)
     with simulated engines and learner. Decode step = A + B x active sequences (+ C per prefilled token),
     the sim engine's cost model (april/engine_cost.py: `april up --engine sim` starts from the same
     defaults); defaults are GPU-like for a 4B model on one H100-class GPU per engine (A 6 ms, B 0.1 ms,

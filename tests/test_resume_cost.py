@@ -18,7 +18,7 @@ from harness import local_broker, wait_for
 from actors.engine import EngineError, GenerationOutput, GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.factory import check_worker, engine_class
-from april import policy, protocol
+from april import protocol
 from april.config import AlgoConfig, ConfigError, Mode, ResumeKV, WorkerConfig, load_config
 from april.data import SyntheticPromptSource
 from april.engine_cost import EngineCost
@@ -26,6 +26,7 @@ from april.prefix_cache import MISS, CachedPrefix, PrefixCache
 from april.records import FinishReason, Sample, SampleStatus, new_group_samples
 from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
+from broker import policy
 from broker.sim.engines import EngineModel
 from broker.sim.figures import Meter
 from broker.sim.model import SimConfig, simulate

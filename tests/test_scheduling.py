@@ -1,5 +1,5 @@
 """Scheduling beyond the paper's fixed setting (issue 17): the length history, the prompt order drawn from
-it, `over_sampling = "auto"` (april/round_plan.py) and prompt-correlated simulated lengths
+it, `over_sampling = "auto"` (broker/round_plan.py) and prompt-correlated simulated lengths
 (april/sample_draw.py `LengthDraw`), driven directly and through the broker's books and the simulator."""
 
 from __future__ import annotations
@@ -14,19 +14,18 @@ import pytest
 from actors.engine import GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.lengths import LengthSpec
-from april import length_history, policy
 from april.config import AlgoConfig, ConfigError, Mode, OverSampling, PromptOrder, load_config
-from april.length_history import RECENT, LengthHistory
 from april.records import new_group_samples
-from april.round_plan import (
+from april.sample_draw import LengthDraw, draw_length, prompt_key, sample_key
+from broker import length_history, policy, snapshot
+from broker.length_history import RECENT, LengthHistory
+from broker.round_plan import (
     MIN_OBSERVED,
     CarriedGroup,
     candidate_targets,
     plan_round_target,
     predict_round_steps,
 )
-from april.sample_draw import LengthDraw, draw_length, prompt_key, sample_key
-from broker import snapshot
 from broker.sim.model import WAIT_CAUSES, SampleLengths, SimConfig, Simulation, simulate
 from broker.state import BrokerState
 from tests.test_broker_state import Driver, assert_same_books, source

@@ -1,7 +1,7 @@
 """`april simulate`'s discrete-event model: the real broker books and policy, simulated engines and learner.
 
 Owns the event loop in virtual time and the broker's side of it. The books are a real
-`broker.state.BrokerState` (so every scheduling decision is `april.policy`'s, through the same calls the
+`broker.state.BrokerState` (so every scheduling decision is `broker.policy`'s, through the same calls the
 broker makes); engines are `broker.sim.engines.EngineModel`; the learner takes `learner_step_s` per batch.
 Events: an engine reaching a step boundary where a sequence finishes or a message waits (leases, aborts
 and weights are read there, so an abort round-trip lasts until each holder's current step ends), and
@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from april import policy
 from april.config import AlgoConfig, ConfigError, Mode, ResumeKV
 from april.data import SyntheticPromptSource
 from april.engine_cost import EngineCost
 from april.ledger import Ledger
 from april.records import Sample
 from april.sample_draw import LengthDraw, LengthSampler, prompt_key, sample_key
+from broker import policy
 from broker.sim.engines import Abort, EngineModel, Lease, Output, ToEngine, Weights
 from broker.sim.figures import ArrivalMeter, Figures, Meter, Tally, compute_figures
 from broker.state import BrokerState
