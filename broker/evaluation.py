@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +153,10 @@ class Evaluations:
         if self.run is None:
             return []
         return [lease_id for lease_id, (worker, _) in self.run.leases.items() if worker == worker_id]
+
+    def leases_by_worker(self) -> Counter[str]:
+        """Evaluation leases held per worker."""
+        return Counter(worker for worker, _ in self.run.leases.values()) if self.run else Counter()
 
     def reclaim(self, lease_id: int) -> None:
         """Put a leased sample back as it was leased (its worker died, left or kept it past an abort)."""

@@ -152,6 +152,28 @@ class RoundCounters:
     samples_finished: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class BooksView:
+    """The books' figures at one moment, for the status (`BrokerState.view`)."""
+
+    mode: Mode
+    version: int
+    epoch: int
+    cursor: int
+    round_open: bool
+    in_flight_groups: int
+    partial_groups: int
+    complete_groups: int
+    leased_samples: int
+    queued_samples: int
+    partial_buffer: int  # interrupted samples waiting to resume
+    partial_staleness: dict[int, int]  # partials with tokens, by staleness against `version`
+    leases: dict[str, int]  # leases held per worker (with the evaluation's given to `view`)
+    unacked: PendingBatch | None
+    ledger: Ledger
+    totals: RoundCounters
+
+
 class BrokerState:
     def __init__(self, mode: Mode, algo: AlgoConfig, source: PromptSource, epoch: int = 0) -> None:
         self.mode = mode
@@ -272,6 +294,35 @@ class BrokerState:
     @property
     def leased_samples(self) -> int:
         return len(self.leases)
+
+    def view(self, other_leases: Counter[str] | None = None) -> BooksView:
+        """The figures the status shows; `other_leases`: leases held outside the books (evaluations)."""
+        partials = self.partial_samples()
+        staleness = Counter(s.staleness(self.version) for s in partials if s.response_len)
+        leases = Counter(lease.worker_id for lease in self.leases.values())
+        leases.update(other_leases or {})
+        return BooksView(
+            mode=self.mode,
+            version=self.version,
+            epoch=self.epoch,
+            cursor=self.cursor,
+            round_open=self.round_open,
+            in_flight_groups=self.in_flight,
+            partial_groups=self.partial,
+            complete_groups=len(self.complete),
+            leased_samples=len(self.leases),
+            queued_samples=len(self.queue),
+            partial_buffer=len(partials),
+            partial_staleness=dict(sorted(staleness.items())),
+            leases=dict(leases),
+            unacked=self.batch,
+            ledger=self.ledger(),
+            totals=dataclasses.replace(self.totals),
+        )
+
+    def buffered_tokens(self) -> int:
+        """Response tokens held: partials, complete groups, an unacked batch. O(samples held)."""
+        return sum(s.response_len for g in self.groups.values() for s in g.samples)
 
     def partial_samples(self) -> list[Sample]:
         return [

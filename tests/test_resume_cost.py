@@ -486,7 +486,7 @@ def test_a_live_broker_resumes_a_partial_elsewhere_when_its_holder_has_no_room(t
         lease1 = next_of(w1, protocol.Lease)
         give_back(w0, lease0, finished=False)
         # two sockets, no order between them: w1's slots must free only once w0's partials are queued
-        wait_for(lambda: keys(lease0) <= set(b.broker.state.holders), 60, "w0's partials queued")
+        wait_for(lambda: keys(lease0) <= set(b.broker.core.state.holders), 60, "w0's partials queued")
         give_back(w1, lease1, finished=True)  # w1 frees its two slots
         resumed = next_of(w1, protocol.Lease).samples.to_samples()
         assert {s.key for s in resumed} == keys(lease0) and all(s.response_len == 2 for s in resumed)
