@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 from harness import local_broker, wait_for
+from sim_setup import sim_config
 
 from actors.engine import EngineError, GenerationOutput, GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
@@ -29,9 +30,9 @@ from april.wire_records import SampleBatch
 from broker import policy
 from broker.sim.engines import EngineModel
 from broker.sim.figures import Meter
-from broker.sim.model import SimConfig, simulate
+from broker.sim.model import simulate
 from broker.state import BrokerState
-from cli.simulate_cmd import resolve_lengths
+from cli.sim_options import resolve_lengths
 
 # ---------------------------------------------------------------------- the cache rule
 
@@ -307,7 +308,7 @@ def run(mode: Mode, affinity: bool, kv: ResumeKV) -> tuple[float, int]:
         max_new_tokens=2048,
         resume_affinity=affinity,
     )
-    cfg = SimConfig(
+    cfg = sim_config(
         mode,
         algo,
         engines=4,
