@@ -34,10 +34,10 @@ from broker.decisions import (
     Refuse,
     Send,
     Settled,
-    Work,
 )
+from broker.dispatch import assign
 from broker.evaluation import EvalResult, Evaluations
-from broker.peers import WorkerPeer, Workers
+from broker.peers import Workers
 from broker.result_check import ResultRejected
 from broker.state import BooksView, BrokerState, PendingBatch
 from broker.usage import SlotUsage
@@ -286,35 +286,15 @@ class BrokerCore:
     # ------------------------------------------------------------------ dispatch
 
     def _dispatch(self, now: float, train: bool = True) -> None:
-        """Lease work to every worker with credit, one Lease each: evaluation samples first, up to each
-        worker's credit in registration order (they are few and the evaluation waits for its slowest),
-        then training samples spread over the workers by free slots relative to size
-        (`policy.spread_leases`), so no engine runs more sequences than its share while another idles.
-        Samples leave the dispatch queue in its order whoever gets them.
-
-        Only workers on current weights get work (`policy.serves_current_weights`): one still syncing the
-        newest version (a network fetch takes a while) would generate every token under an older policy
-        than the learner's. Its spread share is kept for it (the first worker to load a version does not
-        take a whole round) and it is leased work once its WeightsLoaded says it serves the version (or
-        that it cannot load it: then it works on within the staleness bound)."""
+        """Lease work to every worker with credit, one Lease each (`broker.dispatch.assign`: who gets
+        what); `train` False: evaluation samples only (the round is complete)."""
         if self.abort is not None or len(self.workers) < self.cfg.min_workers:
             return
         peers = self.workers.with_credit()
         if not peers:
             return
-        state = self.state
-        current = [
-            policy.serves_current_weights(p.version, p.failed_version, state.version, state.algo)
-            for p in peers
-        ]
-        work: list[Work] = [
-            self.evals.take_work(p.peer_id, p.credit, state.new_lease_id) if ok else []
-            for p, ok in zip(peers, current, strict=True)
-        ]
-        greedy = [len(w) for w in work]
-        self._note_behind(any(current), now)
-        if train and state.dispatch_allowed():
-            self._lease_training(peers, work, current)
+        work, greedy, any_current = assign(self.state, self.evals, peers, train)
+        self._note_behind(any_current, now)
         for peer, items, n_greedy in zip(peers, work, greedy, strict=True):
             if items:
                 self.workers.set_credit(peer, peer.credit - len(items))
@@ -336,35 +316,6 @@ class BrokerCore:
                 "nothing until one loads it (status: each worker's version)",
                 self.state.version,
             )
-
-    def _lease_training(self, peers: list[WorkerPeer], work: list[Work], current: list[bool]) -> None:
-        """Add each `current` worker's spread share of training samples to `work` (the others' shares stay
-        queued for them). A worker on older weights than a partial's last segment gets fewer (take_work
-        leaves that partial queued): what it left goes to the current workers with credit left, most free
-        first. With `algo.resume_affinity` partials first go back to the worker they left, if it has room
-        (`BrokerState.take_held_partials`)."""
-        state = self.state
-        free = [p.credit - len(w) for p, w in zip(peers, work, strict=True)]
-        if state.algo.resume_affinity:
-            room = [f if ok else 0 for f, ok in zip(free, current, strict=True)]
-            held = state.take_held_partials([p.peer_id for p in peers], room, [p.version for p in peers])
-            for i, items in enumerate(held):
-                work[i] += items
-                free[i] -= len(items)
-        shares = policy.spread_leases(state.leasable_samples(), free, [p.slots for p in peers])
-        short = False
-        for peer, items, share, ok in zip(peers, work, shares, current, strict=True):
-            if share and ok:
-                got = state.take_work(peer.peer_id, share, peer.version)
-                items += got
-                short = short or len(got) < share
-        if not short:
-            return
-        order = sorted(range(len(peers)), key=lambda i: -(peers[i].credit - len(work[i])) / peers[i].slots)
-        for i in order:
-            left = peers[i].credit - len(work[i])
-            if current[i] and left > 0 and state.leasable_samples():
-                work[i] += state.take_work(peers[i].peer_id, left, peers[i].version)
 
     # ------------------------------------------------------------------ aborts
 
