@@ -18,7 +18,7 @@ from (`oldest_version`, `newest_version`: a version published mid-evaluation may
 Accuracy is the fraction of held-out prompts whose response FINISHED with reward > 0 (the learner's
 `accuracy` rule; a FAILED sample counts as wrong).
 
-No sockets, no clocks: the server calls `on_version`, `take_work`, `accept_result` and `reclaim`.
+No sockets, no clocks: the broker core calls `on_version`, `take_work`, `accept_result` and `reclaim`.
 """
 
 from __future__ import annotations

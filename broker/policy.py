@@ -3,7 +3,8 @@
 Decides, from counts alone: how many fresh groups may be issued now, when a round is complete and an
 abort is due, which samples are dispatched first and how many go to each worker, and which complete
 groups form the next batch (async: only one that keeps every group within the staleness bound). The
-broker calls these on every state change; `april simulate` drives the same functions in virtual time.
+broker core (`broker.core`, through `broker.state` and `broker.dispatch`) calls these on every event,
+for the broker process and `april simulate` alike.
 Holds no sockets, no clocks and no sample data: only group counts, versions and ordering keys.
 
 Counting is in groups. `accepted` is every group issued and not dropped (trained, waiting, in flight or

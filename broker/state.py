@@ -1,7 +1,7 @@
 """The broker's books: groups, the dispatch queue (partial buffer + fresh samples), leases, complete
 groups, the unacked batch and the ledger.
 
-`BrokerState` is a deterministic state machine driven by the server's message handlers: every method is
+`BrokerState` is a deterministic state machine driven by the broker core (`broker.core`): every method is
 one protocol event (issue, lease, result, reclaim, batch, ack) and keeps per-group status counts up to
 date so the policy's `PoolCounts` and the ledger cost O(1). It never touches sockets or clocks (times are
 passed in), so it is tested directly and snapshotted whole by `broker.snapshot`.
