@@ -189,18 +189,19 @@ class BrokerCore:
         samples: Sequence[Sample],
         credit: int,
         now: float,
-        vouched: Sequence[bool] = (),
+        vouched: Sequence[bool] | None = None,
     ) -> list[Decision]:
         """Samples returned on their leases (finished, failed or interrupted), with `credit` freed slots;
-        then the freed slots are leased at once (no training work once the round is complete)."""
+        then the freed slots are leased at once (no training work once the round is complete).
+        `vouched`: per sample, already checked against its lease (`on_result`); None: none was."""
         peer = self.workers.peers[worker_id]
         settled: list[Sample] = []
-        for i, (lease_id, sample) in enumerate(zip(lease_ids, samples, strict=True)):
+        checked = [False] * len(samples) if vouched is None else vouched
+        for lease_id, sample, ok in zip(lease_ids, samples, checked, strict=True):
             try:
                 if self.evals.owns(lease_id):
                     accepted = self.evals.accept_result(worker_id, lease_id, sample, self.state.version)
                 else:
-                    ok = i < len(vouched) and vouched[i]
                     accepted = self.state.accept_result(worker_id, lease_id, sample, vouched=ok)
                     if sample.status in SETTLED:  # for good: logged now, not in every snapshot after
                         settled.append(sample)

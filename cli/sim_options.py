@@ -139,6 +139,8 @@ def sweep_points(specs: list[str], config: Config) -> list[dict[str, str]]:
             raise ConfigError(
                 f"--sweep {spec!r}: expected section.key=V1,V2,... (any config field, or {ENGINES}=...)"
             )
+        if key == "run.mode":
+            raise ConfigError(f"--sweep {spec!r}: the modes are --modes (run.mode of each run)")
         if any(k == key for k, _ in itertools.chain(*axes)):
             raise ConfigError(f"--sweep {spec!r}: {key} is swept twice")
         for _, value in axis:

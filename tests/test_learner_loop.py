@@ -162,7 +162,8 @@ def test_each_step_trains_publishes_checkpoints_and_acks_last(run: tuple[Cluster
             ("save", step + 1, version + 1, batch_id),
         ]
     assert trainer.calls == expected
-    assert served.broker.core.batches_acked == 3 and served.broker.core.state.batch is None  # every batch acked
+    core = served.broker.core
+    assert core.batches_acked == 3 and core.state.batch is None  # every batch acked
     assert [(x["step"], x["version"], x["samples"]) for x in metrics(c)] == [(0, 1, N), (1, 2, N), (2, 3, N)]
     assert json.loads((c.run_dir / "summary.json").read_text())["steps"] == 3
     state = json.loads((c.run_dir / STATE_FILE).read_text())

@@ -348,6 +348,8 @@ def test_a_sweep_is_a_grid_over_any_config_field_checked_as_set_checks_it() -> N
     ]:
         with pytest.raises(ConfigError, match=match):
             sweep_points([bad], base)
+    with pytest.raises(ConfigError, match="--modes"):
+        sweep_points(["run.mode=sync,async"], base)
     with pytest.raises(ConfigError, match="swept twice"):
         sweep_points(["run.seed=1", "run.seed=2"], base)
 
