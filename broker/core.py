@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from april import protocol
-from april.config import Config
+from april.config import Config, ConfigError
 from april.data import PromptRecord
 from april.records import SETTLED, Sample
 from april.weights_uri import WEIGHT_TRANSPORTS
@@ -80,6 +80,13 @@ class BrokerCore:
     ) -> None:
         self.config = config
         self.cfg = config.broker
+        batch_samples = config.algo.rollout_batch_size * config.algo.n_samples_per_prompt
+        if self.cfg.max_buffered_samples < batch_samples:  # issuing would stop short of every batch
+            raise ConfigError(
+                f"broker.max_buffered_samples = {self.cfg.max_buffered_samples}: fewer samples than one "
+                f"batch holds (algo.rollout_batch_size x algo.n_samples_per_prompt = {batch_samples}), "
+                "so no batch could ever form"
+            )
         self.state = state
         state.max_live_samples = self.cfg.max_buffered_samples
         run = config.run

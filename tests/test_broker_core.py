@@ -19,7 +19,7 @@ from sim_setup import sim_config
 
 from actors.lengths import LengthSpec
 from april import protocol
-from april.config import AlgoConfig, Config, Mode, RunConfig
+from april.config import AlgoConfig, Config, ConfigError, Mode, RunConfig, replace_fields
 from april.data import SyntheticPromptSource
 from april.engine_cost import EngineCost
 from april.records import FinishReason, Sample
@@ -96,6 +96,21 @@ def test_a_new_version_aborts_async_work_and_leases_nothing_to_a_worker_still_lo
     core.on_weights_loaded("w0", protocol.WeightsLoaded(1, True, ""))
     resumed = leases(core.tick(1.3))
     assert sorted(resumed["w0"]) == [4, 5, 6, 7]  # the four partials, leased again under new ids
+
+
+def test_a_buffer_smaller_than_a_batch_is_refused_by_name() -> None:
+    """broker.max_buffered_samples bounds the samples held; below one batch's, issuing stops short of
+    every batch: the broker (and the simulator) refuse such a config at the start, in one line."""
+    algo = AlgoConfig(rollout_batch_size=4, over_sampling_batch_size=4, n_samples_per_prompt=4)
+    config = replace_fields(Config(algo=algo), {"broker.max_buffered_samples": "15"})
+    with pytest.raises(ConfigError, match=r"broker\.max_buffered_samples = 15: .* = 16\)"):
+        BrokerCore(config, BrokerState(Mode.ASYNC, algo, SyntheticPromptSource(50)), (), 0.0)
+    BrokerCore(
+        replace_fields(config, {"broker.max_buffered_samples": "16"}),
+        BrokerState(Mode.ASYNC, algo, SyntheticPromptSource(50)),
+        (),
+        0.0,
+    )
 
 
 def test_the_same_events_give_the_same_decisions() -> None:

@@ -99,6 +99,8 @@ CASES = [
     case("simulate", "malformed --set", "simulate --set run.steps", "--set", "run.steps"),
     case("simulate", "unknown config key", "simulate --set run.bogus=1", "bogus"),
     case("simulate", "bad config value", "simulate --set algo.max_staleness=-1", "algo.max_staleness", "-1"),
+    case("simulate", "buffer below a batch", "simulate --set broker.max_buffered_samples=100",
+         "broker.max_buffered_samples = 100", "256"),
 
     case("generate", "missing prompts", f"generate --engine sim --prompts {M}/p.jsonl", "--prompts",
          f"{M}/p.jsonl"),
