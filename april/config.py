@@ -45,7 +45,7 @@ class Algorithm(enum.StrEnum):
 
 class OverSampling(enum.StrEnum):
     FIXED = "fixed"  # every april round keeps over_sampling_batch_size groups
-    AUTO = "auto"  # each round's target is planned from observed lengths, capped there (april/round_plan.py)
+    AUTO = "auto"  # each round's target is planned from observed lengths, capped there (broker/round_plan.py)
 
 
 class PromptOrder(enum.StrEnum):

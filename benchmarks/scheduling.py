@@ -6,8 +6,8 @@ recurs every few steps, so the length history has something to learn), it simula
 `RUNS` for `--steps` learner steps and `--seeds` seeds on the paper-like cluster (8 engines x 64 slots,
 32 x 8 samples, the cost model's defaults) and reports, per run, samples/s over the same seed's sync run
 (mean and min-max over seeds), the staleness of trained samples (mean, max) and the slot utilisation.
-The simulator drives the broker's own books and policy (broker/sim/model.py), and `april bench --engine
-sim` checks it against real processes (docs/bench.md: within a few percent).
+The simulator drives the broker's own core (broker/core.py, from broker/sim/model.py), and `april bench
+--engine sim` checks it against real processes (docs/bench.md: within a few percent).
 
 A run is (label, mode, "section.key" overrides as `--set` takes them); the `april simulate` command
 equivalent to each is printed in the report. Writes OUT JSON; not a test: nothing is asserted.
@@ -30,9 +30,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from april.config import AlgoConfig, Config, Mode, ResumeKV, replace_fields  # noqa: E402
+from april.config import Mode, replace_fields  # noqa: E402
 from broker.sim.model import SimConfig, simulate  # noqa: E402
-from cli.simulate_cmd import resolve_lengths  # noqa: E402
+from cli.sim_options import paper_config, resolve_lengths  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,29 +72,27 @@ CORRELATED = (0.8, 256)  # prompt_corr, dataset_size of the correlated setting (
 
 
 def simulate_run(r: Run, workload: str, corr: tuple[float, int], seed: int, steps: int, small: bool) -> Any:
-    base = AlgoConfig(
-        rollout_batch_size=4 if small else 32,
-        over_sampling_batch_size=8 if small else 64,
-        n_samples_per_prompt=2 if small else 8,
-        max_new_tokens=WORKLOADS[workload],
-    )
+    """One run: `april simulate`'s base layer (the paper's setting), the workload and the run's fields."""
+    fields: dict[str, object] = {
+        "run.mode": r.mode.value,
+        "run.steps": steps,
+        "run.seed": seed,
+        "algo.max_new_tokens": WORKLOADS[workload],
+        "worker.sim_prompt_corr": corr[0],
+        "data.synthetic_size": corr[1],
+    }
+    if small:
+        fields |= {
+            "algo.rollout_batch_size": 4,
+            "algo.over_sampling_batch_size": 8,
+            "algo.n_samples_per_prompt": 2,
+            "worker.slots": 8,
+        }
     overrides = dict(r.overrides)
-    resume_kv = ResumeKV(overrides.pop("worker.resume_kv", ResumeKV.RECOMPUTE.value))
     if small and "algo.over_sampling_batch_size" in overrides:
         overrides["algo.over_sampling_batch_size"] = str(int(overrides["algo.over_sampling_batch_size"]) // 8)
-    algo = replace_fields(Config(algo=base), overrides).algo
-    cfg = SimConfig(
-        r.mode,
-        algo,
-        engines=1 if small else 8,
-        slots=8 if small else 64,
-        steps=steps,
-        seed=seed,
-        prompt_corr=corr[0],
-        dataset_size=corr[1],
-        resume_kv=resume_kv,
-    )
-    return simulate(cfg, resolve_lengths(workload))
+    config = replace_fields(replace_fields(paper_config(), fields), overrides)
+    return simulate(SimConfig(config, engines=1 if small else 8), resolve_lengths(workload))
 
 
 def command(r: Run, workload: str, corr: tuple[float, int], steps: int) -> str:

@@ -1,6 +1,6 @@
 """Evaluation on the held-out prompts: when the broker evaluates, the evaluation leases and the result.
 
-An evaluation runs the fixed held-out prompts (`april.heldout`) once each, greedily, under the weights
+An evaluation runs the fixed held-out prompts (`broker.heldout`) once each, greedily, under the weights
 version that triggered it: the starting weights (v0) when a run starts, after the learner publishes version
 v with `v % run.eval_every == 0`, and after the final version `run.steps`. One evaluation runs at a time;
 one that falls due meanwhile starts when it finishes, at the broker's version then. Its samples live here,
@@ -18,14 +18,14 @@ from (`oldest_version`, `newest_version`: a version published mid-evaluation may
 Accuracy is the fraction of held-out prompts whose response FINISHED with reward > 0 (the learner's
 `accuracy` rule; a FAILED sample counts as wrong).
 
-No sockets, no clocks: the server calls `on_version`, `take_work`, `accept_result` and `reclaim`.
+No sockets, no clocks: the broker core calls `on_version`, `take_work`, `accept_result` and `reclaim`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +153,10 @@ class Evaluations:
         if self.run is None:
             return []
         return [lease_id for lease_id, (worker, _) in self.run.leases.items() if worker == worker_id]
+
+    def leases_by_worker(self) -> Counter[str]:
+        """Evaluation leases held per worker."""
+        return Counter(worker for worker, _ in self.run.leases.values()) if self.run else Counter()
 
     def reclaim(self, lease_id: int) -> None:
         """Put a leased sample back as it was leased (its worker died, left or kept it past an abort)."""

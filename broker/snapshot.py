@@ -36,8 +36,7 @@ from april.codec import Int64Array, ProtocolError, decode_body, decode_file_vers
 from april.config import AlgoConfig, Mode
 from april.data import PromptSource
 from april.files import fsync_dir
-from april.length_history import HistoryWire, LengthHistory
-from april.records import SETTLED, Sample, SampleStatus
+from april.records import SETTLED, Sample
 from april.wire_records import SampleBatch
 from broker.complete_log import (
     CompleteLog,
@@ -47,6 +46,7 @@ from broker.complete_log import (
     record_parts,
     write_parts,
 )
+from broker.length_history import HistoryWire, LengthHistory
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, WaitingPrompt
 
 SNAPSHOT_FORMAT = 4  # the state file's codec version (log records have their own: complete_log); 2: the
@@ -358,11 +358,7 @@ def restore(snap: BrokerSnapshot, mode: Mode, algo: AlgoConfig, source: PromptSo
         state.groups[gid] = entry
         if gid in finished:
             continue
-        state.unfinished[gid] = entry
-        state._moved("done", entry.state)
-        for s in samples:
-            if s.status in (SampleStatus.PENDING, SampleStatus.INTERRUPTED):
-                state.queue.push(s.key, s.min_version)
+        state.restore_unfinished(entry)
     for lease_id, worker, at_lease in zip(
         snap.lease_ids.tolist(), snap.lease_workers, snap.leased_at.to_samples(), strict=True
     ):

@@ -1,7 +1,7 @@
 """The broker's books: groups, the dispatch queue (partial buffer + fresh samples), leases, complete
 groups, the unacked batch and the ledger.
 
-`BrokerState` is a deterministic state machine driven by the server's message handlers: every method is
+`BrokerState` is a deterministic state machine driven by the broker core (`broker.core`): every method is
 one protocol event (issue, lease, result, reclaim, batch, ack) and keeps per-group status counts up to
 date so the policy's `PoolCounts` and the ledger cost O(1). It never touches sockets or clocks (times are
 passed in), so it is tested directly and snapshotted whole by `broker.snapshot`.
@@ -13,6 +13,7 @@ lease granted after the snapshot can never match a lease granted after the resta
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,11 +21,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from april import policy
 from april.config import AlgoConfig, Mode, OverSampling, PromptOrder
 from april.data import PromptRecord, PromptSource
 from april.ledger import Ledger, LedgerError
-from april.length_history import LengthHistory
 from april.records import (
     FINISHED_CODE,
     INTERRUPTED_CODE,
@@ -35,13 +34,26 @@ from april.records import (
     SampleStatus,
     new_group_samples,
 )
-from april.round_plan import CarriedGroup, plan_round_target
 from april.wire_records import SampleBatch
+from broker import policy
+from broker.length_history import LengthHistory
 from broker.result_check import ResultRejected, check_continues, plainly_valid
+from broker.round_plan import CarriedGroup, plan_round_target
 
 LEASE_EPOCH_SHIFT = 40
 _STATUSES = len(SampleStatus)
 VOUCH_MIN_SAMPLES = 16  # plainly_valid's fixed cost is about that of checking this many samples singly
+
+
+class GroupState(enum.Enum):
+    """Where a live group stands, from its samples' statuses."""
+
+    IN_FLIGHT = "in_flight"  # a sample leased or queued for a first lease
+    PARTIAL = "partial"  # none running, some interrupted waiting to resume
+    DONE = "done"  # every sample finished or failed: about to be completed or dropped
+
+
+IN_FLIGHT, PARTIAL, DONE = GroupState.IN_FLIGHT, GroupState.PARTIAL, GroupState.DONE  # read per sample
 
 
 @dataclass(slots=True)
@@ -55,7 +67,8 @@ class GroupEntry:
     prompt_index: int = -1  # the prompt's position in the dataset (-1: unknown), for the length history
     # min_version() until a sample changes: a complete group never does, and every batch formed asks it
     # of every complete group (O(pool) scans of the samples' segments were a tenth of the broker's time)
-    _min_version: int | bool | None = field(default=False, repr=False)
+    _min_version: int | None = field(default=None, repr=False)
+    _min_version_known: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         # a list indexed by the plain codes, not a Counter: the books read and update these several times
@@ -66,35 +79,36 @@ class GroupEntry:
         self.counts = counts
 
     @property
-    def state(self) -> str:
+    def state(self) -> GroupState:
         c = self.counts
         if c[RUNNING_CODE] or c[PENDING_CODE]:
-            return "in_flight"
+            return IN_FLIGHT
         if c[INTERRUPTED_CODE]:
-            return "partial"
-        return "done"  # every sample finished or failed: about to be completed or dropped
+            return PARTIAL
+        return DONE
 
     def set(self, sample: Sample) -> None:
         old = self.samples[sample.index]
         self.counts[old.status] -= 1
         self.counts[sample.status] += 1
         self.samples[sample.index] = sample
-        self._min_version = False
+        self._min_version_known = False
 
     def start(self, running: list[Sample]) -> None:
         """`set` each of its first len(running) samples, all PENDING, to their leased (RUNNING) form."""
         self.samples[: len(running)] = running
         self.counts[PENDING_CODE] -= len(running)
         self.counts[RUNNING_CODE] += len(running)
-        self._min_version = False
+        self._min_version_known = False
 
     def as_group(self) -> Group:
         return Group(self.group_id, tuple(self.samples))
 
     def min_version(self) -> int | None:
-        if self._min_version is False:
+        if not self._min_version_known:
             self._min_version = self.as_group().min_version()
-        return None if isinstance(self._min_version, bool) else self._min_version
+            self._min_version_known = True
+        return self._min_version
 
 
 class LeaseEntry(NamedTuple):
@@ -136,6 +150,28 @@ class RoundCounters:
     resumed: int = 0  # samples leased with a partial response
     tokens_generated: int = 0  # new response tokens received
     samples_finished: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BooksView:
+    """The books' figures at one moment, for the status (`BrokerState.view`)."""
+
+    mode: Mode
+    version: int
+    epoch: int
+    cursor: int
+    round_open: bool
+    in_flight_groups: int
+    partial_groups: int
+    complete_groups: int
+    leased_samples: int
+    queued_samples: int
+    partial_buffer: int  # interrupted samples waiting to resume
+    partial_staleness: dict[int, int]  # partials with tokens, by staleness against `version`
+    leases: dict[str, int]  # leases held per worker (with the evaluation's given to `view`)
+    unacked: PendingBatch | None
+    ledger: Ledger
+    totals: RoundCounters
 
 
 class BrokerState:
@@ -205,11 +241,11 @@ class BrokerState:
         ledger.check(where)
         states = Counter(g.state for g in self.unfinished.values())
         handed = len(self.batch.group_ids) if self.batch else 0
-        recount = (states["in_flight"], states["partial"])
-        if recount != (self.in_flight, self.partial) or states["done"]:
+        recount = (states[IN_FLIGHT], states[PARTIAL])
+        if recount != (self.in_flight, self.partial) or states[DONE]:
             raise LedgerError(
                 f"group counters drifted {where}: counted {(self.in_flight, self.partial)}, "
-                f"recount of the unfinished groups {dict(states)}"
+                f"recount of the unfinished groups { ({k.value: n for k, n in states.items()}) }"
             )
         if len(self.unfinished) + len(self.complete) + handed != len(self.groups):
             raise LedgerError(
@@ -229,16 +265,25 @@ class BrokerState:
         for gid in order:
             self.batch_order.add(gid, self.groups[gid].min_version())
 
-    def _moved(self, before: str, after: str) -> None:
-        if before == after:
+    def restore_unfinished(self, entry: GroupEntry) -> None:
+        """A snapshot's group that is still generating (its entry in `groups` already): counted, and its
+        samples that wait for a lease queued."""
+        self.unfinished[entry.group_id] = entry
+        self._moved(DONE, entry.state)
+        for s in entry.samples:
+            if s.status in (SampleStatus.PENDING, SampleStatus.INTERRUPTED):
+                self.queue.push(s.key, s.min_version)
+
+    def _moved(self, before: GroupState, after: GroupState) -> None:
+        if before is after:
             return
         for state, delta in ((before, -1), (after, 1)):
-            if state == "in_flight":
+            if state is IN_FLIGHT:
                 self.in_flight += delta
-            elif state == "partial":
+            elif state is PARTIAL:
                 self.partial += delta
 
-    def _update(self, entry: GroupEntry, sample: Sample) -> str:
+    def _update(self, entry: GroupEntry, sample: Sample) -> GroupState:
         """Put `sample` in its group and count the group's move; returns the group's new state."""
         before = entry.state
         entry.set(sample)
@@ -249,6 +294,35 @@ class BrokerState:
     @property
     def leased_samples(self) -> int:
         return len(self.leases)
+
+    def view(self, other_leases: Counter[str] | None = None) -> BooksView:
+        """The figures the status shows; `other_leases`: leases held outside the books (evaluations)."""
+        partials = self.partial_samples()
+        staleness = Counter(s.staleness(self.version) for s in partials if s.response_len)
+        leases = Counter(lease.worker_id for lease in self.leases.values())
+        leases.update(other_leases or {})
+        return BooksView(
+            mode=self.mode,
+            version=self.version,
+            epoch=self.epoch,
+            cursor=self.cursor,
+            round_open=self.round_open,
+            in_flight_groups=self.in_flight,
+            partial_groups=self.partial,
+            complete_groups=len(self.complete),
+            leased_samples=len(self.leases),
+            queued_samples=len(self.queue),
+            partial_buffer=len(partials),
+            partial_staleness=dict(sorted(staleness.items())),
+            leases=dict(leases),
+            unacked=self.batch,
+            ledger=self.ledger(),
+            totals=dataclasses.replace(self.totals),
+        )
+
+    def buffered_tokens(self) -> int:
+        """Response tokens held: partials, complete groups, an unacked batch. O(samples held)."""
+        return sum(s.response_len for g in self.groups.values() for s in g.samples)
 
     def partial_samples(self) -> list[Sample]:
         return [
@@ -487,7 +561,7 @@ class BrokerState:
             self.totals.samples_finished += 1
             if status == FINISHED_CODE:
                 self.history.record(entry.prompt_index, length)
-            if after == "done":
+            if after is DONE:
                 self._complete_group(entry)
         return new_tokens
 
@@ -582,7 +656,7 @@ class BrokerState:
         return True
 
     def plan_round(self, slots: int, seed: int) -> None:
-        """april with `over_sampling = "auto"`: choose the opening round's target (april/round_plan.py)
+        """april with `over_sampling = "auto"`: choose the opening round's target (broker/round_plan.py)
         from the live groups, the observed lengths and `slots`; otherwise the configured one."""
         if self.mode != Mode.APRIL or self.algo.over_sampling != OverSampling.AUTO:
             self.planned_target = None

@@ -1,18 +1,19 @@
 """The broker's status record (`april.status.BrokerStatus`): what `april status` prints and the PUB socket
-publishes, built from the broker's books and peer registry; and the run's totals the broker leaves in the
-run directory when it stops.
+publishes, built from a `StatusView` the server gathers (the books' figures, the round, the worker
+registry, the learner session, the evaluations and the rejection counts).
 
-Read-only: reads the broker's books, changes nothing. The record's shape and its wire and JSON forms are
-`april.status`'s.
+Read-only: a mapping of the view, changing nothing and knowing nothing of the Broker. The record's shape
+and its wire and JSON forms are `april.status`'s.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from april.status import (
     BrokerStatus,
+    EvalStatus,
     LearnerStatus,
     Rejected,
     RoundStatus,
@@ -20,63 +21,78 @@ from april.status import (
     UnackedBatch,
     WorkerStatus,
 )
+from broker.core import RoundView
+from broker.peers import LearnerPeer, Rejections, WorkerPeer
+from broker.state import BooksView
 
-if TYPE_CHECKING:
-    from broker.server import Broker
+
+@dataclass(frozen=True, slots=True)
+class StatusView:
+    """What the status shows, gathered by the server at one moment."""
+
+    run: str
+    steps: int
+    uptime_s: float
+    books: BooksView
+    round: RoundView
+    workers: Iterable[WorkerPeer]
+    liveness_window_s: float  # a worker heard from within it is alive
+    learner: LearnerPeer | None
+    learner_waiting: bool
+    learner_metrics: Mapping[str, float]
+    batches_acked: int
+    eval: EvalStatus | None
+    rejections: Rejections
 
 
-def build_status(broker: Broker, now: float) -> BrokerStatus:
-    state = broker.state
-    partials = state.partial_samples()
-    staleness = Counter(s.staleness(state.version) for s in partials if s.response_len)
-    learner, batch, rejections = broker.learner, state.batch, broker.rejections
-    ledger = state.ledger()
+def build_status(view: StatusView, now: float) -> BrokerStatus:
+    books, learner, batch, rejections = view.books, view.learner, view.books.unacked, view.rejections
     return BrokerStatus(
-        run=broker.config.run.name,
-        steps=broker.config.run.steps,
-        mode=state.mode.value,
-        version=state.version,
-        epoch=state.epoch,
-        uptime_s=round(now - broker.started, 3),
+        run=view.run,
+        steps=view.steps,
+        mode=books.mode.value,
+        version=books.version,
+        epoch=books.epoch,
+        uptime_s=round(view.uptime_s, 3),
         round=RoundStatus(
-            id=broker.round_id,
-            open=state.round_open,
-            aborting=broker.abort is not None,
-            aborts_done=broker.aborts_done,
+            id=view.round.round_id,
+            open=view.round.open,
+            aborting=view.round.aborting,
+            aborts_done=view.round.aborts_done,
         ),
-        workers=_workers(broker, now),
+        workers=_workers(view, now),
         learner=None
         if learner is None
         else LearnerStatus(
             id=learner.peer_id,
             last_seen_s=round(now - learner.last_seen, 3),
-            waiting_for_batch=broker.learner_waiting is not None,
+            waiting_for_batch=view.learner_waiting,
             phase="" if learner.phase is None else learner.phase.name.lower().replace("_", " "),
             phase_detail=learner.phase_detail,
             phase_s=0.0 if learner.phase is None else round(now - learner.phase_since, 3),
             engine=learner.engine,
         ),
-        learner_metrics=dict(broker.learner_metrics),
-        in_flight_groups=state.in_flight,
-        leased_samples=state.leased_samples,
-        queued_samples=len(state.queue),
-        partial_groups=state.partial,
-        partial_buffer=len(partials),
-        partial_staleness={str(k): n for k, n in sorted(staleness.items())},
-        complete_groups=len(state.complete),
+        learner_metrics=dict(view.learner_metrics),
+        in_flight_groups=books.in_flight_groups,
+        leased_samples=books.leased_samples,
+        queued_samples=books.queued_samples,
+        partial_groups=books.partial_groups,
+        partial_buffer=books.partial_buffer,
+        partial_staleness={str(k): n for k, n in books.partial_staleness.items()},
+        complete_groups=books.complete_groups,
         unacked_batch=None
         if batch is None
         else UnackedBatch(batch_id=batch.batch_id, step=batch.step, groups=len(batch.group_ids)),
-        cursor=state.cursor,
-        ledger=ledger,
+        cursor=books.cursor,
+        ledger=books.ledger,
         totals=Totals(
-            aborted=state.totals.aborted,
-            resumed=state.totals.resumed,
-            tokens_generated=state.totals.tokens_generated,
-            samples_finished=state.totals.samples_finished,
-            batches_acked=broker.batches_acked,
+            aborted=books.totals.aborted,
+            resumed=books.totals.resumed,
+            tokens_generated=books.totals.tokens_generated,
+            samples_finished=books.totals.samples_finished,
+            batches_acked=view.batches_acked,
         ),
-        eval=broker.evals.status(),
+        eval=view.eval,
         rejected=Rejected(
             by_reason=dict(rejections.by_reason),
             by_peer={peer: dict(counts) for peer, counts in rejections.by_peer.items()},
@@ -84,10 +100,8 @@ def build_status(broker: Broker, now: float) -> BrokerStatus:
     )
 
 
-def _workers(broker: Broker, now: float) -> list[WorkerStatus]:
-    leases = Counter(lease.worker_id for lease in broker.state.leases.values())
-    if broker.evals.run is not None:
-        leases.update(worker_id for worker_id, _ in broker.evals.run.leases.values())
+def _workers(view: StatusView, now: float) -> list[WorkerStatus]:
+    leases = view.books.leases
     return [
         WorkerStatus(
             id=p.peer_id,
@@ -101,7 +115,7 @@ def _workers(broker: Broker, now: float) -> list[WorkerStatus]:
             host=p.host,
             last_seen_s=round(now - p.last_seen, 3),
             restored=p.restored,
-            alive=broker.workers.alive(p, now),
+            alive=now - p.last_seen <= view.liveness_window_s,
             engine_ok=p.engine_ok,
             engine_detail=p.engine_detail,
             failed_by_engine=p.failed_by_engine,
@@ -112,23 +126,5 @@ def _workers(broker: Broker, now: float) -> list[WorkerStatus]:
             samples_returned=p.samples_returned,
             placement=p.placement,
         )
-        for p in broker.workers.peers.values()
+        for p in view.workers
     ]
-
-
-def run_totals(broker: Broker) -> dict[str, Any]:
-    """What the broker saw so far: taken when the run's last step is acked and when the broker stops,
-    both written to RUN_DIR/broker_totals.json (for `april bench`): tokens generated and still held
-    (`buffered_tokens`: partials, complete groups, an unacked batch), aborts and resumes, and the
-    workers' slot integrals (broker.usage)."""
-    state = broker.state
-    return {
-        "tokens_generated": state.totals.tokens_generated,
-        "buffered_tokens": sum(s.response_len for g in state.groups.values() for s in g.samples),
-        "trained_groups": state.trained,
-        "aborted": state.totals.aborted,
-        "resumed": state.totals.resumed,
-        "samples_finished": state.totals.samples_finished,
-        "usage": broker.usage.total.stats(),
-        "ledger": state.ledger().to_json(),
-    }

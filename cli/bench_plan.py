@@ -1,54 +1,77 @@
 """What `april bench` runs: one setting, turned into the run config of each mode and the simulator's
 prediction of the same runs.
 
-Owns `BenchSetting` (workload, batch sizes, engines x slots, cost model, learner step, seed, steps),
-`run_config` (the `Config` a mode's `april up` run gets: the same prompts, seed, engine settings and
-number of steps in every mode; only `run.mode` differs) and, for `--engine sim`, `predict` (the same
-setting in `broker.sim`'s virtual time, with each sample's length drawn exactly as the sim engine draws
-it) and `choose_time_scale` (wall seconds per simulated second so the slowest mode takes about a target).
-Starts nothing.
+Owns `BenchSetting` (the engine, the modes, the base config every run starts from, the workload, the
+engines), `bench_base` (that config without `--config`: the paper's setting for the sim engine, the
+built-in task on the tiny model for torch), `run_config` (the `Config` a run's `april up` gets: the base
+with its mode and its fields, and what a benchmark run needs whatever the base says: the engine, the
+simulated learner, every engine registered before the first lease) and, for `--engine sim`, `predict`
+(each run's very config in `broker.sim`'s virtual time, each sample's length drawn exactly as the sim
+engine draws it) and `choose_time_scale` (wall seconds per simulated second so the slowest mode takes
+about a target). Starts nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from actors.factory import model_vocab_size
 from actors.lengths import LengthSpec
 from april.config import (
     AlgoConfig,
-    BrokerConfig,
     Config,
     ConfigError,
     DataConfig,
     LearnerConfig,
     Mode,
-    ResumeKV,
     RunConfig,
     WorkerConfig,
     parse_override,
     replace_fields,
 )
-from april.engine_cost import EngineCost
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
+from cli.sim_options import paper_config
 
 ENGINES = ("sim", "torch")
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = REPO / "models" / "tiny"
+TASK_WORKLOAD = "tiny-task"  # the built-in task's lengths on the tiny model (workloads/tiny-task.txt)
+DEFAULT_WORKLOAD = {"sim": "math-long-tail", "torch": TASK_WORKLOAD}
+Overrides = tuple[tuple[str, str], ...]  # ("section.key", value) as `--set` takes them
+
+
+def bench_base(engine: str) -> Config:
+    """The base config without --config. sim: the paper's setting (that of `april simulate`), 8 engines
+    x 64 slots, 5 steps. torch: the built-in task on the tiny model, everything real (8 x 8 samples,
+    over-sampling 16, 256 tokens, 32 slots, 10 steps, 32 held-out prompts)."""
+    if engine == "sim":
+        return paper_config(steps=5)
+    model = str(TINY_MODEL)
+    return Config(
+        run=RunConfig(steps=10),
+        algo=AlgoConfig(
+            rollout_batch_size=8, over_sampling_batch_size=16, n_samples_per_prompt=8, max_new_tokens=256
+        ),
+        data=DataConfig(source="task", eval_size=32),
+        worker=WorkerConfig(engine="torch", slots=32, model=model, reward="exact", torch_threads=1),
+        learner=LearnerConfig(model=model, backend="deepspeed", lr=1e-4, torch_threads=2),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class BenchRun:
     """One run of a bench: its label in bench.json (the mode's name, async-etaN or a variant's), mode and
-    settings; `overrides` ("section.key" -> value, as `--set` takes them) are applied to its config last."""
+    the fields set for it alone, applied to the base config last."""
 
     label: str
     mode: Mode
-    algo: AlgoConfig
-    overrides: tuple[tuple[str, str], ...] = ()
+    overrides: Overrides = ()
 
 
-def parse_variant(text: str, base: AlgoConfig) -> BenchRun:
+def parse_variant(text: str, base: Config) -> BenchRun:
     """--variant LABEL:MODE[:section.key=value,...]: one more run, e.g. a mode with a policy option on."""
     label, _, rest = text.partition(":")
     mode_name, _, fields_ = rest.partition(":")
@@ -62,32 +85,35 @@ def parse_variant(text: str, base: AlgoConfig) -> BenchRun:
             f"--variant {text!r}: mode {mode_name.strip()!r}, expected sync, april or async"
         ) from None
     pairs = tuple(parse_override(f) for f in fields_.split(",") if f.strip())
-    algo = replace_fields(Config(algo=base), dict(pairs)).algo  # checks every field now, in one line
-    return BenchRun(label, mode, algo, pairs)
+    replace_fields(base, dict(pairs))  # checks every field now, in one line
+    return BenchRun(label, mode, pairs)
 
 
 @dataclass(frozen=True, slots=True)
 class BenchSetting:
     engine: str  # sim | torch
     modes: tuple[Mode, ...]
-    steps: int
-    workload: str  # what --workload named (a workload, spec or file; "task" for the built-in task)
+    config: Config  # every run's config but its mode and fields (run.steps, algo, worker.slots, ...)
+    workload: str  # what --workload named (a workload, spec or file)
     lengths: LengthSpec  # the response-length distribution (sim: drawn; torch: measured, for the figure)
-    algo: AlgoConfig
     engines: int  # worker processes, one engine each
-    slots: int
-    seed: int = 0
-    cost: EngineCost = dataclasses.field(default_factory=EngineCost)  # sim engine step cost
-    learner_step_s: float = 20.0  # sim learner: simulated seconds per step
-    prompt_len: int = 256  # sim: tokens of every prompt
     time_scale: float = 1.0  # sim: wall seconds per simulated second
-    model: str = ""  # torch, or sim with real_learner: the model directory (workers and learner)
     real_learner: bool = False  # sim: train the model for real (DeepSpeed) instead of the simulated learner
-    async_staleness: tuple[int, ...] = ()  # async once per bound (eta), labelled async-etaN; () = algo's
+    async_staleness: tuple[int, ...] = ()  # async once per bound (eta), labelled async-etaN; () = config's
     variants: tuple[BenchRun, ...] = ()  # more runs after the modes' (--variant)
-    dataset_size: int = 10000  # sim: prompts in the synthetic dataset (they recur every epoch)
-    prompt_corr: float = 0.0  # sim: how much a length is its prompt's (april.sample_draw.LengthDraw)
-    resume_kv: ResumeKV = ResumeKV.RECOMPUTE  # sim: the engines' prefix caches across a weight update
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine: got {self.engine!r}, expected one of {', '.join(ENGINES)}")
+
+    @property
+    def steps(self) -> int:
+        return self.config.run.steps
+
+    @property
+    def model(self) -> str:
+        """The model a real learner trains (torch, or sim with a real learner)."""
+        return self.config.learner.model or str(TINY_MODEL)
 
     def runs(self) -> list[BenchRun]:
         """The runs, in order: one per mode, and async once per bound of `async_staleness` when it names
@@ -96,12 +122,11 @@ class BenchSetting:
         for mode in self.modes:
             if mode is Mode.ASYNC and len(self.async_staleness) > 1:
                 out += [
-                    BenchRun(f"async-eta{eta}", mode, dataclasses.replace(self.algo, max_staleness=eta))
+                    BenchRun(f"async-eta{eta}", mode, (("algo.max_staleness", str(eta)),))
                     for eta in self.async_staleness
                 ]
             else:
-                eta = self.async_staleness[0] if self.async_staleness else self.algo.max_staleness
-                out.append(BenchRun(mode.value, mode, dataclasses.replace(self.algo, max_staleness=eta)))
+                out.append(BenchRun(mode.value, mode))
         labels = [r.label for r in out]
         for v in self.variants:
             if v.label in labels:
@@ -109,12 +134,9 @@ class BenchSetting:
             labels.append(v.label)
         return out + list(self.variants)
 
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ValueError(f"--engine: got {self.engine!r}, expected one of {', '.join(ENGINES)}")
-
     def to_json(self) -> dict[str, object]:
-        a = self.algo
+        c = self.config
+        a, w = c.algo, c.worker
         out: dict[str, object] = {
             "engine": self.engine,
             "workload": self.workload,
@@ -125,24 +147,25 @@ class BenchSetting:
             "max_new_tokens": a.max_new_tokens,
             "max_staleness": a.max_staleness,
             "async_staleness": list(self.async_staleness) or [a.max_staleness],
-            "steps": self.steps,
-            "seed": self.seed,
+            "steps": c.run.steps,
+            "seed": c.run.seed,
             "engines": self.engines,
-            "slots": self.slots,
+            "slots": w.slots,
         }
         if self.engine == "sim":
+            cost = w.sim_cost
             out.update(
-                decode_ms=self.cost.decode_ms,
-                decode_ms_per_seq=self.cost.decode_ms_per_seq,
-                prefill_ms_per_token=self.cost.prefill_ms_per_token,
-                prefix_cache_tokens=self.cost.prefix_cache_tokens,
-                resume_kv=self.resume_kv.value,
+                decode_ms=cost.decode_ms,
+                decode_ms_per_seq=cost.decode_ms_per_seq,
+                prefill_ms_per_token=cost.prefill_ms_per_token,
+                prefix_cache_tokens=cost.prefix_cache_tokens,
+                resume_kv=w.resume_kv.value,
                 resume_affinity=a.resume_affinity,
-                learner_step_s=self.learner_step_s,
-                prompt_len=self.prompt_len,
+                learner_step_s=c.learner.sim_step_s,
+                prompt_len=c.data.synthetic_prompt_len_max,
                 time_scale=self.time_scale,
-                dataset_size=self.dataset_size,
-                prompt_corr=self.prompt_corr,
+                dataset_size=c.data.synthetic_size,
+                prompt_corr=w.sim_prompt_corr,
             )
             out["learner"] = "real" if self.real_learner else "sim"
         if self.engine == "torch" or self.real_learner:
@@ -152,22 +175,37 @@ class BenchSetting:
         return out
 
 
+def run_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
+    """The `april up` config of one run (ports are the runner's): the base with the run's mode and fields,
+    and what every benchmark run needs: every engine registered before the first lease (as simulated), no
+    checkpoints or TensorBoard; sim: the sim engine with the workload and time scale, the simulated
+    learner (or, with a real learner, the model on the sim engine's tokens); torch: one evaluation at the
+    end (and the broker's baseline at v0, the same work in every mode) gives accuracy_final."""
+    c = setting.config
+    run = dataclasses.replace(c.run, name=name, mode=bench_run.mode)
+    broker = dataclasses.replace(c.broker, min_workers=setting.engines)
+    learner = dataclasses.replace(c.learner, checkpoint_every=0, tensorboard=False)
+    worker, data = c.worker, c.data
+    if setting.engine == "sim":
+        worker = dataclasses.replace(
+            worker, engine="sim", sim_lengths=setting.lengths.describe(), sim_time_scale=setting.time_scale
+        )
+        learner = dataclasses.replace(learner, backend="sim")
+        if setting.real_learner:  # sim tokens the model can train on: its vocabulary, its tokenizer
+            model = setting.model
+            data = dataclasses.replace(data, synthetic_vocab_size=model_vocab_size(model))
+            worker = dataclasses.replace(worker, model=model)
+            learner = dataclasses.replace(learner, model=model, backend="deepspeed", lr=1e-4, torch_threads=2)
+    else:
+        worker = dataclasses.replace(worker, engine="torch")
+        run = dataclasses.replace(run, eval_every=run.steps)
+    config = dataclasses.replace(c, run=run, data=data, broker=broker, worker=worker, learner=learner)
+    return replace_fields(config, dict(bench_run.overrides))
+
+
 def sim_config(setting: BenchSetting, run: BenchRun) -> SimConfig:
-    return SimConfig(
-        run.mode,
-        run.algo,
-        engines=setting.engines,
-        slots=setting.slots,
-        cost=setting.cost,
-        learner_step_s=setting.learner_step_s,
-        steps=setting.steps,
-        prompt_len=setting.prompt_len,
-        seed=setting.seed,
-        per_sample_lengths=True,
-        dataset_size=setting.dataset_size,
-        prompt_corr=setting.prompt_corr,
-        resume_kv=ResumeKV(dict(run.overrides).get("worker.resume_kv", setting.resume_kv)),
-    )
+    """The simulation of one run: the very config that run gets, on as many engines."""
+    return SimConfig(run_config(setting, run, run.label), engines=setting.engines, per_sample_lengths=True)
 
 
 def predict(setting: BenchSetting) -> dict[str, Figures]:
@@ -180,53 +218,3 @@ def choose_time_scale(predicted: dict[str, Figures], target_s: float) -> float:
     """Wall seconds per simulated second so that the slowest mode's run takes about `target_s`."""
     longest = max(f.wall_s for f in predicted.values())
     return target_s / longest if longest > 0 else 1.0
-
-
-def run_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
-    """The `april up` config of one run (ports are the runner's)."""
-    return replace_fields(_base_config(setting, bench_run, name), dict(bench_run.overrides))
-
-
-def _base_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
-    run = RunConfig(name=name, seed=setting.seed, steps=setting.steps, mode=bench_run.mode)
-    broker = BrokerConfig(min_workers=setting.engines)  # every engine starts together, as simulated
-    learner = LearnerConfig(checkpoint_every=0, tensorboard=False)
-    if setting.engine == "sim":
-        data = DataConfig(
-            source="synthetic",
-            synthetic_prompt_len_min=setting.prompt_len,
-            synthetic_prompt_len_max=setting.prompt_len,
-            synthetic_size=setting.dataset_size,
-            eval_size=0,
-        )
-        worker = WorkerConfig(
-            engine="sim",
-            slots=setting.slots,
-            reward="exact",
-            sim_lengths=setting.lengths.describe(),
-            sim_time_scale=setting.time_scale,
-            sim_decode_ms=setting.cost.decode_ms,
-            sim_decode_ms_per_seq=setting.cost.decode_ms_per_seq,
-            sim_prefill_ms_per_token=setting.cost.prefill_ms_per_token,
-            sim_prompt_corr=setting.prompt_corr,
-            sim_prefix_cache_tokens=setting.cost.prefix_cache_tokens,
-            resume_kv=setting.resume_kv,
-        )
-        learner = dataclasses.replace(learner, backend="sim", sim_step_s=setting.learner_step_s)
-        if setting.real_learner:  # sim tokens the model can train on: its vocabulary, its tokenizer
-            vocab = model_vocab_size(setting.model)
-            data = dataclasses.replace(data, synthetic_vocab_size=vocab)
-            worker = dataclasses.replace(worker, model=setting.model)
-            learner = dataclasses.replace(
-                learner, model=setting.model, backend="deepspeed", lr=1e-4, torch_threads=2
-            )
-        return Config(run=run, algo=bench_run.algo, data=data, broker=broker, worker=worker, learner=learner)
-    # torch: the built-in task on the model, everything real; one evaluation at the end (and the
-    # broker's baseline at v0, the same work in every mode) gives accuracy_final
-    run = dataclasses.replace(run, eval_every=setting.steps)
-    data = DataConfig(source="task", eval_size=32)
-    worker = WorkerConfig(
-        engine="torch", slots=setting.slots, model=setting.model, reward="exact", torch_threads=1
-    )
-    learner = dataclasses.replace(learner, model=setting.model, backend="deepspeed", lr=1e-4, torch_threads=2)
-    return Config(run=run, algo=bench_run.algo, data=data, broker=broker, worker=worker, learner=learner)

@@ -15,7 +15,7 @@ from cli.bench_cmd import bench_command
 from cli.broker_cmd import run_broker
 from cli.data_cmd import SAMPLE, TINY_MODEL, data_app
 from cli.keys_cmd import keys_app
-from cli.options import AprilGroup, resolve_config
+from cli.options import AprilGroup, ConfigOpt, SetOpt, resolve_config
 from cli.sft_cmd import sft_command, task_app
 from cli.simulate_cmd import simulate_command
 from cli.status_cmd import status_command
@@ -29,12 +29,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="TOML config file.", exists=True, dir_okay=False)
-]
-SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
-]
 ModeOpt = Annotated[Mode | None, typer.Option("--mode", help="sync | april | async (run.mode).")]
 PartialOpt = Annotated[
     bool | None,

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from typer.core import TyperGroup
@@ -36,6 +36,13 @@ from april.startup import STARTUP_EXIT, StartupError
 from broker.sim.model import SimulationError
 
 USAGE_EXIT = 2  # click's exit code for usage errors; user errors share it
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="TOML config file.", exists=True, dir_okay=False)
+]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a config field: section.key=value.")
+]
 
 
 class UserError(Exception):

@@ -1,89 +1,242 @@
-"""The options `april simulate` and `april bench --engine sim` share: the simulated cluster's cost model
-(decode step A + B x active sequences, prefill C per input token, learner step L, the engines' prefix
-caches), the prompt length, the samples per group, the staleness bound, the resume options and the
-modes. One declaration each, so the two commands cannot drift apart in meaning, help or default. The
-step cost's defaults are `april.engine_cost.EngineCost`'s, the ones the sim engine of `april up --engine
-sim` also starts from (a 4B model on one H100-class GPU per engine)."""
+"""How `april simulate` and `april bench` are configured: as every command is, plus a base layer and sweeps.
+
+Both read the run's config the usual way (`--config FILE` < APRIL_* environment < `--set section.key=value`
+< options, `cli.options.resolve_config`), so a user simulates or benchmarks the config file they train
+with. Without `--config` the base layer is not the dataclass defaults but `paper_config`: the paper's
+setting on a GPU-like simulated cluster (32 x 8 samples, over-sampling 64, 16k tokens, the sim engine's
+cost `april.engine_cost.DEFAULT_COST`, a 20 s learner step). The options below that name a config field
+are that field, nothing more (the ones the documented commands use); `--sweep section.key=V1,V2,...`
+runs every value of any field (several make a grid). The simulated cluster's size (`--engines`) is the one
+setting no config field holds (`april up --workers`).
+"""
 
 from __future__ import annotations
 
+import itertools
+import tempfile
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from april.config import OverSampling, PromptOrder, ResumeKV
-from april.engine_cost import DEFAULT_COST
+from actors.lengths import EmpiricalLength, LengthSpec
+from april.config import (
+    AlgoConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    Mode,
+    OverSampling,
+    PromptOrder,
+    ResumeKV,
+    RunConfig,
+    WorkerConfig,
+    config_to_dict,
+    replace_fields,
+    write_config,
+)
+from cli.options import UserError, resolve_config
 
-COST = DEFAULT_COST  # the default step cost (A, B, C)
-LEARNER_STEP_S = 20.0  # default simulated learner step (train + publish), s
-PROMPT_LEN = 256  # default prompt tokens of every simulated sample
-DATASET_SIZE = 10000  # default prompts in the simulated dataset (data.synthetic_size's default)
+WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"
+PAPER_WORKLOAD = "math-long-tail"
 MODES = "sync,april,async"
-PANEL = "Simulated cluster (april simulate; april bench --engine sim)"
+ENGINES = "engines"  # the sweep key of the simulated cluster's size (no config field)
+PANEL = "Config fields (each the same as --set section.key=VALUE)"
 
-DecodeMs = Annotated[float, typer.Option(help="A: decode step base time, ms.", min=0, rich_help_panel=PANEL)]
-DecodeMsPerSeq = Annotated[
-    float, typer.Option(help="B: added per active sequence, ms.", min=0, rich_help_panel=PANEL)
+
+def paper_config(steps: int = 20) -> Config:
+    """The base layer without --config: the paper's setting (B = 32 groups of 8, over-sampling 64, 16k
+    tokens), 64 slots an engine of the sim engine's default cost, synthetic 256-token prompts, a 20 s
+    simulated learner step, no evaluations."""
+    return Config(
+        run=RunConfig(name="paper", steps=steps),
+        algo=AlgoConfig(
+            rollout_batch_size=32,
+            over_sampling_batch_size=64,
+            n_samples_per_prompt=8,
+            max_new_tokens=16384,
+            max_staleness=1,
+        ),
+        data=DataConfig(
+            source="synthetic", synthetic_prompt_len_min=256, synthetic_prompt_len_max=256, eval_size=0
+        ),
+        worker=WorkerConfig(
+            engine="sim", slots=64, reward="exact", sim_lengths=resolve_lengths(PAPER_WORKLOAD).describe()
+        ),
+    )
+
+
+class LengthsError(UserError, ValueError):
+    """A lengths option or field that names no workload, file or spec; one readable line."""
+
+
+def resolve_lengths(value: str, workloads: Path = WORKLOADS, option: str = "--lengths") -> LengthSpec:
+    """A workload name (workloads/NAME.toml|.txt|.jsonl), a file (.toml: a spec; any other: lengths, one
+    integer or JSON object per line), or a spec string. Errors name `option`, what gave it."""
+    for suffix in (".toml", ".txt", ".jsonl"):
+        named = workloads / f"{value}{suffix}"
+        if "/" not in value and named.is_file():
+            return _load_file(named, option)
+    path = Path(value)
+    if ":" not in value and not path.is_file():
+        names = sorted({p.stem for p in workloads.glob("*") if p.suffix in (".toml", ".txt", ".jsonl")})
+        raise LengthsError(
+            f"{option} {value!r}: no such workload or file (workloads: {', '.join(names) or 'none'}; "
+            "or a spec like lognormal:median=64,sigma=1.0,cap=512)"
+        )
+    return _load_file(path, option) if path.is_file() else LengthSpec.parse(value)
+
+
+def _load_file(path: Path, option: str) -> LengthSpec:
+    if path.suffix != ".toml":
+        return EmpiricalLength.load(str(path))
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise LengthsError(f"{option} {path}: cannot read the workload ({exc})") from None
+    spec = doc.get("lengths")
+    if not isinstance(spec, str):
+        raise LengthsError(f'{option} {path}: expected a string field "lengths" holding a length spec')
+    return LengthSpec.parse(spec)
+
+
+def parse_modes(text: str) -> list[Mode]:
+    modes: list[Mode] = []
+    for name in (m.strip().lower() for m in text.split(",") if m.strip()):
+        try:
+            mode = Mode(name)
+        except ValueError:
+            raise ConfigError(f"--modes: got {name!r}, expected a comma list of sync, april, async") from None
+        if mode not in modes:
+            modes.append(mode)
+    if not modes:
+        raise ConfigError("--modes: empty, expected a comma list of sync, april, async")
+    return modes
+
+
+def resolve(config_file: Path | None, sets: list[str] | None, base: Config, **flags: object) -> Config:
+    """The config from `config_file` (or `base` without one), the environment, --set and `flags`
+    ("section__key" -> value or None), in that order of precedence."""
+    if config_file is not None:
+        return resolve_config(config_file, sets, **flags)
+    with tempfile.TemporaryDirectory(prefix="april-sim-") as tmp:
+        path = Path(tmp) / "base.toml"
+        write_config(base, path)
+        return resolve_config(path, sets, **flags)
+
+
+def sweep_points(specs: list[str], config: Config) -> list[dict[str, str]]:
+    """`section.key=V1,V2,...` per --sweep (or `engines=...`); several give their cartesian product, in
+    order. Each value is checked now, as --set checks it (a ConfigError names the field). [{}] when none."""
+    axes: list[list[tuple[str, str]]] = []
+    for spec in specs:
+        key, eq, values = spec.partition("=")
+        key = key.strip()
+        axis = [(key, v.strip()) for v in values.split(",") if v.strip()]
+        if not eq or ("." not in key and key != ENGINES) or not axis:
+            raise ConfigError(
+                f"--sweep {spec!r}: expected section.key=V1,V2,... (any config field, or {ENGINES}=...)"
+            )
+        if key == "run.mode":
+            raise ConfigError(f"--sweep {spec!r}: the modes are --modes (run.mode of each run)")
+        if any(k == key for k, _ in itertools.chain(*axes)):
+            raise ConfigError(f"--sweep {spec!r}: {key} is swept twice")
+        for _, value in axis:
+            point_config(config, {key: value})
+        axes.append(axis)
+    return [dict(point) for point in itertools.product(*axes)]
+
+
+def point_config(config: Config, point: Mapping[str, str]) -> tuple[Config, int | None]:
+    """`config` at one sweep point, and the engines it sets (None: not swept)."""
+    fields = {k: v for k, v in point.items() if k != ENGINES}
+    engines = None
+    if ENGINES in point:
+        try:
+            engines = int(point[ENGINES])
+        except ValueError:
+            engines = 0
+        if engines < 1:
+            raise ConfigError(f"--sweep {ENGINES}={point[ENGINES]}: expected a whole number >= 1")
+    return replace_fields(config, fields), engines
+
+
+def point_values(config: Config, engines: int, point: Mapping[str, str]) -> dict[str, object]:
+    """The swept fields' values as the config holds them (typed; enums by value), for tables and JSON."""
+    values = config_to_dict(config)
+    out: dict[str, object] = {}
+    for key in point:
+        if key == ENGINES:
+            out[key] = engines
+        else:
+            section, _, name = key.partition(".")
+            out[key] = values[section][name]
+    return out
+
+
+# ------------------------------------------------------------------ options
+
+Modes = Annotated[str, typer.Option(help="Comma list of modes, run in this order (run.mode of each run).")]
+Engines = Annotated[int, typer.Option(help="Simulated engines (worker processes), worker.slots each.", min=1)]
+RolloutBatchSize = Annotated[
+    int | None, typer.Option(help="algo.rollout_batch_size: groups per step.", min=1, rich_help_panel=PANEL)
 ]
-PrefillMsPerToken = Annotated[
-    float,
+OverSamplingBatchSize = Annotated[
+    int | None,
     typer.Option(
-        help="C: prefill per input token (prompt, or prompt + partial on resume), ms.",
-        min=0,
+        help="algo.over_sampling_batch_size: groups in flight per april round.", min=1, rich_help_panel=PANEL
+    ),
+]
+SamplesPerPrompt = Annotated[
+    int | None,
+    typer.Option(help="algo.n_samples_per_prompt: samples per group.", min=1, rich_help_panel=PANEL),
+]
+MaxNewTokens = Annotated[
+    int | None, typer.Option(help="algo.max_new_tokens: the response budget.", min=1, rich_help_panel=PANEL)
+]
+OverSamplingOpt = Annotated[
+    OverSampling | None,
+    typer.Option(help="algo.over_sampling: fixed, or auto (planned per round).", rich_help_panel=PANEL),
+]
+PromptOrderOpt = Annotated[
+    PromptOrder | None,
+    typer.Option(help="algo.prompt_order: which drawn prompt is issued next.", rich_help_panel=PANEL),
+]
+ResumeAffinity = Annotated[
+    bool | None,
+    typer.Option(
+        "--resume-affinity/--no-resume-affinity",
+        help="algo.resume_affinity: a partial goes back to the engine it left.",
         rich_help_panel=PANEL,
     ),
 ]
-LearnerStepS = Annotated[
-    float, typer.Option(help="L: learner step + weights publish, s.", min=0, rich_help_panel=PANEL)
-]
-PromptLen = Annotated[int, typer.Option(help="Prompt tokens of every sample.", min=1, rich_help_panel=PANEL)]
-SamplesPerPrompt = Annotated[int, typer.Option(help="Samples per group.", min=1)]
-MaxStaleness = Annotated[int, typer.Option(help="async: versions a sample may lag (eta).", min=0)]
-Modes = Annotated[str, typer.Option(help="Comma list of modes, run in this order.")]
-PromptCorr = Annotated[
-    float,
+ResumeKVOption = Annotated[
+    ResumeKV | None,
     typer.Option(
-        help="How much a response's length is its prompt's, in [0, 1): lengths of one prompt's samples "
-        "(and of the prompt in every epoch) correlate (april/sample_draw.py); 0: independent.",
+        help="worker.resume_kv: prefix caches across a weight update.",
+        case_sensitive=False,
+        rich_help_panel=PANEL,
+    ),
+]
+Slots = Annotated[
+    int | None, typer.Option(help="worker.slots: sequences per engine.", min=1, rich_help_panel=PANEL)
+]
+PromptCorr = Annotated[
+    float | None,
+    typer.Option(
+        help="worker.sim_prompt_corr: how much a length is its prompt's.",
         min=0,
         max=0.999,
         rich_help_panel=PANEL,
     ),
 ]
 DatasetSize = Annotated[
-    int, typer.Option(help="Prompts in the dataset: they recur every epoch.", min=1, rich_help_panel=PANEL)
+    int | None,
+    typer.Option(help="data.synthetic_size: prompts, recurring every epoch.", min=1, rich_help_panel=PANEL),
 ]
-OverSamplingOpt = Annotated[
-    OverSampling,
-    typer.Option(help="april: a fixed round target, or auto (planned per round, the batch size is the cap)."),
+Steps = Annotated[
+    int | None, typer.Option(help="run.steps: learner steps per run.", min=1, rich_help_panel=PANEL)
 ]
-PromptOrderOpt = Annotated[
-    PromptOrder,
-    typer.Option(
-        help="Which drawn prompt is issued next: the data's order, or the shortest / longest predicted "
-        "(per-prompt length history) of the next --prompt-window first."
-    ),
-]
-PromptWindow = Annotated[
-    int,
-    typer.Option(help="--prompt-order: prompts drawn ahead; each is issued within this many groups.", min=1),
-]
-PrefixCacheTokens = Annotated[
-    int,
-    typer.Option(
-        help="KV tokens each engine keeps for interrupted samples (their prefix cache; 0 = none).",
-        min=0,
-        rich_help_panel=PANEL,
-    ),
-]
-ResumeAffinity = Annotated[
-    bool,
-    typer.Option(help="A partial goes back to the engine it left (its cached prefix) if that one has room."),
-]
-ResumeKVOption = Annotated[
-    ResumeKV,
-    typer.Option(
-        help="recompute: a weight update empties the prefix caches (exact; real engines); reuse: kept.",
-        case_sensitive=False,
-    ),
-]
+Seed = Annotated[int | None, typer.Option(help="run.seed: prompts and drawn lengths.", rich_help_panel=PANEL)]

@@ -146,7 +146,7 @@ def preflight(config: Config) -> None:
     error: EngineError, ModelError, DatasetError, ConfigError, DeviceError, KeysError)."""
     from actors.factory import check_worker
     from april.hf import check_model_dir
-    from broker.server import open_prompts
+    from broker.heldout import open_prompts
 
     check_worker(config.worker)  # the worker's device too
     if config.learner.backend != "sim":  # the simulated learner has no model, nor device

@@ -4,6 +4,7 @@ simulator: the same samples, scheduling and cost model, once in virtual time, on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -12,9 +13,23 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from actors.lengths import LengthSpec
+from april.config import ConfigError, Mode, ResumeKV, config_to_dict, replace_fields
 from broker.sim.figures import Figures, with_speedups
+from cli.bench_cmd import staleness_bounds
+from cli.bench_plan import (
+    TINY_MODEL,
+    BenchRun,
+    BenchSetting,
+    bench_base,
+    parse_variant,
+    predict,
+    run_config,
+    sim_config,
+)
 from cli.bench_report import bench_json
 from cli.main import app
+from cli.sim_options import resolve
 
 FLOATS = (
     "wall_s", "rollout_s", "samples_per_s", "tokens_per_s", "effective_tokens_per_s", "slot_utilization",
@@ -69,7 +84,7 @@ def run_bench(out: Path, *args: str) -> dict[str, Any]:
 SMALL = (
     "--workload", "lognormal:median=200,sigma=0.8,cap=2048", "--engines", "2", "--slots", "16",
     "--rollout-batch-size", "4", "--over-sampling-batch-size", "8", "--n-samples-per-prompt", "4",
-    "--max-new-tokens", "2048", "--learner-step-s", "2",
+    "--max-new-tokens", "2048", "--set", "learner.sim_step_s=2",
 )  # fmt: skip
 
 
@@ -112,60 +127,63 @@ def test_bench_smoke_with_real_processes(tmp_path: Path) -> None:
         assert (tmp_path / "runs" / mode / "metrics.jsonl").exists()
 
 
-def test_each_mode_gets_the_same_config_but_its_mode_and_the_sim_learner_unless_told_to_train() -> None:
-    from actors.lengths import LengthSpec
-    from april.config import AlgoConfig, Mode, config_to_dict
-    from cli.bench_cmd import TINY_MODEL
-    from cli.bench_plan import BenchRun, BenchSetting, run_config
-
-    setting = BenchSetting(
-        "sim",
-        (Mode.SYNC, Mode.ASYNC),
-        3,
-        "w",
-        LengthSpec.parse("fixed:8"),
-        AlgoConfig(),
-        2,
-        4,
-        time_scale=0.5,
+def setting_of(*modes: Mode, steps: int = 2, **fields: Any) -> BenchSetting:
+    """A sim bench of `modes` on 2 engines x 4 slots, fixed:8 lengths, small batches; `fields`: more."""
+    base = replace_fields(
+        bench_base("sim"),
+        {
+            "run.steps": steps,
+            "worker.slots": 4,
+            "algo.rollout_batch_size": 2,
+            "algo.over_sampling_batch_size": 4,
+            "algo.n_samples_per_prompt": 2,
+        },
     )
+    return BenchSetting("sim", modes, base, "w", LengthSpec.parse("fixed:8"), 2, **fields)
+
+
+def test_each_mode_gets_the_same_config_but_its_mode_and_the_sim_learner_unless_told_to_train() -> None:
+    setting = setting_of(Mode.SYNC, Mode.ASYNC, steps=3, time_scale=0.5)
     sync, asyn = (config_to_dict(run_config(setting, r, "b")) for r in setting.runs())
     assert sync["run"].pop("mode") == "sync" and asyn["run"].pop("mode") == "async"
     assert sync == asyn
     assert sync["learner"]["backend"] == "sim" and sync["worker"]["sim_time_scale"] == 0.5
     assert sync["broker"]["min_workers"] == 2 and sync["worker"]["sim_lengths"] == "fixed:8"
-    real = run_config(
-        BenchSetting(
-            "sim", (Mode.SYNC,), 3, "w", LengthSpec.parse("fixed:8"), AlgoConfig(), 2, 4,
-            model=str(TINY_MODEL), real_learner=True,
-        ),
-        BenchRun("sync", Mode.SYNC, AlgoConfig()),
-        "b",
-    )  # fmt: skip
+    real = run_config(setting_of(Mode.SYNC, real_learner=True), BenchRun("sync", Mode.SYNC), "b")
     assert real.learner.backend == "deepspeed" and real.learner.model == real.worker.model == str(TINY_MODEL)
     assert real.data.synthetic_vocab_size == 320  # the tiny model's vocabulary: sim tokens it can train on
+
+
+def test_a_bench_runs_the_config_file_given_with_the_benchs_own_fields_over_it(tmp_path: Path) -> None:
+    """`april bench --config run.toml --set ...`: every run starts from the file (not the paper's setting),
+    then --set and the options; the bench sets only what its runs need (mode, engine, learner, workers)."""
+    run = tmp_path / "run.toml"
+    run.write_text(
+        '[algo]\nrollout_batch_size = 3\nover_sampling_batch_size = 6\n[worker]\nengine = "torch"\n'
+    )
+    base = resolve(run, ["algo.max_staleness=3"], bench_base("sim"), worker__slots=5)
+    assert (base.algo.rollout_batch_size, base.algo.max_staleness, base.worker.slots) == (3, 3, 5)
+    assert base.algo.max_new_tokens == 256  # the file's default, not the paper's 16k
+    setting = BenchSetting("sim", (Mode.APRIL,), base, "w", LengthSpec.parse("fixed:8"), 2)
+    (only,) = setting.runs()
+    config = run_config(setting, only, "b")
+    assert (config.run.mode, config.worker.engine, config.learner.backend) == (Mode.APRIL, "sim", "sim")
+    assert config.algo == base.algo and config.broker.min_workers == 2
 
 
 def test_several_staleness_bounds_run_async_once_each_against_one_sync_run() -> None:
     """`--max-staleness 1,2`: the ratios of both async runs are taken against the same sync run of the
     same bench; the runs differ only in mode and bound."""
-    from actors.lengths import LengthSpec
-    from april.config import AlgoConfig, Mode, config_to_dict
-    from cli.bench_plan import BenchSetting, predict, run_config
-
-    setting = BenchSetting(
-        "sim", (Mode.SYNC, Mode.APRIL, Mode.ASYNC), 2, "w", LengthSpec.parse("fixed:8"),
-        AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2), 2, 4,
-        async_staleness=(1, 2),
-    )  # fmt: skip
+    setting = setting_of(Mode.SYNC, Mode.APRIL, Mode.ASYNC, async_staleness=(1, 2))
     runs = setting.runs()
-    assert [(r.label, r.mode, r.algo.max_staleness) for r in runs] == [
+    configs = [run_config(setting, r, "b") for r in runs]
+    assert [(r.label, c.run.mode, c.algo.max_staleness) for r, c in zip(runs, configs, strict=True)] == [
         ("sync", Mode.SYNC, 1),
         ("april", Mode.APRIL, 1),
         ("async-eta1", Mode.ASYNC, 1),
         ("async-eta2", Mode.ASYNC, 2),
     ]
-    eta1, eta2 = (config_to_dict(run_config(setting, r, "b")) for r in runs[2:])
+    eta1, eta2 = (config_to_dict(c) for c in configs[2:])
     assert eta1["algo"].pop("max_staleness") == 1 and eta2["algo"].pop("max_staleness") == 2
     assert eta1 == eta2
     predicted = predict(setting)
@@ -176,34 +194,25 @@ def test_several_staleness_bounds_run_async_once_each_against_one_sync_run() -> 
 
 @pytest.mark.parametrize("text", ["", "x", "1,1", "-1", "1,,-2"])
 def test_a_bad_staleness_list_is_one_error(text: str) -> None:
-    from cli.bench_cmd import parse_staleness
-    from cli.simulate_cmd import SimulateError
-
-    with pytest.raises(SimulateError, match="--max-staleness"):
-        parse_staleness(text)
-    assert parse_staleness("2") == (2,) and parse_staleness("1, 2") == (1, 2)
+    base = bench_base("sim")
+    with pytest.raises(ConfigError, match="max_staleness"):
+        staleness_bounds(text, base)
+    assert staleness_bounds("2", base) == (2,) and staleness_bounds("1, 2", base) == (1, 2)
+    assert staleness_bounds(None, base) == ()
 
 
 def test_a_variant_is_one_more_run_with_its_fields_set_and_predicted_alike() -> None:
     """`--variant LABEL:MODE:section.key=value,...`: the option reaches the run's config (every section)
-    and, for algo fields, the simulator's prediction of the same run."""
-    from actors.lengths import LengthSpec
-    from april.config import AlgoConfig, ConfigError, Mode, OverSampling, ResumeKV, config_to_dict
-    from cli.bench_plan import BenchSetting, parse_variant, predict, run_config, sim_config
-
-    base = AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=4, n_samples_per_prompt=2)
+    and the simulator's prediction of the same run (the very config it gets)."""
+    base = setting_of(Mode.SYNC).config
     auto = parse_variant("april-auto:april:algo.over_sampling=auto, algo.over_sampling_batch_size=6", base)
-    assert (auto.label, auto.mode, auto.algo.over_sampling, auto.algo.over_sampling_batch_size) == (
-        "april-auto",
-        Mode.APRIL,
-        OverSampling.AUTO,
-        6,
-    )
+    assert (auto.label, auto.mode) == ("april-auto", Mode.APRIL)
     lease = parse_variant("slow:sync:broker.abort_retries=9", base)
-    setting = BenchSetting(
-        "sim", (Mode.SYNC, Mode.APRIL), 2, "w", LengthSpec.parse("fixed:8"), base, 2, 4,
-        variants=(auto, lease), dataset_size=32, prompt_corr=0.5,
-    )  # fmt: skip
+    setting = setting_of(Mode.SYNC, Mode.APRIL, variants=(auto, lease))
+    setting = dataclasses.replace(
+        setting,
+        config=replace_fields(setting.config, {"data.synthetic_size": 32, "worker.sim_prompt_corr": 0.5}),
+    )
     runs = setting.runs()
     assert [r.label for r in runs] == ["sync", "april", "april-auto", "slow"]
     plain, auto_cfg, slow = (config_to_dict(run_config(setting, r, "b")) for r in (runs[1], runs[2], runs[3]))
@@ -215,9 +224,10 @@ def test_a_variant_is_one_more_run_with_its_fields_set_and_predicted_alike() -> 
     assert plain["data"]["synthetic_size"] == 32 and plain["worker"]["sim_prompt_corr"] == 0.5
     assert list(predict(setting)) == ["sync", "april", "april-auto", "slow"]
     reuse = parse_variant("reuse:async:worker.resume_kv=reuse,algo.resume_affinity=true", base)
-    assert sim_config(setting, reuse).resume_kv == ResumeKV.REUSE and reuse.algo.resume_affinity
-    assert sim_config(setting, runs[1]).resume_kv == ResumeKV.RECOMPUTE
-    assert run_config(setting, reuse, "b").worker.resume_kv == ResumeKV.REUSE
+    simulated = sim_config(setting, reuse).config
+    assert simulated.worker.resume_kv == ResumeKV.REUSE and simulated.algo.resume_affinity
+    assert sim_config(setting, runs[1]).config.worker.resume_kv == ResumeKV.RECOMPUTE
+    assert sim_config(setting, reuse).config == run_config(setting, reuse, "reuse")  # the run it predicts
     assert setting.to_json()["variants"]["april-auto"]["mode"] == "april"
     for bad, match in [
         ("x", "mode ''"),
@@ -228,9 +238,6 @@ def test_a_variant_is_one_more_run_with_its_fields_set_and_predicted_alike() -> 
     ]:
         with pytest.raises(ConfigError, match=match):
             parse_variant(bad, base)
-    dup = BenchSetting(
-        "sim", (Mode.SYNC,), 2, "w", LengthSpec.parse("fixed:8"), base, 2, 4,
-        variants=(parse_variant("sync:april", base),),
-    )  # fmt: skip
+    dup = setting_of(Mode.SYNC, variants=(parse_variant("sync:april", base),))
     with pytest.raises(ConfigError, match="exists already"):
         dup.runs()

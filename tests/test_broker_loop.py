@@ -108,23 +108,23 @@ def test_a_due_batch_waits_behind_no_more_than_a_few_worker_messages(stepped: St
     leased = lease.samples.to_samples()
     done = [s.extend([5, 6], [-0.5, -0.5], 0, FinishReason.STOP).scored(1.0) for s in leased]
     send(stepped.worker, protocol.SampleResult(lease.lease_ids, SampleBatch.from_samples(done), 0))
-    while not b.state.complete:
+    while not b.core.state.complete:
         stepped.step()
     send(stepped.learner, protocol.LearnerHello("learner", 0, 1))
     stepped.until(stepped.learner, protocol.Welcome)
-    assert not b._batch_due()  # a batch worth of groups is complete, and nobody asks for it
+    assert not b.core.batch_due()  # a batch worth of groups is complete, and nobody asks for it
     send(stepped.learner, protocol.BatchRequest(0, -1))
-    while b.learner_waiting is None:
+    while b.core.learner_waiting is None:
         b._drain(b.learner_sock, b._on_learner)
 
     backlog = QueuedMessages(b"w0", [protocol.Heartbeat() for _ in range(100)])
     seen: list[str] = []
     handle = counting(b._on_worker, seen)
-    assert b._batch_due() and b.state.batch is None
+    assert b.core.batch_due() and b.core.state.batch is None
     b._drain(backlog, handle, batch_first=True)  # type: ignore[arg-type]
     assert len(seen) == DRAIN_LIMIT_BATCH_DUE  # the tick comes next: it forms the batch
     b.tick(time.monotonic())
-    assert b.state.batch is not None and b._batch_due()  # formed, waiting for its snapshot
+    assert b.core.state.batch is not None and b.core.batch_due()  # formed, waiting for its snapshot
     assert b.snapshots.wait(b.batch_snapshot_seq, DEADLINE_S)
     b._drain(backlog, handle, batch_first=True)  # type: ignore[arg-type]
     assert len(seen) == 2 * DRAIN_LIMIT_BATCH_DUE
@@ -133,7 +133,7 @@ def test_a_due_batch_waits_behind_no_more_than_a_few_worker_messages(stepped: St
     while isinstance(batch, protocol.Heartbeat):
         batch = recv(stepped.learner, int(DEADLINE_S * 1000))
     assert isinstance(batch, protocol.Batch) and len(batch.samples) == 2
-    assert not b._batch_due()
+    assert not b.core.batch_due()
     b._drain(backlog, handle, batch_first=True)  # type: ignore[arg-type]
     assert len(seen) == 100 and seen == ["Heartbeat"] * 100  # nothing due: the backlog in one go
 

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from april import codec, policy
+from april import codec
 from april.config import AlgoConfig, Mode
 from april.data import SyntheticPromptSource
 from april.records import FinishReason, Sample, SampleStatus, Segment, new_group_samples
 from april.wire_records import SampleBatch
-from broker import complete_log, snapshot
+from broker import complete_log, policy, snapshot
 from broker.snapshot import SnapshotError
 from broker.snapshot_writer import SnapshotWriter
 from broker.state import LEASE_EPOCH_SHIFT, BrokerState, GroupEntry, PendingBatch, ResultRejected

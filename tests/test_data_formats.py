@@ -45,7 +45,7 @@ from actors.rewards import exact_reward, math_reward
 from actors.tokenizer import HFTokenizer, no_chat_template
 from april.config import AnswerFormat, DataConfig
 from april.data import DatasetError, FilePromptSource, PromptRecord, open_source, records
-from april.heldout import split_held_out
+from broker.heldout import split_held_out
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
@@ -223,7 +223,7 @@ def test_every_format_gives_the_jsonl_records_in_order_and_shuffled(tmp_path: Pa
 
 @pytest.mark.parametrize("fmt", ["parquet", "hf-dataset", "jsonl"])
 def test_held_out_split_and_epochs_over_a_file_source(tmp_path: Path, fmt: str) -> None:
-    """The broker's use (april.heldout over the source): held-out prompts never reach training."""
+    """The broker's use (broker.heldout over the source): held-out prompts never reach training."""
     source = FilePromptSource(WRITERS[fmt](tmp_path, dapo_rows(12)), answer_key="reward_model.ground_truth")
     train, held = split_held_out(source, 3)
     held_ids = {r.prompt_index for r in held}

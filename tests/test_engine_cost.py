@@ -4,29 +4,26 @@ machine step for step."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 
 import numpy as np
 import pytest
+from sim_setup import sim_config
 from typer.testing import CliRunner
 
 from actors.engine import GenerationRequest, SamplingParams
 from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.factory import make_engine
 from actors.lengths import LengthSpec
-from april.config import AlgoConfig, ConfigError, Mode, WorkerConfig, load_config
+from april.config import AlgoConfig, ConfigError, Mode, WorkerConfig, load_config, replace_fields
 from april.engine_cost import DEFAULT_COST, EngineCost
 from april.records import Sample, new_group_samples
 from april.sample_draw import sample_key
 from broker.sim.engines import EngineModel
 from broker.sim.figures import Meter
-from broker.sim.model import SimConfig
-from cli.bench_cmd import bench_command
-from cli.bench_plan import BenchSetting, run_config
+from cli.bench_plan import BenchSetting, bench_base, run_config
 from cli.main import app
-from cli.simulate_cmd import simulate_command
 
 COST_FIELDS = ("decode_ms", "decode_ms_per_seq", "prefill_ms_per_token")
 LENGTHS = "lognormal:median=30,sigma=0.8,cap=200"
@@ -52,7 +49,7 @@ def test_a_negative_or_nan_cost_is_refused_by_name(name: str, value: float) -> N
 def test_the_simulator_refuses_a_step_that_takes_no_time() -> None:
     EngineCost(0.0, 0.0, 0.0)  # a valid cost for the sim engine (it only scales a clock)
     with pytest.raises(ConfigError, match="a step takes time"):
-        SimConfig(Mode.SYNC, AlgoConfig(), cost=EngineCost(0.0, 0.0, 0.5))
+        sim_config(Mode.SYNC, AlgoConfig(), cost=EngineCost(0.0, 0.0, 0.5))
 
 
 def _simulate_json_setting(*args: str) -> dict[str, float]:
@@ -73,25 +70,24 @@ def simulate_default_cost() -> EngineCost:
 def test_every_simulated_engine_starts_from_the_one_set_of_defaults() -> None:
     assert WorkerConfig().sim_cost == DEFAULT_COST  # april up / april worker --engine sim
     assert load_config(env={}).worker.sim_cost == DEFAULT_COST  # resolved: no file, no environment
-    assert SimConfig(Mode.SYNC, AlgoConfig()).cost == DEFAULT_COST  # broker.sim
-    assert simulate_default_cost() == DEFAULT_COST  # april simulate
-    for command in (simulate_command, bench_command):  # the options' defaults (--help shows these)
-        params = inspect.signature(command).parameters
-        assert EngineCost(*(params[name].default for name in COST_FIELDS)) == DEFAULT_COST, command
-    setting = BenchSetting("sim", (Mode.SYNC,), 1, "w", LengthSpec.parse("fixed:4"), AlgoConfig(), 1, 2)
-    assert setting.cost == DEFAULT_COST  # april bench's setting
+    assert simulate_default_cost() == DEFAULT_COST  # april simulate (its base layer: the paper's setting)
+    for engine in ("sim", "torch"):  # april bench's base layers
+        assert bench_base(engine).worker.sim_cost == DEFAULT_COST, engine
 
 
 def test_a_chosen_cost_reaches_the_simulator_and_the_bench_workers_alike() -> None:
-    """`--decode-ms 9 --decode-ms-per-seq 0.3 --prefill-ms-per-token 0.05`: april simulate uses it, and the
-    worker config `april bench` writes for its runs (worker.sim_*) builds the same cost back."""
+    """`--set worker.sim_decode_ms=9` (and B, C): april simulate uses it, and the worker config
+    `april bench` writes for its runs (worker.sim_*) builds the same cost back."""
     cost = EngineCost(9.0, 0.3, 0.05)
-    args = ("--decode-ms", "9", "--decode-ms-per-seq", "0.3", "--prefill-ms-per-token", "0.05")
-    setting = _simulate_json_setting(*args)
-    assert EngineCost(*(setting[name] for name in COST_FIELDS)) == cost
-    bench = BenchSetting(
-        "sim", (Mode.SYNC,), 1, "w", LengthSpec.parse("fixed:4"), AlgoConfig(), 1, 2, cost=cost
+    sets = (
+        "worker.sim_decode_ms=9",
+        "worker.sim_decode_ms_per_seq=0.3",
+        "worker.sim_prefill_ms_per_token=0.05",
     )
+    setting = _simulate_json_setting(*(arg for s in sets for arg in ("--set", s)))
+    assert EngineCost(*(setting[name] for name in COST_FIELDS)) == cost
+    base = replace_fields(bench_base("sim"), dict(s.split("=") for s in sets))
+    bench = BenchSetting("sim", (Mode.SYNC,), base, "w", LengthSpec.parse("fixed:4"), 1)
     assert run_config(bench, bench.runs()[0], "run").worker.sim_cost == cost
 
 

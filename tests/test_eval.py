@@ -19,10 +19,11 @@ from sglang_server import FakeSGLangServer
 
 from april.config import ConfigError
 from april.data import FilePromptSource, PromptSource, SyntheticPromptSource
-from april.heldout import split_held_out
+from broker.heldout import split_held_out
 from april.records import FinishReason, Sample
 from april.status import BrokerStatus
 from broker.evaluation import EVAL_GROUP_BASE, Evaluations
+from broker.heldout import split_held_out
 from broker.state import ResultRejected
 
 # ------------------------------------------------------------------------------------------ held-out split

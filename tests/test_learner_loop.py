@@ -115,7 +115,7 @@ class Recording(SimTrainer):
     def save(self, point: ResumePoint) -> None:
         detail = f"step {point.step}"
         wait_for(lambda: self.reported(LearnerPhase.CHECKPOINTING, detail), DEADLINE_S, "checkpointing")
-        unacked = self.broker.state.batch
+        unacked = self.broker.core.state.batch
         # the ack comes after this returns: the broker still holds the batch being checkpointed
         assert unacked is not None and unacked.batch_id == point.last_batch_id, (unacked, point)
         self.calls.append(("save", point.step, point.version, point.last_batch_id))
@@ -162,12 +162,13 @@ def test_each_step_trains_publishes_checkpoints_and_acks_last(run: tuple[Cluster
             ("save", step + 1, version + 1, batch_id),
         ]
     assert trainer.calls == expected
-    assert served.broker.batches_acked == 3 and served.broker.state.batch is None  # every batch acked
+    core = served.broker.core
+    assert core.batches_acked == 3 and core.state.batch is None  # every batch acked
     assert [(x["step"], x["version"], x["samples"]) for x in metrics(c)] == [(0, 1, N), (1, 2, N), (2, 3, N)]
     assert json.loads((c.run_dir / "summary.json").read_text())["steps"] == 3
     state = json.loads((c.run_dir / STATE_FILE).read_text())
     assert state == {"step": 3, "version": 3, "last_batch_id": batch_ids[-1]}
-    assert served.broker.state.version == 3
+    assert served.broker.core.state.version == 3
 
 
 def test_a_resumed_loop_restores_the_saved_point_and_continues(run: tuple[Cluster, Served]) -> None:
@@ -192,7 +193,7 @@ def test_a_resume_behind_the_broker_never_publishes_a_version_twice(run: tuple[C
     trains = [call for call in second.calls if call[0] == "train"]
     assert [v for _, _, v, _ in trains] == [2, 3]  # the broker was at v2
     assert [(x["step"], x["version"]) for x in metrics(c)] == [(0, 1), (1, 3), (2, 4)]
-    assert served.broker.state.version == 4
+    assert served.broker.core.state.version == 4
 
 
 def test_the_simulated_learner_imports_no_torch(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ def test_console_script_april() -> None:
 
 def test_broker_and_core_never_import_torch() -> None:
     code = (
-        "import broker.server, april.protocol, april.policy, cli.main; "
+        "import broker.server, april.protocol, broker.policy, cli.main; "
         "import sys; print('torch' in sys.modules)"
     )
     out = subprocess.run(

@@ -1,4 +1,4 @@
-"""Decision tables for april.policy: the scheduling rules of the three modes (docs/design.md section 4).
+"""Decision tables for broker.policy: the scheduling rules of the three modes (docs/design.md section 4).
 
 Pure functions of counts and versions, so every rule is a parametrized table with a readable id:
 fresh-group allowance, round completion and aborts, the dynamic-sampling filter, dispatch order, the
@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from april import policy
 from april.config import AlgoConfig, Mode
-from april.policy import CompleteGroups, DispatchQueue, PoolCounts
 from april.records import FinishReason, Group, Sample, SampleStatus
+from broker import policy
+from broker.policy import CompleteGroups, DispatchQueue, PoolCounts
 
 B, OVER = 4, 8
 ALGO = AlgoConfig(
@@ -92,42 +92,31 @@ def test_admission_limit(eta: int, version: int, expected: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# round_complete / abort_due / abort_on_new_version
+# round_complete / abort_on_new_version
 
 
 @pytest.mark.parametrize(
-    ("mode", "pool", "leased", "complete", "abort"),
+    ("mode", "pool", "complete"),
     [
-        pytest.param(Mode.APRIL, counts(complete=B - 1, in_flight=5), 3, False, False, id="april-short"),
-        pytest.param(Mode.APRIL, counts(complete=B, in_flight=4), 5, True, True, id="april-B-complete-abort"),
-        pytest.param(Mode.APRIL, counts(complete=B + 2, in_flight=1), 1, True, True, id="april-surplus"),
-        pytest.param(Mode.APRIL, counts(complete=B, partial=4), 0, True, False, id="april-nothing-leased"),
-        pytest.param(Mode.SYNC, counts(complete=B - 1, in_flight=1), 2, False, False, id="sync-short"),
-        pytest.param(Mode.SYNC, counts(complete=B), 0, True, False, id="sync-all-finished"),
-        pytest.param(Mode.ASYNC, counts(complete=3 * B, in_flight=9), 9, False, False, id="async-never"),
+        pytest.param(Mode.APRIL, counts(complete=B - 1, in_flight=5), False, id="april-short"),
+        pytest.param(Mode.APRIL, counts(complete=B, in_flight=4), True, id="april-B-complete"),
+        pytest.param(Mode.APRIL, counts(complete=B + 2, in_flight=1), True, id="april-surplus"),
+        pytest.param(Mode.SYNC, counts(complete=B - 1, in_flight=1), False, id="sync-short"),
+        pytest.param(Mode.SYNC, counts(complete=B), True, id="sync-all-finished"),
+        pytest.param(Mode.ASYNC, counts(complete=3 * B, in_flight=9), False, id="async-never"),
     ],
 )
-def test_round_complete_and_abort_due(
-    mode: Mode, pool: PoolCounts, leased: int, complete: bool, abort: bool
-) -> None:
+def test_round_complete(mode: Mode, pool: PoolCounts, complete: bool) -> None:
     assert policy.round_complete(mode, ALGO, pool) is complete
-    assert policy.abort_due(mode, ALGO, pool, leased) is abort
 
 
 @pytest.mark.parametrize("in_flight", range(B + 1))
-def test_sync_never_needs_an_abort(in_flight: int) -> None:
-    """sync holds exactly B groups, so whenever in_flight + complete <= B no abort is ever due."""
+def test_a_sync_round_completes_with_nothing_in_flight(in_flight: int) -> None:
+    """sync holds exactly B groups (in flight + complete <= B), so its round is complete only once no group
+    is in flight: nothing is leased then, and no abort is ever sent (broker.core closes the round)."""
     for complete in range(B + 1 - in_flight):
         pool = counts(in_flight=in_flight, complete=complete)
-        # leased samples belong to in-flight groups: at most every sample of every in-flight group
-        leased = in_flight * ALGO.n_samples_per_prompt
-        assert not policy.abort_due(Mode.SYNC, ALGO, pool, leased)
-
-
-@pytest.mark.parametrize("leased", [0, 1, 100])
-@pytest.mark.parametrize("complete", [0, B, 10 * B])
-def test_async_never_aborts_on_round(leased: int, complete: int) -> None:
-    assert not policy.abort_due(Mode.ASYNC, ALGO, counts(complete=complete, in_flight=3), leased)
+        assert policy.round_complete(Mode.SYNC, ALGO, pool) is (in_flight == 0 and complete == B)
 
 
 @pytest.mark.parametrize(
@@ -246,26 +235,6 @@ def test_dispatch_key_puts_never_generated_after_every_partial() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# is_due (async)
-
-
-@pytest.mark.parametrize(
-    ("min_version", "learner_version", "eta", "due"),
-    [
-        pytest.param(None, 5, 0, False, id="no-tokens-never-due"),
-        pytest.param(3, 3, 1, False, id="fresh-eta1"),
-        pytest.param(2, 3, 1, True, id="one-behind-eta1-due"),
-        pytest.param(3, 3, 0, True, id="eta0-current-version-due"),
-        pytest.param(1, 3, 2, True, id="two-behind-eta2-due"),
-        pytest.param(2, 3, 2, False, id="one-behind-eta2"),
-        pytest.param(0, 0, 1, False, id="v0-eta1"),
-    ],
-)
-def test_is_due(min_version: int | None, learner_version: int, eta: int, due: bool) -> None:
-    assert policy.is_due(min_version, learner_version, eta) is due
-
-
-# ---------------------------------------------------------------------------------------------------
 # select_batch
 
 
@@ -362,6 +331,12 @@ def test_select_batch_waits_for_incomplete_due(
 # slack and keeps_staleness_bound (async)
 
 
+def due(min_version: int | None, learner_version: int, max_staleness: int) -> bool:
+    """The reference: a group with a token of version m cannot wait for the next step (trained at v + 1)
+    without its staleness v + 1 - m passing the bound."""
+    return min_version is not None and learner_version + 1 - min_version > max_staleness
+
+
 @pytest.mark.parametrize(
     ("min_version", "version", "eta", "expected"),
     [
@@ -375,7 +350,7 @@ def test_select_batch_waits_for_incomplete_due(
 )
 def test_slack(min_version: int | None, version: int, eta: int, expected: int) -> None:
     assert policy.slack(min_version, version, eta) == expected
-    assert (expected == 0 and min_version is not None) is policy.is_due(min_version, version, eta)
+    assert (expected == 0 and min_version is not None) is due(min_version, version, eta)
 
 
 ETA2 = AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=2, max_staleness=2)
@@ -415,8 +390,8 @@ def test_keeps_staleness_bound_up_to_eta_1_is_the_due_rule(eta: int) -> None:
                 every = [*complete, *incomplete]
                 if len(every) > (eta + 1) * b or sum(policy.slack(m, 3, eta) == 0 for m in every) > b:
                     continue
-                due = any(policy.is_due(m, 3, eta) for m in incomplete)
-                assert policy.keeps_staleness_bound(algo, complete, list(incomplete), 3) is not due
+                any_due = any(due(m, 3, eta) for m in incomplete)
+                assert policy.keeps_staleness_bound(algo, complete, list(incomplete), 3) is not any_due
                 checked += 1
     assert checked >= 9  # the allowed states of eta 0; more for eta 1
 

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import zmq
 from harness import local_broker, wait_for
+from sim_setup import sim_config
 
 from actors.engine import EngineError, GenerationOutput, GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.factory import check_worker, engine_class
-from april import policy, protocol
+from april import protocol
 from april.config import AlgoConfig, ConfigError, Mode, ResumeKV, WorkerConfig, load_config
 from april.data import SyntheticPromptSource
 from april.engine_cost import EngineCost
@@ -26,11 +27,12 @@ from april.prefix_cache import MISS, CachedPrefix, PrefixCache
 from april.records import FinishReason, Sample, SampleStatus, new_group_samples
 from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
+from broker import policy
 from broker.sim.engines import EngineModel
 from broker.sim.figures import Meter
-from broker.sim.model import SimConfig, simulate
+from broker.sim.model import simulate
 from broker.state import BrokerState
-from cli.simulate_cmd import resolve_lengths
+from cli.sim_options import resolve_lengths
 
 # ---------------------------------------------------------------------- the cache rule
 
@@ -306,7 +308,7 @@ def run(mode: Mode, affinity: bool, kv: ResumeKV) -> tuple[float, int]:
         max_new_tokens=2048,
         resume_affinity=affinity,
     )
-    cfg = SimConfig(
+    cfg = sim_config(
         mode,
         algo,
         engines=4,
@@ -485,7 +487,7 @@ def test_a_live_broker_resumes_a_partial_elsewhere_when_its_holder_has_no_room(t
         lease1 = next_of(w1, protocol.Lease)
         give_back(w0, lease0, finished=False)
         # two sockets, no order between them: w1's slots must free only once w0's partials are queued
-        wait_for(lambda: keys(lease0) <= set(b.broker.state.holders), 60, "w0's partials queued")
+        wait_for(lambda: keys(lease0) <= set(b.broker.core.state.holders), 60, "w0's partials queued")
         give_back(w1, lease1, finished=True)  # w1 frees its two slots
         resumed = next_of(w1, protocol.Lease).samples.to_samples()
         assert {s.key for s in resumed} == keys(lease0) and all(s.response_len == 2 for s in resumed)

@@ -1,5 +1,5 @@
 """Scheduling beyond the paper's fixed setting (issue 17): the length history, the prompt order drawn from
-it, `over_sampling = "auto"` (april/round_plan.py) and prompt-correlated simulated lengths
+it, `over_sampling = "auto"` (broker/round_plan.py) and prompt-correlated simulated lengths
 (april/sample_draw.py `LengthDraw`), driven directly and through the broker's books and the simulator."""
 
 from __future__ import annotations
@@ -10,24 +10,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sim_setup import sim_config
 
 from actors.engine import GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.lengths import LengthSpec
-from april import length_history, policy
 from april.config import AlgoConfig, ConfigError, Mode, OverSampling, PromptOrder, load_config
-from april.length_history import RECENT, LengthHistory
 from april.records import new_group_samples
-from april.round_plan import (
+from april.sample_draw import LengthDraw, draw_length, prompt_key, sample_key
+from broker import length_history, policy, snapshot
+from broker.length_history import RECENT, LengthHistory
+from broker.round_plan import (
     MIN_OBSERVED,
     CarriedGroup,
     candidate_targets,
     plan_round_target,
     predict_round_steps,
 )
-from april.sample_draw import LengthDraw, draw_length, prompt_key, sample_key
-from broker import snapshot
-from broker.sim.model import WAIT_CAUSES, SampleLengths, SimConfig, Simulation, simulate
+from broker.sim.model import WAIT_CAUSES, SampleLengths, Simulation, simulate
 from broker.state import BrokerState
 from tests.test_broker_state import Driver, assert_same_books, source
 
@@ -229,17 +229,17 @@ def test_auto_over_sampling_in_the_simulator_plans_each_round_within_bounds() ->
         over_sampling=OverSampling.AUTO,
     )
     sim = Simulation(
-        SimConfig(Mode.APRIL, algo, engines=2, slots=32, steps=12, check_ledger_every_event=True), LONG_TAIL
+        sim_config(Mode.APRIL, algo, engines=2, slots=32, steps=12, check_ledger_every_event=True), LONG_TAIL
     )
     plans: list[int | None] = []
-    plan = sim.state.plan_round
+    plan = sim.core.state.plan_round
 
     def record(slots: int, seed: int) -> None:
         assert slots == 64
         plan(slots, seed)
-        plans.append(sim.state.planned_target)
+        plans.append(sim.core.state.planned_target)
 
-    sim.state.plan_round = record  # type: ignore[method-assign]
+    sim.core.state.plan_round = record  # type: ignore[method-assign]
     result = sim.run()
     assert result.ledger.trained == 12 * 8 and result.figures.wasted_tokens == 0
     assert len(plans) == 12 and all(p is not None and 8 <= p <= 32 for p in plans)
@@ -323,7 +323,7 @@ def test_a_simulated_dataset_recurs_and_its_prompts_keep_their_lengths() -> None
     algo = AlgoConfig(
         rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=2, max_new_tokens=2000
     )
-    cfg = SimConfig(
+    cfg = sim_config(
         Mode.SYNC,
         algo,
         engines=1,
@@ -335,12 +335,12 @@ def test_a_simulated_dataset_recurs_and_its_prompts_keep_their_lengths() -> None
     )
     sim = Simulation(cfg, LONG_TAIL)
     sim.run()
-    seen = Counter(g.prompt_index for g in sim.state.groups.values())
+    seen = Counter(g.prompt_index for g in sim.core.state.groups.values())
     assert set(seen) <= set(range(8))
-    h = sim.state.history
+    h = sim.core.state.history
     assert len(h) == 8 and all(h.seen(p) >= 2 for p in range(8))  # 24 groups over an 8-prompt dataset
-    with pytest.raises(ConfigError, match="prompt_corr"):
-        SimConfig(Mode.SYNC, algo, prompt_corr=1.5)
+    with pytest.raises(ConfigError, match=r"worker\.sim_prompt_corr"):
+        sim_config(Mode.SYNC, algo, prompt_corr=1.5)
 
 
 def test_every_prompt_order_runs_the_simulator_to_a_balanced_ledger() -> None:
@@ -354,7 +354,7 @@ def test_every_prompt_order_runs_the_simulator_to_a_balanced_ledger() -> None:
             prompt_window=8,
         )
         for mode in Mode:
-            cfg = SimConfig(mode, algo, engines=1, slots=8, steps=5, dataset_size=16, prompt_corr=0.5)
+            cfg = sim_config(mode, algo, engines=1, slots=8, steps=5, dataset_size=16, prompt_corr=0.5)
             result = simulate(cfg, LONG_TAIL)
             assert result.ledger.trained == 20 and result.figures.wasted_tokens == 0
 
@@ -364,7 +364,7 @@ def test_the_learners_wait_is_split_by_what_held_its_batch() -> None:
         rollout_batch_size=4, over_sampling_batch_size=8, n_samples_per_prompt=4, max_new_tokens=2000
     )
     for mode in Mode:
-        result = simulate(SimConfig(mode, algo, engines=2, slots=16, steps=8), LONG_TAIL)
+        result = simulate(sim_config(mode, algo, engines=2, slots=16, steps=8), LONG_TAIL)
         assert set(result.waits) == set(WAIT_CAUSES)
         assert sum(result.waits.values()) == pytest.approx(result.figures.rollout_s)
         if (

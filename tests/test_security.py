@@ -185,7 +185,7 @@ def test_a_stranger_with_its_own_keys_gets_nothing_and_is_counted(curve_broker: 
         ctx.term()
     with StatusFeed(curve_broker.pub, stranger) as feed:
         assert feed.wait(SILENCE_S) is None  # the status feed is closed to it too
-    assert "intruder" not in curve_broker.broker.workers
+    assert "intruder" not in curve_broker.broker.core.workers
     # learner, worker and PUB ports, retried (counted by the broker's thread, which may lag on a busy machine)
     wait_for(lambda: curve_broker.rejected("auth_refused") >= 3, 60, "three refusals counted")
     status = fetch_status(curve_broker.learner, 60, keys.client_keys(curve_broker.keys_dir))
@@ -198,7 +198,7 @@ def test_a_client_without_curve_gets_nothing(curve_broker: CurveBroker) -> None:
         fetch_status(curve_broker.learner, SILENCE_S)  # plain NULL mechanism: the handshake never completes
     with StatusFeed(curve_broker.pub) as feed:
         assert feed.wait(SILENCE_S) is None
-    assert curve_broker.broker.learner is None and len(curve_broker.broker.workers) == 0
+    assert curve_broker.broker.learner is None and len(curve_broker.broker.core.workers) == 0
     # counted from the sockets' monitor events
     wait_for(lambda: curve_broker.rejected("handshake_failed") >= 2, 60, "two failed handshakes counted")
 
@@ -296,7 +296,7 @@ def test_weights_with_a_wrong_sha256_are_refused_counted_and_the_old_ones_kept(
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     learner = dealer(ctx, curve_broker.learner, "l0", curve=client)
     try:
-        peers = curve_broker.broker.workers.peers
+        peers = curve_broker.broker.core.workers.peers
         wait_for(lambda: "w-sha" in peers and worker.engine is not None, 60, "the worker to register")
         weights = tmp_path / "weights-v1.bin"
         weights.write_bytes(b"version one")

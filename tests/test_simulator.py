@@ -10,19 +10,20 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 import pytest
+from sim_setup import sim_config
 from typer.testing import CliRunner
 
 from actors.engine import GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.lengths import EmpiricalLength, LengthSpec, LengthSpecError
-from april.config import AlgoConfig, Mode
+from april.config import AlgoConfig, ConfigError, Mode
 from april.engine_cost import EngineCost
 from april.records import new_group_samples
 from broker.sim.engines import EngineModel
 from broker.sim.figures import ARRIVAL_WINDOW_S, ArrivalMeter, Meter
-from broker.sim.model import SimConfig, SimResult, simulate
+from broker.sim.model import SimResult, simulate
 from cli.main import app
-from cli.simulate_cmd import SimulateError, apply_point, resolve_lengths, sweep_points
+from cli.sim_options import LengthsError, paper_config, point_config, resolve_lengths, sweep_points
 
 MS = 1e-3
 UNIT_COST = EngineCost(1.0, 0.0, 0.0)  # 1 ms a step, no per-sequence or prefill cost
@@ -85,7 +86,7 @@ def run(
         max_new_tokens=max_new,
         max_staleness=eta,
     )
-    cfg = SimConfig(
+    cfg = sim_config(
         mode,
         algo,
         engines=engines,
@@ -322,20 +323,35 @@ def test_lengths_workloads_by_name_spec_and_toml(tmp_path: Path) -> None:
     (tmp_path / "mine.toml").write_text('lengths = "fixed:9"\n')
     assert resolve_lengths("mine", workloads=tmp_path).describe() == "fixed:9"
     assert resolve_lengths(str(tmp_path / "mine.toml")).describe() == "fixed:9"
-    with pytest.raises(SimulateError, match="no such workload"):
+    with pytest.raises(LengthsError, match="no such workload"):
         resolve_lengths("nope", workloads=tmp_path)
 
 
-def test_sweep_points_grid_and_errors() -> None:
-    points = sweep_points(["engines=2,4", "over_sampling_ratio=1.5"])
-    assert points == [{"engines": 2, "over-sampling-ratio": 1.5}, {"engines": 4, "over-sampling-ratio": 1.5}]
-    base = SimConfig(Mode.APRIL, AlgoConfig(rollout_batch_size=32, over_sampling_batch_size=64))
-    cfg = apply_point(base, points[1])
-    assert (cfg.engines, cfg.algo.over_sampling_batch_size) == (4, 48)
-    assert sweep_points([]) == [{}]
-    for bad in ("engines", "colour=1", "engines=1.5", "slots=x"):
-        with pytest.raises(SimulateError):
-            sweep_points([bad])
+def test_a_sweep_is_a_grid_over_any_config_field_checked_as_set_checks_it() -> None:
+    base = paper_config()
+    points = sweep_points(["engines=2,4", "algo.over_sampling_batch_size=48"], base)
+    assert points == [
+        {"engines": "2", "algo.over_sampling_batch_size": "48"},
+        {"engines": "4", "algo.over_sampling_batch_size": "48"},
+    ]
+    cfg, engines = point_config(base, points[1])
+    assert (engines, cfg.algo.over_sampling_batch_size, cfg.algo.rollout_batch_size) == (4, 48, 32)
+    assert point_config(base, {"worker.resume_kv": "reuse"})[0].worker.resume_kv.value == "reuse"
+    assert sweep_points([], base) == [{}]
+    for bad, match in [
+        ("engines", "section.key=V1"),
+        ("colour=1", "section.key=V1"),
+        ("algo.colour=1", "colour"),
+        ("engines=1.5", "engines"),
+        ("algo.max_staleness=x", "algo.max_staleness"),
+        ("algo.over_sampling_batch_size=8", "over_sampling_batch_size"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            sweep_points([bad], base)
+    with pytest.raises(ConfigError, match="--modes"):
+        sweep_points(["run.mode=sync,async"], base)
+    with pytest.raises(ConfigError, match="swept twice"):
+        sweep_points(["run.seed=1", "run.seed=2"], base)
 
 
 def invoke(*args: str) -> tuple[int, str]:
@@ -345,7 +361,8 @@ def invoke(*args: str) -> tuple[int, str]:
 
 SMALL: tuple[str, ...] = (
     *("--rollout-batch-size", "2", "--over-sampling-batch-size", "4", "--n-samples-per-prompt", "2"),
-    *("--max-new-tokens", "200", "--engines", "2", "--slots", "4", "--steps", "3", "--learner-step-s", "0.1"),
+    *("--max-new-tokens", "200", "--engines", "2", "--slots", "4", "--steps", "3"),
+    *("--set", "learner.sim_step_s=0.1"),
 )
 
 
@@ -372,15 +389,45 @@ def test_cli_json_schema(tmp_path: Path) -> None:
 
 def test_cli_sweep_json_and_table() -> None:
     code, out = invoke(
-        *SMALL, "--lengths", "fixed:30", "--sweep", "max-staleness=0,1", "--modes", "async", "--json"
+        *SMALL, "--lengths", "fixed:30", "--sweep", "algo.max_staleness=0,1", "--modes", "async", "--json"
     )
     assert code == 0, out
     doc = json.loads(out)
-    assert [p["point"] for p in doc["sweep"]] == [{"max-staleness": 0}, {"max-staleness": 1}]
+    assert [p["point"] for p in doc["sweep"]] == [{"algo.max_staleness": 0}, {"algo.max_staleness": 1}]
     assert all(list(p["modes"]) == ["async"] and p["modes"]["async"]["speedup"] is None for p in doc["sweep"])
     code, out = invoke(*SMALL, "--lengths", "short-answer")
     assert code == 0, out
     assert "samples/s" in out and "april" in out and "1.00x" in out
+
+
+def test_cli_simulates_the_config_file_a_run_trains_with(tmp_path: Path) -> None:
+    """`april simulate --config run.toml --set algo.max_staleness=2`: the file's fields (its own defaults
+    under them, not the paper's setting), then --set; the same run as one given by options alone."""
+    run = tmp_path / "run.toml"
+    run.write_text(
+        "[run]\nsteps = 3\nseed = 4\n[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 4\n"
+        'n_samples_per_prompt = 2\nmax_new_tokens = 200\n[worker]\nslots = 4\nsim_lengths = "fixed:30"\n'
+        "[learner]\nsim_step_s = 0.1\n"
+    )
+    code, out = invoke("--config", str(run), "--set", "algo.max_staleness=2", "--engines", "2", "--json")
+    assert code == 0, out
+    doc = json.loads(out)
+    setting = doc["setting"]
+    assert (setting["max_staleness"], setting["slots"], setting["steps"], setting["seed"]) == (2, 4, 3, 4)
+    assert setting["lengths"] == "fixed:30" and setting["prompt_len"] == 64  # [data]'s own default
+    flags = (
+        "--lengths",
+        "fixed:30",
+        "--max-staleness",
+        "2",
+        "--seed",
+        "4",
+        "--set",
+        "data.synthetic_prompt_len_min=8",
+    )
+    code, same = invoke(*SMALL, *flags, "--set", "data.synthetic_prompt_len_max=64", "--json")
+    assert code == 0, same
+    assert json.loads(same)["modes"] == doc["modes"]
 
 
 @pytest.mark.parametrize(
@@ -390,8 +437,10 @@ def test_cli_sweep_json_and_table() -> None:
         (("--lengths", "lognormal:median=0,sigma=1"), "median must be > 0"),
         (("--modes", "sync,fast"), "--modes"),
         (("--sweep", "colour=1"), "--sweep"),
+        (("--sweep", "algo.colour=1,2"), "colour"),
         (("--over-sampling-batch-size", "8"), "over_sampling_batch_size"),
-        (("--decode-ms", "0", "--decode-ms-per-seq", "0"), "a step takes time"),
+        (("--set", "worker.sim_decode_ms=0", "--set", "worker.sim_decode_ms_per_seq=0"), "a step takes time"),
+        (("--set", "algo.max_staleness=-1"), "max_staleness"),
     ],
 )
 def test_cli_user_errors_are_one_line(args: tuple[str, ...], expected: str) -> None:

@@ -26,7 +26,6 @@ from april.config import load_config
 from april.status import BrokerStatus, StepFigures
 from april.transport import dealer, recv, send
 from broker.server import Broker
-from broker.status import build_status
 from cli.status_cmd import fetch_status
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
@@ -95,7 +94,7 @@ def live(tmp_path: Path) -> Iterator[LiveBroker]:
 def test_status_built_by_a_live_broker_round_trips_the_wire_and_json(live: LiveBroker) -> None:
     fetched = fetch_status(live.learner_address, 10)  # over the socket: decoded by the strict codec
     live.halt()
-    built = build_status(live.broker, time.monotonic())
+    built = live.broker.status(time.monotonic())
     assert built.workers[0].id == fetched.workers[0].id == "w0" and built.workers[0].leases == 4
     assert built.learner is not None and built.learner.waiting_for_batch
     assert built.eval is not None and built.eval.running is not None  # the v0 baseline evaluation

@@ -16,9 +16,9 @@ What does not apply, and why:
   - a model directory without a tokenizer: `simulate`, `status`, `keys`, `task` and `broker` take no model;
     `sft` builds its model from scratch; the learner trains on token ids and needs no tokenizer (a model
     directory without one is valid for it; it is given one missing entirely instead).
-  - a missing config file: `simulate`, `bench`, `status`, `sft`, `keys` and `task` read no config file.
+  - a missing config file: `status`, `sft`, `keys` and `task` read no config file.
   - a malformed --set / an unknown config key / a device of a bad form: only the commands that take
-    `--set` (up, generate, broker, worker, learner, data inspect).
+    `--set` (up, simulate, bench, generate, broker, worker, learner, data inspect).
   - a device torch does not see (this machine has no GPU: "cuda", "cuda:N"): only the commands that run
     something on a device (up, generate, worker, learner); the broker runs on none.
   - `data inspect` reads the {prompts} file with training's keys, which need an answer: its model cases
@@ -97,11 +97,24 @@ CASES = [
     case("bench", "bad enum", "bench --engine warp --out {out}", "--engine", "'warp'"),
     case("bench", "bad modes", "bench --modes sync,fast --out {out}", "--modes", "'fast'"),
     case("bench", "negative count", "bench --steps -1 --out {out}", "--steps", "-1"),
+    case("bench", "missing config", f"bench --config {M}/a.toml --out {{out}}", "--config", "a.toml"),
+    case("bench", "malformed --set", "bench --set run.steps --out {out}", "--set", "run.steps"),
+    case("bench", "unknown config key", "bench --set algo.bogus=1 --out {out}", "bogus"),
+    case("bench", "bad staleness list", "bench --max-staleness 1,x --out {out}", "algo.max_staleness",
+         "'x'"),
 
     case("simulate", "missing lengths file", f"simulate --lengths {M}/l.txt", "--lengths", f"{M}/l.txt"),
     case("simulate", "bad modes", "simulate --modes fast", "--modes", "'fast'"),
     case("simulate", "negative count", "simulate --steps -1", "--steps", "-1"),
     case("simulate", "malformed sweep", "simulate --sweep colour=1", "--sweep", "colour"),
+    case("simulate", "bad sweep value", "simulate --sweep algo.max_staleness=1,x", "algo.max_staleness",
+         "'x'"),
+    case("simulate", "missing config", f"simulate --config {M}/a.toml", "--config", "a.toml"),
+    case("simulate", "malformed --set", "simulate --set run.steps", "--set", "run.steps"),
+    case("simulate", "unknown config key", "simulate --set run.bogus=1", "bogus"),
+    case("simulate", "bad config value", "simulate --set algo.max_staleness=-1", "algo.max_staleness", "-1"),
+    case("simulate", "buffer below a batch", "simulate --set broker.max_buffered_samples=100",
+         "broker.max_buffered_samples = 100", "256"),
 
     case("generate", "missing prompts", f"generate --engine sim --prompts {M}/p.jsonl", "--prompts",
          f"{M}/p.jsonl"),

@@ -1,7 +1,7 @@
-"""`april simulate`: the broker's own books and scheduling policy driven in virtual time.
+"""`april simulate`: the broker's own core driven in virtual time.
 
-`broker.sim.model` runs one mode (the real `BrokerState` and `april.policy`, simulated engines and
-learner, an event queue); `broker.sim.engines` the vectorised engines, whose step cost is
+`broker.sim.model` runs one mode (the real `broker.core.BrokerCore`, simulated engines and learner, an
+event queue); `broker.sim.engines` the vectorised engines, whose step cost is
 `april.engine_cost` (the sim engine's too); `broker.sim.figures` turns a run into the per-mode figures
 of bench.json. No sockets, no wall clock, no torch.
 """

@@ -17,7 +17,8 @@ boundary where a sequence finishes or where a message waits, never once per toke
 at step boundaries, as the worker reads its socket between decode steps; a lease granted mid-step
 joins the next step.
 
-Knows nothing of scheduling: `broker.sim.model` decides what to lease and when to abort.
+Knows nothing of scheduling: the broker core (`broker.core`, driven by `broker.sim.model`) decides what
+to lease and when to abort.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import numpy.typing as npt
 
 from april.engine_cost import EngineCost
 from april.prefix_cache import PrefixCache
+from april.protocol import Abort, WeightsReady
 from april.records import FinishReason, Sample
+from broker.decisions import LeaseOut
 from broker.sim.figures import Meter
 
 LengthOf = Callable[[Sample], int]  # the drawn total response length of a sample
@@ -39,26 +42,7 @@ Output = tuple[int, Sample]  # (lease id, the sample as returned to the broker)
 _EPS = 1e-9  # float slack when placing a time on the step grid
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """Broker -> engine: (lease id, token budget, leased sample) triples."""
-
-    work: list[tuple[int, int, Sample]]
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Broker -> engine: return every unfinished sample as a partial, then confirm."""
-
-
-@dataclass(frozen=True, slots=True)
-class Weights:
-    """Broker -> engine: load this version between decode steps."""
-
-    version: int
-
-
-ToEngine = Lease | Abort | Weights
+ToEngine = LeaseOut | Abort | WeightsReady  # what the broker core sends an engine (broker.decisions)
 
 
 @dataclass(slots=True)

@@ -1,29 +1,22 @@
-"""`april simulate`'s discrete-event model: the real broker books and policy, simulated engines and learner.
+"""`april simulate`'s discrete-event model: the broker core driven in virtual time by simulated engines and
+a simulated learner.
 
-Owns the event loop in virtual time and the broker's side of it. The books are a real
-`broker.state.BrokerState` (so every scheduling decision is `april.policy`'s, through the same calls the
-broker makes); engines are `broker.sim.engines.EngineModel`; the learner takes `learner_step_s` per batch.
-Events: an engine reaching a step boundary where a sequence finishes or a message waits (leases, aborts
-and weights are read there, so an abort round-trip lasts until each holder's current step ends), and
-the learner finishing a step (weights v+1 published, batch acked, next batch requested).
-
-`broker/server.py` holds the glue between messages and `BrokerState` next to its sockets and clocks, so
-this module mirrors it, handler by handler (names in brackets):
-  - SampleResult: accept each sample, grant the finished samples' slots back, then dispatch unless the
-    round is complete [_on_worker, _on_results, _dispatch(train=...)]. Scoring is instant, so the
-    worker's LeaseRequest and SampleResult arrive together.
-  - AbortDone: the worker's credit is reset to its slots; the abort round ends in the next tick once
-    every holder confirmed, and sync/april then park queued samples [_on_abort_done, _check_abort].
-  - tick, after every event: end a confirmed abort; close a complete round (abort the holders, or park
-    at once); dispatch: the leasable samples spread over the workers with credit by free slots relative
-    to size (`policy.spread_leases`), one Lease each; form and hand out the batch if the learner waits
-    [tick, _dispatch, _try_send_batch].
-  - WeightsReady: set_weights, relay to every worker, in async abort when samples are leased and no abort
-    is running [_on_weights]. BatchAck: ack_batch, then the ledger check [_ack].
-  - the learner (learner/loop.py): request, train, publish v+1, ack, request the next step.
+Owns the event loop in virtual time and what the processes around the broker do in it. The broker is the
+real one's core (`broker.core.BrokerCore`, with its books and policy): every scheduling decision is taken
+by the same code as in `april broker`, from the same events. Engines are `broker.sim.engines.EngineModel`;
+the learner takes `learner.sim_step_s` (+ `sim_step_s_per_token` x trained response tokens, as
+`learner/sim_trainer.py`) per batch. What each process sends the core, and when:
+  - an engine at a step boundary where a sequence finishes or a message waits: its finished samples with
+    their slots' credit (a worker's LeaseRequest and SampleResult together: scoring is instant), then the
+    messages it has read: a Lease is admitted (samples with nothing to generate come straight back), a
+    WeightsReady loaded (WeightsLoaded), an Abort answered (the running samples as partials, AbortDone);
+    so an abort round-trip lasts until each holder's current step ends;
+  - the learner at the end of a step: WeightsReady v+1, BatchAck, BatchRequest for the next step;
+  - the tick after every event, as the broker's loop ticks after every turn.
+The run's config is the one a real run reads (`SimConfig.config`): mode, algo, broker, prompts, the sim
+engine's cost and prefix cache (`worker.sim_*`), `worker.slots`, `worker.resume_kv`, steps and seed.
 Not modelled: network latency, reward scoring time, weight loading time, evaluations, failures,
-heartbeats and snapshots. Two shortcuts skip calls that provably return nothing (no lease when
-`take_work` could lease nothing to anyone; no `form_batch` with fewer than a batch of complete groups).
+heartbeats and snapshots (a formed batch is handed over at once).
 """
 
 from __future__ import annotations
@@ -33,18 +26,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from april import policy
-from april.config import AlgoConfig, ConfigError, Mode, ResumeKV
-from april.data import SyntheticPromptSource
-from april.engine_cost import EngineCost
+from april import protocol
+from april.config import Config, ConfigError, Mode, ResumeKV
 from april.ledger import Ledger
 from april.records import Sample
 from april.sample_draw import LengthDraw, LengthSampler, prompt_key, sample_key
-from broker.sim.engines import Abort, EngineModel, Lease, Output, ToEngine, Weights
+from broker import policy
+from broker.core import BrokerCore
+from broker.decisions import BatchFormed, Decision, LeaseOut, Refuse, Send
+from broker.heldout import open_prompts
+from broker.sim.engines import EngineModel, Output, ToEngine
 from broker.sim.figures import ArrivalMeter, Figures, Meter, Tally, compute_figures
-from broker.state import BrokerState
+from broker.state import BrokerState, PendingBatch
 
 LENGTH_CHUNK_GROUPS = 512  # groups whose lengths are drawn at once
+LEARNER_ID = "sim-learner"
+NO_LEASES = np.zeros(0, dtype=np.int64)
 
 
 class SimulationError(RuntimeError):
@@ -54,39 +51,37 @@ class SimulationError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    mode: Mode
-    algo: AlgoConfig
-    engines: int = 8
-    slots: int = 64  # concurrent sequences per engine
-    cost: EngineCost = field(default_factory=EngineCost)
-    learner_step_s: float = 20.0  # one optimizer step + weights publish, per batch
-    steps: int = 20  # learner steps simulated
-    prompt_len: int = 256  # tokens of every prompt (prefilled with each fresh or resumed sample)
-    # the prompts: `april.data.SyntheticPromptSource` of this size (an epoch), seeded by `seed`, as
-    # `april bench --engine sim` configures its runs; prompts recur every `dataset_size` groups
-    dataset_size: int = 10000
-    prompt_corr: float = 0.0  # how much a response's length is its prompt's (april.sample_draw.LengthDraw)
-    seed: int = 0  # response lengths are drawn per sample from this seed: the same in every mode
+    """One simulated run: the run's config (`config`, as `april up` would read it) and its cluster."""
+
+    config: Config
+    engines: int = 8  # worker processes, one engine of `worker.slots` slots each
     # True: each sample's length drawn from (seed, group, index) exactly as the sim engine draws it
     # (april.sample_draw), so `april bench --engine sim` runs the very same samples; False: one seeded stream
     per_sample_lengths: bool = False
     check_ledger_every_event: bool = False  # debug: the books balance after every event (slow)
-    resume_kv: ResumeKV = ResumeKV.RECOMPUTE  # the engines' prefix caches across a weight update
 
     def __post_init__(self) -> None:
-        for name in ("engines", "slots", "steps", "prompt_len", "dataset_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"simulate: {name} = {getattr(self, name)}, expected >= 1")
-        if not 0 <= self.prompt_corr < 1:
-            raise ConfigError(f"simulate: prompt_corr = {self.prompt_corr}, expected a number in [0, 1)")
-        if not self.learner_step_s >= 0:
-            raise ConfigError(f"simulate: learner_step_s = {self.learner_step_s}, expected >= 0")
-        c = self.cost
+        if self.engines < 1:
+            raise ConfigError(f"simulate: engines = {self.engines}, expected >= 1")
+        c = self.config.worker.sim_cost
         if c.step_ms(1) <= 0:  # virtual time must advance, or the event loop would never end
             raise ConfigError(
                 f"simulate: step cost A={c.decode_ms:g}, B={c.decode_ms_per_seq:g}, "
-                f"C={c.prefill_ms_per_token:g} ms: expected A + B > 0 (a step takes time)"
+                f"C={c.prefill_ms_per_token:g} ms: expected A + B > 0 (a step takes time "
+                "(worker.sim_decode_ms, worker.sim_decode_ms_per_seq)"
             )
+
+    @property
+    def mode(self) -> Mode:
+        return self.config.run.mode
+
+    @property
+    def slots(self) -> int:
+        return self.config.worker.slots
+
+    @property
+    def steps(self) -> int:
+        return self.config.run.steps
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,30 +164,26 @@ class Simulation:
 
     def __init__(self, config: SimConfig, lengths: LengthSampler) -> None:
         self.cfg = config
-        prompts = SyntheticPromptSource(
-            config.dataset_size,
-            seed=config.seed,
-            prompt_len_min=config.prompt_len,
-            prompt_len_max=config.prompt_len,
-        )
-        self.state = BrokerState(config.mode, config.algo, prompts)
-        self.round_based = policy.is_round_based(config.mode)
+        run = config.config
+        self.cost = run.worker.sim_cost
+        source, _ = open_prompts(run)  # the run's training prompts (the held-out ones are not simulated)
+        self.core = BrokerCore(run, BrokerState(run.run.mode, run.algo, source), (), 0.0)
+        self.round_based = policy.is_round_based(run.run.mode)
         self.meter = Meter(config.engines)
+        seed = run.run.seed
+        prompt_corr = run.worker.sim_prompt_corr
         table: LengthTable | SampleLengths = (
-            SampleLengths(lengths, config.seed, config.prompt_corr)
-            if config.per_sample_lengths or config.prompt_corr
-            else LengthTable(lengths, config.seed, config.algo.n_samples_per_prompt)
+            SampleLengths(lengths, seed, prompt_corr)
+            if config.per_sample_lengths or prompt_corr
+            else LengthTable(lengths, seed, run.algo.n_samples_per_prompt)
         )
-        keep = config.resume_kv is ResumeKV.REUSE
+        keep = run.worker.resume_kv is ResumeKV.REUSE
         self.engines = [
-            EngineModel(i, config.slots, config.cost, self.meter, table, keep) for i in range(config.engines)
+            EngineModel(i, config.slots, self.cost, self.meter, table, keep) for i in range(config.engines)
         ]
         self.by_worker = {e.worker_id: e for e in self.engines}
-        self.credit = [config.slots] * config.engines
-        self.peer_version = [0] * config.engines  # what each worker reported loaded (WeightsLoaded)
-        self.abort: set[int] | None = None  # engines that still owe an AbortDone
-        self.abort_rounds = 0
-        self.learner_waiting: int | None = 0  # step of the pending BatchRequest
+        self.training: PendingBatch | None = None  # the batch the learner trains
+        self.handed_out_s = 0.0  # when it reached the learner
         self.waiting_since = 0.0
         self.waits = dict.fromkeys(WAIT_CAUSES, 0.0)
         self.wait_mark: tuple[float, str] | None = None  # (since, cause) while the learner waits
@@ -212,12 +203,18 @@ class Simulation:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> SimResult:
+        core = self.core
+        for e in self.engines:
+            hello = protocol.WorkerHello(e.worker_id, "sim", e.slots, 0, 0, "sim", NO_LEASES)
+            self._carry_out(core.on_hello(hello, 0.0))
+        core.on_learner_hello(LEARNER_ID)
+        core.on_batch_request(0, -1, 0.0)
         self._tick()
         while not self.done:
             if not self.queue:
                 raise SimulationError(
                     f"simulate {self.cfg.mode.value}: nothing left to happen after {self.trained} of "
-                    f"{self.cfg.steps} steps at t={self.now:.3f}s ({self.state.ledger().describe()})"
+                    f"{self.cfg.steps} steps at t={self.now:.3f}s ({core.state.ledger().describe()})"
                 )
             t, _, index, generation, steps = heapq.heappop(self.queue)
             if index >= 0 and generation != self.engines[index].generation:
@@ -230,7 +227,7 @@ class Simulation:
             else:
                 self._wake(self.engines[index], steps)
             if self.cfg.check_ledger_every_event:
-                self.state.check_ledger(f"at t={t:.6f}")
+                core.state.check_ledger(f"at t={t:.6f}")
         return self._result()
 
     def _push(self, t: float, index: int, generation: int = 0, steps: int = 0) -> None:
@@ -245,6 +242,8 @@ class Simulation:
         engine.generation += 1
         self._push(max(at[0], self.now), engine.index, engine.generation, at[1])  # float slack: never back
 
+    # ------------------------------------------------------------------ the engines (a worker's side)
+
     def _wake(self, engine: EngineModel, steps: int) -> None:
         """A step boundary: finished samples go back, then the worker reads its messages."""
         engine.wake = None
@@ -252,7 +251,7 @@ class Simulation:
         engine.advance(self.now, steps)
         finished = engine.take_finished()
         if finished:
-            self._on_results(engine, finished, credit=len(finished))
+            self._return(engine, finished, credit=len(finished))
         self._tick()
         while engine.inbox:
             self._read(engine, engine.inbox.pop(0))
@@ -261,124 +260,57 @@ class Simulation:
 
     def _read(self, engine: EngineModel, msg: ToEngine) -> None:
         """The worker's handling of one broker message (actors/worker.py `_handle`)."""
-        if isinstance(msg, Lease):
+        core = self.core
+        if isinstance(msg, LeaseOut):
             ready = engine.admit(msg.work)
             if ready:
-                self._on_results(engine, ready, credit=len(ready))
-                self._tick()
-        elif isinstance(msg, Weights):
+                self._return(engine, ready, credit=len(ready))
+        elif isinstance(msg, protocol.WeightsReady):
             engine.load(msg.version)
-            self.peer_version[engine.index] = max(self.peer_version[engine.index], msg.version)
+            self._carry_out(
+                core.on_weights_loaded(engine.worker_id, protocol.WeightsLoaded(msg.version, True, ""))
+            )
         else:
             partials = engine.abort()
             if partials:
-                self._on_results(engine, partials, credit=0)
-            self._on_abort_done(engine)
-            self._tick()
+                self._return(engine, partials, credit=0)
+            self._carry_out(core.on_abort_done(engine.worker_id, msg.round_id, engine.slots, (), self.now))
+        self._tick()
+
+    def _return(self, engine: EngineModel, items: list[Output], credit: int) -> None:
+        """Samples back to the broker, with `credit` freed slots."""
+        self.arrivals.add(self.now, len(items))
+        lease_ids = [lease_id for lease_id, _ in items]
+        samples = [sample for _, sample in items]
+        self._carry_out(self.core.on_samples(engine.worker_id, lease_ids, samples, credit, self.now))
 
     def _send(self, engine: EngineModel, msg: ToEngine) -> None:
         engine.inbox.append(msg)
         if not engine.busy:
             self._schedule(engine, engine.next_boundary(self.now))
 
-    # ------------------------------------------------------------------ the broker (server.py's glue)
+    # ------------------------------------------------------------------ the broker core's decisions
 
-    def _on_results(self, engine: EngineModel, items: list[Output], credit: int) -> None:
-        self.arrivals.add(self.now, len(items))
-        for lease_id, sample in items:
-            self.state.accept_result(engine.worker_id, lease_id, sample)
-        self.credit[engine.index] = min(self.credit[engine.index] + credit, engine.slots)
-        self._dispatch(train=not self.state.round_complete())
-
-    def _on_abort_done(self, engine: EngineModel) -> None:
-        self.credit[engine.index] = engine.slots
-        if self.abort is not None:
-            self.abort.discard(engine.index)
+    def _carry_out(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            match d:
+                case LeaseOut():
+                    self._send(self.by_worker[d.worker_id], d)
+                case Send(message=protocol.Abort() | protocol.WeightsReady() as msg):
+                    self._send(self.by_worker[d.worker_id], msg)
+                case BatchFormed(batch=batch):
+                    self._hand_out(batch)
+                case Refuse():
+                    raise SimulationError(
+                        f"simulate: the broker refused {d.peer_id}: {d.reason} ({d.detail})"
+                    )
+                case _:  # a Welcome; settled samples (no log here); no evaluations run
+                    pass
 
     def _tick(self) -> None:
-        if self.abort is not None and not self.abort:
-            self.abort = None
-            if self.round_based:
-                self.state.park_queued_samples()
-        if self.state.close_round_if_complete():
-            if self.state.leased_samples:
-                self._start_abort()
-            else:
-                self.state.park_queued_samples()
-        self._dispatch()
-        self._try_send_batch()
-
-    def _dispatch(self, train: bool = True) -> None:
-        """Spread training samples over the engines with credit, one Lease each [_dispatch,
-        _lease_training]; no evaluations here."""
-        state = self.state
-        if self.abort is not None or not train or not state.dispatch_allowed():
-            return
-        available = state.leasable_samples()
-        if available <= 0:
-            return  # take_work would lease nothing to any worker
-        engines = [e for e in self.engines if self.credit[e.index] > 0]
-        free = [self.credit[e.index] for e in engines]
-        work: list[list[tuple[int, int, Sample]]] = [[] for _ in engines]
-        room = list(free)
-        if state.algo.resume_affinity:
-            versions: list[int | None] = [self.peer_version[e.index] for e in engines]
-            held = state.take_held_partials([e.worker_id for e in engines], room, versions)
-            for i, items in enumerate(held):
-                work[i] += items
-                room[i] -= len(items)
-            available = state.leasable_samples()
-        shares = policy.spread_leases(available, room, [e.slots for e in engines])
-        short = False
-        for engine, items, share in zip(engines, work, shares, strict=True):
-            if share:
-                got = state.take_work(engine.worker_id, share, self.peer_version[engine.index])
-                items += got
-                short = short or len(got) < share
-        if short:
-            order = sorted(range(len(engines)), key=lambda i: -(free[i] - len(work[i])) / engines[i].slots)
-            for i in order:
-                left = free[i] - len(work[i])
-                if left > 0 and state.leasable_samples():
-                    version = self.peer_version[engines[i].index]
-                    work[i] += state.take_work(engines[i].worker_id, left, version)
-        for engine, items in zip(engines, work, strict=True):
-            if items:
-                self.credit[engine.index] -= len(items)
-                self._send(engine, Lease(items))
-
-    def _start_abort(self) -> None:
-        holders = sorted({self.by_worker[lease.worker_id].index for lease in self.state.leases.values()})
-        self.abort = set(holders)
-        self.abort_rounds += 1
-        for i in holders:
-            self._send(self.engines[i], Abort())
-
-    def _on_weights(self, version: int) -> None:
-        if not self.state.set_weights(version, f"sim://v{version}", ""):
-            return
-        for engine in self.engines:
-            self._send(engine, Weights(version))
-        if policy.abort_on_new_version(self.state.mode) and self.state.leased_samples and self.abort is None:
-            self._start_abort()
-
-    def _try_send_batch(self) -> None:
-        state = self.state
-        if self.learner_waiting is None:
-            return
-        if state.batch is None and len(state.complete) < state.algo.rollout_batch_size:
-            self._note_wait(wait_cause(state))
-            return  # select_batch needs a batch worth of complete groups
-        batch = state.form_batch(self.learner_waiting)
-        self._note_wait(None if batch is not None else wait_cause(state))
-        if batch is None:
-            return
-        state.check_ledger(f"after forming batch {batch.batch_id}")
-        self.learner_waiting = None
-        self.rollout_s += self.now - self.waiting_since
-        if self.round_based:
-            self.meter.in_phase = False
-        self._push(self.now + self.cfg.learner_step_s, -1)
+        self._carry_out(self.core.tick(self.now))
+        waiting = self.core.learner_waiting is not None
+        self._note_wait(wait_cause(self.core.state) if waiting else None)
 
     def _note_wait(self, cause: str | None) -> None:
         """The learner waits because of `cause` from now on (None: it got its batch)."""
@@ -389,35 +321,49 @@ class Simulation:
 
     # ------------------------------------------------------------------ the learner
 
+    def _hand_out(self, batch: PendingBatch) -> None:
+        """The formed batch reaches the learner at once (no snapshot to wait for)."""
+        self.core.batch_sent()
+        self.training = batch
+        self.handed_out_s = self.now
+        self.rollout_s += self.now - self.waiting_since
+        if self.round_based:
+            self.meter.in_phase = False
+        learner = self.cfg.config.learner
+        tokens = sum(s.response_len for s in batch.samples)
+        self._push(self.now + learner.sim_step_s + learner.sim_step_s_per_token * tokens, -1)
+
     def _learner_done(self) -> None:
-        batch = self.state.batch
+        batch = self.training
         assert batch is not None, "the learner finished a step without a batch"
         self.tally.add_batch(batch.samples, batch.version)
         self.records.append(
             StepRecord(
                 batch.batch_id,
                 batch.version,
-                self.now - self.cfg.learner_step_s,
+                self.handed_out_s,
                 self.now,
                 max(s.staleness(batch.version) for s in batch.samples),
                 tuple(batch.group_ids),
             )
         )
-        self._on_weights(self.state.version + 1)
-        self.state.ack_batch(batch.batch_id, slots=self.cfg.engines * self.cfg.slots)
-        self.state.check_ledger(f"after acking batch {batch.batch_id}")
+        core = self.core
+        version = core.state.version + 1
+        self._carry_out(core.on_weights(version, f"sim://v{version}", "", self.now))
+        core.on_ack(batch.batch_id, self.now)
+        self.training = None
         self.trained += 1
         if self.trained >= self.cfg.steps:
             self.done = True
             return
         if self.round_based:
             self.meter.in_phase = True
-        self.learner_waiting = self.trained
+        core.on_batch_request(self.trained, batch.batch_id, self.now)
         self.waiting_since = self.now
         self._tick()
 
     def _result(self) -> SimResult:
-        buffered = sum(s.response_len for g in self.state.groups.values() for s in g.samples)
+        buffered = sum(s.response_len for g in self.core.state.groups.values() for s in g.samples)
         buffered += sum(e.in_engine_tokens for e in self.engines)
         figs = compute_figures(
             wall_s=self.now,
@@ -428,15 +374,15 @@ class Simulation:
             meter=self.meter,
             slots_total=self.cfg.engines * self.cfg.slots,
             engines=self.cfg.engines,
-            aborted=self.state.totals.aborted,
-            resumed=self.state.totals.resumed,
+            aborted=self.core.state.totals.aborted,
+            resumed=self.core.state.totals.resumed,
             busy_s=sum(e.busy_s for e in self.engines),
-            reprefill_s=self.cfg.cost.prefill_s(sum(e.reprefill_tokens for e in self.engines)),
+            reprefill_s=self.cost.prefill_s(sum(e.reprefill_tokens for e in self.engines)),
             stale_kv_tokens=sum(e.stale_kv_tokens for e in self.engines),
             arrivals=self.arrivals,
         )
-        ledger = self.state.check_ledger("at the end of the simulation")
-        return SimResult(figs, ledger, tuple(self.records), self.abort_rounds, self.events, dict(self.waits))
+        ledger = self.core.state.check_ledger("at the end of the simulation")
+        return SimResult(figs, ledger, tuple(self.records), self.core.round_id, self.events, dict(self.waits))
 
 
 def simulate(config: SimConfig, lengths: LengthSampler) -> SimResult:

@@ -2,7 +2,7 @@
 
 Owns `plan_round_target`, called when a round opens. For each candidate target O (from the batch B up to
 `over_sampling_batch_size`, the cap) it predicts the round's length by replaying the round a few times
-on the run's own recent response lengths (`april.length_history`):
+on the run's own recent response lengths (`broker.length_history`):
   - the round's samples are the unfinished ones carried over (partials, with the tokens they have: a
     partial's total length is drawn from the observed lengths longer than it already is) followed by the
     samples of O minus the live groups fresh groups, in dispatch order;

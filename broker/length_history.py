@@ -5,7 +5,7 @@ length) and read by the scheduling policy:
   - `predict(prompt)`: the expected response length of a prompt seen before (prompts recur every epoch;
     a response's length is mostly a property of its prompt, which is what RhymeRL's and Seer's length
     prediction rests on), or None for a prompt never seen;
-  - `recent()`: the last `RECENT` finished lengths of the whole run, the distribution `april.round_plan`
+  - `recent()`: the last `RECENT` finished lengths of the whole run, the distribution `broker.round_plan`
     draws from to predict a round.
 
 Per prompt it keeps an exponential moving average of log length (lengths are heavy-tailed: a log scale

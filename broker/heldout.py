@@ -13,8 +13,8 @@ every `prompt_index` exactly once. Owns no cursor and no I/O.
 
 from __future__ import annotations
 
-from april.config import ConfigError
-from april.data import PromptRecord, PromptSource
+from april.config import Config, ConfigError
+from april.data import PromptRecord, PromptSource, open_source
 
 
 class TrainingView:
@@ -72,3 +72,12 @@ def split_held_out(source: PromptSource, size: int) -> tuple[TrainingView, tuple
         record = source.get(cursor)
         held.setdefault(record.prompt_index, record)
     return TrainingView(source, frozenset(held)), tuple(held.values())
+
+
+def open_prompts(config: Config) -> tuple[PromptSource, tuple[PromptRecord, ...]]:
+    """The run's training prompts and its held-out ones (none when it does not evaluate); a bad dataset
+    or held-out size raises DatasetError / ConfigError (`april up` calls this before starting anything)."""
+    source = open_source(config.data, config.run.seed)
+    if config.run.eval_every > 0 and config.data.eval_size > 0:
+        return split_held_out(source, config.data.eval_size)  # training never sees them
+    return source, ()

@@ -3,7 +3,8 @@
 Decides, from counts alone: how many fresh groups may be issued now, when a round is complete and an
 abort is due, which samples are dispatched first and how many go to each worker, and which complete
 groups form the next batch (async: only one that keeps every group within the staleness bound). The
-broker calls these on every state change; `april simulate` drives the same functions in virtual time.
+broker core (`broker.core`, through `broker.state` and `broker.dispatch`) calls these on every event,
+for the broker process and `april simulate` alike.
 Holds no sockets, no clocks and no sample data: only group counts, versions and ordering keys.
 
 Counting is in groups. `accepted` is every group issued and not dropped (trained, waiting, in flight or
@@ -94,7 +95,7 @@ def is_round_based(mode: Mode) -> bool:
 
 def round_target(mode: Mode, algo: AlgoConfig, planned: int | None = None) -> int:
     """Groups kept in a round (in flight + partial + complete): the batch, or the over-sampled batch
-    (`over_sampling = "auto"`: the round's `planned` target, see april/round_plan.py)."""
+    (`over_sampling = "auto"`: the round's `planned` target, see broker/round_plan.py)."""
     if mode == Mode.SYNC:
         return algo.rollout_batch_size
     return algo.over_sampling_batch_size if planned is None else planned
@@ -131,11 +132,6 @@ def round_complete(mode: Mode, algo: AlgoConfig, counts: PoolCounts) -> bool:
     return is_round_based(mode) and counts.complete >= algo.rollout_batch_size
 
 
-def abort_due(mode: Mode, algo: AlgoConfig, counts: PoolCounts, leased_samples: int) -> bool:
-    """april: the round is complete and samples are still generating: interrupt them."""
-    return round_complete(mode, algo, counts) and leased_samples > 0
-
-
 def abort_on_new_version(mode: Mode) -> bool:
     """async: every new weight version interrupts generation so it resumes under the new weights."""
     return mode == Mode.ASYNC
@@ -168,13 +164,9 @@ def dispatch_key(group_id: int, index: int, min_version: int | None) -> tuple[in
     return (NEVER_GENERATED if min_version is None else min_version, group_id, index)
 
 
-def is_due(min_version: int | None, learner_version: int, max_staleness: int) -> bool:
-    """async: this group cannot wait for the next step without exceeding the staleness bound."""
-    return min_version is not None and learner_version + 1 - min_version > max_staleness
-
-
 def slack(min_version: int | None, learner_version: int, max_staleness: int) -> int:
-    """async: how many later batches this group may still wait, 0..eta (0: it is due, see `is_due`).
+    """async: how many later batches this group may still wait, 0..eta (0: it is due: the next batch
+    must take it).
 
     A group whose oldest token is of version m must be trained at a version <= m + eta (its deadline); its
     slack is deadline - learner_version. A group with no token yet gets its first under the learner's

@@ -1,0 +1,516 @@
+"""The broker core: every scheduling decision, once. Events in, with their time; decisions out.
+
+`BrokerCore` holds the books (`broker.state`), the worker registry (`broker.peers`), the evaluations, the
+abort round, the learner's pending request and the slot-usage integrals, and has one method per event: a
+worker's hello, credit, results, abort confirmation, engine health, weights loaded, usage report or loss;
+the learner's hello, batch request, ack, weights or departure; and the tick. Each returns the decisions
+it took (`broker.decisions`): leases, aborts, relayed weights, refusals, settled samples, a formed batch.
+
+No sockets, no clock, no files: `broker.server` drives it from its sockets and the monotonic clock,
+`broker.sim.model` from simulated engines and a simulated learner in virtual time, so the real broker
+and the simulator make the same decisions for the same events. Liveness (who fell silent) and durability
+(when a formed batch may leave) are the driver's: it reports a lost worker and a batch sent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from april import protocol
+from april.config import Config, ConfigError
+from april.data import PromptRecord
+from april.records import SETTLED, Sample
+from april.weights_uri import WEIGHT_TRANSPORTS
+from broker import policy
+from broker.decisions import (
+    BatchFormed,
+    Decision,
+    EvalFinished,
+    LeaseOut,
+    Refuse,
+    Send,
+    Settled,
+)
+from broker.dispatch import assign
+from broker.evaluation import EvalResult, Evaluations
+from broker.peers import Workers
+from broker.result_check import ResultRejected
+from broker.state import BooksView, BrokerState, PendingBatch
+from broker.usage import SlotUsage
+
+log = logging.getLogger("april.broker")
+
+
+@dataclass(slots=True)
+class AbortRound:
+    """An abort in progress: workers that still owe an AbortDone, with their deadline and attempts."""
+
+    round_id: int
+    started: float
+    deadline: dict[str, float] = field(default_factory=dict)
+    attempts: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundView:
+    """The round and the aborts, for the status."""
+
+    round_id: int  # abort rounds started
+    open: bool
+    aborting: bool
+    aborts_done: int
+
+
+class BrokerCore:
+    """See the module docstring. `state`: fresh or restored from a snapshot (`restored`: its lease holders
+    are registered as restored workers, and no baseline evaluation starts)."""
+
+    def __init__(
+        self,
+        config: Config,
+        state: BrokerState,
+        held_out: Sequence[PromptRecord],
+        now: float,
+        *,
+        restored: bool = False,
+    ) -> None:
+        self.config = config
+        self.cfg = config.broker
+        batch_samples = config.algo.rollout_batch_size * config.algo.n_samples_per_prompt
+        if self.cfg.max_buffered_samples < batch_samples:  # issuing would stop short of every batch
+            raise ConfigError(
+                f"broker.max_buffered_samples = {self.cfg.max_buffered_samples}: fewer samples than one "
+                f"batch holds (algo.rollout_batch_size x algo.n_samples_per_prompt = {batch_samples}), "
+                "so no batch could ever form"
+            )
+        self.state = state
+        state.max_live_samples = self.cfg.max_buffered_samples
+        run = config.run
+        self.evals = Evaluations(
+            held_out, run.eval_every, run.steps, config.algo.max_new_tokens, self._evaluated
+        )
+        self.workers = Workers(self.cfg.heartbeat_interval_s, self.cfg.liveness)
+        self.abort: AbortRound | None = None
+        self.round_id = 0  # abort rounds started
+        self.aborts_done = 0
+        self.learner_id = "learner"  # the learner session's id (refusals are counted under it)
+        self.learner_waiting: int | None = None  # step of the learner's unanswered BatchRequest
+        self.batches_acked = 0
+        self.started = now
+        self.round_started = now  # the last ack (a batch's rollout_s counts from it)
+        self.first_lease: float | None = None  # when generation started: batches' run_s count from it
+        self.usage = SlotUsage(now)  # the workers' slot usage, per batch (rollout phases) and in total
+        self.last_step_totals: dict[str, Any] | None = None  # run_totals when the last step was acked
+        self.behind_warned = 0  # the last version no worker with free slots served (warned once each)
+        self.behind_since: float | None = None  # since when no worker with free slots may be leased work
+        self._out: list[Decision] = []
+        if restored:
+            for worker_id in {lease.worker_id for lease in state.leases.values()}:
+                self.workers.register(worker_id, now, restored=True)
+        else:
+            self.evals.on_version(0)  # a baseline: the starting weights on the held-out prompts
+
+    def _take(self) -> list[Decision]:
+        out, self._out = self._out, []
+        return out
+
+    # ------------------------------------------------------------------ workers
+
+    def on_hello(self, hello: protocol.WorkerHello, now: float) -> list[Decision]:
+        """A worker (re-)registers: leases it no longer holds are reclaimed, its credit is its free slots."""
+        held = set(hello.held_leases.tolist())
+        kept = 0
+        for lease_id in self.leases_of(hello.worker_id):
+            if lease_id in held:
+                kept += 1
+            else:
+                self._reclaim(lease_id)
+        peer = self.workers.register(
+            hello.worker_id,
+            now,
+            engine=hello.engine,
+            slots=hello.slots,
+            credit=max(0, hello.slots - kept),
+            version=hello.version,
+            pid=hello.pid,
+            host=hello.host,
+        )
+        if peer is None:
+            self._out.append(Refuse(hello.worker_id, "too_many_workers", "worker registry is full"))
+            return self._take()
+        log.info(
+            "worker %s registered (%s, %d slots, v%d, kept %d leases)",
+            hello.worker_id,
+            hello.engine,
+            hello.slots,
+            hello.version,
+            kept,
+        )
+        self._out.append(Send(hello.worker_id, self.welcome(hello.worker_id)))
+        if self.abort is not None:  # a new session: it owes an AbortDone only for leases it kept
+            if kept:
+                self._send_abort(hello.worker_id, now)
+            else:
+                self.abort.deadline.pop(hello.worker_id, None)
+        return self._take()
+
+    def welcome(self, peer_id: str) -> protocol.Welcome:
+        """The answer to a worker's or the learner's hello: the current weights and the sampling settings."""
+        algo = self.config.algo
+        return protocol.Welcome(
+            peer_id=peer_id,
+            mode=self.state.mode.value,
+            version=self.state.version,
+            weights_uri=self.state.weights_uri,
+            weights_sha256=self.state.weights_sha256,
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s,
+            max_new_tokens=algo.max_new_tokens,
+            temperature=algo.temperature,
+            top_p=algo.top_p,
+            top_k=algo.top_k,
+        )
+
+    def on_credit(self, worker_id: str, credit: int) -> None:
+        """A worker grants `credit` free slots (LeaseRequest); the next tick leases them."""
+        peer = self.workers.peers[worker_id]
+        # restored: slots unknown until it says hello, it finishes its leases and gets nothing new;
+        # engine down: nothing until its EngineHealth says it serves again (then it grants its slots)
+        if peer.leasable:
+            self.workers.set_credit(peer, max(0, min(peer.credit + credit, peer.slots)))
+
+    def on_result(self, worker_id: str, msg: protocol.SampleResult, now: float) -> list[Decision]:
+        """A SampleResult as it came off the wire: `on_samples`, with the arrays checked at once where that
+        is cheaper than one sample at a time (`BrokerState.vouch`: it passes only what the checks pass)."""
+        lease_ids = msg.lease_ids.tolist()
+        vouched = self.state.vouch(worker_id, lease_ids, msg.samples)
+        return self.on_samples(worker_id, lease_ids, msg.samples.to_samples(), msg.credit, now, vouched)
+
+    def on_samples(
+        self,
+        worker_id: str,
+        lease_ids: Sequence[int],
+        samples: Sequence[Sample],
+        credit: int,
+        now: float,
+        vouched: Sequence[bool] | None = None,
+    ) -> list[Decision]:
+        """Samples returned on their leases (finished, failed or interrupted), with `credit` freed slots;
+        then the freed slots are leased at once (no training work once the round is complete).
+        `vouched`: per sample, already checked against its lease (`on_result`); None: none was."""
+        peer = self.workers.peers[worker_id]
+        settled: list[Sample] = []
+        checked = [False] * len(samples) if vouched is None else vouched
+        for lease_id, sample, ok in zip(lease_ids, samples, checked, strict=True):
+            try:
+                if self.evals.owns(lease_id):
+                    accepted = self.evals.accept_result(worker_id, lease_id, sample, self.state.version)
+                else:
+                    accepted = self.state.accept_result(worker_id, lease_id, sample, vouched=ok)
+                    if sample.status in SETTLED:  # for good: logged now, not in every snapshot after
+                        settled.append(sample)
+                peer.tokens_generated += accepted
+            except ResultRejected as exc:
+                log.warning("rejected sample from %s: %s", worker_id, exc)
+                self._out.append(Refuse(worker_id, exc.reason, str(exc)[:500]))
+                if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
+                    self._reclaim(lease_id)
+        if settled:  # those of groups just dropped need no record
+            groups = self.state.groups
+            kept = [s for s in settled if s.group_id in groups]
+            self._out.append(Settled(kept, whole=len(settled) == len(samples)))
+        self.on_credit(worker_id, credit)
+        self._dispatch(now, train=not self.state.round_complete())
+        return self._take()
+
+    def on_abort_done(
+        self, worker_id: str, round_id: int, credit: int, scoring: Collection[int], now: float
+    ) -> list[Decision]:
+        """A worker returned what it held (but the leases in `scoring`) and confirms abort `round_id`."""
+        peer = self.workers.peers[worker_id]
+        if peer.engine_ok:
+            self.workers.set_credit(peer, min(credit, peer.slots) if peer.slots else credit)
+        if self.abort is None or round_id != self.abort.round_id:
+            return self._take()  # a late confirmation of an earlier round: credit reset is all it means
+        unreturned = [lease_id for lease_id in self.leases_of(worker_id) if lease_id not in scoring]
+        if unreturned:
+            self._out.append(Refuse(worker_id, "abort_unreturned", f"{len(unreturned)} leases", reply=False))
+            log.warning("worker %s confirmed abort but kept %d leases: reclaimed", worker_id, len(unreturned))
+            for lease_id in unreturned:
+                self._reclaim(lease_id)
+        self.abort.deadline.pop(worker_id, None)
+        return self._take()
+
+    def on_engine_health(self, worker_id: str, msg: protocol.EngineHealth) -> None:
+        peer = self.workers.peers[worker_id]
+        if msg.ok != peer.engine_ok:
+            if msg.ok:
+                log.info("worker %s: engine serves again", worker_id)
+            else:
+                log.warning("worker %s: engine down, leasing it nothing: %s", worker_id, msg.detail)
+        peer.engine_ok, peer.engine_detail = msg.ok, msg.detail
+        peer.failed_by_engine, peer.returned_by_engine = msg.failed_by_engine, msg.returned_by_engine
+        peer.placement = msg.placement
+        if not msg.ok:
+            self.workers.set_credit(peer, 0)
+
+    def on_weights_loaded(self, worker_id: str, msg: protocol.WeightsLoaded) -> list[Decision]:
+        peer = self.workers.peers[worker_id]
+        if msg.ok and msg.version >= peer.version:  # a late report of an older version changes nothing
+            peer.version = msg.version
+            peer.weights_transport, peer.weights_sync_s = msg.transport, msg.sync_s
+        elif not msg.ok:  # e.g. a sha256 mismatch: the worker keeps serving its old weights
+            peer.failed_version = max(peer.failed_version, msg.version)
+            self._out.append(Refuse(worker_id, "weights_not_loaded", msg.error, reply=False))
+            log.warning("worker %s failed to load weights v%d: %s", worker_id, msg.version, msg.error)
+        return self._take()
+
+    def on_usage(self, worker_id: str, msg: protocol.EngineUsage, now: float) -> None:
+        self.usage.report(worker_id, msg, now)
+
+    def on_worker_lost(self, worker_id: str) -> None:
+        """A worker left, fell silent or never confirmed an abort: its leases go back as they were leased."""
+        for lease_id in self.leases_of(worker_id):
+            self._reclaim(lease_id)
+        self.workers.remove(worker_id)
+        if self.abort is not None:
+            self.abort.deadline.pop(worker_id, None)
+
+    def leases_of(self, worker_id: str) -> list[int]:
+        """Every lease the worker holds: training and evaluation."""
+        return self.state.leases_of(worker_id) + self.evals.leases_of(worker_id)
+
+    def _reclaim(self, lease_id: int) -> None:
+        if self.evals.owns(lease_id):
+            self.evals.reclaim(lease_id)
+        else:
+            self.state.reclaim(lease_id)
+
+    def _evaluated(self, result: EvalResult) -> None:
+        self._out.append(EvalFinished(result))
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _dispatch(self, now: float, train: bool = True) -> None:
+        """Lease work to every worker with credit, one Lease each (`broker.dispatch.assign`: who gets
+        what); `train` False: evaluation samples only (the round is complete)."""
+        if self.abort is not None or len(self.workers) < self.cfg.min_workers:
+            return
+        peers = self.workers.with_credit()
+        if not peers:
+            return
+        work, greedy, any_current = assign(self.state, self.evals, peers, train)
+        self._note_behind(any_current, now)
+        for peer, items, n_greedy in zip(peers, work, greedy, strict=True):
+            if items:
+                self.workers.set_credit(peer, peer.credit - len(items))
+                if self.first_lease is None:
+                    self.first_lease = now
+                    self.usage.start(now)
+                self._out.append(LeaseOut(peer.peer_id, items, n_greedy))
+
+    def _note_behind(self, any_current: bool, now: float) -> None:
+        """Warn, once per version, when for a liveness window no worker with free slots served it."""
+        if any_current:
+            self.behind_since = None
+        elif self.behind_since is None:
+            self.behind_since = now  # usual for a moment after each publish, while workers load it
+        elif now - self.behind_since > self.workers.window and self.behind_warned < self.state.version:
+            self.behind_warned = self.state.version  # once per version: the run waits on a load
+            log.warning(
+                "no worker with free slots serves weights v%d (or failed it within max_staleness): leasing "
+                "nothing until one loads it (status: each worker's version)",
+                self.state.version,
+            )
+
+    # ------------------------------------------------------------------ aborts
+
+    def _start_abort(self, now: float) -> None:
+        """Abort every worker holding a training lease, in registration order."""
+        self.round_id += 1
+        self.abort = AbortRound(self.round_id, now)
+        holders = {lease.worker_id for lease in self.state.leases.values()}
+        log.info(
+            "abort round %d: %d leased samples on %d workers",
+            self.round_id,
+            self.state.leased_samples,
+            len(holders),
+        )
+        for worker_id in self.workers.peers:
+            if worker_id in holders:
+                self._send_abort(worker_id, now)
+
+    def _send_abort(self, worker_id: str, now: float) -> None:
+        assert self.abort is not None
+        self.abort.deadline[worker_id] = now + self.cfg.abort_timeout_s
+        self.abort.attempts[worker_id] += 1
+        self._out.append(Send(worker_id, protocol.Abort(self.abort.round_id)))
+
+    def _check_abort(self, abort: AbortRound, now: float) -> None:
+        """Re-abort a worker past its deadline, or declare it dead past its retries; end a confirmed
+        round (sync/april then park the queued samples for the next round)."""
+        for worker_id, deadline in list(abort.deadline.items()):
+            if now < deadline:
+                continue
+            if abort.attempts[worker_id] <= self.cfg.abort_retries:
+                log.warning("worker %s has not confirmed abort %d: re-abort", worker_id, abort.round_id)
+                self._send_abort(worker_id, now)
+            else:
+                log.error("worker %s never confirmed abort %d: declared dead", worker_id, abort.round_id)
+                self.on_worker_lost(worker_id)
+        if not abort.deadline:
+            log.info("abort round %d confirmed in %.3fs", abort.round_id, now - abort.started)
+            self.abort = None
+            self.aborts_done += 1
+            if policy.is_round_based(self.state.mode):
+                self.state.park_queued_samples()
+
+    # ------------------------------------------------------------------ the learner
+
+    def on_learner_hello(self, learner_id: str) -> None:
+        """A learner session starts: a request of an earlier session is not this learner's."""
+        self.learner_id = learner_id
+        self.learner_waiting = None
+
+    def on_learner_gone(self) -> None:
+        self.learner_waiting = None
+
+    def on_batch_request(self, step: int, last_batch_id: int, now: float) -> None:
+        """The learner asks for step `step`, having trained `last_batch_id` (acked again if its ack was
+        lost)."""
+        batch = self.state.batch
+        if batch is not None and batch.batch_id == last_batch_id:
+            self.on_ack(last_batch_id, now)
+        self.learner_waiting = step
+        log.info("learner asks for step %d (last trained batch %d)", step, last_batch_id)
+
+    def on_ack(self, batch_id: int, now: float) -> bool:
+        """The learner trained batch `batch_id`; False if no such batch is unacked."""
+        if not self.state.ack_batch(batch_id, slots=sum(p.slots for p in self.workers.peers.values())):
+            return False
+        # No snapshot here: if the broker dies before the next one, the restored broker still holds this
+        # batch, and the learner's next BatchRequest (last_batch_id) acks it again.
+        self.state.check_ledger(f"after acking batch {batch_id}")
+        self.batches_acked += 1
+        self.round_started = now
+        self.usage.set_phase(now, True)  # a new round opens (async: the phase never closed)
+        if self.batches_acked >= self.config.run.steps:
+            self.usage.stop(now)  # the run's last step: its figures end here
+            self.last_step_totals = self.run_totals()
+        return True
+
+    def on_weights(self, version: int, uri: str, sha256: str, now: float) -> list[Decision]:
+        """The learner published weights `version`: relayed to every worker; async aborts what is leased
+        so that it resumes under them."""
+        if not self.state.set_weights(version, uri, sha256):
+            self._out.append(Refuse(self.learner_id, "stale_weights", f"v{version}", reply=False))
+            return self._take()
+        log.info("weights v%d published: relaying to %d workers", version, len(self.workers))
+        relay = protocol.WeightsReady(version, uri, sha256)
+        self._out += [Send(worker_id, relay) for worker_id in self.workers.peers]
+        self.evals.on_version(version)
+        if policy.abort_on_new_version(self.state.mode) and self.state.leased_samples and self.abort is None:
+            self._start_abort(now)
+        return self._take()
+
+    def batch_due(self) -> bool:
+        """The learner waits, and its batch is formed or a batch worth of groups is complete."""
+        if self.learner_waiting is None:
+            return False
+        return self.state.batch is not None or len(self.state.complete) >= self.state.algo.rollout_batch_size
+
+    def owed_batch(self) -> PendingBatch | None:
+        """The formed batch the learner waits for, if any (the driver sends it, then `batch_sent`)."""
+        return self.state.batch if self.learner_waiting is not None else None
+
+    def batch_sent(self) -> None:
+        batch = self.state.batch
+        assert batch is not None and self.learner_waiting is not None, "no batch is owed"
+        batch.sends += 1
+        log.info(
+            "batch %d for step %d sent (%d samples)%s",
+            batch.batch_id,
+            batch.step,
+            len(batch.samples),
+            "" if batch.sends == 1 else f", {batch.sends} times: not acked before",
+        )
+        self.learner_waiting = None
+
+    def _form_batch(self, now: float) -> None:
+        if self.learner_waiting is None or self.state.batch is not None:
+            return
+        batch = self.state.form_batch(self.learner_waiting)
+        if batch is None:
+            return
+        batch.stats["rollout_s"] = now - self.round_started
+        batch.stats.update(self.evals.batch_stats())  # the latest evaluation, if any
+        batch.stats.update(self.usage.take_window())
+        batch.stats.update(self._weights_sync_stats(now))
+        batch.stats["run_s"] = now - (self.first_lease if self.first_lease is not None else self.started)
+        if policy.is_round_based(self.state.mode):
+            self.usage.set_phase(now, False)  # the rollout phase ends with its batch
+        self.state.check_ledger(f"after forming batch {batch.batch_id}")
+        self._out.append(BatchFormed(batch))
+
+    def _weights_sync_stats(self, now: float) -> dict[str, float]:
+        """For metrics.jsonl: how many live workers serve the broker's version, and the slowest one's sync
+        seconds for it (from hearing of the version to serving it; 0 when none reported one yet)."""
+        current = [
+            p
+            for p in self.workers.peers.values()
+            if p.version == self.state.version and self.workers.alive(p, now) and not p.restored
+        ]
+        by_transport = {
+            f"workers_synced_{t}": float(sum(1 for p in current if p.weights_transport == t))
+            for t in WEIGHT_TRANSPORTS
+        }
+        return {
+            "workers_synced": float(len(current)),
+            "worker_sync_s_max": max((p.weights_sync_s for p in current), default=0.0),
+            **by_transport,
+        }
+
+    # ------------------------------------------------------------------ the tick
+
+    def tick(self, now: float) -> list[Decision]:
+        """After every turn of the driver's loop: abort deadlines, the end of a round (abort its holders,
+        or park the queued samples at once), leases for free slots, and the learner's batch."""
+        if self.abort is not None:
+            self._check_abort(self.abort, now)
+        if self.state.close_round_if_complete():
+            log.info("round complete: %d complete groups", len(self.state.complete))
+            if self.state.leased_samples:
+                self._start_abort(now)  # queued samples are parked once it is confirmed
+            else:
+                self.state.park_queued_samples()
+        self._dispatch(now)
+        self._form_batch(now)
+        return self._take()
+
+    # ------------------------------------------------------------------ what it shows
+
+    def books(self) -> BooksView:
+        return self.state.view(self.evals.leases_by_worker())
+
+    def round_view(self) -> RoundView:
+        return RoundView(self.round_id, self.state.round_open, self.abort is not None, self.aborts_done)
+
+    def run_totals(self) -> dict[str, Any]:
+        """What the broker saw so far: taken when the run's last step is acked and when the broker stops,
+        both written to RUN_DIR/broker_totals.json (for `april bench`): tokens generated and still held
+        (`buffered_tokens`: partials, complete groups, an unacked batch), aborts and resumes, and the
+        workers' slot integrals (broker.usage)."""
+        state = self.state
+        return {
+            "tokens_generated": state.totals.tokens_generated,
+            "buffered_tokens": state.buffered_tokens(),
+            "trained_groups": state.trained,
+            "aborted": state.totals.aborted,
+            "resumed": state.totals.resumed,
+            "samples_finished": state.totals.samples_finished,
+            "usage": self.usage.total.stats(),
+            "ledger": state.ledger().to_json(),
+        }
