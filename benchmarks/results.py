@@ -150,7 +150,8 @@ STEPS: tuple[Step, ...] = (
         "cluster-load",
         "results/cluster-load",
         "april simulate --lengths short-answer --max-new-tokens 1024 --engines 1000 --slots 64 "
-        "--rollout-batch-size 4096 --over-sampling-batch-size 8192 --modes async --steps 3 --json",
+        "--rollout-batch-size 4096 --over-sampling-batch-size 8192 --modes async --steps 3 "
+        "--set broker.max_buffered_samples=65536 --json",
         stdout="simulate.json",
         minutes=1,
     ),

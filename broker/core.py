@@ -299,6 +299,8 @@ class BrokerCore:
         what); `train` False: evaluation samples only (the round is complete)."""
         if self.abort is not None or len(self.workers) < self.cfg.min_workers:
             return
+        if not self.evals.queued and not (train and self.state.leasable_samples()):
+            return  # nothing to lease: most results free a slot while admission holds new groups back
         peers = self.workers.with_credit()
         if not peers:
             return

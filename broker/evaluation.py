@@ -146,6 +146,11 @@ class Evaluations:
             out.append((lease_id, leased.budget(self.max_new_tokens), leased))
         return out
 
+    @property
+    def queued(self) -> int:
+        """Evaluation samples waiting for a lease."""
+        return 0 if self.run is None else len(self.run.queue)
+
     def owns(self, lease_id: int) -> bool:
         return self.run is not None and lease_id in self.run.leases
 
