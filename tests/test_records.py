@@ -389,8 +389,13 @@ def _span_layouts(draw: st.DrawFn) -> Sample:
     elif edit == "drop" and (segments or observations):
         spans = segments if segments and (not observations or draw(st.booleans())) else observations
         del spans[draw(st.integers(0, len(spans) - 1), label="dropped")]
-    elif edit == "swap" and len(observations) >= 2:
-        observations[0], observations[1] = observations[1], observations[0]
+    elif edit == "swap" and (len(segments) >= 2 or len(observations) >= 2):
+        spans = (
+            segments
+            if len(segments) >= 2 and (len(observations) < 2 or draw(st.booleans()))
+            else observations
+        )
+        spans[0], spans[1] = spans[1], spans[0]
     elif edit == "version" and len(segments) >= 2:
         segments[-1] = segments[-1]._replace(version=segments[0].version - 1)
     elif edit == "empty":
