@@ -219,16 +219,16 @@ class Sample:
         return dataclasses.replace(self, episode=episode)
 
     def resumed(self) -> Sample:
-        """The sample as leased again after an interruption: RUNNING, one more resume."""
-        response_ids = self.response_ids
-        resumes = self.resumes + 1 if response_ids.shape[0] else self.resumes
+        """The sample as leased again after an interruption: RUNNING, one more resume (if it has tokens)."""
+        # the spans tile the response: asking them whether there are tokens is cheaper than asking numpy
+        resumes = self.resumes + 1 if self.segments or self.observations else self.resumes
         # the constructor with positional arguments in field order, not dataclasses.replace nor keywords:
         # the broker leases every sample through here (tests/test_records.py checks it against replace)
         return Sample(
             self.group_id,
             self.index,
             self.prompt_ids,
-            response_ids,
+            self.response_ids,
             self.response_logprobs,
             self.segments,
             SampleStatus.RUNNING,
@@ -311,7 +311,7 @@ def new_group_samples(
             0,
             nan,
             prompt_text,
-            dict(metadata),
+            metadata.copy(),  # each sample owns its metadata (copy() costs less than dict())
             "",
             (),
             b"",

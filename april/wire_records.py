@@ -48,6 +48,7 @@ _SEGMENT_FIELDS = attrgetter("version", "start", "end")
 _STATUSES = {int(m): m for m in SampleStatus}
 _FINISH_REASONS = {int(m): m for m in FinishReason}
 LOGPROB_TOLERANCE = 1e-3  # engines round; a log-prob above this is not a probability
+_NO_SPANS = np.zeros(0, dtype=np.int64)  # the observations of a batch without any: one shared empty array
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,13 @@ class SampleBatch:
         _check_offsets("segment_offsets", self.segment_offsets, s, self.segments.shape[0] // 3)
         if self.observations.shape[0] % 2:
             raise ValueError(f"observations length {self.observations.shape[0]} is not a multiple of 2")
-        _check_offsets("observation_offsets", self.observation_offsets, s, self.observations.shape[0] // 2)
+        if self.observations.shape[0]:
+            _check_offsets(
+                "observation_offsets", self.observation_offsets, s, self.observations.shape[0] // 2
+            )
+        elif self.observation_offsets.shape[0] != s + 1 or self.observation_offsets.any():
+            # no observation in the batch (every single-turn one): one check of the offsets for all
+            _check_offsets("observation_offsets", self.observation_offsets, s, 0)
         if self.response_logprobs.shape[0] != self.response_ids.shape[0]:
             raise ValueError(
                 f"{self.response_logprobs.shape[0]} log-probs for {self.response_ids.shape[0]} tokens"
@@ -223,7 +230,8 @@ class SampleBatch:
         prompt_offsets = _offsets(map(len, prompts), n)
         response_offsets = _offsets(map(len, ids), n)
         segment_offsets = _offsets(map(len, segs), n)
-        observation_offsets = _offsets(map(len, obs), n)
+        # a batch without an episode (every single-turn one) skips the spans' pass
+        observation_offsets = _offsets(map(len, obs), n) if any(obs) else np.zeros(n + 1, dtype=np.int64)
         flat = list(map(_SEGMENT_FIELDS, chain.from_iterable(segs)))
         return cls(
             group_id=np.array(gid, dtype=np.int64),
@@ -245,7 +253,9 @@ class SampleBatch:
                 chain.from_iterable(chain.from_iterable(obs)),
                 dtype=np.int64,
                 count=2 * int(observation_offsets[-1]),
-            ),
+            )
+            if observation_offsets[-1]
+            else _NO_SPANS,
             prompt_text=list(text),
             metadata=[dict(m) for m in meta],
             error=list(error),
@@ -254,14 +264,18 @@ class SampleBatch:
 
     def to_samples(self) -> list[Sample]:
         """Samples whose arrays are views into this batch (no copies)."""
-        po, ro, so, oo = (
+        po, ro, so = (
             self.prompt_offsets.tolist(),
             self.response_offsets.tolist(),
             self.segment_offsets.tolist(),
-            self.observation_offsets.tolist(),
         )
         segs = [Segment(v, a, b) for v, a, b in self.segments.reshape(-1, 3).tolist()]
-        spans = [Span(a, b) for a, b in self.observations.reshape(-1, 2).tolist()]
+        spans = (
+            [Span(a, b) for a, b in self.observations.reshape(-1, 2).tolist()]
+            if self.observations.size
+            else []
+        )
+        oo = self.observation_offsets.tolist() if spans else []
         gids, idx = self.group_id.tolist(), self.index.tolist()
         # codes were checked by validate: index the members (an enum call per code costs more)
         status = [_STATUSES[c] for c in self.status.tolist()]

@@ -641,6 +641,15 @@ REJECTIONS: dict[str, tuple[Mutation, str]] = {
         lambda b: _with(b, segments=_i64(0, 0, 3, 1, 3, 5, -2, 0, 2)),
         "version >= 0",
     ),
+    "observation_offsets_without_observations": (
+        lambda b: _with(b, observation_offsets=_i64(0, 1, 1)),
+        "observation_offsets must rise from 0 to 0",
+    ),
+    "observation_offsets_count_without_observations": (
+        lambda b: _with(b, observation_offsets=_i64(0, 0)),
+        "observation_offsets has 2 entries, expected 3",
+    ),
+    "episode_long": (lambda b: _with(b, episode=[b"", b"", b""]), "episode has 3 entries for 2"),
     "tokens_without_segment": (
         lambda b: _with(b, segments=_i64(0, 0, 3, 1, 3, 5), segment_offsets=_i64(0, 2, 2)),
         "sample 1: 2 response tokens but no segment",
