@@ -175,7 +175,9 @@ def test_resumed_is_replace_with_running_none_and_a_resume_counted() -> None:
         resumes=3,
         prompt_text="p",
     )
-    for before, resumes in ((fresh(), 0), (partial, 4)):
+    episode = two_turns().extend([], [], 0, FinishReason.ABORT)  # observations and a state to carry
+    only_observed = fresh().resumed().observed([5]).extend([], [], 0, FinishReason.ABORT)
+    for before, resumes in ((fresh(), 0), (partial, 4), (episode, 1), (only_observed, 1)):
         expected = dataclasses.replace(
             before, status=SampleStatus.RUNNING, finish_reason=FinishReason.NONE, resumes=resumes
         )
