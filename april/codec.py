@@ -421,7 +421,7 @@ def _decode_enum(raw: Any, cls: type[enum.Enum], where: str) -> Any:
 def _decode_list(raw: Any, inner: _Spec, frames: Sequence[Frame], used: set[int], where: str) -> list[Any]:
     if not isinstance(raw, list):
         raise ProtocolError("wrong_type", f"{where}: expected a list, got {type(raw).__name__}")
-    if _all_plain(raw, inner):  # hot path: lists of strings / of str->str maps (one per sample)
+    if _all_plain(raw, inner):  # hot path: lists of strings / bytes / str->str maps (one per sample)
         return raw
     decode = _decoder(inner)
     return [decode(v, frames, used, f"{where}[{i}]") for i, v in enumerate(raw)]
@@ -498,15 +498,19 @@ def _show(raw: Any) -> str:
 
 
 _STR = _Scalar(str)
+_BYTES = _Scalar(bytes)
 _ONLY_STR = frozenset({str})
+_ONLY_BYTES = frozenset({bytes})
 _ONLY_DICT = frozenset({dict})
 
 
 def _all_plain(raw: list[Any], inner: _Spec) -> bool:
-    """True when every item of a list of `str` or of `dict[str, str]` already has exactly that type
-    (then the decoded msgpack value is the result as is). Anything else takes the checked path."""
+    """True when every item of a list of `str`, of `bytes` or of `dict[str, str]` already has exactly
+    that type (then the decoded msgpack value is the result as is). Anything else takes the checked path."""
     if inner == _STR:
         return set(map(type, raw)) <= _ONLY_STR
+    if inner == _BYTES:
+        return set(map(type, raw)) <= _ONLY_BYTES
     if inner == _Dict(_STR):  # map(type, ...) runs in C: a per-item generator cost more than the rest
         if not set(map(type, raw)) <= _ONLY_DICT:
             return False

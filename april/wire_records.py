@@ -3,8 +3,9 @@
 `SampleBatch` carries S samples as a handful of 1-D arrays: one entry per sample for the scalars, and
 concatenated token / log-prob / segment arrays with `*_offsets` of length S+1 (sample i owns
 `x[offsets[i]:offsets[i+1]]`). Segments travel as int64 triples `(version, start, end)`, offsets counted in
-segments. This keeps a 2k-token sample at two arrays of bytes on the wire instead of 4k msgpack items, and
-lets the receiver slice views without copying.
+segments, an episode's observation spans as int64 pairs `(start, end)`, and its state as one bytes value
+per sample (b"" for a single-turn one). This keeps a 2k-token sample at two arrays of bytes on the wire
+instead of 4k msgpack items, and lets the receiver slice views without copying.
 
 `validate()` is called by the codec after decoding, so a malformed batch is a ProtocolError before any role
 sees it. Owns the conversion to and from `april.records.Sample`; knows nothing about sockets.
@@ -16,11 +17,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 
 from april.codec import Float32Array, Float64Array, Int32Array, Int64Array, UInt8Array
-from april.records import FinishReason, Sample, SampleStatus, Segment
+from april.records import FinishReason, Sample, SampleStatus, Segment, Span
 
 # plain ints, as april.records' codes: numpy compares with an enum member several times slower
 _STATUS_MAX = int(max(SampleStatus))
@@ -39,11 +41,14 @@ _SAMPLE_FIELDS = attrgetter(
     "prompt_text",
     "metadata",
     "error",
+    "observations",
+    "episode",
 )
 _SEGMENT_FIELDS = attrgetter("version", "start", "end")
 _STATUSES = {int(m): m for m in SampleStatus}
 _FINISH_REASONS = {int(m): m for m in FinishReason}
 LOGPROB_TOLERANCE = 1e-3  # engines round; a log-prob above this is not a probability
+_NO_SPANS = np.zeros(0, dtype=np.int64)  # the observations of a batch without any: one shared empty array
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +66,12 @@ class SampleBatch:
     response_logprobs: Float32Array  # [sum response lengths]
     segment_offsets: Int64Array  # [S+1], in segments
     segments: Int64Array  # [3 x total segments]: version, start, end
+    observation_offsets: Int64Array  # [S+1], in spans
+    observations: Int64Array  # [2 x total spans]: start, end of each observation
     prompt_text: list[str]  # [S]
     metadata: list[dict[str, str]]  # [S]
     error: list[str]  # [S]
+    episode: list[bytes]  # [S], b"" for a single-turn sample
 
     def __len__(self) -> int:
         return int(self.group_id.shape[0])
@@ -72,13 +80,19 @@ class SampleBatch:
     def response_tokens(self) -> int:
         return int(self.response_ids.shape[0])
 
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the model generated (the segments'): all of them but the observations'."""
+        spans = self.observations.reshape(-1, 2)
+        return self.response_tokens - int((spans[:, 1] - spans[:, 0]).sum())
+
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistency (lengths, offsets, codes, segments, log-probs)."""
         s = len(self)
         for name in ("index", "status", "finish_reason", "resumes", "reward"):
             if getattr(self, name).shape[0] != s:
                 raise ValueError(f"{name} has {getattr(self, name).shape[0]} entries for {s} samples")
-        for name in ("prompt_text", "metadata", "error"):
+        for name in ("prompt_text", "metadata", "error", "episode"):
             if len(getattr(self, name)) != s:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {s} samples")
         _check_offsets("prompt_offsets", self.prompt_offsets, s, self.prompt_ids.shape[0])
@@ -86,6 +100,15 @@ class SampleBatch:
         if self.segments.shape[0] % 3:
             raise ValueError(f"segments length {self.segments.shape[0]} is not a multiple of 3")
         _check_offsets("segment_offsets", self.segment_offsets, s, self.segments.shape[0] // 3)
+        if self.observations.shape[0] % 2:
+            raise ValueError(f"observations length {self.observations.shape[0]} is not a multiple of 2")
+        if self.observations.shape[0]:
+            _check_offsets(
+                "observation_offsets", self.observation_offsets, s, self.observations.shape[0] // 2
+            )
+        elif self.observation_offsets.shape[0] != s + 1 or self.observation_offsets.any():
+            # no observation in the batch (every single-turn one): one check of the offsets for all
+            _check_offsets("observation_offsets", self.observation_offsets, s, 0)
         if self.response_logprobs.shape[0] != self.response_ids.shape[0]:
             raise ValueError(
                 f"{self.response_logprobs.shape[0]} log-probs for {self.response_ids.shape[0]} tokens"
@@ -104,13 +127,17 @@ class SampleBatch:
                 raise ValueError("log-probs must be finite and <= 0")
         if np.isinf(self.reward).any():
             raise ValueError("reward is infinite")
-        self._validate_segments()
+        seg = self.segments.reshape(-1, 3)
+        if seg.shape[0] and (seg[:, 0].min() < 0 or (seg[:, 2] <= seg[:, 1]).any()):
+            raise ValueError("segments need version >= 0 and end > start")
+        if self.observations.shape[0]:
+            self._validate_episodes()
+        else:  # no episode in the batch: the segments alone tile each response
+            self._validate_segments()
 
     def _validate_segments(self) -> None:
         """Per sample: segments tile [0, n) contiguously with non-decreasing versions (vectorised)."""
         seg = self.segments.reshape(-1, 3)
-        if seg.shape[0] and (seg[:, 0].min() < 0 or (seg[:, 2] <= seg[:, 1]).any()):
-            raise ValueError("segments need version >= 0 and end > start")
         lengths = self.response_offsets[1:] - self.response_offsets[:-1]
         first, stop = self.segment_offsets[:-1], self.segment_offsets[1:]
         has = stop > first
@@ -134,17 +161,77 @@ class SampleBatch:
                 f"sample {i}: segments do not tile [0, {int(lengths[i])}) with non-decreasing versions"
             )
 
+    def _validate_episodes(self) -> None:
+        """Per sample: segments and observations, each in order, tile [0, n) together; segments carry
+        non-decreasing versions; observation tokens have log-prob 0.0 (vectorised)."""
+        seg, obs = self.segments.reshape(-1, 3), self.observations.reshape(-1, 2)
+        if (obs[:, 1] <= obs[:, 0]).any():
+            raise ValueError("observations need end > start")
+        s = len(self)
+        lengths = self.response_offsets[1:] - self.response_offsets[:-1]
+        seg_owner = np.repeat(np.arange(s), self.segment_offsets[1:] - self.segment_offsets[:-1])
+        obs_owner = np.repeat(np.arange(s), self.observation_offsets[1:] - self.observation_offsets[:-1])
+        bad = (lengths != 0) & (np.bincount(np.concatenate([seg_owner, obs_owner]), minlength=s) == 0)
+        # neighbours (j, j+1) within one sample: segments in order with versions up, observations in order
+        inner = seg_owner[1:] == seg_owner[:-1]
+        bad[seg_owner[1:][inner & ((seg[1:, 1] < seg[:-1, 2]) | (seg[1:, 0] < seg[:-1, 0]))]] = True
+        inner = obs_owner[1:] == obs_owner[:-1]
+        bad[obs_owner[1:][inner & (obs[1:, 0] < obs[:-1, 1])]] = True
+        # every span of a sample by position: the first starts at 0, each one where the one before ended,
+        # the last ends at the response's length
+        owner = np.concatenate([seg_owner, obs_owner])
+        start, end = np.concatenate([seg[:, 1], obs[:, 0]]), np.concatenate([seg[:, 2], obs[:, 1]])
+        order = np.lexsort((start, owner))
+        owner, start, end = owner[order], start[order], end[order]
+        first = np.ones(owner.shape[0] + 1, dtype=bool)  # span k opens its sample; one past the last
+        first[1:-1] = owner[1:] != owner[:-1]
+        previous_end = np.concatenate([[0], end[:-1]])
+        broken = np.where(first[:-1], start != 0, start != previous_end) | (
+            first[1:] & (end != lengths[owner])
+        )
+        bad[owner[broken]] = True
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"sample {i}: segments and observations do not tile [0, {int(lengths[i])}) in order, with "
+                "non-decreasing versions"
+            )
+        # observation tokens in `response_logprobs`: a running count, +1 where a span starts, -1 where it ends
+        edges = np.zeros(self.response_logprobs.shape[0] + 1, dtype=np.int64)
+        np.add.at(edges, self.response_offsets[obs_owner] + obs[:, 0], 1)
+        np.add.at(edges, self.response_offsets[obs_owner] + obs[:, 1], -1)
+        wrong = (np.cumsum(edges[:-1]) > 0) & (self.response_logprobs != 0)
+        if wrong.any():
+            i = int(np.searchsorted(self.response_offsets, np.argmax(wrong), "right")) - 1
+            raise ValueError(f"sample {i}: observation tokens need log-prob 0.0")
+
     @classmethod
     def from_samples(cls, samples: Sequence[Sample]) -> SampleBatch:
         # one C-level pass reads every field of every sample, and zip(*) turns the rows into columns: a
         # comprehension per field cost a third more on the broker's leases, logged groups and batches
         n = len(samples)
-        (gid, idx, status, finish, resumes, reward, prompts, ids, lps, segs, text, meta, error) = (
-            zip(*map(_SAMPLE_FIELDS, samples), strict=True) if n else ((),) * 13
-        )
+        (
+            gid,
+            idx,
+            status,
+            finish,
+            resumes,
+            reward,
+            prompts,
+            ids,
+            lps,
+            segs,
+            text,
+            meta,
+            error,
+            obs,
+            episode,
+        ) = zip(*map(_SAMPLE_FIELDS, samples), strict=True) if n else ((),) * 15
         prompt_offsets = _offsets(map(len, prompts), n)
         response_offsets = _offsets(map(len, ids), n)
         segment_offsets = _offsets(map(len, segs), n)
+        # a batch without an episode (every single-turn one) skips the spans' pass
+        observation_offsets = _offsets(map(len, obs), n) if any(obs) else np.zeros(n + 1, dtype=np.int64)
         flat = list(map(_SEGMENT_FIELDS, chain.from_iterable(segs)))
         return cls(
             group_id=np.array(gid, dtype=np.int64),
@@ -160,9 +247,19 @@ class SampleBatch:
             response_logprobs=_cat(lps, np.float32, sum(map(len, lps))),  # as many as ids in a valid one
             segment_offsets=segment_offsets,
             segments=np.array(flat, dtype=np.int64).reshape(-1),
+            observation_offsets=observation_offsets,
+            # a Span is a (start, end) tuple: the spans' items in order are the column
+            observations=np.fromiter(
+                chain.from_iterable(chain.from_iterable(obs)),
+                dtype=np.int64,
+                count=2 * int(observation_offsets[-1]),
+            )
+            if observation_offsets[-1]
+            else _NO_SPANS,
             prompt_text=list(text),
             metadata=[dict(m) for m in meta],
             error=list(error),
+            episode=list(episode),
         )
 
     def to_samples(self) -> list[Sample]:
@@ -173,6 +270,12 @@ class SampleBatch:
             self.segment_offsets.tolist(),
         )
         segs = [Segment(v, a, b) for v, a, b in self.segments.reshape(-1, 3).tolist()]
+        spans = (
+            [Span(a, b) for a, b in self.observations.reshape(-1, 2).tolist()]
+            if self.observations.size
+            else []
+        )
+        oo = self.observation_offsets.tolist() if spans else []
         gids, idx = self.group_id.tolist(), self.index.tolist()
         # codes were checked by validate: index the members (an enum call per code costs more)
         status = [_STATUSES[c] for c in self.status.tolist()]
@@ -195,11 +298,38 @@ class SampleBatch:
                 text,
                 meta,
                 error,
+                tuple(spans[oo[i] : oo[i + 1]]) if spans else (),
+                episode,
             )
-            for i, text, meta, error in zip(
-                range(len(self)), self.prompt_text, self.metadata, self.error, strict=True
+            for i, text, meta, error, episode in zip(
+                range(len(self)), self.prompt_text, self.metadata, self.error, self.episode, strict=True
             )
         ]
+
+
+EPISODE_COLUMNS = ("observation_offsets", "observations", "episode")  # added by protocol 3
+
+
+def add_episode_columns(raw: Any, frames: Sequence[bytes | memoryview]) -> Any:
+    """The msgpack map of a `SampleBatch` encoded before protocol 3 (a file of an older format) with the
+    columns it lacks, empty: no observations, no episode state. `frames` are the record's frames (its
+    arrays' data). Anything that is not such a map is returned as it is, for the decoder to reject."""
+    if not isinstance(raw, dict) or any(name in raw for name in EPISODE_COLUMNS):
+        return raw
+    ref = raw.get("group_id")
+    if not (isinstance(ref, list) and len(ref) == 3 and type(ref[2]) is int and ref[2] >= 0):
+        return raw
+    where, _, count = ref
+    if type(where) is int and 2 <= where < len(frames):
+        where = frames[where]
+    if not isinstance(where, bytes | memoryview) or len(where) != 8 * count:  # not S samples' group ids
+        return raw
+    return {
+        **raw,
+        "observation_offsets": [bytes(8 * (count + 1)), "<i8", count + 1],
+        "observations": [b"", "<i8", 0],
+        "episode": [b""] * count,
+    }
 
 
 def _check_offsets(name: str, offsets: np.ndarray, count: int, total: int) -> None:

@@ -219,9 +219,12 @@ def finished_batch(lease: protocol.Lease, tokens: int, version: int, pool: Token
         response_logprobs=lps,
         segment_offsets=segment_offsets,
         segments=segments.reshape(-1),
+        observation_offsets=np.zeros(n + 1, dtype=np.int64),  # single-turn samples: no observations
+        observations=np.zeros(0, dtype=np.int64),
         prompt_text=src.prompt_text,
         metadata=src.metadata,
         error=src.error,
+        episode=src.episode,
     )
 
 

@@ -1,12 +1,12 @@
 """From exactly-N samples to tensors: the train batch, its micro-batches and the response log-probs.
 
 Owns `TrainBatch` (padded tensors of one step's samples, with their behaviour log-probs, per-token policy
-versions from the segments, rewards and group layout), `build_train_batch`, `split_micro_batches` (bounded
-token counts; every micro-batch carries the *global* normalisers, so gradients accumulated over the
-micro-batches equal the one-batch gradient exactly) and `response_logprobs` (log-probs of the response
-tokens under a model, the distribution the engines report: log_softmax(logits / temperature)), by default
-from the final hidden states at the response positions a chunk at a time (`learner.logprob_head`), or
-from the model's full logits (`chunk_tokens=0`).
+versions from the segments, the loss mask, rewards and group layout), `build_train_batch`,
+`split_micro_batches` (bounded token counts; every micro-batch carries the *global* normalisers, so
+gradients accumulated over the micro-batches equal the one-batch gradient exactly) and
+`response_logprobs` (log-probs of the response tokens under a model, the distribution the engines report:
+log_softmax(logits / temperature)), by default from the final hidden states at the response positions a
+chunk at a time (`learner.logprob_head`), or from the model's full logits (`chunk_tokens=0`).
 
 Layout (B samples, T = longest prompt+response, Tr = longest response):
 
@@ -14,8 +14,9 @@ Layout (B samples, T = longest prompt+response, Tr = longest response):
     response_*  [B, Tr]  response token j of sample b in column j (left-aligned), padded after R_b
 
 Response token j of sample b sits at column P_b + j of `input_ids` and is predicted by the logits at column
-P_b + j - 1 (P_b = prompt length >= 1). Does not compute advantages or losses (`learner.advantages`,
-`learner.losses`) and never talks to the broker.
+P_b + j - 1 (P_b = prompt length >= 1). An episode's observation tokens are in the response as context,
+outside the loss mask: only the model's tokens (the segments') are trained on and counted. Does not
+compute advantages or losses (`learner.advantages`, `learner.losses`) and never talks to the broker.
 """
 
 from __future__ import annotations
@@ -44,15 +45,15 @@ class TrainBatch:
     prompt_lens: Tensor  # [B] int64: P_b >= 1 tokens
     response_lens: Tensor  # [B] int64: R_b >= 0 tokens
     response_ids: Tensor  # [B, Tr] int64: response tokens, pad_id after R_b
-    response_mask: Tensor  # [B, Tr] bool: j < R_b; the loss mask before any off-policy masking
-    behaviour_logprobs: Tensor  # [B, Tr] float32: engine log-prob of each response token (nats), 0 on pad
-    versions: Tensor  # [B, Tr] int64: policy version that generated each response token, -1 on pad
+    response_mask: Tensor  # [B, Tr] bool: model tokens (in a segment), the loss mask before off-policy masks
+    behaviour_logprobs: Tensor  # [B, Tr] float32: engine log-prob of each model token (nats), 0 elsewhere
+    versions: Tensor  # [B, Tr] int64: policy version that generated each model token, -1 elsewhere
     rewards: Tensor  # [B] float32: task reward (plus any shaping already applied)
     advantages: Tensor  # [B] float32: per-sample advantage; zeros until `with_advantages`
     group_index: Tensor  # [B] int64: 0..G-1, the group's position in the full batch
     sample_index: Tensor  # [B] int64: the sample's row in the full batch (micro-batches keep it)
     global_samples: int  # samples in the full batch (N): the per-sample loss normaliser
-    global_tokens: int  # response tokens in the full batch: DAPO's token-level loss normaliser
+    global_tokens: int  # model tokens in the full batch (the mask's): DAPO's token-level loss normaliser
 
     @property
     def size(self) -> int:
@@ -135,14 +136,15 @@ def _pad(ordered: Sequence[Sample], group_of: Sequence[int], pad_id: int) -> Tra
         behaviour[i, :r] = s.response_logprobs
         for seg in s.segments:
             versions[i, seg.start : seg.end] = seg.version
-    r_lens_t = torch.tensor(r_lens, dtype=torch.int64)
+    # the segments cover exactly the model's tokens (Sample.check): observations and padding keep -1
+    model = torch.from_numpy(versions >= 0)
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention),
         prompt_lens=torch.tensor(p_lens, dtype=torch.int64),
-        response_lens=r_lens_t,
+        response_lens=torch.tensor(r_lens, dtype=torch.int64),
         response_ids=torch.from_numpy(response_ids),
-        response_mask=torch.arange(tr)[None, :] < r_lens_t[:, None],
+        response_mask=model,
         behaviour_logprobs=torch.from_numpy(behaviour),
         versions=torch.from_numpy(versions),
         rewards=torch.tensor([s.reward for s in ordered], dtype=torch.float32),
@@ -150,7 +152,7 @@ def _pad(ordered: Sequence[Sample], group_of: Sequence[int], pad_id: int) -> Tra
         group_index=torch.tensor(list(group_of), dtype=torch.int64),
         sample_index=torch.arange(b, dtype=torch.int64),
         global_samples=b,
-        global_tokens=sum(r_lens),
+        global_tokens=int(model.sum()),
     )
 
 
@@ -212,9 +214,11 @@ def response_logprobs(
 ) -> Tensor:
     """Log-probs `[B, Tr]` of the response tokens under `model`: log_softmax(logits / temperature).
 
-    Computed in float32 (or the logits' dtype if wider), the distribution the engines report; 0 on
-    padding. `packed=True` runs one padding-free row (sequences concatenated, positions restarting at 0
-    and no attention mask), which Hugging Face models with packed-sequence support (e.g. Llama under
+    The model reads every token (an episode's observations are context) but the log-probs are gathered
+    at the positions of `batch.response_mask` only: 0 on observations, padding and emptied rows.
+    Computed in float32 (or the logits' dtype if wider), the distribution the engines report.
+    `packed=True` runs one padding-free row (sequences concatenated, positions restarting at 0 and no
+    attention mask), which Hugging Face models with packed-sequence support (e.g. Llama under
     SDPA) turn into a block-causal mask; models without that support must use the padded default.
     `chunk_tokens` > 0 applies the output head `chunk_tokens` response positions at a time to the final
     hidden states (`learner.logprob_head`: Llama, Qwen2, Qwen3); 0 takes the model's full logits.

@@ -63,7 +63,7 @@ def step_record(
     lengths = np.diff(samples.response_offsets)
     rewards = samples.reward
     stats = batch.stats
-    tokens_trained = int(lengths.sum())
+    tokens_trained = samples.model_tokens  # an episode's observations are context, not trained on
     tokens_generated = int(stats.get("tokens_generated", tokens_trained))
     record: dict[str, Any] = {
         "step": step,

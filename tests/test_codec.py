@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 import pytest
+from episode_samples import episodes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -43,7 +44,7 @@ from april.codec import (
     struct_schema,
 )
 from april.ledger import Ledger
-from april.records import FinishReason, Sample, new_group_samples
+from april.records import FinishReason, Sample, Span, new_group_samples
 from april.status import (
     BrokerStatus,
     EvalProgress,
@@ -79,9 +80,13 @@ SHA = "0123456789abcdef" * 4
 def _samples() -> list[Sample]:
     fresh = Sample(group_id=4, index=0, prompt_ids=np.array([101, 7, 8], np.int32), metadata={"answer": "42"})
     text_only = Sample(group_id=4, index=1, prompt_ids=np.zeros(0, np.int32), prompt_text="What is 6 x 7?")
+    # an episode: turn, tool result, abort, resume, turn, tool result, last turn
     resumed = Sample(group_id=5, index=0, prompt_ids=np.array([101, 9], np.int32))
-    resumed = resumed.extend([3, 4], [-0.5, -1.25], 1, FinishReason.ABORT).resumed()
-    resumed = resumed.extend([5, 6, 2], [-0.1, 0.0, -3.0], 2, FinishReason.STOP).scored(1.0)
+    resumed = resumed.extend([3, 4], [-0.5, -1.25], 1, FinishReason.NONE).observed([70, 71])
+    resumed = resumed.with_episode(b'{"env": {"x": 1}, "turns": 1}')
+    resumed = resumed.extend([], [], 1, FinishReason.ABORT).resumed()
+    resumed = resumed.extend([5, 6], [-0.1, 0.0], 2, FinishReason.NONE).observed([72])
+    resumed = resumed.extend([2], [-3.0], 2, FinishReason.STOP).scored(1.0)
     failed = Sample(group_id=6, index=3, prompt_ids=np.array([1], np.int32)).failed("reward timeout")
     return [fresh, text_only, resumed, failed]
 
@@ -386,9 +391,11 @@ def test_array_frames_layout() -> None:
     assert body["budgets"] == [3, "<i4", 4]
     assert body["greedy"] == [4, "|u1", 4]
     assert body["samples"]["group_id"] == [5, "<i8", 4]
-    assert body["samples"]["segments"][1:] == ["<i8", 6]
+    assert body["samples"]["segments"][1:] == ["<i8", 9]
+    assert body["samples"]["observations"][1:] == ["<i8", 4]
+    assert body["samples"]["episode"] == [b"", b"", b'{"env": {"x": 1}, "turns": 1}', b""]
     assert frames[2] == np.array([100, 101, 102, 103], "<i8").tobytes()
-    assert len(frames) == 2 + 3 + 13  # header, body, lease_ids, budgets, greedy, 13 SampleBatch arrays
+    assert len(frames) == 2 + 3 + 15  # header, body, lease_ids, budgets, greedy, 15 SampleBatch arrays
 
 
 def test_small_arrays_travel_inline_and_large_ones_in_frames() -> None:
@@ -955,6 +962,17 @@ def test_rejects_bad_status_code_and_segments() -> None:
     reject(frames_of(dataclasses.replace(result, samples=batch)), "invalid_value", "non-decreasing versions")
 
 
+def test_rejects_bad_episode_columns() -> None:
+    result = EXAMPLES[P.SampleResult]
+    spans = result.samples.observations.copy()
+    spans[1] = 5  # observation [2, 5) overlaps the segment [4, 6)
+    batch = dataclasses.replace(result.samples, observations=spans)
+    reject(frames_of(dataclasses.replace(result, samples=batch)), "invalid_value", "do not tile [0, 8)")
+    states = ["", b"", b"", b""]  # a str where bytes are expected
+    reject(_set(P.SampleResult, ("samples", "episode"), states), "wrong_type", "episode[0]", "expected bytes")
+    reject(_set(P.SampleResult, ("samples", "episode"), [b""] * 3), "invalid_value", "episode has 3 entries")
+
+
 def test_rejects_truncated_and_padded_buffers() -> None:
     frames = framed_of(EXAMPLES[P.Lease])
     short = [*frames[:2], frames[2][:-1], *frames[3:]]
@@ -965,7 +983,10 @@ def test_rejects_truncated_and_padded_buffers() -> None:
 
 def test_rejects_unreferenced_buffer_frame() -> None:
     frames = framed_of(EXAMPLES[P.Lease])
-    reject([*frames, frames[2]], "bad_buffer", "Lease: 17 buffer frames, 16 referenced")
+    referenced = len(frames) - 2  # every array of the lease in its frame
+    reject(
+        [*frames, frames[2]], "bad_buffer", f"Lease: {referenced + 1} buffer frames, {referenced} referenced"
+    )
     reject(
         [*frames_of(P.Abort(round_id=1)), b"\x00" * 8], "bad_buffer", "Abort: 1 buffer frames, 0 referenced"
     )
@@ -1312,6 +1333,37 @@ def test_random_frames_raise_only_protocol_error_slow(data: st.DataObject) -> No
 @given(st.data())
 def test_mutated_frames_raise_only_protocol_error_slow(data: st.DataObject) -> None:
     decode_checked(_mutated_frames(data))
+
+
+@FAST
+@given(st.lists(episodes(steps=10), max_size=6), st.booleans())
+def test_episodes_round_trip_through_results(samples: list[Sample], framed: bool) -> None:
+    """Random samples of episodes (several observation spans, aborts and resumes, single-turn ones with
+    an empty state among them) in a SampleResult: decoded field by field equal, inline and in frames."""
+    samples = [dataclasses.replace(s, group_id=g) for g, s in enumerate(samples)]
+    msg = P.SampleResult(np.arange(len(samples), dtype=np.int64), SampleBatch.from_samples(samples), 1)
+    decoded: Any = P.decode(framed_of(msg) if framed else frames_of(msg))
+    assert_valid_message(decoded)
+    back = decoded.samples.to_samples()
+    assert len(back) == len(samples)
+    for original, again in zip(samples, back, strict=True):
+        assert_same(original, again)
+        assert type(again.episode) is bytes and all(type(o) is Span for o in again.observations)
+        again.check()
+
+
+@FAST
+@given(st.data())
+def test_mutated_episode_frames_raise_only_protocol_error(data: st.DataObject) -> None:
+    """The mutation property of `test_mutated_frames_raise_only_protocol_error`, from results of random
+    episodes: edits of the observation spans and episode states are rejected or decode to valid ones."""
+    samples = data.draw(st.lists(episodes(), min_size=1, max_size=3), label="episodes")
+    samples = [dataclasses.replace(s, group_id=g) for g, s in enumerate(samples)]
+    msg = P.SampleResult(np.arange(len(samples), dtype=np.int64), SampleBatch.from_samples(samples), 0)
+    frames = data.draw(st.sampled_from([frames_of, framed_of]), label="form")(msg)
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        frames = _mutate_once(data, frames)
+    decode_checked(frames)
 
 
 def test_error_messages_are_short_for_huge_values() -> None:

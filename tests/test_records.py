@@ -7,24 +7,30 @@ of `SampleBatch.validate`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import msgpack
 import numpy as np
 import pytest
+from episode_samples import episodes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from april import protocol
+from april import codec, protocol
 from april.records import (
     FinishReason,
     Group,
     Sample,
     SampleStatus,
     Segment,
+    Span,
     new_group_samples,
 )
-from april.wire_records import SampleBatch
+from april.wire_records import EPISODE_COLUMNS, SampleBatch, add_episode_columns
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
@@ -169,7 +175,9 @@ def test_resumed_is_replace_with_running_none_and_a_resume_counted() -> None:
         resumes=3,
         prompt_text="p",
     )
-    for before, resumes in ((fresh(), 0), (partial, 4)):
+    episode = two_turns().extend([], [], 0, FinishReason.ABORT)  # observations and a state to carry
+    only_observed = fresh().resumed().observed([5]).extend([], [], 0, FinishReason.ABORT)
+    for before, resumes in ((fresh(), 0), (partial, 4), (episode, 1), (only_observed, 1)):
         expected = dataclasses.replace(
             before, status=SampleStatus.RUNNING, finish_reason=FinishReason.NONE, resumes=resumes
         )
@@ -219,7 +227,7 @@ def test_check_accepts_valid_and_rejects_each_broken_invariant() -> None:
     good.check()
     bad: list[tuple[Sample, str]] = [
         (_with(good, response_logprobs=np.zeros(3, np.float32)), "3 log-probs for 4"),
-        (_with(good, segments=(Segment(0, 0, 3),)), "segments cover 3 of 4"),
+        (_with(good, segments=(Segment(0, 0, 3),)), "segments and observations cover 3 of 4"),
         (_with(good, segments=(Segment(0, 1, 3), Segment(1, 3, 4))), "bad segment"),
         (_with(good, segments=(Segment(0, 0, 2), Segment(1, 3, 4))), "bad segment"),
         (_with(good, segments=(Segment(1, 0, 3), Segment(0, 3, 4))), "bad segment"),
@@ -248,6 +256,199 @@ def test_new_group_samples() -> None:
             group_id=3, index=i, prompt_ids=ids(1, 2), prompt_text="1+1?", metadata={"answer": "2"}
         )
         assert_samples_equal(s, expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Episodes: observations between model turns
+
+
+def two_turns() -> Sample:
+    """Turn [1, 2] (v0), observation [90, 91, 92], turn [3] (v0, a new segment), observation [93]."""
+    s = fresh().resumed().extend([1, 2], [-0.5, -0.25], 0, FinishReason.NONE)
+    s = s.observed([90, 91, 92]).with_episode(b'{"turns": 1}')
+    return s.extend([3], [-1.0], 0, FinishReason.NONE).observed(ids(93))
+
+
+def test_observed_appends_a_span_with_zero_logprobs_and_keeps_the_status() -> None:
+    s = two_turns()
+    assert s.response_ids.tolist() == [1, 2, 90, 91, 92, 3, 93]
+    assert s.response_ids.dtype == np.int32 and s.response_logprobs.dtype == np.float32
+    assert s.response_logprobs.tolist() == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0, 0.0]
+    assert s.observations == (Span(2, 5), Span(6, 7))
+    assert s.status == SampleStatus.RUNNING and s.finish_reason == FinishReason.NONE
+    assert s.episode == b'{"turns": 1}'
+    s.check()
+
+
+def test_extend_never_merges_a_segment_across_an_observation() -> None:
+    s = two_turns()
+    assert s.segments == (Segment(0, 0, 2), Segment(0, 5, 6))  # one version, two segments
+    t = s.extend([4], [-0.5], 0, FinishReason.STOP)
+    assert t.segments == (Segment(0, 0, 2), Segment(0, 5, 6), Segment(0, 7, 8))
+    assert t.extend([], [], 0, FinishReason.ABORT).segments == t.segments  # no empty segment either
+    u = s.extend([3], [-0.5], 0, FinishReason.NONE).extend([4], [-0.5], 0, FinishReason.NONE)
+    assert u.segments[-1] == Segment(0, 7, 9)  # right after a segment, the same version still merges
+    t.check()
+    u.check()
+
+
+def test_consecutive_observations_are_one_span_and_empty_ones_change_nothing() -> None:
+    s = two_turns()
+    t = s.observed([94, 95]).observed(ids(96))
+    assert t.observations == (Span(2, 5), Span(6, 10))
+    assert s.observed([]) is s
+    t.check()
+
+
+def test_observed_rejects_settled_samples_and_non_flat_ids() -> None:
+    finished = two_turns().extend([4], [-0.5], 0, FinishReason.STOP)
+    with pytest.raises(ValueError, match=r"observed: sample \(7, 0\) is FINISHED, expected unsettled"):
+        finished.observed([1])
+    with pytest.raises(ValueError, match="FAILED"):
+        two_turns().failed("tool crashed").observed([1])
+    with pytest.raises(ValueError, match=r"shape \(1, 2\)"):
+        two_turns().observed([[1, 2]])  # type: ignore[list-item]
+
+
+def test_model_tokens_staleness_and_budget_of_an_episode() -> None:
+    s = (
+        two_turns()
+        .extend([4], [-0.5], 0, FinishReason.ABORT)
+        .resumed()
+        .extend([5], [-0.5], 3, FinishReason.STOP)
+    )
+    assert s.response_len == 9 and s.model_tokens == 5  # observations: 3 + 1 tokens
+    assert fresh().model_tokens == 0
+    assert s.staleness(4) == 4 and s.min_version == 0  # versions of model tokens only
+    assert s.budget(12) == 3  # the budget counts every response token: the context is the limit
+    assert s.resume_input().tolist() == [11, 12, 13, 1, 2, 90, 91, 92, 3, 93, 4, 5]
+    only_observed = fresh().resumed().observed([1, 2])
+    assert only_observed.model_tokens == 0 and only_observed.staleness(5) == 0
+    only_observed.check()
+
+
+def test_resumed_and_scored_keep_observations_and_episode_state() -> None:
+    s = two_turns().extend([], [], 0, FinishReason.ABORT)
+    again = s.resumed()
+    assert again.observations == s.observations and again.episode == s.episode
+    assert again.resumes == s.resumes + 1
+    done = again.extend([4], [-0.5], 1, FinishReason.STOP).scored(1.0)
+    assert done.observations == s.observations and done.episode == s.episode
+
+
+def test_with_episode_replaces_the_state_only() -> None:
+    s = two_turns()
+    t = s.with_episode(b"next")
+    assert t.episode == b"next" and s.episode == b'{"turns": 1}'
+    assert t.response_ids is s.response_ids and t.observations == s.observations
+
+
+def test_check_rejects_each_broken_episode_invariant() -> None:
+    good = two_turns()  # segments (0,0,2), (0,5,6); observations [2,5), [6,7); 7 tokens
+    good.check()
+    lps_with_logprob_at_2 = good.response_logprobs.copy()
+    lps_with_logprob_at_2[2] = -0.5
+    bad: list[tuple[Sample, str]] = [
+        (_with(good, observations=(Span(2, 5),)), "cover 6 of 7"),
+        (_with(good, observations=(Span(2, 4), Span(6, 7))), r"bad segment Segment\(version=0, start=5"),
+        (_with(good, observations=(Span(2, 6), Span(6, 7))), "bad segment"),  # overlaps the segment
+        (_with(good, observations=(Span(1, 5), Span(6, 7))), "bad observation"),
+        (_with(good, observations=(Span(2, 5), Span(5, 5), Span(6, 7))), "bad observation"),
+        (_with(good, observations=(Span(6, 7), Span(2, 5))), "bad segment"),  # out of order: 5 follows 2
+        (_with(good, observations=(Span(2, 5), Span(6, 8))), "cover 8 of 7"),  # past the end
+        (_with(good, segments=(Segment(0, 0, 3), Segment(0, 5, 6))), "bad observation"),
+        (_with(good, segments=(Segment(0, 0, 2),)), "bad observation"),  # a model turn left uncovered
+        (_with(good, segments=(Segment(1, 0, 2), Segment(0, 5, 6))), "bad segment"),  # version decreases
+        (_with(good, response_logprobs=lps_with_logprob_at_2), "observation Span.* log-probs other than 0.0"),
+    ]
+    for sample, message in bad:
+        with pytest.raises(ValueError, match=message):
+            sample.check()
+
+
+@st.composite
+def _span_layouts(draw: st.DrawFn) -> Sample:
+    """A sample whose segments and observations are drawn freely (valid or not) over a response of
+    random length, with log-probs 0.0 or not at random: for comparing `check` with `validate`."""
+    n = draw(st.integers(0, 12), label="response length")
+    cuts = sorted(draw(st.sets(st.integers(1, max(n - 1, 1)), max_size=5), label="cuts") - {n})
+    bounds = [0, *cuts, n] if n else [0]
+    segments, observations, versions = [], [], draw(st.integers(0, 2), label="first version")
+    for a, b in itertools.pairwise(bounds):
+        if draw(st.booleans(), label="observation"):
+            observations.append(Span(a, b))
+        else:
+            versions += draw(st.integers(0, 1), label="version step")
+            segments.append(Segment(versions, a, b))
+    edit = draw(st.sampled_from(["none", "none", "shift", "drop", "swap", "version", "logprob", "empty"]))
+    if edit == "shift" and (segments or observations):
+        spans: list[Any] = (
+            segments if segments and (not observations or draw(st.booleans())) else observations
+        )
+        k = draw(st.integers(0, len(spans) - 1), label="which")
+        delta = draw(st.sampled_from([-1, 1]), label="delta")
+        spans[k] = spans[k]._replace(start=spans[k].start + delta)
+    elif edit == "drop" and (segments or observations):
+        spans = segments if segments and (not observations or draw(st.booleans())) else observations
+        del spans[draw(st.integers(0, len(spans) - 1), label="dropped")]
+    elif edit == "swap" and (len(segments) >= 2 or len(observations) >= 2):
+        spans = (
+            segments
+            if len(segments) >= 2 and (len(observations) < 2 or draw(st.booleans()))
+            else observations
+        )
+        spans[0], spans[1] = spans[1], spans[0]
+    elif edit == "version" and len(segments) >= 2:
+        segments[-1] = segments[-1]._replace(version=segments[0].version - 1)
+    elif edit == "empty":
+        observations.append(Span(n, n))
+    lps = -np.asarray(draw(st.lists(st.sampled_from([0.0, 0.5]), min_size=n, max_size=n)), np.float32)
+    for span in observations:
+        if edit != "logprob":
+            lps[max(span.start, 0) : max(span.end, 0)] = 0.0
+    return _with(
+        fresh(),
+        response_ids=np.arange(n, dtype=np.int32),
+        response_logprobs=lps,
+        segments=tuple(segments),
+        observations=tuple(observations),
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_span_layouts(), min_size=1, max_size=4))
+def test_validate_accepts_exactly_the_samples_check_accepts(samples: list[Sample]) -> None:
+    """The vectorised `SampleBatch.validate` against the scalar walk of `Sample.check`, sample by sample:
+    a batch is valid iff every sample is, and a rejection that names a sample names a bad one."""
+    broken = []
+    for i, sample in enumerate(samples):
+        try:
+            sample.check()
+        except ValueError:
+            broken.append(i)
+    batch = SampleBatch.from_samples(samples)
+    if not broken:
+        batch.validate()
+        return
+    with pytest.raises(ValueError) as info:
+        batch.validate()
+    named = re.match(r"sample (\d+):", str(info.value))
+    assert named is None or int(named.group(1)) in broken, (str(info.value), broken)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(episodes(), min_size=0, max_size=5))
+def test_episodes_round_trip_through_sample_batch(samples: list[Sample]) -> None:
+    samples = [_with(s, index=i) for i, s in enumerate(samples)]
+    for s in samples:
+        s.check()
+        assert s.model_tokens + sum(o.end - o.start for o in s.observations) == s.response_len
+    batch = SampleBatch.from_samples(samples)
+    batch.validate()
+    assert_batches_equal(batch, field_by_field(samples))
+    assert batch.model_tokens == sum(s.model_tokens for s in samples)
+    for original, back in zip(samples, batch.to_samples(), strict=True):
+        assert_samples_equal(original, back)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -442,6 +643,15 @@ REJECTIONS: dict[str, tuple[Mutation, str]] = {
         lambda b: _with(b, segments=_i64(0, 0, 3, 1, 3, 5, -2, 0, 2)),
         "version >= 0",
     ),
+    "observation_offsets_without_observations": (
+        lambda b: _with(b, observation_offsets=_i64(0, 1, 1)),
+        "observation_offsets must rise from 0 to 0",
+    ),
+    "observation_offsets_count_without_observations": (
+        lambda b: _with(b, observation_offsets=_i64(0, 0)),
+        "observation_offsets has 2 entries, expected 3",
+    ),
+    "episode_long": (lambda b: _with(b, episode=[b"", b"", b""]), "episode has 3 entries for 2"),
     "tokens_without_segment": (
         lambda b: _with(b, segments=_i64(0, 0, 3, 1, 3, 5), segment_offsets=_i64(0, 2, 2)),
         "sample 1: 2 response tokens but no segment",
@@ -465,6 +675,81 @@ def test_sample_batch_validate_rejects(case: str) -> None:
         batch.validate()
 
 
+def _episode_batch() -> SampleBatch:
+    """An episode, segments (0,0,2), (0,5,6) and observations [2,5), [6,7); then a single-turn sample
+    with segment (1,0,2)."""
+    single = fresh(group_id=7, index=1).extend([6, 7], [-1.0] * 2, 1, FinishReason.NONE)
+    return SampleBatch.from_samples([two_turns(), single])
+
+
+def test_episode_batch_columns() -> None:
+    b = _episode_batch()
+    b.validate()
+    assert b.observation_offsets.tolist() == [0, 2, 2]
+    assert b.observations.tolist() == [2, 5, 6, 7]
+    assert b.observation_offsets.dtype.str == "<i8" and b.observations.dtype.str == "<i8"
+    assert b.segments.tolist() == [0, 0, 2, 0, 5, 6, 1, 0, 2]
+    assert b.episode == [b'{"turns": 1}', b""]
+    assert b.response_tokens == 9 and b.model_tokens == 5
+    empty = SampleBatch.from_samples([fresh()])
+    assert empty.observation_offsets.tolist() == [0, 0] and empty.observations.shape == (0,)
+    assert empty.episode == [b""]
+
+
+EPISODE_REJECTIONS: dict[str, tuple[Mutation, str]] = {
+    "episode_short": (lambda b: _with(b, episode=[b""]), "episode has 1 entries for 2"),
+    "observations_not_pairs": (lambda b: _with(b, observations=_i64(2, 5, 6)), "not a multiple of 2"),
+    "observation_offsets_count": (
+        lambda b: _with(b, observation_offsets=_i64(0, 2)),
+        "observation_offsets has 2 entries, expected 3",
+    ),
+    "observation_offsets_end": (
+        lambda b: _with(b, observation_offsets=_i64(0, 1, 1)),
+        "observation_offsets must rise from 0 to 2",
+    ),
+    "observation_empty": (lambda b: _with(b, observations=_i64(2, 5, 6, 6)), "observations need end > start"),
+    "observation_overlaps_segment": (
+        lambda b: _with(b, observations=_i64(2, 6, 6, 7)),
+        "sample 0: segments and observations do not tile [0, 7)",
+    ),
+    "observation_gap": (lambda b: _with(b, observations=_i64(2, 4, 6, 7)), "sample 0: segments and"),
+    "observation_past_the_end": (lambda b: _with(b, observations=_i64(2, 5, 6, 8)), "tile [0, 7)"),
+    "observations_out_of_order": (
+        lambda b: _with(b, observations=_i64(6, 7, 2, 5)),
+        "sample 0: segments and",
+    ),
+    "observation_moved_to_a_single_turn_sample": (
+        lambda b: _with(b, observation_offsets=_i64(0, 1, 2)),
+        "sample 0: segments and observations do not tile [0, 7)",
+    ),
+    "segment_across_an_observation": (
+        lambda b: _with(b, segments=_i64(0, 0, 6, 1, 0, 2), segment_offsets=_i64(0, 1, 2)),
+        "sample 0: segments and",
+    ),
+    "segment_versions_decrease": (
+        lambda b: _with(b, segments=_i64(2, 0, 2, 1, 5, 6, 1, 0, 2)),
+        "non-decreasing versions",
+    ),
+    "segments_out_of_order": (lambda b: _with(b, segments=_i64(0, 5, 6, 0, 0, 2, 1, 0, 2)), "sample 0:"),
+    "segment_missing_in_the_other_sample": (
+        lambda b: _with(b, segments=_i64(0, 0, 2, 0, 5, 6), segment_offsets=_i64(0, 2, 2)),
+        "sample 1: segments and observations do not tile [0, 2)",
+    ),
+    "observation_logprob": (
+        lambda b: _with(b, response_logprobs=np.array([-0.5, -0.25, 0, -0.5, 0, -1, 0, -1, -1], np.float32)),
+        "sample 0: observation tokens need log-prob 0.0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EPISODE_REJECTIONS))
+def test_sample_batch_validate_rejects_broken_episodes(case: str) -> None:
+    mutate, message = EPISODE_REJECTIONS[case]
+    batch = mutate(_episode_batch())
+    with pytest.raises(ValueError, match=re.escape(message)):
+        batch.validate()
+
+
 def test_validate_accepts_nan_reward_and_empty_batch() -> None:
     _good_batch().validate()  # unscored samples carry NaN rewards
     SampleBatch.from_samples([]).validate()
@@ -475,6 +760,38 @@ def test_validate_rejects_offsets_that_overflow_int64() -> None:
     b = _with(b, prompt_ids=ids(5, 6, 7), prompt_offsets=_i64(0, 2**63 - 1, -2, 3))
     with pytest.raises(ValueError, match="prompt_offsets"):
         b.validate()
+
+
+# ---------------------------------------------------------------------------------------------------
+# SampleBatch records written before protocol 3 (files of older formats)
+
+
+@pytest.mark.parametrize("inline", [0, 1 << 16], ids=["frames", "inline"])
+def test_a_batch_encoded_before_episodes_reads_with_empty_episode_columns(inline: int) -> None:
+    batch = _good_batch()
+    frames = [bytes(f) for f in codec.encode_frames(2, 0, batch, inline)]
+    old = msgpack.unpackb(frames[1], raw=False)
+    refs = [old.pop(name) for name in EPISODE_COLUMNS]  # the map an earlier version wrote, and its frames:
+    gone = sorted(ref[0] for ref in refs[:2] if type(ref[0]) is int)  # the new arrays' come last
+    assert gone == list(range(len(frames) - len(gone), len(frames)))
+    frames = [frames[0], msgpack.packb(old, use_bin_type=True), *frames[2 : len(frames) - len(gone)]]
+    with pytest.raises(
+        codec.ProtocolError, match="missing field\\(s\\) observation_offsets, observations, episode"
+    ):
+        codec.decode_body(SampleBatch, frames)
+    upgraded = add_episode_columns(old, frames)
+    assert_batches_equal(
+        codec.decode_body(SampleBatch, [frames[0], msgpack.packb(upgraded), *frames[2:]]), batch
+    )
+    assert add_episode_columns(upgraded, frames) is upgraded  # a map with the columns is left alone
+
+
+def test_add_episode_columns_leaves_what_it_cannot_count_to_the_decoder() -> None:
+    frames = [bytes(f) for f in codec.encode_frames(2, 0, _good_batch())]  # 6 samples, arrays in frames
+    old = {k: v for k, v in msgpack.unpackb(frames[1], raw=False).items() if k not in EPISODE_COLUMNS}
+    for ref in ([old["group_id"][0], "<i8", 7], [99, "<i8", 6], [b"\x00" * 8, "<i8", 6], "x", None):
+        assert add_episode_columns({**old, "group_id": ref}, frames) == {**old, "group_id": ref}
+    assert add_episode_columns([1, 2], frames) == [1, 2]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -508,6 +825,8 @@ def _lease_mixes() -> dict[str, list[Sample]]:
         "fresh and partials": fresh_leases[:3] + partials + fresh_leases[3:],
         "every kind": mixed + fresh_leases,
         "no response, logprobs only": [_with(fresh(), response_logprobs=np.zeros(1, np.float32))],
+        "episodes": [two_turns().extend([], [], 0, FinishReason.ABORT).resumed(), *fresh_leases[:2]],
+        "no response, an observation only": [_with(fresh(), observations=(Span(0, 1),))],
     }
 
 
@@ -536,9 +855,14 @@ def field_by_field(samples: list[Sample]) -> SampleBatch:
         segments=np.array(
             [x for s in samples for g in s.segments for x in (g.version, g.start, g.end)], np.int64
         ),
+        observation_offsets=offsets([len(s.observations) for s in samples]),
+        observations=np.array(
+            [x for s in samples for o in s.observations for x in (o.start, o.end)], np.int64
+        ),
         prompt_text=[s.prompt_text for s in samples],
         metadata=[dict(s.metadata) for s in samples],
         error=[s.error for s in samples],
+        episode=[s.episode for s in samples],
     )
 
 
