@@ -175,21 +175,43 @@ def replay(engine: Any, script: Sequence[Op], weights: Callable[[int], Path]) ->
     return outputs
 
 
-def run_case(case: Case, root: Path, **engine_kwargs: Any) -> list[dict[str, Any]]:
-    """Build the case's model and engine under `root` and replay its script."""
+def build(case: Case, root: Path, **engine_kwargs: Any) -> tuple[Any, Callable[[int], Path]]:
+    """The case's engine (float32; `engine_kwargs` added) and its weights-file maker, models under `root`."""
     from actors.engine import SamplingParams
     from actors.engines.torch_engine import TorchEngine
 
     model_dir = REPO / "models" / "tiny" if case.model == "tiny" else qwen3_model(root)
-    sampling = SamplingParams(**case.sampling)
+    kwargs = {"dtype": "float32", **engine_kwargs}
     engine = TorchEngine(
-        model_dir, slots=case.slots, sampling=sampling, greedy=case.greedy, dtype="float32", **engine_kwargs
+        model_dir, slots=case.slots, sampling=SamplingParams(**case.sampling), greedy=case.greedy, **kwargs
     )
 
     def weights(seed: int) -> Path:
         return perturbed(model_dir, root / f"{case.model}-{seed}.safetensors", seed)
 
+    return engine, weights
+
+
+def run_case(case: Case, root: Path, **engine_kwargs: Any) -> list[dict[str, Any]]:
+    """Build the case's model and engine under `root` and replay its script."""
+    engine, weights = build(case, root, **engine_kwargs)
     return replay(engine, case.script, weights)
+
+
+def golden() -> dict[str, list[dict[str, Any]]]:
+    data: dict[str, list[dict[str, Any]]] = json.loads(GOLDEN.read_text())
+    return data
+
+
+def assert_same(got: list[dict[str, Any]], want: list[dict[str, Any]], atol: float) -> None:
+    """The same outputs from the same calls: tokens, reasons and versions equal, log-probs within `atol`."""
+    assert [(o["call"], o["request_id"]) for o in got] == [(o["call"], o["request_id"]) for o in want]
+    for g, w in zip(got, want, strict=True):
+        where = f"request {w['request_id']} (call {w['call']})"
+        assert g["token_ids"] == w["token_ids"], where
+        assert g["finish_reason"] == w["finish_reason"], where
+        assert g["versions"] == w["versions"], where
+        np.testing.assert_allclose(g["logprobs"], w["logprobs"], atol=atol, rtol=0, err_msg=where)
 
 
 def main() -> None:

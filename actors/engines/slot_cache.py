@@ -1,17 +1,13 @@
 """The torch engine's KV cache: fixed-address buffers that a decode step can be captured and replayed over.
 
-Owns one buffer holding every layer's keys and values, `[layers, 2, slots, H, cap, D]`, the position of each
-slot (`[slots]`: how many tokens of that row are cached, so the column its next token is written to) and
-the decode attention mask derived from it. Each row's sequence is left-aligned in its own slot: a decode
-step writes the new keys/values at the row's own position (a scatter on the position buffer) and attends
-over the first C columns, C a capacity fixed for the step, masked to columns <= position. So the shapes and
-addresses of a step depend only on (rows, C), never on the lengths of the rows. `cap` grows by doubling
-(the buffer is reallocated, which invalidates captured graphs: `reserve` says so).
-
-Decode attention runs the grouped query heads of each key/value head as that head's queries
-(`[rows, H, G, D]` against `[rows, H, C, D]`): no copy of the cache per query head, which transformers'
-SDPA path makes (`repeat_kv`) whenever a mask is given, in the versions this runs with.
-Does not decide which rows are live or what is sampled: that is the engine's business.
+Owns one buffer of every layer's keys and values, `[layers, 2, slots, H, cap, D]`, the position of each row
+(`[slots]`: how many of its tokens are cached, the column its next token goes to) and the decode mask. Each
+row's sequence is left-aligned in its own slot; a decode step writes its new keys/values at the row's own
+position (a scatter on the position buffer) and attends over the first C columns, masked to the columns up
+to its position, so a step's shapes and addresses depend on (rows, C) only. `cap` grows by doubling; a
+reallocation invalidates captured graphs (`reserve` says so). Decode attention passes the Hq / H query heads
+of each key/value head as its queries: no copy of the cache per query head, which transformers' SDPA path
+makes (`repeat_kv`) whenever there is a mask. Does not decide which rows are live or what is sampled.
 """
 
 from __future__ import annotations

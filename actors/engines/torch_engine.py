@@ -1,24 +1,15 @@
 """The built-in `torch` engine: continuous batching over any Hugging Face causal LM, CPU or CUDA.
 
-Owns one model, the request table and the batch: which request is in which row of the KV cache
-(`actors.engines.slot_cache`), prefill, the decode step and weights loads. Token ids only: tokenization,
-leases and sockets are the worker's business. Implements `actors.engine.Engine`.
-
-- A request joins between decode steps: its input minus the last token is prefilled (newcomers sorted by
-  length, right-padded, in chunks) into the rows after the active ones; the next decode step feeds its last
-  input token and samples its first new token. A finished row leaves by moving the last row into its place,
-  so rows [0, B) are the active ones in batch order, the order in which rows draw from the seeded generator.
-- The decode step has fixed shapes and addresses: rows and cache columns rounded up to buckets on CUDA
-  (rows 1, 2, 4, ..., slots; columns 64, 128, ...), exact on CPU; inputs, positions, mask, noise and outputs
-  are preallocated buffers, and nothing in it waits for the host. On CUDA it is captured once per shape as a
-  CUDA graph and replayed (`actors.engines.cuda_graphs`); a step's one host sync reads its tokens and
-  log-probs. Sampling and log-probs: `actors.engines.token_sampling`.
-- The sampled stop token is part of the output and ends the request with STOP; a budget that would pass the
-  context length (`max_position_embeddings`) is clipped to fit and ends with LENGTH. `load_weights` and
-  `load_tensors` validate the whole state before copying, then re-prefill every active row, so every token
-  generated after a load is the new policy's and carries the new version.
-
-Does not implement sliding-window or linear-attention layers, beam search or speculative decoding.
+Owns one model, the request table and the batch (which request is in which row of the KV cache of
+`actors.engines.slot_cache`), prefill, the decode step and weights loads; token ids only. A request joins
+between decode steps, its input but the last token prefilled into the rows after the active ones; a finished
+row leaves by moving the last row into its place, so rows [0, B) are the active ones, in the order in which
+they draw from the one seeded generator. The decode step has fixed shapes (rounded up to buckets on CUDA)
+and addresses and no host sync but the read of its tokens, so on CUDA it is captured once per shape as a
+CUDA graph (`actors.engines.cuda_graphs`). Sampling and log-probs: `actors.engines.token_sampling`. A stop
+token ends a request with STOP and is part of it; a budget is clipped to the context length (LENGTH). A
+weights load validates the whole state, copies it in place and re-prefills every active row. How and why:
+docs/engines.md. Does not implement sliding-window or linear-attention layers, beam search or speculation.
 """
 
 from __future__ import annotations
