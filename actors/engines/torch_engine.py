@@ -127,8 +127,9 @@ class TorchEngine:
         self._next = torch.zeros(slots, dtype=torch.long, device=self.device)  # the token fed next
         self._live = torch.zeros(slots, dtype=torch.long, device=self.device)  # 1: the position advances
         self._greedy_rows = torch.zeros(slots, dtype=torch.bool, device=self.device)
-        self._noise = (  # exponential noise of a draw `[slots, V]`; never read by a greedy engine
-            None if greedy else torch.ones(slots, self.vocab_size, dtype=torch.float32, device=self.device)
+        width = self._logits_width()  # V
+        self._noise = (  # exponential noise of a draw `[slots, V]`; a greedy engine draws none
+            None if greedy else torch.ones(slots, width, dtype=torch.float32, device=self.device)
         )
         self._out = torch.zeros(slots, 2, dtype=torch.float64, device=self.device)  # token, log-prob
 
@@ -330,6 +331,11 @@ class TorchEngine:
             self._graphs.clear()  # they read the buffers that were just reallocated
 
     # ---- set-up helpers ---------------------------------------------------------------------------
+
+    def _logits_width(self) -> int:
+        """V: the output head's rows (a padded head may have more than the vocabulary)."""
+        head = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]
+        return int(head.weight.shape[0]) if head is not None else self.vocab_size
 
     def _num_layers(self) -> int:
         return int(self.model.config.get_text_config(decoder=True).num_hidden_layers)
