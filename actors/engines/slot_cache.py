@@ -32,7 +32,7 @@ class SlotCache:
         self.cap = 0
         self.pos = torch.zeros(slots, dtype=torch.long, device=device)  # cached tokens per row
         self._cols = torch.zeros(0, dtype=torch.long, device=device)  # [cap]: 0, 1, ..., cap - 1
-        self._mask = torch.zeros(slots, 0, dtype=torch.bool, device=device)  # [slots, cap]
+        self._mask = torch.zeros(slots, 0, dtype=torch.bool, device=device)  # room for a [rows, C] mask
         self._layers = [_SlotLayer(self, i) for i in range(layers)]
         self.cache = Cache(layers=list(self._layers))  # what the model's forward is given
         # the current forward's window: prefill rows [row0, row1), or decode rows [0, row1) over `width`
@@ -57,17 +57,20 @@ class SlotCache:
         """The next forward writes rows [row0, row1) from column 0 and attends to its own keys only."""
         self.decoding, self.row0, self.row1 = False, row0, row1
 
-    def decode(self, rows: int, width: int) -> torch.Tensor:
+    def decode(self, rows: int, width: int, masked: bool = True) -> torch.Tensor | None:
         """The next forward decodes rows [0, rows) over `width` columns; returns its attention mask
-        `[rows, 1, 1, width]` (a row sees the columns up to its position).
+        `[rows, 1, 1, width]` (a row sees the columns up to its position), or None if not `masked` (every
+        row is at the last column).
 
         Only fixed-address views and in-place ops: a CUDA graph captured around the forward replays it.
         """
         self.decoding, self.row1, self.width = True, rows, width
-        mask = self._mask[:rows, :width]
-        torch.le(self._cols[:width], self.pos[:rows, None], out=mask)
         kv = self.kv
         self._index = None if kv is None else self._decode_index(rows, kv.shape[3], kv.shape[5])
+        if not masked:
+            return None
+        mask = self._mask.view(-1)[: rows * width].view(rows, width)
+        torch.le(self._cols[:width], self.pos[:rows, None], out=mask)
         return mask[:, None, None, :]
 
     def write(

@@ -260,11 +260,13 @@ class TorchEngine:
         """One decode step for every active row: feed its last token, sample the next, retire finished."""
         b = len(self._rows)
         rows = min(1 << (b - 1).bit_length(), self.slots) if self._bucketed else b
-        cols = self._columns(max(len(r.input_ids) + len(r.token_ids) for r in self._rows))
+        lengths = [len(r.input_ids) + len(r.token_ids) for r in self._rows]  # position + 1
+        cols = self._columns(max(lengths))
+        masked = self._bucketed or min(lengths) < cols  # exact shapes, every row at the last column: no mask
         self._reserve(cols)
         if self._noise is not None and not all(r.greedy for r in self._rows):
             self._noise[:b].exponential_(generator=self._gen)  # only live rows draw: as many draws as rows
-        self._graphs.run((rows, cols), lambda: self._decode_step(rows, cols))
+        self._graphs.run((rows, cols), lambda: self._decode_step(rows, cols, masked))
         values = self._out[:b].cpu().tolist()  # the step's one host sync
         finished: list[int] = []
         for i, (row, (tok, lp)) in enumerate(zip(self._rows, values, strict=True)):
@@ -281,10 +283,10 @@ class TorchEngine:
         if finished:
             self._retire(finished)
 
-    def _decode_step(self, rows: int, cols: int) -> None:
+    def _decode_step(self, rows: int, cols: int, masked: bool) -> None:
         """Rows [0, rows) over cache columns [0, cols): buffers in, buffers out, no host sync (a CUDA graph
         of it replays the same kernels on the same addresses)."""
-        mask = self._kv.decode(rows, cols)
+        mask = self._kv.decode(rows, cols, masked)
         positions = self._kv.pos[:rows]
         out = self.model(
             input_ids=self._next[:rows, None],
