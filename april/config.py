@@ -485,6 +485,16 @@ class WeightsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EnvConfig:
+    name: str = ""  # multi-turn episodes' environment: a built-in name or module:Class; empty: single-turn
+    max_turns: int = 16  # model turns an episode may take at most
+    max_turn_tokens: int = 4096  # tokens one model turn may generate at most (within algo.max_new_tokens)
+
+    def __post_init__(self) -> None:
+        _positive(self, "env", "max_turns", "max_turn_tokens")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -493,6 +503,7 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def run_path(self) -> Path:
         """The run directory: run.run_dir, or runs/<run.name> when that is empty."""
