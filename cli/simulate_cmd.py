@@ -252,7 +252,7 @@ def simulate_command(
             "--episodes",
             help="Multi-turn episodes: a workload (workloads/: agentic) or .toml setting worker.sim_lengths "
             "(each turn), sim_turns, sim_tool_ms, sim_observation_tokens; or a JSONL file of recorded "
-            "episodes (worker.sim_episodes; format in docs/bench.md).",
+            "episodes (worker.sim_episodes; format in docs/bench.md). --set changes any of them.",
         ),
     ] = None,
     per_sample_lengths: Annotated[
@@ -293,14 +293,13 @@ def simulate_command(
     slots, math-long-tail, GPU-like cost A 6 ms, B 0.1 ms, C 0.02 ms, a 20 s learner step).
     """
     chosen = parse_modes(modes)
-    workload = {k.replace(".", "__"): v for k, v in episode_fields(episodes).items()} if episodes else {}
-    if lengths is not None:
-        workload["worker__sim_lengths"] = resolve_lengths(lengths).describe()
+    # --episodes' fields are set first, so that --set can change any of them
+    workload = [f"{k}={v}" for k, v in episode_fields(episodes).items()] if episodes else []
     base = resolve(
         config,
-        set_,
+        [*workload, *(set_ or [])],
         paper_config(),
-        **workload,
+        worker__sim_lengths=None if lengths is None else resolve_lengths(lengths).describe(),
         algo__rollout_batch_size=rollout_batch_size,
         algo__over_sampling_batch_size=over_sampling_batch_size,
         algo__n_samples_per_prompt=n_samples_per_prompt,

@@ -375,6 +375,9 @@ def test_simulate_episodes_command(tmp_path: Path) -> None:
     got = runner.invoke(app, ["simulate", "--episodes", str(recorded), "--modes", "sync", *small])
     assert got.exit_code == 0, got.output
     assert json.loads(got.output)["setting"]["episodes"]["recorded"] == str(recorded.resolve())
+    args = ["simulate", "--episodes", "agentic", "--set", "worker.sim_tool_ms=", "--modes", "sync", *small]
+    got = runner.invoke(app, args)  # --set changes a field --episodes set
+    assert got.exit_code == 0 and json.loads(got.output)["setting"]["episodes"]["tool_ms"] is None
     got = runner.invoke(app, ["simulate", "--set", "worker.sim_turns=fixed:0", "--modes", "sync", *small])
     assert got.exit_code != 0 and "april: error: worker.sim_turns" in got.output
     assert "Traceback" not in got.output
