@@ -162,6 +162,19 @@ print(os.path.getsize("big"))
     assert result.output == f"[Errno 27] File too large\n{1 << 20}\n", result.output
 
 
+def test_open_files_limit() -> None:
+    sandbox = isolated(SandboxLimits(open_files=16))
+    code = """
+files = []
+try:
+    for i in range(100):
+        files.append(open(f"f{i}", "w"))
+except OSError as exc:
+    print(exc)
+"""
+    assert sandbox.run(code).output.startswith("[Errno 24] Too many open files")
+
+
 def test_clean_environment_and_a_fresh_working_directory(
     sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
