@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from april.episode import Message, Role, Tool, ToolCall
@@ -122,8 +122,14 @@ class TemplateChat(ChatFormat):
     e.g. Qwen's `<|im_end|>`) after its content; what the template writes after it belongs to the next
     observation."""
 
-    def __init__(self, tokenizer: Any, stop_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop_ids: Sequence[int] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__(tokenizer, stop_ids)
+        self.template_kwargs = dict(template_kwargs or {})  # e.g. Qwen3's enable_thinking
         probe = Message(Role.ASSISTANT, _MARKER)
         head = self._render([_PROBE_USER], generation=True)
         whole = self._render([_PROBE_USER, probe], generation=False)
@@ -170,6 +176,7 @@ class TemplateChat(ChatFormat):
                 tools=[t.to_openai() for t in tools] or None,
                 add_generation_prompt=generation,
                 tokenize=False,
+                **self.template_kwargs,
             )
         )
 
@@ -206,8 +213,11 @@ class PlainChat(ChatFormat):
         return message.content + "\n"
 
 
-def chat_format(tokenizer: Any, stop_ids: Sequence[int] | None = None) -> ChatFormat:
-    """The tokenizer's chat template if it has one, else the plain format. `stop_ids` default to its eos."""
+def chat_format(
+    tokenizer: Any, stop_ids: Sequence[int] | None = None, template_kwargs: Mapping[str, Any] | None = None
+) -> ChatFormat:
+    """The tokenizer's chat template if it has one (rendered with `template_kwargs`), else the plain
+    format. `stop_ids` default to the tokenizer's eos."""
     if getattr(tokenizer, "chat_template", None):
-        return TemplateChat(tokenizer, stop_ids)
+        return TemplateChat(tokenizer, stop_ids, template_kwargs)
     return PlainChat(tokenizer, stop_ids)

@@ -186,6 +186,19 @@ def test_the_qwen25_template_renders_the_recorded_example() -> None:
     assert pieces == encode(tok, recorded + "<|im_start|>assistant\n")
 
 
+def test_template_arguments_reach_the_template() -> None:
+    """Qwen3 without thinking: the generation prompt, at the end of the prompt and of every observation,
+    opens the model's turn with an empty think block."""
+    tok = qwen_tokenizer("qwen3")
+    chat = chat_format(tok, template_kwargs={"enable_thinking": False})
+    empty_think = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.decode(chat.prompt_ids([Message(Role.USER, "hi")])).endswith(empty_think)
+    assert tok.decode(chat.observation_ids([tool(0, "add", "19")])).endswith(
+        "</tool_response><|im_end|>\n" + empty_think
+    )
+    assert not tok.decode(chat_format(tok).prompt_ids([Message(Role.USER, "hi")])).endswith(empty_think)
+
+
 def test_a_turn_cut_off_before_its_stop_token_gets_it_from_the_observation() -> None:
     chat = chat_format(qwen_tokenizer("qwen2_5_instruct"))
     obs = [tool(0, "add", "19")]
