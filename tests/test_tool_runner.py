@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +43,17 @@ def nap(arguments):
     return str(os.getpid())
 
 
+def meet(arguments):  # check in at a meeting of n calls, wait up to a minute for all, answer this pid
+    folder = arguments["folder"]
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(folder)) < arguments["n"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return str(os.getpid()) if len(os.listdir(folder)) >= arguments["n"] else "alone"
+
+
 HANDLERS = {
+    "meet": meet,
     "echo": lambda a: json.dumps(a),
     "pid": lambda a: str(os.getpid()),
     "nap": nap,
@@ -55,6 +66,7 @@ class Scripted:
     tools = (
         Tool("echo", "", {}),
         Tool("pid", "", {}),
+        Tool("meet", "", {}, timeout_s=120.0),
         Tool("nap", "", {}, timeout_s=60.0),
         Tool("hang", "", {}, timeout_s=float(os.environ.get("APRIL_TEST_HANG_S", "1"))),
         Tool("charge", "", {}, repeatable=False, timeout_s=60.0),
@@ -131,10 +143,14 @@ def observed(result: ToolResult) -> list[str]:
 
 
 def pids(runner: ToolRunner, n: int = 2) -> set[int]:
-    """The pids of the children that answer `n` naps submitted together."""
+    """The pids of `n` children, each answering one of `n` calls that wait for each other: so all `n`
+    children are up and idle afterwards."""
+    folder = tempfile.mkdtemp(prefix="april-meet-")
     for k in range(n):
-        runner.submit(-1 - k, step(("nap", {"s": 0.5})))
-    return {int(observed(r)[0]) for r in collect(runner, n).values()}
+        runner.submit(-1 - k, step(("meet", {"folder": folder, "n": n})))
+    answers = {observed(r)[0] for r in collect(runner, n).values()}
+    assert "alone" not in answers, "a call waited for the others in vain: they did not run at the same time"
+    return {int(a) for a in answers}
 
 
 def test_the_calculator_runs_reset_steps_and_the_end() -> None:
