@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from qwen_tokenizer import qwen_tokenizer
 from april.chat import chat_format
 from april.envs.calculator import (
     ADD,
+    CONTEXT,
     CalculatorEnvironment,
     CalculatorPromptSource,
     CalculatorSpec,
@@ -21,10 +23,8 @@ from april.envs.calculator import (
     make_example,
     transcript,
 )
-from april.episode import Message, Role, ToolCall
+from april.episode import EpisodeError, Message, Role, ToolCall
 from april.hf import load_tokenizer
-
-TINY_CONTEXT = 1024
 
 
 def test_examples_are_right_and_reproducible() -> None:
@@ -62,9 +62,10 @@ def test_prompt_source_serves_text_records_with_answers() -> None:
 
 def test_the_environment_answers_calls_and_scores_the_final_answer() -> None:
     env = CalculatorEnvironment()
-    first = env.reset(make_example(0, 1).record())
-    assert first.observation == (Message(Role.USER, make_example(0, 1).prompt),) and not first.done
-    answer = int(make_example(0, 1).answer)
+    ex = make_example(0, 1)  # Sum: 99 56 30
+    first = env.reset(ex.record())
+    assert first.observation == (Message(Role.USER, ex.prompt), Message(Role.USER, "next 56"))
+    assert not first.done
     calls = (
         ToolCall("call_0", "add", {"a": 12, "b": 7}),
         ToolCall("call_1", "add", {"a": 1.5, "b": 2}),
@@ -77,13 +78,32 @@ def test_the_environment_answers_calls_and_scores_the_final_answer() -> None:
         'error: add takes integer arguments a and b, got {"a": 1.5, "b": 2}',
         'error: add takes integer arguments a and b, got {"a": 1}',
         "error: unknown tool 'mul'; tools: add",
+        "next 30",  # one call added (whatever it added): the pointer moved on by one
     ]
-    assert [m.tool_call_id for m in step.observation] == ["call_0", "call_1", "call_2", "call_3"]
-    assert step.state == first.state and not step.done
-    for text, reward in ((f"Answer: {answer}", 1.0), (f"answer:{answer + 1}", 0.0), ("I don't know", 0.0)):
-        done = env.step(first.state, Message(Role.ASSISTANT, text))
-        assert done.done and done.reward == reward
+    assert [m.tool_call_id for m in step.observation] == ["call_0", "call_1", "call_2", "call_3", ""]
+    assert [m.role for m in step.observation] == [Role.TOOL] * 4 + [Role.USER] and not step.done
+    for text, reward in ((f"Answer: {ex.answer}", 1.0), (f"answer:{int(ex.answer) + 1}", 0.0), ("?", 0.0)):
+        done = env.step(step.state, Message(Role.ASSISTANT, text))
+        assert done.done and done.reward == reward and done.observation == ()
     assert final_answer("Answer: 3\nanswer: -12") == -12 and final_answer("3") is None
+
+
+def test_the_pointer_moves_on_per_call_that_adds_and_stops_at_all_added() -> None:
+    env = CalculatorEnvironment()
+    state = env.reset(make_example(0, 1).record()).state  # Sum: 99 56 30
+    bad = Message(Role.ASSISTANT, "", (ToolCall("call_0", "add", {"a": "x", "b": 1}),))
+    assert env.step(state, bad).observation[-1].content == "next 56"  # an error adds nothing
+    two = Message(Role.ASSISTANT, "", (ToolCall("call_0", "add", {"a": 1, "b": 2}),) * 2)
+    after = env.step(state, two)
+    assert [m.content for m in after.observation] == ["3", "3", "all added"]
+    assert env.step(after.state, two).observation[-1].content == "all added"  # never past the end
+
+
+@pytest.mark.parametrize("text", ["Add 1 2", "Sum: ", "Sum: 1, 2"])
+def test_a_prompt_that_is_not_a_sum_is_refused_in_one_line(text: str) -> None:
+    record = replace(make_example(0, 1).record(), text=text)
+    with pytest.raises(EpisodeError, match=r"^calculator prompt 1: text .* expected 'Sum: N N \.\.\.'"):
+        CalculatorEnvironment().reset(record)
 
 
 @pytest.mark.parametrize("tokenizer", ["tiny", "qwen2_5_instruct"])
@@ -105,12 +125,15 @@ def test_a_transcript_is_the_episode_the_environment_plays(tokenizer: str) -> No
         total += ex.numbers[k + 1]
     assert parsed[-1] == Message(Role.ASSISTANT, f"Answer: {sum(ex.numbers)}")
     # the untrained tokens are the prompt and the observations, which carry the running totals
-    text = tok.decode(
-        [i for i, m in zip(tr.ids, tr.loss_mask, strict=True) if not m], skip_special_tokens=False
+    text = str(
+        tok.decode([i for i, m in zip(tr.ids, tr.loss_mask, strict=True) if not m], skip_special_tokens=False)
     )
     assert ex.prompt in text
     running = np.cumsum(ex.numbers)[1:]
     assert re.findall(r"<tool_response>\s*(\d+)\s*</tool_response>", text) == [str(s) for s in running]
+    # and the pointers: the next number after the prompt and after each result, then `all added`
+    assert re.findall(r"next (\d+)", text) == [str(n) for n in ex.numbers[1:]]
+    assert text.count("all added") == 1 and text.rindex("all added") > text.rindex("<tool_response>")
 
 
 def test_slips_make_wrong_answers_at_about_the_slip_rate() -> None:
@@ -128,7 +151,7 @@ def test_slips_make_wrong_answers_at_about_the_slip_rate() -> None:
     assert "error" not in text and int(re.findall(r"<tool_response>(\d+)<", text)[0]) == final_answer(text)
 
 
-def test_transcripts_fit_the_tiny_model_context() -> None:
+def test_transcripts_fit_the_context_of_a_byte_level_model() -> None:
     chat = chat_format(load_tokenizer("models/tiny"))
     longest = max(
         len(
@@ -141,7 +164,7 @@ def test_transcripts_fit_the_tiny_model_context() -> None:
         )
         for i in range(20)
     )
-    assert longest <= TINY_CONTEXT
+    assert 1024 < longest <= CONTEXT  # ten numbers: more than models/tiny's 1,024 positions
 
 
 def test_add_is_a_repeatable_tool() -> None:

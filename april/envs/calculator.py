@@ -2,16 +2,19 @@
 
 One example with four numbers (the model's turns end with its stop token; plain format shown):
 
-    prompt   "Sum: 12 7 30 5\n"
-    turn 1   <tool_call>{"name":"add","arguments":{"a":12,"b":7}}</tool_call>     observation 19
-    turn 2   <tool_call>{"name":"add","arguments":{"a":19,"b":30}}</tool_call>    observation 49
-    turn 3   <tool_call>{"name":"add","arguments":{"a":49,"b":5}}</tool_call>     observation 54
+    prompt   "Sum: 12 7 30 5\nnext 7\n"
+    turn 1   <tool_call>{"name":"add","arguments":{"a":12,"b":7}}</tool_call>     observation 19, next 30
+    turn 2   <tool_call>{"name":"add","arguments":{"a":19,"b":30}}</tool_call>    observation 49, next 5
+    turn 3   <tool_call>{"name":"add","arguments":{"a":49,"b":5}}</tool_call>     observation 54, all added
     turn 4   "Answer: 54"                                                          reward 1.0
 
 k numbers take k-1 calls and k turns; k is drawn from a discretised log-normal clipped to [2, 10], so most
 episodes are two or three turns and a few run to ten. The reward is 1.0 when the final turn's last
-"Answer: N" is the true sum, else 0.0. The tool does the arithmetic; the model has to feed it the running
-total and the next number, and stop at the right time.
+"Answer: N" is the true sum, else 0.0. The tool does the arithmetic; the model feeds it the running total
+(the last result) and the number the environment says is next (a user message after the prompt and after
+each step's results, `next N` or `all added`), and answers when all are added. The environment points at
+the next number because the tiny model, trained by SFT, did not learn to find the i-th number of a list
+on its own; copying the number after a fixed cue is within its reach.
 
 Owns the seeded example generator (example `index` under `seed` comes from `numpy.random.default_rng((seed,
 index))` alone), `CalculatorEnvironment` (the `calculator` env spec), `CalculatorPromptSource` (a
@@ -48,7 +51,9 @@ from april.task import SLIPS
 CALCULATOR_NAME = "calculator"
 DEFAULT_SIZE = 1_000_000  # prompts in the source before it wraps around (they are i.i.d. anyway)
 DEFAULT_SLIP_RATE = 0.25  # chance that a demonstrated call adds a wrong number (see `transcript`)
+CONTEXT = 2048  # positions a byte-level model needs: a ten-number episode is over 1,024 tokens
 _ANSWER = re.compile(r"answer\s*:\s*(-?\d+)", re.IGNORECASE)
+_PROMPT = re.compile(r"Sum: (\d+(?: \d+)*)")
 
 ADD = Tool(
     name="add",
@@ -120,6 +125,16 @@ def final_answer(text: str) -> int | None:
     return int(matches[-1]) if matches else None
 
 
+def parse_numbers(text: str) -> list[int] | None:
+    """The numbers of a prompt "Sum: 12 7 30", or None if `text` is not one."""
+    match = _PROMPT.fullmatch(text.strip())
+    return [int(n) for n in match.group(1).split()] if match else None
+
+
+def _pointer(numbers: list[int], used: int) -> Message:
+    return Message(Role.USER, f"next {numbers[used]}" if used < len(numbers) else "all added")
+
+
 def _add(arguments: Mapping[str, Any]) -> str:
     a, b = arguments.get("a"), arguments.get("b")
     if type(a) is not int or type(b) is not int or set(arguments) != {"a", "b"}:
@@ -128,25 +143,31 @@ def _add(arguments: Mapping[str, Any]) -> str:
 
 
 class CalculatorEnvironment:
-    """The `calculator` env: the prompt is the first observation; a turn with tool calls is answered with
-    their results; a turn without any ends the episode, scored by its final answer. The state is the gold
-    answer, unchanged by steps."""
+    """The `calculator` env: the first observation is the prompt and `next N` (the second number: the
+    first call adds the first two); a turn with tool calls is answered with their results and the next
+    pointer (each call that adds moves it on by one); a turn without any ends the episode, scored by its
+    final answer. The state: the gold answer, the numbers, and how many are used."""
 
     tools: tuple[Tool, ...] = (ADD,)
 
     def reset(self, prompt: PromptRecord) -> EnvStep:
-        answer = prompt.metadata.get("answer")
-        if answer is None or not re.fullmatch(r"-?\d+", answer):
+        answer, numbers = prompt.metadata.get("answer"), parse_numbers(prompt.text)
+        if answer is None or not re.fullmatch(r"-?\d+", answer) or numbers is None:
             raise EpisodeError(
-                f"calculator prompt {prompt.prompt_index}: answer {answer!r}, expected an integer"
+                f"calculator prompt {prompt.prompt_index}: text {prompt.text[:40]!r} and answer {answer!r}, "
+                "expected 'Sum: N N ...' and an integer"
             )
-        return EnvStep(prompt_messages(prompt), json.dumps({"answer": int(answer)}))
+        state = {"answer": int(answer), "numbers": numbers, "used": 1}
+        return EnvStep((*prompt_messages(prompt), _pointer(numbers, 1)), json.dumps(state))
 
     def step(self, state: str, turn: Message) -> EnvStep:
-        if turn.tool_calls:
-            return EnvStep(call_tools(turn, {ADD.name: _add}), state)
-        answer = json.loads(state)["answer"]
-        return EnvStep((), state, done=True, reward=float(final_answer(turn.content) == answer))
+        s = json.loads(state)
+        if not turn.tool_calls:
+            return EnvStep((), state, done=True, reward=float(final_answer(turn.content) == s["answer"]))
+        results = call_tools(turn, {ADD.name: _add})
+        added = sum(1 for m in results if not m.content.startswith("error: "))
+        s["used"] = min(s["used"] + added, len(s["numbers"]))
+        return EnvStep((*results, _pointer(s["numbers"], s["used"])), json.dumps(s))
 
 
 class CalculatorPromptSource:
@@ -187,10 +208,11 @@ def transcript(
     example: CalculatorExample, chat: ChatFormat, slip_rate: float, rng: np.random.Generator
 ) -> Transcript:
     """The episode an imperfect demonstrator plays: each call adds the running total (the last tool
-    result) and the next number, which with probability `slip_rate` is off by one of `april.task.SLIPS`
-    (never below 0); the final turn answers the last tool result. Every turn is tokenized by `chat`,
-    parsed back from its tokens as the worker parses the model's, and answered by the real environment,
-    so the observations are exactly those RL episodes see."""
+    result) and the number the environment says is next, which with probability `slip_rate` is off by one
+    of `april.task.SLIPS` (never below 0); the final turn, after `all added`, answers the last tool
+    result. Every turn is tokenized by `chat`, parsed back from its tokens as the worker parses the
+    model's, and answered by the real environment, so the observations are exactly those RL episodes
+    see."""
     if not 0 <= slip_rate < 1:
         raise ValueError(f"slip_rate = {slip_rate}, expected in [0, 1)")
     env = CalculatorEnvironment()
