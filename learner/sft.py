@@ -1,10 +1,12 @@
-"""Supervised warm start on the built-in task: a tiny Llama-style model taught the worked chains.
+"""Supervised warm start: a tiny Llama-style model taught a built-in task's demonstrations.
 
-Owns `SftSettings`, the token encoding of task examples for training, the length-bucketed batch order
-and `train_sft`, which writes a random tiny model with `april.hf.make_tiny_model`, loads it back
-through `april.hf.load_model` (the path every HF checkpoint takes), trains it with plain torch AdamW on
-next-token cross-entropy over the response tokens (prompt tokens are context only), and saves it as an
-HF directory (safetensors, `save_dtype`) with its tokenizer.
+Owns `SftSettings`, `SftTask` (what the demonstrations are: the built-in task's worked chains, or the
+calculator task's tool-calling episodes), the token encoding of examples for training, the
+length-bucketed batch order and `train_sft`, which writes a random tiny model with
+`april.hf.make_tiny_model`, loads it back through `april.hf.load_model` (the path every HF checkpoint
+takes), trains it with plain torch AdamW on next-token cross-entropy over the model's own tokens (a
+chain's response; an episode's turns, never its prompt or observations, which are context only), and
+saves it as an HF directory (safetensors, `save_dtype`) with its tokenizer.
 
 The demonstrations are imperfect on purpose (`slip_rate`, see `april.task.demonstration`): a quarter of
 the sums are slightly off and the chain carries the slip to a wrong answer. The model learns the
@@ -24,6 +26,7 @@ Heavy imports (torch, transformers) happen inside functions.
 
 from __future__ import annotations
 
+import enum
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -33,17 +36,34 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from april.chat import chat_format
+from april.envs import calculator
 from april.task import TaskSpec, demonstration, make_example
 
 if TYPE_CHECKING:
     import torch
 
-IGNORE_INDEX = -100  # label of positions that carry no loss (prompt and padding)
+IGNORE_INDEX = -100  # label of positions that carry no loss (prompt, observations and padding)
 DATA_SEED_OFFSET = 1000  # SFT examples come from task seed 1000 + seed: never the RL prompts of seed 0
 DEFAULT_STEPS = 900
 DEFAULT_LR = 3e-3
 DEFAULT_SLIP_RATE = 0.25
 DEFAULT_THREADS = 2  # fixed, not the core count: another thread count may change the last bits
+
+
+class SftTask(enum.StrEnum):
+    """What the model is taught (`april sft --task`)."""
+
+    TASK = "task"  # the built-in task's worked chains (april.task): models/tiny
+    CALCULATOR = "calculator"  # the calculator task's episodes (april.envs.calculator)
+
+    @property
+    def context(self) -> int:
+        """The positions the model is given: the longest demonstrations fit."""
+        return calculator.CONTEXT if self is SftTask.CALCULATOR else 1024
+
+
+Row = tuple[list[int], list[bool]]  # a demonstration's token ids and its loss mask (True: trained on)
 
 
 def data_seed(seed: int) -> int:
@@ -56,6 +76,7 @@ class SftSettings:
     """Model shape and training schedule. The defaults produce the shipped `models/tiny`."""
 
     seed: int = 0
+    task: SftTask = SftTask.TASK
     steps: int = DEFAULT_STEPS  # optimizer steps
     lr: float = DEFAULT_LR  # peak learning rate (linear warm-up, then cosine decay to lr_final_ratio * lr)
     lr_final_ratio: float = 0.1
@@ -69,16 +90,18 @@ class SftSettings:
     layers: int = 4
     heads: int = 4
     intermediate: int = 384
-    max_positions: int = 1024
+    max_positions: int = 0  # the model's context; 0: the task's (`SftTask.context`)
     threads: int = DEFAULT_THREADS  # torch intra-op threads; 0: every core
     save_dtype: str = "bfloat16"  # on-disk dtype; `load_model` upcasts to float32 on CPU
-    slip_rate: float = DEFAULT_SLIP_RATE  # chance that a demonstrated sum is off (see task.demonstration)
-    spec: TaskSpec = field(default_factory=TaskSpec)
+    slip_rate: float = DEFAULT_SLIP_RATE  # chance that a demonstrated sum is off (a chain's or a call's)
+    spec: TaskSpec = field(default_factory=TaskSpec)  # the built-in task's shape (task `task` only)
 
     def __post_init__(self) -> None:
         for name in ("steps", "lr", "batch_tokens", "pool_size", "hidden", "layers", "heads"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SftSettings.{name} = {getattr(self, name)!r}, expected > 0")
+        if not isinstance(self.task, SftTask):
+            raise ValueError(f"SftSettings.task = {self.task!r}, expected one of {', '.join(SftTask)}")
         if self.save_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"SftSettings.save_dtype = {self.save_dtype!r}, expected float32 or bfloat16")
 
@@ -87,7 +110,7 @@ class SftSettings:
 class SftResult:
     model_dir: Path
     steps: int
-    final_loss: float  # mean response-token cross-entropy (nats) over the last 10% of steps
+    final_loss: float  # mean cross-entropy (nats) of the trained tokens over the last 10% of steps
     train_tokens: int  # real (unpadded) tokens trained on
     wall_s: float
     parameters: int
@@ -117,38 +140,59 @@ def batch_order(lengths: list[int], batch_tokens: int, rng: np.random.Generator)
     return [batches[k] for k in rng.permutation(len(batches))]
 
 
-def batches(
-    tokenizer: Any, settings: SftSettings, eos_id: int
-) -> Iterator[tuple[list[list[int]], list[int]]]:
-    """Endless (rows, prompt lengths) batches over fresh task examples, one pool at a time."""
+def demonstrations(tokenizer: Any, settings: SftSettings, eos_id: int) -> Callable[[int], Row]:
+    """Example `index` of the task, demonstrated, as (ids, loss mask): the one place the task picks the
+    data. Examples and slips come from task seed `data_seed(settings.seed)`, slips from their own
+    generator per example."""
+    seed = data_seed(settings.seed)
+    if settings.task is SftTask.CALCULATOR:
+        chat = chat_format(tokenizer)
+
+        def episode(index: int) -> Row:
+            ex = calculator.make_example(seed, index)
+            tr = calculator.transcript(ex, chat, settings.slip_rate, np.random.default_rng((seed, index, 1)))
+            return tr.ids, tr.loss_mask
+
+        return episode
+
+    def chain(index: int) -> Row:
+        ex = make_example(seed, index, settings.spec)
+        response = demonstration(ex, settings.slip_rate, np.random.default_rng((seed, index, 1)))
+        ids, prompt_len = encode(tokenizer, ex.prompt, response, eos_id)
+        return ids, [False] * prompt_len + [True] * (len(ids) - prompt_len)
+
+    return chain
+
+
+def batches(tokenizer: Any, settings: SftSettings, eos_id: int) -> Iterator[list[Row]]:
+    """Endless batches of rows over fresh demonstrations, one pool at a time."""
     rng = np.random.default_rng(settings.seed)
+    row = demonstrations(tokenizer, settings, eos_id)
     next_index = 0
     while True:
-        pool = []
-        for index in range(next_index, next_index + settings.pool_size):
-            ex = make_example(data_seed(settings.seed), index, settings.spec)
-            slips = np.random.default_rng((data_seed(settings.seed), index, 1))
-            response = demonstration(ex, settings.slip_rate, slips)
-            pool.append(encode(tokenizer, ex.prompt, response, eos_id))
+        pool = [row(index) for index in range(next_index, next_index + settings.pool_size)]
         next_index += settings.pool_size
         for rows in batch_order([len(ids) for ids, _ in pool], settings.batch_tokens, rng):
-            yield [pool[r][0] for r in rows], [pool[r][1] for r in rows]
+            yield [pool[r] for r in rows]
 
 
-def collate(rows: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded `input_ids`, `attention_mask` and `labels` `[B, T]`; labels are IGNORE_INDEX on the
-    prompt and the padding (the model shifts them by one itself)."""
+def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids`, `attention_mask` and `labels` `[B, T]`; labels are IGNORE_INDEX where
+    the loss mask is False and on the padding (the model shifts them by one itself)."""
     import torch
 
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    for b, (row, plen) in enumerate(zip(rows, prompt_lens, strict=True)):
-        ids[b, : len(row)] = torch.tensor(row)
-        mask[b, : len(row)] = 1
-        labels[b, plen : len(row)] = torch.tensor(row[plen:])
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    for b, (ids, mask) in enumerate(rows):
+        if len(mask) != len(ids):
+            raise ValueError(f"row {b}: {len(ids)} ids and {len(mask)} loss mask entries, expected equal")
+        row = torch.tensor(ids)
+        input_ids[b, : len(ids)] = row
+        attention[b, : len(ids)] = 1
+        labels[b, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, IGNORE_INDEX)
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
 def lr_factor(step: int, settings: SftSettings) -> float:
@@ -177,7 +221,7 @@ def train_sft(
         layers=settings.layers,
         heads=settings.heads,
         intermediate=settings.intermediate,
-        max_positions=settings.max_positions,
+        max_positions=settings.max_positions or settings.task.context,
         init_std=0.02,
     )
     tokenizer = load_tokenizer(path)
@@ -195,8 +239,8 @@ def train_sft(
     losses: list[float] = []
     tokens = 0
     for step in range(settings.steps):
-        rows, prompt_lens = next(data)
-        batch = collate(rows, prompt_lens, int(tokenizer.pad_token_id))
+        rows = next(data)
+        batch = collate(rows, int(tokenizer.pad_token_id))
         for group in optimizer.param_groups:
             group["lr"] = settings.lr * lr_factor(step, settings)
         loss = model(**batch).loss
@@ -206,7 +250,7 @@ def train_sft(
             torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
         optimizer.step()
         losses.append(float(loss.detach()))
-        tokens += sum(len(r) for r in rows)
+        tokens += sum(len(ids) for ids, _ in rows)
         if log_every and ((step + 1) % log_every == 0 or step + 1 == settings.steps):
             recent = losses[-log_every:]
             log(

@@ -4,6 +4,7 @@ loadable as any HF checkpoint, the `april sft` / `april task export` commands, a
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +13,38 @@ import torch
 from typer.testing import CliRunner
 
 from actors.tokenizer import HFTokenizer
+from april.chat import chat_format
 from april.data import FilePromptSource
+from april.envs import calculator
 from april.hf import load_model, load_tokenizer, make_tiny_tokenizer
 from april.task import TaskPromptSource, TaskSpec, make_example
 from cli.main import app
-from learner.sft import IGNORE_INDEX, SftSettings, batch_order, collate, encode, lr_factor, train_sft
+from cli.sft_cmd import MAX_TURNS, evaluate_episodes
+from learner.sft import (
+    IGNORE_INDEX,
+    SftSettings,
+    SftTask,
+    batch_order,
+    collate,
+    data_seed,
+    demonstrations,
+    encode,
+    lr_factor,
+    train_sft,
+)
 
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "tiny"
-TINY = {"hidden": 32, "layers": 2, "heads": 2, "intermediate": 64, "max_positions": 1024}
+TINY = SftSettings(
+    steps=3,
+    warmup_steps=1,
+    batch_tokens=512,
+    pool_size=32,
+    threads=1,
+    hidden=32,
+    layers=2,
+    heads=2,
+    intermediate=64,
+)
 
 
 def quiet(_: str) -> None:
@@ -48,8 +73,8 @@ def test_batch_order_covers_each_row_once_within_the_budget() -> None:
     assert order == batch_order(lengths, 1024, np.random.default_rng(1))
 
 
-def test_collate_labels_only_the_response() -> None:
-    batch = collate([[5, 6, 7, 8], [9, 10]], [2, 1], pad_id=0)
+def test_collate_labels_only_the_masked_tokens() -> None:
+    batch = collate([([5, 6, 7, 8], [False, False, True, True]), ([9, 10], [False, True])], pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     x = IGNORE_INDEX
@@ -66,7 +91,7 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 
 
 def test_tiny_sft_run_is_reproducible_and_loads_back(tmp_path: Path) -> None:
-    settings = SftSettings(seed=3, steps=3, warmup_steps=1, batch_tokens=512, pool_size=32, threads=1, **TINY)
+    settings = replace(TINY, seed=3)
     first = train_sft(tmp_path / "a", settings, log=quiet)
     second = train_sft(tmp_path / "b", settings, log=quiet)
     assert first.steps == 3 and first.train_tokens > 0 and np.isfinite(first.final_loss)
@@ -76,14 +101,58 @@ def test_tiny_sft_run_is_reproducible_and_loads_back(tmp_path: Path) -> None:
     for name, tensor in a.state_dict().items():
         assert torch.equal(tensor, b.state_dict()[name]), name
         assert torch.equal(tensor, init[name]), name
-    other = train_sft(tmp_path / "c", SftSettings(**{**_fields(settings), "seed": 4}), log=quiet)
+    other = train_sft(tmp_path / "c", replace(settings, seed=4), log=quiet)
     c = load_model(other.model_dir).state_dict()
     assert any(not torch.equal(t, c[n]) for n, t in a.state_dict().items())
     assert load_tokenizer(first.model_dir).eos_token_id == 2
 
 
-def _fields(settings: SftSettings) -> dict[str, object]:
-    return {name: getattr(settings, name) for name in SftSettings.__dataclass_fields__}
+def test_calculator_demonstrations_train_on_the_model_turns_only() -> None:
+    tok = load_tokenizer(SHIPPED)
+    settings = SftSettings(task=SftTask.CALCULATOR)
+    row = demonstrations(tok, settings, 2)
+    seed = data_seed(settings.seed)
+    chat = chat_format(tok)
+    for index in range(3):
+        example = calculator.make_example(seed, index)
+        expected = calculator.transcript(
+            example, chat, settings.slip_rate, np.random.default_rng((seed, index, 1))
+        )
+        assert row(index) == (expected.ids, expected.loss_mask)
+    ids, mask = row(0)
+    labels = collate([(ids, mask)], pad_id=0)["labels"][0].tolist()
+    assert [label != IGNORE_INDEX for label in labels] == mask
+    trained = str(tok.decode([t for t in labels if t != IGNORE_INDEX]))
+    context = str(tok.decode([t for t, m in zip(ids, mask, strict=True) if not m]))
+    numbers = calculator.make_example(seed, 0).numbers
+    assert trained.count("<tool_call>") == len(numbers) - 1 and "Answer: " in trained
+    for observed in ("Sum: ", "next ", "all added", "<tool_response>"):  # the prompt and observations
+        assert observed in context and observed not in trained
+
+
+def test_a_tiny_calculator_run_writes_a_model_that_plays_episodes(tmp_path: Path) -> None:
+    settings = replace(TINY, task=SftTask.CALCULATOR, steps=2, pool_size=8, batch_tokens=1024)
+    result = train_sft(tmp_path / "calc", settings, log=quiet)
+    assert result.steps == 2 and result.train_tokens > 0 and np.isfinite(result.final_loss)
+    model = load_model(result.model_dir)
+    assert model.config.max_position_embeddings == calculator.CONTEXT
+    played = evaluate_episodes(result.model_dir, 3, greedy=True)
+    counts = [len(calculator.make_example(0, i).numbers) for i in range(3)]
+    assert played.samples == 3 and sum(n for _, n in played.by_numbers.values()) == 3
+    assert sorted(played.by_numbers) == sorted(set(counts))
+    assert 1 <= played.mean_turns <= MAX_TURNS and 0.0 <= played.accuracy <= 1.0
+
+
+def test_sft_command_names_a_wrong_task_in_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["sft", "--out", str(tmp_path / "m"), "--task", "calculater"])
+    assert result.exit_code == 2 and not (tmp_path / "m").exists()
+    assert result.output.strip().splitlines() == [
+        "april: error: Invalid value for '--task': 'calculater' is not one of 'task', 'calculator'."
+    ]
+    with pytest.raises(
+        ValueError, match=r"^SftSettings\.task = 'calculater', expected one of task, calculator$"
+    ):
+        SftSettings(task="calculater")  # type: ignore[arg-type]
 
 
 def test_sft_command_trains_and_export_command_writes_jsonl(tmp_path: Path) -> None:
@@ -130,7 +199,7 @@ def test_shipped_model_has_learned_the_task() -> None:
     tok = load_tokenizer(SHIPPED)
     spec = TaskSpec(max_steps=8)  # short chains keep the test fast
     rows = [encode(tok, e.prompt, e.response, 2) for e in (make_example(0, i, spec) for i in range(32))]
-    batch = collate([r for r, _ in rows], [p for _, p in rows], pad_id=0)
+    batch = collate([(ids, [False] * p + [True] * (len(ids) - p)) for ids, p in rows], pad_id=0)
     with torch.no_grad():
         loss = float(model(**batch).loss)
     assert loss < 0.06, loss  # shipped: 0.032; undertrained (greedy accuracy 25%): 0.12
