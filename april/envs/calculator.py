@@ -12,9 +12,9 @@ k numbers take k-1 calls and k turns; k is drawn from a discretised log-normal c
 episodes are two or three turns and a few run to ten. The reward is 1.0 when the final turn's last
 "Answer: N" is the true sum, else 0.0. The tool does the arithmetic; the model feeds it the running total
 (the last result) and the number the environment says is next (a user message after the prompt and after
-each step's results, `next N` or `all added`), and answers when all are added. The environment points at
-the next number because the tiny model, trained by SFT, did not learn to find the i-th number of a list
-on its own; copying the number after a fixed cue is within its reach.
+each step's results, `next N` or `all added`), and answers when all are added. The pointer makes each
+turn depend on the last observation alone, not on where the next number sits in the prompt (which the
+tiny model, trained by SFT, did not learn to find).
 
 Owns the seeded example generator (example `index` under `seed` comes from `numpy.random.default_rng((seed,
 index))` alone), `CalculatorEnvironment` (the `calculator` env spec), `CalculatorPromptSource` (a
