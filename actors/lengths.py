@@ -1,10 +1,14 @@
-"""Response-length distributions for the simulation engine and the planner, parsed from one-line specs.
+"""Response-length distributions for the simulation engine and the planner, parsed from one-line specs,
+and recorded episodes for the simulator's multi-turn workloads.
 
-Owns the spec grammar, its one-line errors, and sampling. Knows nothing about engines, tokens or time.
+Owns the spec grammar, its one-line errors, and sampling; and the file format of recorded episodes
+(`EpisodeFile`). Knows nothing about engines, tokens or time. The same grammar describes any whole
+quantity >= 1: response lengths, model turns per episode, a tool call's milliseconds.
 
 Grammar (whitespace around separators is ignored):
 
     fixed:N                                   every response has N tokens
+    uniform:min=A,max=B                       a whole number from A to B (both included), equally likely
     lognormal:median=M,sigma=S[,cap=C]        round(M * exp(S * z)), z ~ N(0, 1), clipped to [1, C]
     mixture:W1*SPEC1+W2*SPEC2[+...]           pick component i with probability Wi / sum(W), draw from it
     file:PATH                                 draw uniformly from the lengths in PATH: one int per line,
@@ -32,7 +36,9 @@ import numpy.typing as npt
 
 Lengths = npt.NDArray[np.int64]
 
-_KINDS = "fixed:N, lognormal:median=M,sigma=S[,cap=C], mixture:W*SPEC+W*SPEC..., file:PATH"
+_KINDS = (
+    "fixed:N, uniform:min=A,max=B, lognormal:median=M,sigma=S[,cap=C], mixture:W*SPEC+W*SPEC..., file:PATH"
+)
 # A mixture splits on "+" only where a "<weight>*" follows, so a file path may contain "+".
 _MIXTURE_SPLIT = re.compile(r"\+(?=\s*[0-9.eE+-]+\s*\*)")
 
@@ -62,6 +68,8 @@ class LengthSpec(ABC):
             raise LengthSpecError(f"length spec {text!r}: missing 'kind:' prefix (expected one of {_KINDS})")
         if kind == "fixed":
             return FixedLength(_int(text, "N", rest))
+        if kind == "uniform":
+            return _parse_uniform(text, rest)
         if kind == "lognormal":
             return _parse_lognormal(text, rest)
         if kind == "mixture":
@@ -87,6 +95,22 @@ class FixedLength(LengthSpec):
 
     def describe(self) -> str:
         return f"fixed:{self.n}"
+
+
+@dataclass(frozen=True, slots=True)
+class UniformLength(LengthSpec):
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high:
+            raise LengthSpecError(f"length spec {self.describe()}: expected 1 <= min <= max")
+
+    def sample(self, rng: np.random.Generator, n: int) -> Lengths:
+        return rng.integers(self.low, self.high + 1, size=n, dtype=np.int64)
+
+    def describe(self) -> str:
+        return f"uniform:min={self.low},max={self.high}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,19 +226,29 @@ def _float(text: str, name: str, value: str) -> float:
         ) from None
 
 
-def _parse_lognormal(text: str, rest: str) -> LogNormalLength:
+def _params(text: str, rest: str, known: tuple[str, ...], required: tuple[str, ...]) -> dict[str, str]:
+    """`key=value` items of a spec, each in `known`, all of `required` present."""
     params: dict[str, str] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
         key = key.strip()
-        if not eq or key not in ("median", "sigma", "cap"):
-            raise LengthSpecError(
-                f"length spec {text!r}: bad item {item.strip()!r} (expected median=, sigma=, cap=)"
-            )
+        if not eq or key not in known:
+            expected = ", ".join(f"{k}=" for k in known)
+            raise LengthSpecError(f"length spec {text!r}: bad item {item.strip()!r} (expected {expected})")
         params[key] = value
-    missing = [k for k in ("median", "sigma") if k not in params]
+    missing = [k for k in required if k not in params]
     if missing:
         raise LengthSpecError(f"length spec {text!r}: missing {', '.join(missing)}")
+    return params
+
+
+def _parse_uniform(text: str, rest: str) -> UniformLength:
+    params = _params(text, rest, ("min", "max"), ("min", "max"))
+    return UniformLength(_int(text, "min", params["min"]), _int(text, "max", params["max"]))
+
+
+def _parse_lognormal(text: str, rest: str) -> LogNormalLength:
+    params = _params(text, rest, ("median", "sigma", "cap"), ("median", "sigma"))
     cap = _int(text, "cap", params["cap"]) if "cap" in params else None
     return LogNormalLength(
         _float(text, "median", params["median"]), _float(text, "sigma", params["sigma"]), cap
@@ -237,3 +271,91 @@ def _parse_mixture(text: str, rest: str) -> MixtureLength:
         components.append(LengthSpec.parse(spec))
     total = sum(weights)
     return MixtureLength(tuple(w / total for w in weights), tuple(components))
+
+
+# One recorded episode: model tokens per turn, tool ms per call, observation tokens per call (None: absent)
+Episode = tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...] | None]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EpisodeFile:
+    """Recorded episodes, drawn whole (uniformly): one JSON object a line, `#` lines are comments:
+
+        {"turns": [412, 96, 1503], "tool_ms": [850, 12000], "observation_tokens": [40, 210]}
+
+    `turns`: model tokens of each turn (>= 1, at least one turn); `tool_ms`: milliseconds (>= 0) of each
+    tool call, one between each two turns; `observation_tokens` (optional): tokens (>= 1) of each tool
+    result, one per call (absent: the simulator draws them)."""
+
+    path: str
+    episodes: tuple[Episode, ...] = field(repr=False)
+
+    @staticmethod
+    def load(path: str) -> EpisodeFile:
+        where = f"episode file {path}"
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise LengthSpecError(f"{where}: cannot read ({e.strerror or e})") from None
+        episodes = tuple(
+            _episode(where, i + 1, line)
+            for i, line in enumerate(lines)
+            if line.strip() and not line.lstrip().startswith("#")
+        )
+        if not episodes:
+            raise LengthSpecError(f"{where}: no episodes in file")
+        return EpisodeFile(path, episodes)
+
+    def episode(self, rng: np.random.Generator) -> Episode:
+        """One recorded episode: turn tokens, tool ms, observation tokens (None: not recorded)."""
+        return self.episodes[int(rng.integers(0, len(self.episodes)))]
+
+    def describe(self) -> str:
+        return self.path
+
+
+def _episode(where: str, lineno: int, line: str) -> Episode:
+    at = f"{where}: line {lineno}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        raise LengthSpecError(f"{at} is not valid JSON") from None
+    if not isinstance(row, dict):
+        raise LengthSpecError(f'{at}: got {line.strip()[:40]!r}, expected an object with "turns"')
+    turns = _numbers(at, row, "turns", whole=True, least=1)
+    if turns is None or not turns:
+        raise LengthSpecError(f'{at}: expected "turns", a non-empty list of model tokens per turn')
+    calls = len(turns) - 1
+    tool_ms = _numbers(at, row, "tool_ms", whole=False, least=0)
+    observations = _numbers(at, row, "observation_tokens", whole=True, least=1)
+    for name, values in (("tool_ms", tool_ms), ("observation_tokens", observations)):
+        if (values is not None or name == "tool_ms") and len(values or ()) != calls:
+            raise LengthSpecError(
+                f'{at}: "{name}" has {len(values or ())} entries, expected {calls} (one per tool call '
+                "between two turns)"
+            )
+    return (
+        tuple(int(t) for t in turns),
+        tuple(tool_ms or ()),
+        None if observations is None else tuple(int(o) for o in observations),
+    )
+
+
+def _numbers(at: str, row: dict[str, object], name: str, whole: bool, least: int) -> list[float] | None:
+    """The list `row[name]` (None when absent), each entry a number >= `least` (whole when `whole`)."""
+    values = row.get(name)
+    if values is None:
+        return None
+    numbers = [
+        float(v)
+        for v in (values if isinstance(values, list) else [None])
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    ]
+    if (
+        not isinstance(values, list)
+        or len(numbers) != len(values)
+        or not all(math.isfinite(v) and v >= least and (not whole or v == int(v)) for v in numbers)
+    ):
+        kind = "whole numbers" if whole else "numbers"
+        raise LengthSpecError(f'{at}: "{name}" = {str(values)[:40]}, expected a list of {kind} >= {least}')
+    return numbers

@@ -38,24 +38,18 @@ Not thread-safe: one worker loop owns a runner. Knows nothing about samples, soc
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import math
-import os
-import selectors
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from actors.child_process import JsonLinesChild, Reaper, child_protocol, encode_line, wait_readable
 from actors.rewards import RewardError, check_reward_value, load_reward, one_line_error
 
 PROTOCOL_VERSION = 1
-_READ_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +87,9 @@ class RewardRunner:
         self.startup_timeout_s = startup_timeout_s
         self._pending: dict[int, _Pending] = {}  # submission order = the child's scoring order
         self._results: list[RewardResult] = []
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._child: JsonLinesChild | None = None
         self._ready = False
-        self._spawned_at = 0.0
-        self._out = bytearray()  # bytes not yet written to the child
-        self._in = bytearray()  # bytes read from the child, not yet a full line
-        self._dead: list[subprocess.Popen[bytes]] = []  # killed children to reap without waiting
+        self._reaper = Reaper()  # killed children to reap without waiting
         self._broken = ""  # set by a "fatal" from the child: every later submission fails with it
         self._closed = False
         self._spawn()
@@ -121,11 +112,12 @@ class RewardRunner:
             return
         msg = {"v": PROTOCOL_VERSION, "t": "score", "key": key, "response": response_text,
                "answer": answer, "metadata": dict(metadata)}  # fmt: skip
-        item = _Pending(key, json.dumps(msg).encode() + b"\n")
+        item = _Pending(key, encode_line(msg))
         self._pending[key] = item
-        if self._proc is None:
+        if self._child is None:
             self._spawn()
-        self._out += item.line
+        assert self._child is not None
+        self._child.send(item.line)
         self._pump()
 
     def poll(self, wait_s: float = 0.0) -> list[RewardResult]:
@@ -133,7 +125,8 @@ class RewardRunner:
         deadline = time.monotonic() + wait_s
         self._pump()
         while not self._results and self._pending and (now := time.monotonic()) < deadline:
-            self._wait_readable(min(deadline - now, self._next_deadline() - now, 0.05))
+            children = [] if self._child is None else [self._child]
+            wait_readable(children, min(deadline - now, self._next_deadline() - now, 0.05))
             self._pump()
         out, self._results = self._results, []
         return out
@@ -147,28 +140,21 @@ class RewardRunner:
             self._kill()
             if not self._closed and not self._broken:
                 self._spawn()
-        self._reap()
+        self._reaper.reap()
 
     def close(self) -> None:
         """Stop the child (killed if busy, else asked to exit) and drop pending work."""
         if self._closed:
             return
         self._closed = True
-        idle = self._ready and not self._pending and not self._out
+        child, self._child = self._child, None
+        if child is not None:
+            if self._ready and not self._pending and child.idle_pipe:
+                child.close_input(wait_s=1.0)  # EOF: an idle child exits by itself
+            child.kill()
+            self._reaper.add(child)
         self._pending.clear()
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            if idle and proc.stdin is not None:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()  # EOF: an idle child exits by itself
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=1.0)
-            self._dead.append(proc)
-            _kill_quietly(proc)
-        for p in self._dead:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=1.0)  # after SIGKILL this returns almost at once
-        self._dead.clear()
+        self._reaper.wait()
 
     def __enter__(self) -> RewardRunner:
         return self
@@ -181,27 +167,14 @@ class RewardRunner:
     # -- child process management -------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        path = [os.getcwd() if p == "" else p for p in sys.path]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # the child sees what we import
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "actors.reward_runner", self.spec],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env, start_new_session=True,
-        )  # fmt: skip
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        os.set_blocking(self._proc.stdin.fileno(), False)
-        os.set_blocking(self._proc.stdout.fileno(), False)
+        self._child = JsonLinesChild("actors.reward_runner", [self.spec])
         self._ready = False
-        self._spawned_at = time.monotonic()
-        self._out.clear()
-        self._in.clear()
 
     def _kill(self) -> None:
-        if self._proc is not None:
-            _kill_quietly(self._proc)
-            self._dead.append(self._proc)
-            self._proc = None
-        self._out.clear()
-        self._in.clear()
+        if self._child is not None:
+            self._child.kill()
+            self._reaper.add(self._child)
+            self._child = None
 
     def _restart(self) -> None:
         """Kill the child and re-send every pending sample to a fresh one."""
@@ -210,60 +183,28 @@ class RewardRunner:
             item.started_at = None
         if self._pending and not self._closed:
             self._spawn()
+            assert self._child is not None
             for item in self._pending.values():
-                self._out += item.line
-
-    def _reap(self) -> None:
-        self._dead = [p for p in self._dead if p.poll() is None]
+                self._child.send(item.line)
 
     # -- I/O ------------------------------------------------------------------------------------------
 
     def _pump(self) -> None:
         """Write what the pipe takes, read what has arrived, then apply timeouts. Never blocks."""
-        self._reap()
-        if self._proc is None:
+        self._reaper.reap()
+        child = self._child
+        if child is None:
             return
-        self._write()
-        proc = self._proc
-        eof = self._read()
-        if self._proc is not proc:
-            return  # a fatal message or a protocol error replaced the child already
-        if eof:  # not `poll()`: an exited child may still have unread messages in the pipe
+        lines, eof = child.receive()
+        for line in lines:
+            if not self._handle(line):
+                self._fail_running("reward process broke the protocol: " + repr(line[:80]))
+            if self._child is not child:
+                return  # killed or restarted while handling: its remaining output is moot
+        if eof:
             self._on_crash()
         else:
             self._check_deadlines()
-
-    def _write(self) -> None:
-        assert self._proc is not None and self._proc.stdin is not None
-        while self._out:
-            try:
-                n = os.write(self._proc.stdin.fileno(), self._out)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return  # broken pipe: the child died; _read sees the EOF
-            del self._out[:n]
-
-    def _read(self) -> bool:
-        """Read and handle every complete message; True at end of file (the child is gone)."""
-        proc = self._proc
-        assert proc is not None and proc.stdout is not None
-        fd = proc.stdout.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, _READ_CHUNK)
-            except (BlockingIOError, InterruptedError):
-                return False
-            if not chunk:
-                return True
-            self._in += chunk
-            while (end := self._in.find(b"\n")) != -1:
-                line = bytes(self._in[: end + 1])
-                del self._in[: end + 1]
-                if not self._handle(line):
-                    self._fail_running("reward process broke the protocol: " + repr(line[:80]))
-                if self._proc is not proc:
-                    return False  # killed or restarted while handling: its remaining output is moot
 
     def _handle(self, line: bytes) -> bool:
         """Apply one message from the child; False if it is malformed."""
@@ -289,21 +230,14 @@ class RewardRunner:
             return False
         return True
 
-    def _wait_readable(self, wait_s: float) -> None:
-        if self._proc is None or self._proc.stdout is None or wait_s <= 0:
-            return
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._proc.stdout.fileno(), selectors.EVENT_READ)
-            sel.select(wait_s)
-
     # -- failures -------------------------------------------------------------------------------------
 
     def _next_deadline(self) -> float:
         running = self._running()
         if running is not None and running.started_at is not None:
             return running.started_at + self.timeout_s
-        if not self._ready and self._pending:
-            return self._spawned_at + self.startup_timeout_s
+        if not self._ready and self._pending and self._child is not None:
+            return self._child.spawned_at + self.startup_timeout_s
         return math.inf
 
     def _check_deadlines(self) -> None:
@@ -316,16 +250,17 @@ class RewardRunner:
         ):
             self._fail(running.key, f"reward timed out after {self.timeout_s:g}s")
             self._restart()
-        elif not self._ready and self._pending and now > self._spawned_at + self.startup_timeout_s:
+        elif (
+            not self._ready
+            and self._pending
+            and self._child is not None
+            and now > self._child.spawned_at + self.startup_timeout_s
+        ):
             self._fail_all(f"reward process did not start within {self.startup_timeout_s:g}s")
 
     def _on_crash(self) -> None:
-        assert self._proc is not None
-        try:
-            rc: int | None = self._proc.wait(timeout=0.05)  # EOF seen: it is exiting, or exited
-        except subprocess.TimeoutExpired:
-            rc = None
-        how = "closed its pipe" if rc is None else _describe_exit(rc)
+        assert self._child is not None
+        how = self._child.exit_description()
         if self._pending and not self._broken:
             self._fail_running(f"reward process died ({how}) while scoring")
         else:
@@ -371,22 +306,6 @@ def _finite_float(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _describe_exit(rc: int) -> str:
-    if rc < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-rc).name}"
-    return f"exit code {rc}"
-
-
-def _kill_quietly(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(OSError):
-        proc.kill()
-    for stream in (proc.stdin, proc.stdout):
-        with contextlib.suppress(OSError):
-            if stream is not None:
-                stream.close()
-
-
 # ---------------------------------------------------------------------------------------------------
 # the child process
 
@@ -402,27 +321,9 @@ def _score_one(reward: Any, msg: dict[str, Any]) -> tuple[float | None, str]:
         return None, str(exc)
 
 
-def _set_parent_death_signal() -> None:
-    """Linux: SIGKILL this process when the parent's thread exits, so a hung reward never outlives it."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-
-
 def child_main(argv: list[str]) -> int:
     """Entry point of the child: `python -m actors.reward_runner SPEC`."""
-    proto_in, proto_out = os.dup(0), os.dup(1)
-    os.dup2(2, 1)  # user prints go to stderr, never into the protocol
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    _set_parent_death_signal()
-
-    def send(**msg: Any) -> None:
-        data = memoryview(json.dumps({"v": PROTOCOL_VERSION, **msg}).encode() + b"\n")
-        while data:
-            data = data[os.write(proto_out, data) :]
-
+    lines, send = child_protocol(PROTOCOL_VERSION)
     if len(argv) != 1:
         send(t="fatal", error=f"usage: python -m actors.reward_runner SPEC, got {argv!r}")
         return 2
@@ -432,12 +333,11 @@ def child_main(argv: list[str]) -> int:
         send(t="fatal", error=str(exc))
         return 1
     send(t="ready")
-    with os.fdopen(proto_in, "rb") as inp:
-        for line in inp:
-            msg = json.loads(line)
-            send(t="start", key=msg["key"], at=time.monotonic())
-            value, error = _score_one(reward, msg)
-            send(t="done", key=msg["key"], reward=value, error=error)
+    for line in lines:
+        msg = json.loads(line)
+        send(t="start", key=msg["key"], at=time.monotonic())
+        value, error = _score_one(reward, msg)
+        send(t="done", key=msg["key"], reward=value, error=error)
     return 0
 
 

@@ -291,6 +291,8 @@ class BrokerConfig:
 # hidden states at a time): 512 x a 151,936-token vocabulary is 311 MB of float32 logits per chunk.
 DEFAULT_LOGPROB_CHUNK_TOKENS = 512
 VLLM_DTYPES = ("", "auto", "float32", "float", "bfloat16", "float16", "half")
+# worker.sim_tool_ms: median 1 s, p99 30 s (sigma = ln 30 / 2.326), 30 s at most (a tool's time-out)
+SIM_TOOL_MS = "lognormal:median=1000,sigma=1.46,cap=30000"
 # worker.result_hold_ms: held longer, results would wait on the order of a heartbeat (april.peer_link)
 MAX_RESULT_HOLD_MS = 1000.0
 
@@ -318,6 +320,12 @@ class WorkerConfig:
     sim_decode_ms_per_seq: float = SIM_COST.decode_ms_per_seq  # sim engine: B, ms per active sequence
     sim_prefill_ms_per_token: float = SIM_COST.prefill_ms_per_token  # sim engine: C, ms per prefilled token
     sim_prefix_cache_tokens: int = SIM_COST.prefix_cache_tokens  # sim engine: KV tokens kept for partials
+    # april simulate's episodes: each turn's length is sim_lengths'; env.max_turns, max_turn_tokens bind
+    sim_turns: str = ""  # sim episodes: model turns per episode (a length spec); empty: single-turn samples
+    sim_tool_ms: str = SIM_TOOL_MS  # sim episodes: ms a tool call takes (a length spec); empty: none
+    sim_observation_tokens: str = "lognormal:median=32,sigma=0.8,cap=1024"  # sim episodes: tokens per answer
+    sim_tool_repeatable: bool = True  # sim episodes: an abort kills a tool call (run again); false: waits
+    sim_episodes: str = ""  # sim episodes: a JSONL file of recorded ones instead (docs/bench.md)
     resume_kv: ResumeKV = ResumeKV.RECOMPUTE  # cached prefixes at a weight update: recompute (flush) | reuse
     vllm_kv_cache_gib: float = 1.0  # vllm on CPU: KV cache GiB; 0 = vLLM's default (most of host memory)
     vllm_gpu_memory_utilization: float = 0.0  # vllm on CUDA: GPU memory share (weights, KV); 0 = vLLM's own
@@ -485,6 +493,16 @@ class WeightsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EnvConfig:
+    name: str = ""  # multi-turn episodes' environment: a built-in name or module:Class; empty: single-turn
+    max_turns: int = 16  # model turns an episode may take at most
+    max_turn_tokens: int = 4096  # tokens one model turn may generate at most (within algo.max_new_tokens)
+
+    def __post_init__(self) -> None:
+        _positive(self, "env", "max_turns", "max_turn_tokens")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -493,6 +511,7 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def run_path(self) -> Path:
         """The run directory: run.run_dir, or runs/<run.name> when that is empty."""

@@ -7,13 +7,15 @@ What runs (one process, CPU by default, `--threads` torch threads):
   drawn from a lognormal (median `--median`, sigma `--sigma`, capped at `--cap`): the long tail of RL
   rollouts. Both sides generate exactly these lengths: no stop tokens, each request's budget is its length.
 - continuous batching: `TorchEngine` with `slots` requests in flight; a finished request's slot is refilled
-  from the queue before the next step (as a rollout worker does);
+  from the queue before the next step (as a rollout worker does); with CUDA graphs, after a first pass of
+  the same workload that captures every step shape (a worker captures them once per process);
 - static batching: `model.generate` (sampling, KV cache, SDPA) on consecutive batches of `slots` prompts;
   a batch runs until its longest member is done (`min_new_tokens = max_new_tokens = max length`), and only
   each request's own length counts as useful tokens.
 Reported per slots value: useful tokens/s for both and their ratio. Then decode step time vs number of
 active sequences (1, 2, 4, ..., `--max-active`): ms per `TorchEngine.step()` with every row decoding,
-measured after the prefill, and tokens/s = active / step time.
+measured after the prefill, and tokens/s = active / step time. On CUDA the engine captures its decode
+step as CUDA graphs unless `--no-cuda-graphs`; the report says how it ran (`placement`, graphs captured).
 
 Not a test: nothing is asserted. Prints a table and writes JSON (`--out`).
 Usage: python benchmarks/engine_throughput.py [--n 256 --slots 32 64 --threads 2]
@@ -75,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-repeats", type=int, default=16, help="timed decode steps per sweep point")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (on a shared 2-core box, 1)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument(
+        "--cuda-graphs", action=argparse.BooleanOptionalAction, default=True, help="graphs of the decode step"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench-out/engine_throughput.json"))
     ap.add_argument(
@@ -98,14 +104,30 @@ def workload(args: argparse.Namespace) -> tuple[list[np.ndarray], list[int]]:
     return prompts, lengths
 
 
+def make_engine(model_dir: Path, args: argparse.Namespace, slots: int) -> Any:
+    from actors.engine import SamplingParams
+    from actors.engines.torch_engine import TorchEngine
+
+    return TorchEngine(
+        model_dir,
+        slots=slots,
+        sampling=SamplingParams(seed=args.seed),
+        device=args.device,
+        dtype=args.dtype,
+        cuda_graphs=args.cuda_graphs,
+    )
+
+
 def run_engine(
     model_dir: Path, args: argparse.Namespace, slots: int, prompts: list[np.ndarray], lengths: list[int]
 ) -> dict[str, float]:
-    from actors.engine import GenerationRequest, SamplingParams
-    from actors.engines.torch_engine import TorchEngine
+    from actors.engine import GenerationRequest
 
-    engine = TorchEngine(model_dir, slots=slots, sampling=SamplingParams(seed=args.seed), device=args.device)
-    _drive(engine, prompts[:slots], [4] * min(slots, len(prompts)), GenerationRequest)  # warm-up
+    engine = make_engine(model_dir, args, slots)
+    if engine.placement.endswith("cuda graphs"):  # warm-up: every step shape of the run, captured
+        _drive(engine, prompts, lengths, GenerationRequest)
+    else:
+        _drive(engine, prompts[:slots], [4] * min(slots, len(prompts)), GenerationRequest)
     t0 = time.perf_counter()
     steps, tokens = _drive(engine, prompts, lengths, GenerationRequest)
     wall = time.perf_counter() - t0
@@ -177,13 +199,11 @@ def run_generate(
     }
 
 
-def step_sweep(model_dir: Path, args: argparse.Namespace) -> list[dict[str, float]]:
-    from actors.engine import GenerationRequest, SamplingParams
-    from actors.engines.torch_engine import TorchEngine
+def step_sweep(model_dir: Path, args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Decode step times at 1, 2, 4, ... active rows, and how the engine ran them."""
+    from actors.engine import GenerationRequest
 
-    engine = TorchEngine(
-        model_dir, slots=args.max_active, sampling=SamplingParams(seed=args.seed), device=args.device
-    )
+    engine = make_engine(model_dir, args, args.max_active)
     rng = np.random.default_rng(args.seed + 1)
     rows, active = [], 1
     budget = args.step_repeats + 4
@@ -194,7 +214,7 @@ def step_sweep(model_dir: Path, args: argparse.Namespace) -> list[dict[str, floa
                 for i in range(active)
             ]
         )
-        engine.step()  # prefill + first decode
+        engine.step()  # prefill + first decode (on CUDA: eager, then captured)
         engine.step()
         t0 = time.perf_counter()
         for _ in range(args.step_repeats):
@@ -203,8 +223,9 @@ def step_sweep(model_dir: Path, args: argparse.Namespace) -> list[dict[str, floa
         engine.abort()
         rows.append({"active": active, "ms_per_step": 1e3 * dt, "tokens_per_s": active / dt})
         active *= 2
+    how = {"placement": engine.placement, "captured_graphs": engine.captured_graphs}
     engine.close()
-    return rows
+    return rows, how
 
 
 def main() -> None:
@@ -237,7 +258,7 @@ def main() -> None:
         f"{dist['p99'] / dist['median']:.1f}x); torch threads {args.threads}, device {args.device}"
     )
 
-    model = load_model(model_dir, args.device)
+    model = load_model(model_dir, args.device, args.dtype)
     throughput = []
     for slots in args.slots:
         cb = run_engine(model_dir, args, slots, prompts, lengths)
@@ -256,8 +277,11 @@ def main() -> None:
             f"{cb['steps']:>13.0f} {st['steps']:>15.0f} {cb['ms_per_step']:>15.1f} {st['ms_per_step']:>17.1f}"
         )
 
-    sweep = step_sweep(model_dir, args)
-    print(f"\ndecode step time vs active sequences (prompt {args.step_prompt} tokens)")
+    sweep, how = step_sweep(model_dir, args)
+    print(
+        f"\ndecode step time vs active sequences (prompt {args.step_prompt} tokens; engine "
+        f"{how['placement']}, {how['captured_graphs']} graphs)"
+    )
     print(f"{'active':>7} {'ms/step':>9} {'tokens/s':>9}")
     for row in sweep:
         print(f"{row['active']:>7} {row['ms_per_step']:>9.2f} {row['tokens_per_s']:>9.0f}")
@@ -272,6 +296,7 @@ def main() -> None:
         "lengths": dist,
         "throughput": throughput,
         "step_sweep": sweep,
+        "engine": how,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -156,6 +156,20 @@ STEPS: tuple[Step, ...] = (
         minutes=1,
     ),
     Step(
+        "agentic",
+        "results/agentic",
+        "april simulate --episodes agentic --sweep worker.sim_tool_repeatable=true,false --json",
+        stdout="simulate.json",
+        minutes=2,
+    ),
+    Step(
+        "agentic-no-latency",
+        "results/agentic-no-latency",
+        "april simulate --episodes agentic --set worker.sim_tool_ms= --json",
+        stdout="simulate.json",
+        minutes=1,
+    ),
+    Step(
         "broker-throughput",
         "results/broker-throughput",
         "python benchmarks/broker_throughput.py --repeat 3 --out {out}/broker_throughput.json",
@@ -757,6 +771,59 @@ def block_cluster_load() -> str:
 GPU_CHECK = "results/gpu-check"  # made on a lent GPU machine by `make gpu-check`, never by `run`
 
 
+def block_agentic() -> str:
+    """The modes on multi-turn episodes, with tool calls that an abort kills (repeatable) or waits for,
+    and with tools that answer at once; the setting, and what the latency costs each mode."""
+    tools, instant = load("results/agentic/simulate.json"), load("results/agentic-no-latency/simulate.json")
+    runs = [
+        ("repeatable" if p["point"]["worker.sim_tool_repeatable"] else "waited for", p["modes"])
+        for p in tools["sweep"]
+    ]
+    runs.append(("no latency", instant["modes"]))
+    head = "| tool calls | mode | samples/s | vs sync | slot util | bubble | off-policy | stale mean/max |"
+    rows = [head + " aborted | re-prefill |", "|---" * 10 + "|"]
+    for label, modes in runs:
+        for mode, f in modes.items():
+            cells = (
+                f"{f['samples_per_s']:.3f}",
+                x(f["speedup"]),
+                num(f["slot_utilization"]),
+                num(f["bubble_frac"]),
+                num(f["offpolicy_token_frac"]),
+                f"{f['staleness_mean']:.2f}/{f['staleness_max']}",
+                str(f["aborted"]),
+                num(f["reprefill_frac"]),
+            )
+            rows.append(f"| {label} | {mode} | " + " | ".join(cells) + " |")
+    costs = ", ".join(
+        f"{mode} {1 - f['samples_per_s'] / instant['modes'][mode]['samples_per_s']:.0%}"
+        for mode, f in runs[0][1].items()
+    )
+    s, e = tools["setting"], tools["setting"]["episodes"]
+    ratio = s["over_sampling_batch_size"] / s["rollout_batch_size"]
+    setting = (
+        f"{s['rollout_batch_size']} x {s['n_samples_per_prompt']} samples a step, over-sampling "
+        f"{s['over_sampling_batch_size']} groups ({ratio:g}x the batch), max_staleness {s['max_staleness']}, "
+        f"{s['engines']} engines x {s['slots']} slots, learner {s['learner_step_s']:g} s a step, "
+        f"{s['steps']} steps. Episodes of `{e['turns']}` model turns of `{s['lengths']}` tokens (at most "
+        f"{e['max_turn_tokens']}), a tool call between two turns of "
+        f"`{e['tool_ms']}` ms answering `{e['observation_tokens']}` tokens, {s['max_new_tokens']} tokens an "
+        f"episode (model and answers)."
+    )
+    return "\n".join(
+        [
+            *rows,
+            "",
+            setting,
+            f"Samples/s the tool latency costs (repeatable calls against none): {costs}.",
+            "",
+            source("agentic"),
+            "",
+            source("agentic-no-latency"),
+        ]
+    )
+
+
 def count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
@@ -930,6 +997,7 @@ def block_gpu_check(folder: Path | None = None) -> str:
 
 BLOCKS: dict[str, Callable[[], str]] = {
     "cluster-load": block_cluster_load,
+    "agentic": block_agentic,
     "scheduling": block_scheduling,
     "headline": block_headline,
     "up-run": block_up_run,

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from actors.lengths import EmpiricalLength, LengthSpec
+from actors.lengths import EmpiricalLength, EpisodeFile, LengthSpec, LengthSpecError
 from april.config import (
     AlgoConfig,
     Config,
@@ -37,6 +37,7 @@ from april.config import (
     replace_fields,
     write_config,
 )
+from broker.sim.episodes import DrawnEpisodes, EpisodeSampler, EpisodeWorkload
 from cli.options import UserError, resolve_config
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"
@@ -86,20 +87,83 @@ def resolve_lengths(value: str, workloads: Path = WORKLOADS, option: str = "--le
             f"{option} {value!r}: no such workload or file (workloads: {', '.join(names) or 'none'}; "
             "or a spec like lognormal:median=64,sigma=1.0,cap=512)"
         )
-    return _load_file(path, option) if path.is_file() else LengthSpec.parse(value)
+    if path.is_file():
+        return _load_file(path, option)
+    try:
+        return LengthSpec.parse(value)
+    except LengthSpecError as exc:
+        raise LengthsError(f"{option}: {exc}") from None
 
 
 def _load_file(path: Path, option: str) -> LengthSpec:
     if path.suffix != ".toml":
         return EmpiricalLength.load(str(path))
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise LengthsError(f"{option} {path}: cannot read the workload ({exc})") from None
-    spec = doc.get("lengths")
+    spec = _toml(path, option).get("lengths")
     if not isinstance(spec, str):
         raise LengthsError(f'{option} {path}: expected a string field "lengths" holding a length spec')
     return LengthSpec.parse(spec)
+
+
+# --episodes: a workload TOML's keys and the config fields they set
+EPISODE_KEYS = {
+    "lengths": "worker.sim_lengths",
+    "turns": "worker.sim_turns",
+    "tool_ms": "worker.sim_tool_ms",
+    "observation_tokens": "worker.sim_observation_tokens",
+}
+
+
+def episode_fields(value: str, workloads: Path = WORKLOADS) -> dict[str, str]:
+    """--episodes VALUE as the config fields it sets: a workload name (workloads/NAME.toml) or a .toml file
+    whose keys are `EPISODE_KEYS` ("turns" required; each a length spec, "tool_ms" may be empty: none),
+    or any other file: recorded episodes (`actors.lengths.EpisodeFile`, worker.sim_episodes)."""
+    named = workloads / f"{value}.toml"
+    path = named if "/" not in value and named.is_file() else Path(value)
+    if not path.is_file():
+        names = sorted(p.stem for p in workloads.glob("*.toml") if "turns" in _toml(p, "--episodes"))
+        raise LengthsError(
+            f"--episodes {value!r}: no such workload or file (episode workloads: "
+            f"{', '.join(names) or 'none'}; or a JSONL file of recorded episodes)"
+        )
+    if path.suffix != ".toml":
+        return {"worker.sim_episodes": EpisodeFile.load(str(path.resolve())).describe()}
+    doc = _toml(path, "--episodes")
+    if not isinstance(doc.get("turns"), str):
+        raise LengthsError(f'--episodes {path}: expected a string field "turns" holding a length spec')
+    fields = {}
+    for key, name in EPISODE_KEYS.items():
+        spec = doc.get(key)
+        if key == "tool_ms" and spec == "":
+            fields[name] = ""
+        elif isinstance(spec, str):
+            fields[name] = resolve_lengths(spec, workloads, f"--episodes {path}: {key}").describe()
+        elif spec is not None:
+            raise LengthsError(f"--episodes {path}: {key} = {spec!r}, expected a length spec string")
+    return fields
+
+
+def resolve_episodes(config: Config, lengths: LengthSpec) -> EpisodeWorkload | None:
+    """The episodes `config` simulates (worker.sim_turns or worker.sim_episodes; each turn's tokens from
+    `lengths`), or None: single-turn samples. Errors name the field."""
+    w = config.worker
+    if not (w.sim_turns or w.sim_episodes):
+        return None
+    observations = resolve_lengths(w.sim_observation_tokens, option="worker.sim_observation_tokens")
+    sampler: EpisodeSampler
+    if w.sim_episodes:
+        sampler = EpisodeFile.load(w.sim_episodes)
+    else:
+        turns = resolve_lengths(w.sim_turns, option="worker.sim_turns")
+        tool_ms = resolve_lengths(w.sim_tool_ms, option="worker.sim_tool_ms") if w.sim_tool_ms else None
+        sampler = DrawnEpisodes(turns, lengths, tool_ms, observations)
+    return EpisodeWorkload(sampler, observations)
+
+
+def _toml(path: Path, option: str) -> dict[str, object]:
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise LengthsError(f"{option} {path}: cannot read the workload ({exc})") from None
 
 
 def parse_modes(text: str) -> list[Mode]:

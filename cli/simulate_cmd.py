@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
@@ -19,6 +20,7 @@ from rich.table import Table
 
 from actors.lengths import LengthSpec
 from april.config import Mode, OverSampling, replace_fields
+from broker.sim.episodes import EpisodeWorkload
 from broker.sim.figures import ARRIVAL_WINDOW_S, Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
 from cli.options import ConfigOpt, SetOpt
@@ -40,34 +42,52 @@ from cli.sim_options import (
     Seed,
     Slots,
     Steps,
+    episode_fields,
     paper_config,
     parse_modes,
     point_config,
     point_values,
     resolve,
+    resolve_episodes,
     resolve_lengths,
     sweep_points,
 )
 
 MIN_WIDTH = 150
-Point = dict[str, object]  # a sweep point: "section.key" (or "engines") -> the value it runs
+Values = dict[str, object]  # a sweep point's values: "section.key" (or "engines") -> the value it runs
 
 
-def run_point(cfg: SimConfig, lengths: LengthSpec, modes: list[Mode]) -> tuple[dict[str, Figures], Waits]:
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One sweep point: its swept values, its run and its workload (resolved before any point runs)."""
+
+    values: Values
+    cfg: SimConfig
+    lengths: LengthSpec  # each response's (single-turn) or each turn's length
+    episodes: EpisodeWorkload | None
+
+    @staticmethod
+    def of(values: Values, cfg: SimConfig) -> Point:
+        lengths = resolve_lengths(cfg.config.worker.sim_lengths, option="worker.sim_lengths")
+        return Point(values, cfg, lengths, resolve_episodes(cfg.config, lengths))
+
+
+def run_point(point: Point, modes: list[Mode]) -> tuple[dict[str, Figures], Waits]:
     """Each mode at one sweep point: its figures (speedups over sync) and why its learner waited."""
+    cfg = point.cfg
     results = {}
     for m in modes:
         run = SimConfig(
             replace_fields(cfg.config, {"run.mode": m.value}), cfg.engines, cfg.per_sample_lengths
         )
-        results[m.value] = simulate(run, lengths)
+        results[m.value] = simulate(run, point.lengths, point.episodes)
     return with_speedups({m: r.figures for m, r in results.items()}), {m: r.waits for m, r in results.items()}
 
 
 Waits = dict[str, dict[str, float]]  # mode -> cause -> simulated seconds the learner waited
 
 
-def wait_lines(results: list[tuple[Point, dict[str, Figures], Waits]], steps: int) -> list[str]:
+def wait_lines(results: list[tuple[Values, dict[str, Figures], Waits]], steps: int) -> list[str]:
     """One line per (sweep point, mode): the learner's wait per step, by cause (broker.sim.model)."""
     out = []
     for point, _, waits in results:
@@ -79,9 +99,10 @@ def wait_lines(results: list[tuple[Point, dict[str, Figures], Waits]], steps: in
     return out
 
 
-def setting_json(cfg: SimConfig, lengths: LengthSpec) -> dict[str, Any]:
+def setting_json(cfg: SimConfig, lengths: LengthSpec, episodes: EpisodeWorkload | None) -> dict[str, Any]:
     c = cfg.config
     a, w, cost = c.algo, c.worker, c.worker.sim_cost
+    extra = {} if episodes is None else {"episodes": episodes_json(cfg)}
     return {
         "lengths": lengths.describe(),
         "rollout_batch_size": a.rollout_batch_size,
@@ -108,16 +129,31 @@ def setting_json(cfg: SimConfig, lengths: LengthSpec) -> dict[str, Any]:
         "prompt_window": a.prompt_window,
         "prompts": c.data.source,
         "max_buffered_samples": c.broker.max_buffered_samples,
+        **extra,
     }
 
 
-def header(cfg: SimConfig, lengths: LengthSpec) -> str:
+def episodes_json(cfg: SimConfig) -> dict[str, Any]:
+    """The episode settings of a run that simulates episodes (`lengths` is then each turn's)."""
+    w, env = cfg.config.worker, cfg.config.env
+    drawn = {"turns": w.sim_turns, "tool_ms": w.sim_tool_ms or None}
+    return {
+        **({"recorded": w.sim_episodes} if w.sim_episodes else drawn),
+        "observation_tokens": w.sim_observation_tokens,
+        "tool_repeatable": w.sim_tool_repeatable,
+        "max_turns": env.max_turns,
+        "max_turn_tokens": env.max_turn_tokens,
+    }
+
+
+def header(cfg: SimConfig, lengths: LengthSpec, episodes: EpisodeWorkload | None) -> str:
     c = cfg.config
     a, w, cost = c.algo, c.worker, c.worker.sim_cost
     synthetic = c.data.source == "synthetic"
     prompts = f"{c.data.synthetic_size} prompts" if synthetic else f"the prompts of {c.data.source}"
     return (
-        f"lengths {lengths.describe()}\n"
+        f"{'each turn: ' if episodes else ''}lengths {lengths.describe()}\n"
+        f"{episodes_line(cfg) if episodes else ''}"
         f"{a.rollout_batch_size} x {a.n_samples_per_prompt} samples a step (over-sampling "
         f"{a.over_sampling_batch_size}{' auto' if a.over_sampling == OverSampling.AUTO else ''}, "
         f"prompts {a.prompt_order.value}), {prompts} (length correlation {w.sim_prompt_corr:g}), "
@@ -130,7 +166,21 @@ def header(cfg: SimConfig, lengths: LengthSpec) -> str:
     )
 
 
-def render(results: list[tuple[Point, dict[str, Figures], Waits]]) -> Table:
+def episodes_line(cfg: SimConfig) -> str:
+    w, env = cfg.config.worker, cfg.config.env
+    what = (
+        f"recorded episodes {w.sim_episodes}"
+        if w.sim_episodes
+        else f"episodes of {w.sim_turns} turns, tool calls of {w.sim_tool_ms or 'no'} ms"
+    )
+    kind = "repeatable (killed by an abort)" if w.sim_tool_repeatable else "waited for by an abort"
+    return (
+        f"{what}, {kind}, answers of {w.sim_observation_tokens} tokens; at most {env.max_turns} turns of "
+        f"{env.max_turn_tokens} tokens\n"
+    )
+
+
+def render(results: list[tuple[Values, dict[str, Figures], Waits]]) -> Table:
     """One row per (sweep point, mode)."""
     keys = list(results[0][0]) if results else []
     table = Table(box=None, pad_edge=False)
@@ -162,7 +212,7 @@ def render(results: list[tuple[Point, dict[str, Figures], Waits]]) -> Table:
     return table
 
 
-def broker_load(results: list[tuple[Point, dict[str, Figures], Waits]]) -> str:
+def broker_load(results: list[tuple[Values, dict[str, Figures], Waits]]) -> str:
     """The samples per second the simulated engines return to the broker, the highest of every point and
     mode: to hold against the capacity benchmarks/broker_throughput.py measures on the broker's host."""
     figs = [f for _, by_mode, _ in results for f in by_mode.values()]
@@ -194,6 +244,15 @@ def simulate_command(
             help="worker.sim_lengths: response lengths: a workload name (workloads/: math-long-tail, "
             "short-answer), a spec (fixed:N, lognormal:median=M,sigma=S[,cap=C], mixture:W*SPEC+..., "
             "file:PATH) or a FILE of lengths (one integer per line, or JSONL with response_len) from a run.",
+        ),
+    ] = None,
+    episodes: Annotated[
+        str | None,
+        typer.Option(
+            "--episodes",
+            help="Multi-turn episodes: a workload (workloads/: agentic) or .toml setting worker.sim_lengths "
+            "(each turn), sim_turns, sim_tool_ms, sim_observation_tokens; or a JSONL file of recorded "
+            "episodes (worker.sim_episodes; format in docs/bench.md). --set changes any of them.",
         ),
     ] = None,
     per_sample_lengths: Annotated[
@@ -234,10 +293,13 @@ def simulate_command(
     slots, math-long-tail, GPU-like cost A 6 ms, B 0.1 ms, C 0.02 ms, a 20 s learner step).
     """
     chosen = parse_modes(modes)
+    # --episodes' fields are set first, so that --set can change any of them
+    workload = [f"{k}={v}" for k, v in episode_fields(episodes).items()] if episodes else []
     base = resolve(
         config,
-        set_,
+        [*workload, *(set_ or [])],
         paper_config(),
+        worker__sim_lengths=None if lengths is None else resolve_lengths(lengths).describe(),
         algo__rollout_batch_size=rollout_batch_size,
         algo__over_sampling_batch_size=over_sampling_batch_size,
         algo__n_samples_per_prompt=n_samples_per_prompt,
@@ -249,23 +311,21 @@ def simulate_command(
         worker__resume_kv=resume_kv,
         worker__slots=slots,
         worker__sim_prompt_corr=prompt_corr,
-        worker__sim_lengths=None if lengths is None else resolve_lengths(lengths).describe(),
         data__synthetic_size=dataset_size,
         run__steps=steps,
         run__seed=seed,
     )
-    spec = resolve_lengths(base.worker.sim_lengths, option="worker.sim_lengths")
-    runs = []
+    runs: list[Point] = []
     for p in sweep_points(sweep or [], base):
-        point, swept = point_config(base, p)
-        cfg = SimConfig(point, swept or engines, per_sample_lengths)
-        runs.append((point_values(point, cfg.engines, p), cfg))
+        at, swept = point_config(base, p)
+        cfg = SimConfig(at, swept or engines, per_sample_lengths)
+        runs.append(Point.of(point_values(at, cfg.engines, p), cfg))
     started = time.perf_counter()
-    results = [(values, *run_point(cfg, spec, chosen)) for values, cfg in runs]
+    results = [(run.values, *run_point(run, chosen)) for run in runs]
     elapsed = time.perf_counter() - started
-    first = runs[0][1]
+    first = runs[0].cfg
     if as_json:
-        out: dict[str, Any] = {"setting": setting_json(first, spec)}
+        out: dict[str, Any] = {"setting": setting_json(first, runs[0].lengths, runs[0].episodes)}
         modes_json = [
             {m: {**f.to_json(), "learner_wait_s": waits[m]} for m, f in by_mode.items()}
             for _, by_mode, waits in results
@@ -277,7 +337,7 @@ def simulate_command(
         print(json.dumps(out, indent=2))
         return
     console = Console(width=max(MIN_WIDTH, Console().width))  # a narrower table would elide figures
-    console.print(header(first, spec))
+    console.print(header(first, runs[0].lengths, runs[0].episodes))
     console.print(render(results))
     console.print(
         "learner waiting for its batch, by what held it (admission bound / generation / staleness rule):"

@@ -27,6 +27,7 @@ from april.wire_records import SampleBatch
 from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, Send, Settled
 from broker.server import Broker
+from broker.sim.episodes import DrawnEpisodes, EpisodeWorkload
 from broker.sim.model import Simulation
 from broker.state import BrokerState
 
@@ -141,6 +142,7 @@ class Recorder:
         {
             "on_hello",
             "on_samples",
+            "on_credit",
             "on_abort_done",
             "on_weights_loaded",
             "on_learner_hello",
@@ -194,6 +196,8 @@ def replay(calls: list[tuple[str, tuple[Any, ...], float, Any]], broker: Broker)
                 batch = SampleBatch.from_samples(samples)
                 msg = protocol.SampleResult(np.array(lease_ids, dtype=np.int64), batch, credit)
                 broker._on_worker(worker.encode(), msg, now)
+            case "on_credit":
+                broker._on_worker(args[0].encode(), protocol.LeaseRequest(args[1]), now)
             case "on_abort_done":
                 worker, round_id, credit, scoring = args[:4]
                 done = protocol.AbortDone(round_id, credit, np.array(sorted(scoring), dtype=np.int64))
@@ -223,7 +227,7 @@ def digest(decisions: list[Decision]) -> list[tuple[Any, ...]]:
     compared by ==), a batch by its groups and samples (its stats are figures, not decisions)."""
 
     def sample(s: Sample) -> tuple[Any, ...]:
-        return (s.group_id, s.index, s.status, s.response_len, s.segments, s.resumes)
+        return (s.group_id, s.index, s.status, s.response_len, s.segments, s.observations, s.resumes)
 
     out: list[tuple[Any, ...]] = []
     for d in decisions:
@@ -278,6 +282,52 @@ def test_the_simulator_and_a_stepped_real_broker_make_the_same_decisions(
     assert {LeaseOut, Send, Settled, BatchFormed} <= kinds
     if mode != Mode.SYNC:  # every abort decision is compared too
         assert any(isinstance(d, Send) and isinstance(d.message, protocol.Abort) for d in simulated)
+
+    broker = Broker(cfg.config, tmp_path / "run")
+    try:
+        served = replay(recorder.calls, broker)
+        assert broker.core.state.ledger() == sim.core.state.ledger()
+    finally:
+        broker.close()
+    assert digest(served) == digest(simulated)
+
+
+@pytest.mark.parametrize("repeatable", [True, False])
+@pytest.mark.parametrize(("mode", "algo"), [(Mode.APRIL, {"over_sampling_batch_size": 4}), (Mode.ASYNC, {})])
+def test_the_simulator_and_a_stepped_real_broker_make_the_same_decisions_on_episodes(
+    tmp_path: Path, mode: Mode, algo: dict[str, Any], repeatable: bool
+) -> None:
+    """Episodes add credit without results (a turn's slot given back while its tool runs), samples with
+    observations, and aborts that leave non-repeatable tool calls owed (AbortDone names them; their
+    samples follow): the real broker decides the same."""
+    fields = {"rollout_batch_size": 2, "n_samples_per_prompt": 2, "max_new_tokens": 200} | algo
+    cfg = sim_config(
+        mode,
+        AlgoConfig(**fields),
+        engines=2,
+        slots=2,
+        cost=EngineCost(1.0, 0.1, 0.0),
+        learner_step_s=0.01,
+        steps=4,
+        prompt_len=8,
+    )
+    cfg = type(cfg)(replace_fields(cfg.config, {"worker.sim_tool_repeatable": repeatable}), cfg.engines)
+    turns = LengthSpec.parse("uniform:min=1,max=4")
+    tool_ms = LengthSpec.parse("lognormal:median=10,sigma=1,cap=100")
+    observations = LengthSpec.parse("uniform:min=1,max=8")
+    episodes = EpisodeWorkload(DrawnEpisodes(turns, LONG_TAIL, tool_ms, observations), observations)
+    sim = Simulation(cfg, LONG_TAIL, episodes)
+    recorder = Recorder(sim.core, lambda: sim.now)
+    sim.core = recorder  # type: ignore[assignment]
+    result = sim.run()
+    assert result.ledger.trained == 4 * 2
+    assert sim.now < 3.0  # within the liveness window
+    names = [name for name, *_ in recorder.calls]
+    assert "on_credit" in names  # a slot given back while its episode's tool ran
+    aborts = [args for name, args, *_ in recorder.calls if name == "on_abort_done"]
+    assert aborts and any(args[3] for args in aborts) != repeatable  # non-repeatable: calls waited for
+    simulated = [d for *_, out in recorder.calls if isinstance(out, list) for d in out]
+    assert any(s.observations for d in simulated if isinstance(d, BatchFormed) for s in d.batch.samples)
 
     broker = Broker(cfg.config, tmp_path / "run")
     try:

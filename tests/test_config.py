@@ -283,7 +283,7 @@ def test_write_load_round_trip(tmp_path: Path) -> None:
 def test_config_to_dict_is_plain_json() -> None:
     config = Config(run=RunConfig(mode=Mode.SYNC))
     d = config_to_dict(config)
-    assert set(d) == {"run", "algo", "data", "broker", "worker", "learner", "weights"}
+    assert set(d) == {"run", "algo", "data", "broker", "worker", "learner", "weights", "env"}
     assert d["run"]["mode"] == "sync" and type(d["run"]["mode"]) is str
     assert d["algo"]["algorithm"] == "grpo" and type(d["algo"]["algorithm"]) is str
     assert json.loads(json.dumps(d)) == d

@@ -19,7 +19,6 @@ from sglang_server import FakeSGLangServer
 
 from april.config import ConfigError
 from april.data import FilePromptSource, PromptSource, SyntheticPromptSource
-from broker.heldout import split_held_out
 from april.records import FinishReason, Sample
 from april.status import BrokerStatus
 from broker.evaluation import EVAL_GROUP_BASE, Evaluations

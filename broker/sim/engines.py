@@ -1,7 +1,9 @@
-"""Simulated rollout engines for `april simulate`: slots and decode steps in virtual time, vectorised.
+"""Simulated rollout engines for `april simulate`: slots and decode steps in virtual time, vectorised, and
+the episodes their workers hold between turns.
 
 Owns the engine side of the simulation: which leased samples each engine is decoding, how many tokens
-each has produced, when its next step boundary falls, and the broker messages it has not read yet.
+each has produced, when its next step boundary falls, and the broker messages it has not read yet; and
+what the worker around it keeps (actors/worker.py and its episode driver, docs/design.md section 3).
 
 Cost model: `april.engine_cost.EngineCost`, the one the sim engine a worker runs also uses (a decode
 step over `active` sequences, plus the prefill of every input token admitted in that step). A fresh
@@ -11,11 +13,27 @@ the sim engine follows too: the same re-prefill for the same events). `busy_s` a
 give the re-prefill share of engine time; `stale_kv_tokens` counts tokens generated while attending to
 KV computed under older weights than the loaded ones (what resume_kv "reuse" costs in exactness).
 
+Episodes (`broker.sim.episodes`: a single-turn sample is an episode of one turn). A sequence decodes
+one model turn. When a turn that is not the last ends, its slot is free again (the worker grants it back
+as credit unless an episode waits for it) and the episode runs its tool call, holding no slot, for the
+call's latency; the engine's prefix cache keeps the context (stored as an interrupted prefix is, so a
+weight update under resume_kv "recompute", or eviction, costs its re-prefill). The tool's answer is
+appended as an observation and the episode waits for a slot, ahead of leases the worker holds unstarted
+(a lease that finds no free slot, because an answered episode took a slot granted as credit, waits in
+`queued`); its next turn prefills what the cache lacks: the observation, at least. Budgets: a turn
+generates at most its planned tokens (`env.max_turn_tokens` applied in the plan) and the lease's budget
+(model + observation tokens); an observation is cut to the budget left, and an episode with no budget
+left for another turn finishes (LENGTH). An abort returns running turns as partials, answered episodes
+and unstarted leases as they are, and tool calls as the tools allow: a repeatable one is killed (the
+sample, owing it, runs it again when leased), a non-repeatable one is waited for and its sample goes
+back with the answer when it comes (`waited_for`: the AbortDone names those leases as still owed).
+
 Vectorised: all sequences of an engine advance together, so between two events an engine is an
 arithmetic progression of step boundaries (the first step longer by its prefill). It is woken only at a
-boundary where a sequence finishes or where a message waits, never once per token. Messages are read
-at step boundaries, as the worker reads its socket between decode steps; a lease granted mid-step
-joins the next step.
+boundary where a sequence finishes or where a message (or a tool's answer) waits, never once per token.
+Messages are read at step boundaries, as the worker reads its socket between decode steps; a lease
+granted mid-step joins the next step. Times of tool calls started are left in `started_tools` for the
+driver to schedule.
 
 Knows nothing of scheduling: the broker core (`broker.core`, driven by `broker.sim.model`) decides what
 to lease and when to abort.
@@ -24,6 +42,7 @@ to lease and when to abort.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +53,8 @@ from april.engine_cost import EngineCost
 from april.prefix_cache import PrefixCache
 from april.protocol import Abort, WeightsReady
 from april.records import FinishReason, Sample
-from broker.decisions import LeaseOut
+from broker.decisions import LeaseOut, Work
+from broker.sim.episodes import EpisodePlan, EpisodePlans, Plans, SingleTurn
 from broker.sim.figures import Meter
 
 LengthOf = Callable[[Sample], int]  # the drawn total response length of a sample
@@ -45,19 +65,45 @@ _EPS = 1e-9  # float slack when placing a time on the step grid
 ToEngine = LeaseOut | Abort | WeightsReady  # what the broker core sends an engine (broker.decisions)
 
 
+@dataclass(frozen=True, slots=True)
+class _Lease:
+    """What the worker keeps of a lease across the turns it runs."""
+
+    lease_id: int
+    cap: int  # response tokens the sample may reach in this lease (as leased + the lease's budget)
+    leased_model: int  # model tokens it had when leased
+    plan: EpisodePlan
+
+
 @dataclass(slots=True)
 class _Seq:
-    lease_id: int
-    sample: Sample  # as leased (RUNNING)
-    finish: FinishReason  # STOP or LENGTH once its tokens are out
-    marks: list[tuple[int, int]]  # (tokens produced in this lease, version from then on)
+    lease: _Lease
+    sample: Sample  # as this turn started (RUNNING): as leased, or with the lease's earlier turns
+    finish: FinishReason  # once its tokens are out: STOP or LENGTH (finished), NONE (a tool call follows)
+    marks: list[tuple[int, int]]  # (tokens produced in this turn, version from then on)
     cached: int = 0  # input tokens the prefix cache gave back
     kv_version: int = 0  # weights version of the oldest KV it attends to
     prefilled: bool = False  # its first step ran: the KV of its whole input exists
 
+    @property
+    def lease_id(self) -> int:
+        return self.lease.lease_id
+
+
+@dataclass(slots=True)
+class _Episode:
+    """An episode between two turns, holding no slot: in its tool call until `due`, then waiting."""
+
+    lease: _Lease
+    sample: Sample  # RUNNING: its last turn appended (and, once the tool answered, the observation)
+    call: int  # which of the plan's tool calls
+    due: float  # when the tool answers (s)
+    returning: bool = False  # aborted while its non-repeatable tool ran: back to the broker when answered
+
 
 class EngineModel:
-    """One simulated engine with `slots` concurrent sequences (see the module docstring)."""
+    """One simulated engine with `slots` concurrent sequences and its worker's held episodes (see the
+    module docstring). `plans`: each sample's episode, or a length per sample (single-turn)."""
 
     def __init__(
         self,
@@ -65,19 +111,21 @@ class EngineModel:
         slots: int,
         cost: EngineCost,
         meter: Meter,
-        length_of: LengthOf,
+        plans: Plans | LengthOf,
         keep_kv_across_updates: bool = False,
+        repeatable_tools: bool = True,
     ) -> None:
         self.index = index
         self.worker_id = f"sim-{index}"
         self.slots = slots
         self.cost = cost
         self.meter = meter
-        self.length_of = length_of
+        self.plans: Plans = plans if isinstance(plans, EpisodePlans | SingleTurn) else SingleTurn(plans)
+        self.repeatable_tools = repeatable_tools
         self.version = 0
         self.seqs: list[_Seq] = []
-        self.produced = np.zeros(0, dtype=np.int64)  # (active,) tokens of each sequence in this lease
-        self.remaining = np.zeros(0, dtype=np.int64)  # (active,) tokens until each one finishes
+        self.produced = np.zeros(0, dtype=np.int64)  # (active,) tokens of each sequence in this turn
+        self.remaining = np.zeros(0, dtype=np.int64)  # (active,) tokens until each one's turn ends
         self.t_base = 0.0  # time (s) of the step boundary the engine was last brought to
         self.prefill = 0  # input tokens paid in the next step
         self.inbox: list[ToEngine] = []
@@ -92,6 +140,11 @@ class EngineModel:
         self.busy_s = 0.0  # time spent in decode steps
         self.stale_kv_tokens = 0  # tokens generated attending to KV of older weights than the loaded ones
         self.stale_seqs = 0  # running sequences attending to such KV (kept up to date: advance is hot)
+        self.tools: dict[int, _Episode] = {}  # lease id -> episode in a tool call
+        self.waiting: deque[_Episode] = deque()  # answered, waiting for a slot (before `queued`)
+        self.queued: deque[tuple[int, int, Sample]] = deque()  # leased when no slot was free
+        self.credit = slots  # free slots the broker holds as this worker's credit, as the worker reckons
+        self.started_tools: list[float] = []  # when tool calls started since the driver last took them end
 
     @property
     def active(self) -> int:
@@ -99,8 +152,11 @@ class EngineModel:
 
     @property
     def in_engine_tokens(self) -> int:
-        """Tokens generated by running sequences and not yet returned to the broker."""
-        return int(self.produced.sum())
+        """Model tokens generated in current leases and not yet returned to the broker."""
+        running = int(self.produced.sum())
+        running += sum(seq.sample.model_tokens - seq.lease.leased_model for seq in self.seqs)
+        held = [*self.tools.values(), *self.waiting]
+        return running + sum(e.sample.model_tokens - e.lease.leased_model for e in held)
 
     # ------------------------------------------------------------------ the step grid
 
@@ -121,7 +177,7 @@ class EngineModel:
         return self.boundary(steps), steps
 
     def next_finish(self) -> tuple[float, int] | None:
-        """The boundary where the next sequence finishes, or None when idle."""
+        """The boundary where the next sequence's turn ends, or None when idle."""
         if not self.seqs:
             return None
         steps = int(self.remaining.min())
@@ -146,51 +202,88 @@ class EngineModel:
     # ------------------------------------------------------------------ sequences
 
     def take_finished(self) -> list[Output]:
-        """Sequences that produced their last token: out of their slots, as FINISHED samples."""
+        """Sequences whose turn ended: out of their slots. A finished sample is returned (FINISHED); an
+        episode with turns to come starts its tool call (at t_base)."""
         done = np.flatnonzero(self.remaining <= 0)
         if done.shape[0] == 0:
             return []
-        out = [
-            (self.seqs[i].lease_id, _output(self.seqs[i], int(self.produced[i]), self.seqs[i].finish))
-            for i in done
-        ]
+        out = []
+        for i in done.tolist():
+            seq, produced = self.seqs[i], int(self.produced[i])
+            if seq.finish == FinishReason.NONE:
+                self._end_turn(seq, produced)
+            else:
+                out.append((seq.lease_id, _output(seq, produced, seq.finish)))
+                self.plans.forget(seq.sample)
         self._keep(self.remaining > 0)
         return out
 
-    def admit(self, work: list[tuple[int, int, Sample]]) -> list[Output]:
-        """Start leased samples (prefilled in the next step). Returns those with nothing to generate."""
-        ready: list[Output] = []
-        before = self.active
-        produced, remaining = [], []
+    def admit(self, work: Work) -> list[Output]:
+        """Start leased samples (prefilled in the next step), or hold them while no slot is free. Returns
+        those with nothing to generate."""
+        self.credit -= len(work)
+        before, ready, remaining = self.active, [], list[int]()
         for lease_id, budget, sample in work:
-            done = sample.response_len
-            left = self.length_of(sample) - done
-            n = max(0, min(left, budget))
-            finish = FinishReason.STOP if left <= budget else FinishReason.LENGTH
-            seq = _Seq(lease_id, sample, finish, [(0, self.version)])
-            if n == 0:
-                ready.append((lease_id, _output(seq, 0, finish if budget else FinishReason.LENGTH)))
+            if self.active >= self.slots:
+                self.queued.append((lease_id, budget, sample))
                 continue
-            self.seqs.append(seq)
-            produced.append(0)
-            remaining.append(n)
-            input_len = int(sample.prompt_ids.shape[0]) + done
-            hit = self.cache.take(sample.key, input_len)
-            seq.cached = hit.tokens
-            seq.kv_version = min(hit.kv_version, self.version) if hit.tokens else self.version
-            self.prefill += input_len - hit.tokens
-            if done:
-                self.reprefill += input_len - hit.tokens
-            self.stale_seqs += seq.kv_version < self.version
-            self.admitted = True
-        if produced:
-            self.produced = np.concatenate([self.produced, np.asarray(produced, dtype=np.int64)])
-            self.remaining = np.concatenate([self.remaining, np.asarray(remaining, dtype=np.int64)])
-        self.meter.engine_changed(before, self.active, self.slots)
+            out = self._start(self._lease(lease_id, budget, sample), sample, remaining)
+            if out is not None:
+                ready.append(out)
+        self._commit(before, remaining)
         return ready
 
+    def complete_tools(self, now: float) -> list[Output]:
+        """Tool calls answered by `now`: each answer becomes an observation and its episode waits for a
+        slot. Returns what goes back to the broker instead: episodes left without budget for another turn
+        (FINISHED) and those an abort waited for (INTERRUPTED)."""
+        answered = sorted((e for e in self.tools.values() if e.due <= now), key=lambda e: e.due)
+        out: list[Output] = []
+        for e in answered:
+            del self.tools[e.lease.lease_id]
+            room = e.lease.cap - e.sample.response_len
+            observed = min(e.lease.plan.observations[e.call], room)
+            e.sample = e.sample.observed(np.zeros(observed, dtype=np.int32))
+            if observed == room:  # no budget left for another turn
+                out.append((e.lease.lease_id, _settle(e.sample, FinishReason.LENGTH)))
+                self.plans.forget(e.sample)
+            elif e.returning:
+                out.append((e.lease.lease_id, _settle(e.sample, FinishReason.ABORT)))
+            else:
+                self.waiting.append(e)
+        return out
+
+    def tool_due(self, now: float) -> bool:
+        """Whether a tool call (not killed since) has answered by `now`."""
+        return any(e.due <= now for e in self.tools.values())
+
+    def fill(self) -> list[Output]:
+        """Free slots to answered episodes first, then to leases held unstarted. Returns those of the
+        latter with nothing to generate."""
+        before, ready, remaining = self.active, [], list[int]()
+        while self.active < self.slots and (self.waiting or self.queued):
+            if self.waiting:
+                e = self.waiting.popleft()
+                out = self._start(e.lease, e.sample, remaining)
+            else:
+                lease_id, budget, sample = self.queued.popleft()
+                out = self._start(self._lease(lease_id, budget, sample), sample, remaining)
+            if out is not None:
+                ready.append(out)
+        self._commit(before, remaining)
+        return ready
+
+    def grant(self) -> int:
+        """Free slots the broker does not hold as credit yet: granted now (the worker's LeaseRequest, or
+        the credit of a SampleResult)."""
+        fresh = max(0, self.slots - self.active - self.credit)
+        self.credit += fresh
+        return fresh
+
     def abort(self) -> list[Output]:
-        """Every running sequence back as an INTERRUPTED partial with the tokens it has."""
+        """Every running sequence back as an INTERRUPTED partial with the tokens it has; answered episodes,
+        unstarted leases and killed (repeatable) tool calls back as they are. A non-repeatable tool call
+        is waited for (`waited_for`). The worker's AbortDone then grants every slot."""
         out = []
         for seq, n in zip(self.seqs, self.produced.tolist(), strict=True):
             out.append((seq.lease_id, _output(seq, n, FinishReason.ABORT)))
@@ -200,7 +293,22 @@ class EngineModel:
             self.cache.store(s.key, kv, seq.kv_version)
         self._keep(np.zeros(self.active, dtype=bool))
         self.prefill = self.reprefill = 0
+        out += [(e.lease.lease_id, _settle(e.sample, FinishReason.ABORT)) for e in self.waiting]
+        out += [(lease_id, _settle(s, FinishReason.ABORT)) for lease_id, _, s in self.queued]
+        self.waiting.clear()
+        self.queued.clear()
+        for lease_id, e in list(self.tools.items()):
+            if self.repeatable_tools:
+                out.append((lease_id, _settle(e.sample, FinishReason.ABORT)))
+                del self.tools[lease_id]
+            else:
+                e.returning = True
+        self.credit = self.slots
         return out
+
+    def waited_for(self) -> list[int]:
+        """Leases whose non-repeatable tool call an abort waits for: they come back when it answers."""
+        return [lease_id for lease_id, e in self.tools.items() if e.returning]
 
     def load(self, version: int) -> None:
         """New weights: tokens from the next step on carry `version`."""
@@ -215,6 +323,56 @@ class EngineModel:
             else:
                 seq.marks.append((n, version))
 
+    def _lease(self, lease_id: int, budget: int, sample: Sample) -> _Lease:
+        return _Lease(lease_id, sample.response_len + budget, sample.model_tokens, self.plans(sample))
+
+    def _start(self, lease: _Lease, sample: Sample, remaining: list[int]) -> Output | None:
+        """Start `sample`'s next turn in a free slot (its tokens to go appended to `remaining`), or its
+        owed tool call (no slot); an Output when it has nothing to generate."""
+        turn, left = lease.plan.turn_of(sample.model_tokens, len(sample.observations))
+        last = turn == len(lease.plan.turns) - 1
+        if left <= 0 and not last:  # an abort killed its tool call: it is run again
+            self._call_tool(lease, sample, turn)
+            return None
+        budget = lease.cap - sample.response_len
+        n = max(0, min(left, budget))
+        finish = (FinishReason.STOP if last else FinishReason.NONE) if left <= budget else FinishReason.LENGTH
+        seq = _Seq(lease, sample, finish, [(0, self.version)])
+        if n == 0:
+            return (lease.lease_id, _output(seq, 0, finish if budget else FinishReason.LENGTH))
+        self.seqs.append(seq)
+        remaining.append(n)
+        prompt = int(sample.prompt_ids.shape[0])
+        hit = self.cache.take(sample.key, prompt + sample.response_len)
+        seq.cached = hit.tokens
+        seq.kv_version = min(hit.kv_version, self.version) if hit.tokens else self.version
+        self.prefill += prompt + sample.response_len - hit.tokens
+        # re-prefill: what an engine held before (up to its last model token) and this one lacks; an
+        # observation appended since is new input
+        seen = prompt + sample.segments[-1].end if sample.segments else 0
+        self.reprefill += max(0, seen - hit.tokens)
+        self.stale_seqs += seq.kv_version < self.version
+        self.admitted = True
+        return None
+
+    def _commit(self, before: int, remaining: list[int]) -> None:
+        """The sequences `_start` appended join the step arrays."""
+        if remaining:
+            self.produced = np.concatenate([self.produced, np.zeros(len(remaining), dtype=np.int64)])
+            self.remaining = np.concatenate([self.remaining, np.asarray(remaining, dtype=np.int64)])
+        self.meter.engine_changed(before, self.active, self.slots)
+
+    def _end_turn(self, seq: _Seq, produced: int) -> None:
+        """A turn with turns to come ended: its context's KV stays in the prefix cache, its tool runs."""
+        sample = _output(seq, produced, FinishReason.NONE)
+        self.cache.store(sample.key, int(sample.prompt_ids.shape[0]) + sample.response_len, seq.kv_version)
+        self._call_tool(seq.lease, sample, len(sample.observations))
+
+    def _call_tool(self, lease: _Lease, sample: Sample, call: int) -> None:
+        due = self.t_base + lease.plan.tool_s[call]
+        self.tools[lease.lease_id] = _Episode(lease, sample, call, due)
+        self.started_tools.append(due)
+
     def _keep(self, mask: npt.NDArray[np.bool_]) -> None:
         before = self.active
         self.seqs = [seq for seq, keep in zip(self.seqs, mask.tolist(), strict=True) if keep]
@@ -225,8 +383,8 @@ class EngineModel:
 
 
 def _output(seq: _Seq, produced: int, reason: FinishReason) -> Sample:
-    """The leased sample extended by `produced` tokens, one segment per weights version (what the worker's
-    `apply_output` builds from an engine output); a finished one is scored (reward 0: no task here)."""
+    """The turn's sample extended by `produced` tokens, one segment per weights version (what the worker's
+    `apply_output` builds from an engine output), then settled by `reason` (NONE: the episode goes on)."""
     s = seq.sample
     ends = [start for start, _ in seq.marks[1:]] + [produced]
     for (start, version), end in zip(seq.marks, ends, strict=True):
@@ -234,6 +392,12 @@ def _output(seq: _Seq, produced: int, reason: FinishReason) -> Sample:
             s = s.extend(
                 np.zeros(end - start, np.int32), np.zeros(end - start, np.float32), version, FinishReason.NONE
             )
+    return _settle(s, reason)
+
+
+def _settle(s: Sample, reason: FinishReason) -> Sample:
+    """`s` with its finish reason: INTERRUPTED (ABORT), RUNNING (NONE) or FINISHED and scored (reward 0:
+    no task here)."""
     last_version = s.segments[-1].version if s.segments else 0
     s = s.extend([], [], last_version, reason)
-    return s if reason == FinishReason.ABORT else s.scored(0.0)
+    return s if reason in (FinishReason.ABORT, FinishReason.NONE) else s.scored(0.0)

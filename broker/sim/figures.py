@@ -3,6 +3,8 @@
 Owns the definitions:
   - samples_per_s: trained samples (steps x N) / wall_s; effective_tokens_per_s: their response tokens
     / wall_s; tokens_per_s: every generated token / wall_s. wall_s ends when the last step is trained.
+    Tokens are model tokens throughout: an episode's observations (tool answers) are no policy's and
+    count in no token figure, nor in staleness or the off-policy share.
   - rollout_s: total seconds the learner waited for its batches (the rollout phases in sync/april).
   - slot_utilization: busy slot-seconds / total slot-seconds over the rollout phases (sync/april: from
     the round opening to its batch being handed out; async: the whole run). A slot is busy from the
@@ -78,7 +80,7 @@ class Tally:
         for s in samples:
             stale = s.staleness(version)
             self.samples += 1
-            self.tokens += s.response_len
+            self.tokens += s.model_tokens
             self.offpolicy_tokens += sum(g.end - g.start for g in s.segments if g.version < version)
             self.staleness_sum += stale
             self.staleness_max = max(self.staleness_max, stale)

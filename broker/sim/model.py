@@ -11,6 +11,10 @@ the learner takes `learner.sim_step_s` (+ `sim_step_s_per_token` x trained respo
     messages it has read: a Lease is admitted (samples with nothing to generate come straight back), a
     WeightsReady loaded (WeightsLoaded), an Abort answered (the running samples as partials, AbortDone);
     so an abort round-trip lasts until each holder's current step ends;
+  - in episodes (`broker.sim.episodes`, `broker.sim.engines`), the same engine at the boundary after a
+    tool call answers, and the credit of a slot a turn gave up with no sample to return (a LeaseRequest);
+    an AbortDone names the leases whose non-repeatable tool call the worker still waits for, and their
+    samples follow when it answers;
   - the learner at the end of a step: WeightsReady v+1, BatchAck, BatchRequest for the next step;
   - the tick after every event, as the broker's loop ticks after every turn.
 The run's config is the one a real run reads (`SimConfig.config`): mode, algo, broker, prompts, the sim
@@ -36,12 +40,15 @@ from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, LeaseOut, Refuse, Send
 from broker.heldout import open_prompts
 from broker.sim.engines import EngineModel, Output, ToEngine
+from broker.sim.episodes import EpisodePlans, EpisodeWorkload, Plans, SingleTurn
 from broker.sim.figures import ArrivalMeter, Figures, Meter, Tally, compute_figures
 from broker.state import BrokerState, PendingBatch
 
 LENGTH_CHUNK_GROUPS = 512  # groups whose lengths are drawn at once
 LEARNER_ID = "sim-learner"
 NO_LEASES = np.zeros(0, dtype=np.int64)
+LEARNER = -1  # the queue's engine index of the learner's events
+TOOL = -1  # the queue's generation of a tool call's answer (an engine's wakes count up from 0)
 
 
 class SimulationError(RuntimeError):
@@ -162,7 +169,9 @@ class SampleLengths:
 class Simulation:
     """One mode, run once (see the module docstring)."""
 
-    def __init__(self, config: SimConfig, lengths: LengthSampler) -> None:
+    def __init__(
+        self, config: SimConfig, lengths: LengthSampler, episodes: EpisodeWorkload | None = None
+    ) -> None:
         self.cfg = config
         run = config.config
         self.cost = run.worker.sim_cost
@@ -178,8 +187,14 @@ class Simulation:
             else LengthTable(lengths, seed, run.algo.n_samples_per_prompt)
         )
         keep = run.worker.resume_kv is ResumeKV.REUSE
+        plans: Plans = SingleTurn(table)
+        if episodes is not None:  # every engine reads one table of plans: a sample may resume anywhere
+            env = run.env
+            plans = EpisodePlans(episodes, seed, env.max_turns, env.max_turn_tokens)
+        repeatable = run.worker.sim_tool_repeatable
         self.engines = [
-            EngineModel(i, config.slots, self.cost, self.meter, table, keep) for i in range(config.engines)
+            EngineModel(i, config.slots, self.cost, self.meter, plans, keep, repeatable)
+            for i in range(config.engines)
         ]
         self.by_worker = {e.worker_id: e for e in self.engines}
         self.training: PendingBatch | None = None  # the batch the learner trains
@@ -194,9 +209,8 @@ class Simulation:
         self.arrivals = ArrivalMeter()  # the load on the broker: samples returned per virtual second
         self.now = 0.0
         self.events = 0
-        self.queue: list[
-            tuple[float, int, int, int, int]
-        ] = []  # (time, seq, engine or -1, generation, steps)
+        # (time, seq, engine or LEARNER, generation or TOOL, steps): TOOL: one of its tool calls answers
+        self.queue: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.done = False
 
@@ -217,13 +231,19 @@ class Simulation:
                     f"{self.cfg.steps} steps at t={self.now:.3f}s ({core.state.ledger().describe()})"
                 )
             t, _, index, generation, steps = heapq.heappop(self.queue)
-            if index >= 0 and generation != self.engines[index].generation:
+            tool = generation == TOOL
+            if index != LEARNER and not tool and generation != self.engines[index].generation:
                 continue  # replaced by an earlier wake
+            if tool and not self.engines[index].tool_due(t):
+                continue  # the call was killed by an abort
             self.now = t
             self.meter.advance(t)
             self.events += 1
-            if index < 0:
+            if index == LEARNER:
                 self._learner_done()
+            elif tool:  # the worker sees the answer at the engine's next step boundary
+                engine = self.engines[index]
+                self._schedule(engine, engine.next_boundary(t))
             else:
                 self._wake(self.engines[index], steps)
             if self.cfg.check_ledger_every_event:
@@ -245,13 +265,16 @@ class Simulation:
     # ------------------------------------------------------------------ the engines (a worker's side)
 
     def _wake(self, engine: EngineModel, steps: int) -> None:
-        """A step boundary: finished samples go back, then the worker reads its messages."""
+        """A step boundary: finished samples go back with the slots nothing took (an ended turn's slot
+        goes to an episode whose tool answered first), then the worker reads its messages."""
         engine.wake = None
         engine.busy = True
         engine.advance(self.now, steps)
-        finished = engine.take_finished()
-        if finished:
-            self._return(engine, finished, credit=len(finished))
+        out = engine.take_finished()
+        out += engine.complete_tools(self.now)
+        out += engine.fill()
+        self._arm_tools(engine)
+        self._give_back(engine, out, engine.grant())
         self._tick()
         while engine.inbox:
             self._read(engine, engine.inbox.pop(0))
@@ -263,8 +286,8 @@ class Simulation:
         core = self.core
         if isinstance(msg, LeaseOut):
             ready = engine.admit(msg.work)
-            if ready:
-                self._return(engine, ready, credit=len(ready))
+            self._arm_tools(engine)
+            self._give_back(engine, ready, engine.grant())
         elif isinstance(msg, protocol.WeightsReady):
             engine.load(msg.version)
             self._carry_out(
@@ -274,7 +297,10 @@ class Simulation:
             partials = engine.abort()
             if partials:
                 self._return(engine, partials, credit=0)
-            self._carry_out(core.on_abort_done(engine.worker_id, msg.round_id, engine.slots, (), self.now))
+            waited = engine.waited_for()
+            self._carry_out(
+                core.on_abort_done(engine.worker_id, msg.round_id, engine.slots, waited, self.now)
+            )
         self._tick()
 
     def _return(self, engine: EngineModel, items: list[Output], credit: int) -> None:
@@ -283,6 +309,20 @@ class Simulation:
         lease_ids = [lease_id for lease_id, _ in items]
         samples = [sample for _, sample in items]
         self._carry_out(self.core.on_samples(engine.worker_id, lease_ids, samples, credit, self.now))
+
+    def _give_back(self, engine: EngineModel, items: list[Output], credit: int) -> None:
+        """Samples back with `credit` freed slots (a SampleResult), or the credit alone (a LeaseRequest:
+        the next tick leases it)."""
+        if items:
+            self._return(engine, items, credit)
+        elif credit:
+            self.core.on_credit(engine.worker_id, credit)
+
+    def _arm_tools(self, engine: EngineModel) -> None:
+        """The engine's tool calls just started answer at their time."""
+        for due in engine.started_tools:
+            self._push(due, engine.index, TOOL)
+        engine.started_tools.clear()
 
     def _send(self, engine: EngineModel, msg: ToEngine) -> None:
         engine.inbox.append(msg)
@@ -331,7 +371,7 @@ class Simulation:
             self.meter.in_phase = False
         learner = self.cfg.config.learner
         tokens = sum(s.response_len for s in batch.samples)
-        self._push(self.now + learner.sim_step_s + learner.sim_step_s_per_token * tokens, -1)
+        self._push(self.now + learner.sim_step_s + learner.sim_step_s_per_token * tokens, LEARNER)
 
     def _learner_done(self) -> None:
         batch = self.training
@@ -363,7 +403,7 @@ class Simulation:
         self._tick()
 
     def _result(self) -> SimResult:
-        buffered = sum(s.response_len for g in self.core.state.groups.values() for s in g.samples)
+        buffered = sum(s.model_tokens for g in self.core.state.groups.values() for s in g.samples)
         buffered += sum(e.in_engine_tokens for e in self.engines)
         figs = compute_figures(
             wall_s=self.now,
@@ -385,6 +425,7 @@ class Simulation:
         return SimResult(figs, ledger, tuple(self.records), self.core.round_id, self.events, dict(self.waits))
 
 
-def simulate(config: SimConfig, lengths: LengthSampler) -> SimResult:
-    """Run one mode for `config.steps` learner steps in virtual time."""
-    return Simulation(config, lengths).run()
+def simulate(config: SimConfig, lengths: LengthSampler, episodes: EpisodeWorkload | None = None) -> SimResult:
+    """Run one mode for `config.steps` learner steps in virtual time; with `episodes`, each sample is an
+    episode (`broker.sim.episodes`), its turns' lengths from `episodes`, not `lengths`."""
+    return Simulation(config, lengths, episodes).run()
