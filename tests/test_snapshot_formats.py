@@ -182,3 +182,17 @@ def test_an_earlier_log_record_partly_dead_is_copied_out_in_the_current_format(
     assert headers_of(tmp_path / "complete.00000001.log") == [complete_log.LOG_FORMAT]
     read = complete_log.CompleteLog(tmp_path).read({2, 4, 5})
     assert_identical(list(read.values()), [sample_of(books["groups"]["5"][0])])
+
+
+@pytest.mark.parametrize("written", WRITTEN)
+def test_the_size_limit_of_an_earlier_state_file_is_on_the_bytes_read(written: str) -> None:
+    """Its samples gain the episode columns in decoding, which makes the body longer than the bytes
+    read: a file exactly at the limit still decodes, one byte over it does not."""
+    frames, _ = complete_log.read_record((FIXTURES / written / "broker" / snapshot.FILE_NAME).read_bytes(), 0)
+    size = sum(len(frame) for frame in frames)
+    fields = ("samples", "leased_at")
+    live = complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size)
+    assert all(s.observations == () and s.episode == b"" for s in live.samples.to_samples())
+    with pytest.raises(codec.ProtocolError) as exc:
+        complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size - 1)
+    assert exc.value.reason == "oversize"
