@@ -924,10 +924,11 @@ def gpu_engine_rows(phases: dict[str, Any]) -> list[str]:
         counts = sorted({int(k) for d in decode.values() for k in d["ms_at"]})
         shown = [c for c in counts if c in (1, 16, 64)] or counts
         rows += [
-            f"| torch engine, model | decode ms a step, rows {' / '.join(map(str, shown))} |",
-            "|---|---|",
+            f"| torch engine, model | decode ms a step, rows {' / '.join(map(str, shown))} | how it ran |",
+            "|---|---|---|",
             *(
-                f"| {name} | {' / '.join(num(d['ms_at'].get(str(c)), '.2f') for c in shown)} |"
+                f"| {name} | {' / '.join(num(d['ms_at'].get(str(c)), '.2f') for c in shown)} | "
+                f"{d.get('placement', '-')}, {d.get('captured_graphs', 0)} graphs |"
                 for name, d in decode.items()
             ),
             "",

@@ -16,8 +16,9 @@ segment (a record whose samples are all live as raw bytes, any other encoded aga
 only, so copying always frees disk) and is deleted, which bounds the disk the log takes.
 
 A record is a little-endian u64 frame count, then for each frame a u64 length and the bytes; the frames
-are codec frames with header `[LOG_FORMAT, LOG_KIND]` and body `LoggedGroups`. Records of format 1 (one
-group each, body `LoggedGroup`, written by earlier versions) are still read. A torn record at the end of
+are codec frames with header `[LOG_FORMAT, LOG_KIND]` and body `LoggedGroups`. Records of earlier formats
+(before protocol 3's episode columns; format 1 holds one group each, body `LoggedGroup`) are still read,
+their samples given the columns empty (`decode_upgraded`). A torn record at the end of
 a segment (a crash while appending) is cut off when the log is opened; when a sample has records in
 several places (copied, or appended again after a crash) the newest wins. A `complete.log` written by
 earlier versions (one file, compacted by rewriting) is read as the oldest segment.
@@ -36,15 +37,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
-from april.codec import Int64Array, ProtocolError, decode_body, decode_file_version, encode_frames
+from april.codec import Frame, Int64Array, ProtocolError, decode_body, decode_file_version, encode_frames
 from april.files import fsync_dir
 from april.records import Sample
-from april.wire_records import SampleBatch
+from april.wire_records import SampleBatch, add_episode_columns
 
-LOG_FORMAT = 2  # the log record's codec version (the state file has its own: broker.snapshot); 2: a
-# record holds several groups
+LOG_FORMAT = 3  # the log record's codec version (the state file has its own: broker.snapshot); 2: a
+# record holds several groups; 3: samples carry episodes (observation spans, episode state)
+MULTI_GROUP_FORMAT = 2  # records of several groups without the episode columns: still read
 SINGLE_GROUP_FORMAT = 1  # records of one group each, written by earlier versions: still read
 LOG_KIND = 1
 LEGACY_NAME = "complete.log"
@@ -166,13 +169,37 @@ def _record(ids: list[int], samples: SampleBatch) -> Record:
     return record_parts(encode_frames(LOG_FORMAT, LOG_KIND, body))
 
 
-def decode_record(frames: Sequence[bytes | memoryview], max_bytes: int) -> tuple[list[int], SampleBatch]:
-    """The group ids and samples of a record of either format; ProtocolError if it is not one."""
-    if decode_file_version(frames, (LOG_FORMAT, SINGLE_GROUP_FORMAT)) == SINGLE_GROUP_FORMAT:
-        old: LoggedGroup = decode_body(LoggedGroup, frames, max_bytes=max_bytes)
+def decode_record(frames: Sequence[Frame], max_bytes: int) -> tuple[list[int], SampleBatch]:
+    """The group ids and samples of a record of any readable format; ProtocolError if it is not one."""
+    version = decode_file_version(frames, (LOG_FORMAT, MULTI_GROUP_FORMAT, SINGLE_GROUP_FORMAT))
+    if version == SINGLE_GROUP_FORMAT:
+        old: LoggedGroup = decode_upgraded(LoggedGroup, frames, ("samples",), max_bytes)
         return [old.group_id], old.samples
-    record: LoggedGroups = decode_body(LoggedGroups, frames, max_bytes=max_bytes)
+    if version == MULTI_GROUP_FORMAT:
+        record: LoggedGroups = decode_upgraded(LoggedGroups, frames, ("samples",), max_bytes)
+    else:
+        record = decode_body(LoggedGroups, frames, max_bytes=max_bytes)
     return record.group_ids.tolist(), record.samples
+
+
+def decode_upgraded(cls: type, frames: Sequence[Frame], batches: Sequence[str], max_bytes: int) -> Any:
+    """Decode a body of `cls` written before protocol 3: each `SampleBatch` field named in `batches` is
+    given the episode columns it lacks, empty (`april.wire_records.add_episode_columns`), and the body is
+    then decoded as strictly as a current one. A body that is not such a map is decoded as it is, for the
+    decoder to name what is wrong."""
+    try:
+        body = msgpack.unpackb(frames[1], raw=False)
+    except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException):
+        return decode_body(cls, frames, max_bytes=max_bytes)
+    if not isinstance(body, dict):
+        return decode_body(cls, frames, max_bytes=max_bytes)
+    for name in batches:
+        if name in body:
+            body[name] = add_episode_columns(body[name], frames)
+    upgraded = [frames[0], msgpack.packb(body, use_bin_type=True), *frames[2:]]
+    # the empty columns make the body longer than the bytes read: the limit grows by as much
+    grown = len(upgraded[1]) - len(frames[1])
+    return decode_body(cls, upgraded, max_bytes=max_bytes + max(0, grown))
 
 
 def record_size(record: Record) -> int:

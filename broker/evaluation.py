@@ -172,7 +172,7 @@ class Evaluations:
         self.run.queue.appendleft(position)
 
     def accept_result(self, worker_id: str, lease_id: int, sample: Sample, broker_version: int) -> int:
-        """Take one returned evaluation sample; returns the new response tokens it brings. Raises
+        """Take one returned evaluation sample; returns the new model tokens it brings. Raises
         ResultRejected (as `BrokerState.accept_result` does) when it does not continue what was leased."""
         run = self.run
         held = run.leases.get(lease_id) if run else None
@@ -183,7 +183,7 @@ class Evaluations:
         del run.leases[lease_id]
         position = sample.group_id - EVAL_GROUP_BASE
         run.samples[position] = sample
-        new_tokens = sample.response_len - before.response_len
+        new_tokens = sample.model_tokens - before.model_tokens
         self.tokens_generated += new_tokens
         if sample.status == SampleStatus.INTERRUPTED:
             run.queue.append(position)  # resumed later, for this evaluation only

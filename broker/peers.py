@@ -43,7 +43,7 @@ class WorkerPeer(Peer):
     failed_version: int = -1  # the newest version it reported it could not load (it serves an older one)
     pid: int = 0
     host: str = ""
-    tokens_generated: int = 0  # new response tokens accepted from this worker (for its tokens/s)
+    tokens_generated: int = 0  # new model tokens accepted from this worker (for its tokens/s)
     messages: int = 0  # messages heard from it since its hello (heartbeats and usage reports included)
     samples_returned: int = 0  # samples in its SampleResults since its hello
     restored: bool = False  # known only from a snapshot's leases; has not said hello to this broker

@@ -1,9 +1,10 @@
 """Whether a returned sample is a valid return of what was leased: the broker's trust boundary for results.
 
 `check_continues` is the rule, one sample at a time: the same sample, a returnable status, within its
-budget, continuing the leased response token for token (log-probs and version tags unchanged), no version
-newer than the broker's, the same task, and a reward on a finished sample. Both the training books
-(`broker.state`) and evaluations (`broker.evaluation`) apply it.
+budget, continuing the leased response token for token (log-probs, version tags and an episode's
+observation spans unchanged), an episode state of bounded size, no version newer than the broker's, the
+same task, and a reward on a finished sample. Both the training books (`broker.state`) and evaluations
+(`broker.evaluation`) apply it.
 
 `plainly_valid` applies the same rule to a whole `SampleBatch` at once with array operations, for the
 case that is almost every result: a sample leased fresh (no response yet) and returned finished. It only
@@ -29,6 +30,7 @@ _FINISH_OF_FINISHED = (FinishReason.STOP, FinishReason.LENGTH)
 # the same as plain codes (april.records), for comparisons with code arrays
 _RETURNABLE_CODES = tuple(map(int, _RETURNABLE))
 _FINISH_OF_FINISHED_CODES = tuple(map(int, _FINISH_OF_FINISHED))
+MAX_EPISODE_BYTES = 1 << 20  # an episode state larger than this is refused (docs/protocol.md section 6)
 
 
 class ResultRejected(Exception):
@@ -54,6 +56,11 @@ def check_continues(before: Sample, after: Sample, max_new_tokens: int, version:
         )
     if not _continues(before, after):
         raise ResultRejected("not_a_continuation", f"sample {after.key} rewrote its earlier response")
+    if len(after.episode) > MAX_EPISODE_BYTES:
+        raise ResultRejected(
+            "episode_too_large",
+            f"sample {after.key}: episode state of {len(after.episode)} bytes, limit {MAX_EPISODE_BYTES}",
+        )
     if after.segments and after.segments[-1].version > version:
         raise ResultRejected(
             "future_version", f"sample {after.key} claims version {after.segments[-1].version}"
@@ -80,25 +87,38 @@ def check_continues(before: Sample, after: Sample, max_new_tokens: int, version:
 
 
 def _continues(before: Sample, after: Sample) -> bool:
-    """`after` keeps every earlier token, behaviour log-prob and version tag of `before` unchanged.
+    """`after` keeps every earlier token, behaviour log-prob, version tag and observation span of `before`
+    unchanged.
 
-    Old segments are kept as they were, except that the last one may grow when generation went on
-    under the same version; tokens and log-probs of the old response are byte-identical.
+    Old segments and observations are kept as they were, except that the one the old response ends with
+    may grow (a segment when generation went on under the same version, an observation when the
+    environment's reply went on); tokens and log-probs of the old response are byte-identical.
     """
-    old, new = before.segments, after.segments
-    if old:
-        last = len(old) - 1
-        if len(new) < len(old) or new[:last] != old[:last]:
-            return False
-        if (new[last].version, new[last].start) != (old[last].version, old[last].start):
-            return False
-        if new[last].end < old[last].end:  # its tokens may not be re-tagged with a newer version
-            return False
     n0 = before.response_len
+    if not _spans_continue(before.segments, after.segments, n0):
+        return False
+    if (before.observations or after.observations) and not _spans_continue(
+        before.observations, after.observations, n0
+    ):
+        return False
     return n0 == 0 or (
         np.array_equal(after.response_ids[:n0], before.response_ids)
         and np.array_equal(after.response_logprobs[:n0], before.response_logprobs)
     )
+
+
+def _spans_continue(old: Sequence[tuple[int, ...]], new: Sequence[tuple[int, ...]], n0: int) -> bool:
+    """`new` (segments or observation spans, each ending with `end`) keeps `old` as a prefix, except that
+    the last old one may end later, and only if the old response (`n0` tokens) ended with it."""
+    if not old:
+        return True
+    last = len(old) - 1
+    if len(new) < len(old) or new[:last] != old[:last]:
+        return False
+    was, now = old[last], new[last]
+    if now[:-1] != was[:-1] or now[-1] < was[-1]:  # a segment's tokens may not be re-tagged newer
+        return False
+    return now[-1] == was[-1] or was[-1] == n0
 
 
 def plainly_valid(
@@ -135,6 +155,8 @@ def plainly_valid(
     finished = status == FINISHED_CODE
     ok &= ~finished | (_any_of(reason, _FINISH_OF_FINISHED_CODES) & np.isfinite(after.reward))
     ok &= (status != INTERRUPTED_CODE) | (reason == ABORT_CODE)
+    if any(after.episode):  # an episode's states (a single-turn result has none: a pass that reads no sizes)
+        ok &= np.fromiter(map(len, after.episode), dtype=np.int64, count=n) <= MAX_EPISODE_BYTES
     ok &= ~_prompt_ids_differ(plain, after, ok & (leased_lengths > 0))
     return [
         bool(good) and b is not None and b.prompt_text == text and b.metadata == meta

@@ -1,7 +1,8 @@
 """Crash-consistent persistence of the broker's books in `RUN_DIR/broker/`.
 
 Two files make a restart lose nothing. `state.snap` holds the live books: every sample that may still
-change in its latest known state (pending, and partials with their tokens, log-probs and segments), the
+change in its latest known state (pending, and partials with their tokens, log-probs, segments and, for
+an episode, observation spans and episode state), the
 lease table with each leased sample as it was leased (leased, it is that sample resumed), the live
 groups, the complete queue and the unacked batch (as group ids), the ledger counters, the data cursor and
 the weights version. The log of settled samples
@@ -14,7 +15,8 @@ Both are written with the protocol codec (the same strict decoding on load as fo
 length-prefixed frames. The log is appended and fsynced before the state file that refers to it is
 written to a temporary file, fsynced and renamed over the old one, and a log segment is deleted only
 after a state file that no longer refers to it is durable, so a crash at any point leaves a previous
-consistent pair; a torn record at a segment's tail is cut off on open.
+consistent pair; a torn record at a segment's tail is cut off on open. Files of earlier formats are read
+(`READABLE_FORMATS`; those before protocol 3 with the episode columns empty).
 
 Restoring starts a new lease epoch (see `broker.state`). Does not decide when to snapshot: the server does.
 """
@@ -40,6 +42,7 @@ from april.records import SETTLED, Sample
 from april.wire_records import SampleBatch
 from broker.complete_log import (
     CompleteLog,
+    decode_upgraded,
     encode_batch,
     encode_groups,
     read_record,
@@ -49,10 +52,12 @@ from broker.complete_log import (
 from broker.length_history import HistoryWire, LengthHistory
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, WaitingPrompt
 
-SNAPSHOT_FORMAT = 4  # the state file's codec version (log records have their own: complete_log); 2: the
+SNAPSHOT_FORMAT = 5  # the state file's codec version (log records have their own: complete_log); 2: the
 # length history and prompt window; 3: settled samples of live groups are in the log, not the state file;
-# 4: a leased sample is only in `leased_at` (as leased it is that sample resumed)
-READABLE_FORMATS = (4, 3, 2)  # formats 2 and 3 also hold leased samples in `samples`: read as they are
+# 4: a leased sample is only in `leased_at` (as leased it is that sample resumed); 5: samples carry
+# episodes (observation spans, episode state)
+READABLE_FORMATS = (5, 4, 3, 2)  # formats 2 and 3 also hold leased samples in `samples`: read as they are;
+# formats before 5 lack the episode columns: read with them empty
 SNAPSHOT_KIND = 0
 FILE_NAME = "state.snap"
 
@@ -273,8 +278,10 @@ class SnapshotStore:
             raise SnapshotError(f"no broker snapshot at {self.state_path} (nothing to resume)") from None
         try:
             frames, _ = read_record(data, 0)
-            decode_file_version(frames, READABLE_FORMATS)
-            live: BrokerSnapshot = decode_body(BrokerSnapshot, frames, max_bytes=len(data) + 1)
+            if decode_file_version(frames, READABLE_FORMATS) == SNAPSHOT_FORMAT:
+                live: BrokerSnapshot = decode_body(BrokerSnapshot, frames, max_bytes=len(data) + 1)
+            else:
+                live = decode_upgraded(BrokerSnapshot, frames, ("samples", "leased_at"), len(data) + 1)
         except (struct.error, ProtocolError) as exc:
             raise SnapshotError(f"broker snapshot {self.state_path} is unreadable: {exc}") from exc
         unsettled = live.samples.to_samples()

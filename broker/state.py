@@ -148,7 +148,7 @@ class RoundCounters:
 
     aborted: int = 0  # samples returned interrupted
     resumed: int = 0  # samples leased with a partial response
-    tokens_generated: int = 0  # new response tokens received
+    tokens_generated: int = 0  # new model tokens received (an episode's observations are not generated)
     samples_finished: int = 0
 
 
@@ -321,8 +321,9 @@ class BrokerState:
         )
 
     def buffered_tokens(self) -> int:
-        """Response tokens held: partials, complete groups, an unacked batch. O(samples held)."""
-        return sum(s.response_len for g in self.groups.values() for s in g.samples)
+        """Model tokens held (as `tokens_generated` counts them): partials, complete groups, an unacked
+        batch. O(samples held)."""
+        return sum(s.model_tokens for g in self.groups.values() for s in g.samples)
 
     def partial_samples(self) -> list[Sample]:
         return [
@@ -529,7 +530,7 @@ class BrokerState:
         return plainly_valid(before, samples, self.algo.max_new_tokens, self.version)
 
     def accept_result(self, worker_id: str, lease_id: int, sample: Sample, vouched: bool = False) -> int:
-        """Take one returned sample; returns the count of new response tokens it brings. Raises
+        """Take one returned sample; returns the count of new model tokens it brings. Raises
         ResultRejected (the lease is then reclaimed by the caller, or unknown) when it does not continue
         what was leased. `vouched`: `vouch` passed it against this lease, so it is not checked again."""
         lease = self.leases.get(lease_id)
@@ -539,15 +540,21 @@ class BrokerState:
             check_continues(lease.at_lease, sample, self.algo.max_new_tokens, self.version)
         del self.leases[lease_id]
         entry = self.groups[sample.group_id]
+        at_lease = lease.at_lease
         length, status = sample.response_len, sample.status
-        new_tokens = length - lease.at_lease.response_len
-        if status == INTERRUPTED_CODE and new_tokens == 0:
+        if (
+            status == INTERRUPTED_CODE
+            and length == at_lease.response_len
+            and sample.episode == at_lease.episode
+        ):
             # returned with nothing generated (its worker's engine was still starting or went down, or an
-            # abort beat the first token): the lease comes back as it was leased, which is no abort
+            # abort beat the first token): the lease comes back as it was leased, which is no abort. An
+            # episode whose state moved on (a tool step run, its observation empty) has changed: kept
             self._requeue_as_leased(lease)
-            if lease.at_lease.response_len:  # a partial: its prefix (if cached anywhere) is on that worker
+            if at_lease.response_len:  # a partial: its prefix (if cached anywhere) is on that worker
                 self.holders[sample.key] = worker_id
             return 0
+        new_tokens = sample.model_tokens - at_lease.model_tokens
         self.round.tokens_generated += new_tokens
         self.totals.tokens_generated += new_tokens
         after = self._update(entry, sample)
@@ -626,7 +633,7 @@ class BrokerState:
 
     def _batch_stats(self, samples: list[Sample]) -> dict[str, float]:
         staleness = [s.staleness(self.version) for s in samples]
-        tokens = sum(s.response_len for s in samples)
+        tokens = sum(s.model_tokens for s in samples)
         offpolicy = sum(
             seg.end - seg.start for s in samples for seg in s.segments if seg.version < self.version
         )

@@ -34,6 +34,7 @@ from cli.bench_plan import (
 )
 from cli.bench_report import bench_json, bench_markdown, bench_png
 from cli.options import ConfigOpt, SetOpt
+from cli.sim_options import ENGINES as ENGINES_KEY
 from cli.sim_options import (
     MODES,
     PANEL,
@@ -52,6 +53,7 @@ from cli.sim_options import (
     parse_modes,
     resolve,
     resolve_lengths,
+    sweep_points,
 )
 
 DEFAULT_ENGINES = {"sim": 8, "torch": 2}
@@ -123,6 +125,13 @@ def bench_command(
             "same sync run."
         ),
     ] = None,
+    sweep: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="section.key=V1,V2,... (repeat: the product): every mode but sync once per point, labelled "
+            "MODE-key=V, each compared with the one sync run; as `april simulate --sweep`.",
+        ),
+    ] = None,
     real_learner: Annotated[
         bool,
         typer.Option(
@@ -174,6 +183,11 @@ def bench_command(
         learner__model=model_dir,
         data__synthetic_size=dataset_size,
     )
+    points = sweep_points(sweep or [], base)
+    if any(ENGINES_KEY in point for point in points):
+        raise ConfigError("--sweep: engines cannot be swept in a bench (one set of workers); use --engines")
+    if sweep and max_staleness and "," in max_staleness:
+        raise ConfigError("--sweep and a --max-staleness list: sweep algo.max_staleness instead")
     staleness = staleness_bounds(max_staleness, base)
     if staleness:
         base = replace_fields(base, {"algo.max_staleness": staleness[0]})
@@ -188,6 +202,7 @@ def bench_command(
         real_learner=real_learner,
         async_staleness=staleness,
         variants=tuple(parse_variant(v, base) for v in variant or []),
+        sweep=tuple(tuple(point.items()) for point in points if point),
     )
     run_bench(setting, out, target_s, time_scale)
 

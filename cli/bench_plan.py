@@ -89,6 +89,11 @@ def parse_variant(text: str, base: Config) -> BenchRun:
     return BenchRun(label, mode, pairs)
 
 
+def sweep_label(mode: Mode, point: tuple[tuple[str, str], ...]) -> str:
+    """A swept run's label: its mode and each field's last name and value, e.g. april-prompt_order=issue."""
+    return "-".join([mode.value, *(f"{key.rsplit('.', 1)[-1]}={value}" for key, value in point)])
+
+
 @dataclass(frozen=True, slots=True)
 class BenchSetting:
     engine: str  # sim | torch
@@ -101,6 +106,7 @@ class BenchSetting:
     real_learner: bool = False  # sim: train the model for real (DeepSpeed) instead of the simulated learner
     async_staleness: tuple[int, ...] = ()  # async once per bound (eta), labelled async-etaN; () = config's
     variants: tuple[BenchRun, ...] = ()  # more runs after the modes' (--variant)
+    sweep: tuple[tuple[tuple[str, str], ...], ...] = ()  # --sweep points: each mode but sync once per point
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -120,7 +126,9 @@ class BenchSetting:
         more than one (so every ratio to sync is taken in one bench, against one sync run)."""
         out = []
         for mode in self.modes:
-            if mode is Mode.ASYNC and len(self.async_staleness) > 1:
+            if self.sweep and mode is not Mode.SYNC:
+                out += [BenchRun(sweep_label(mode, point), mode, point) for point in self.sweep]
+            elif mode is Mode.ASYNC and len(self.async_staleness) > 1:
                 out += [
                     BenchRun(f"async-eta{eta}", mode, (("algo.max_staleness", str(eta)),))
                     for eta in self.async_staleness

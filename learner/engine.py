@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from april.config import LearnerConfig
+
 Backend = Literal["torch", "deepspeed"]
 LossFn = Callable[[Any, Any], "torch.Tensor"]  # (forward-callable model, micro_batch) -> scalar loss
 
@@ -52,6 +54,24 @@ class TrainSettings:
     warmup_steps: int = 0  # linear LR warm-up over this many optimizer steps; 0: constant LR
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (resolved: april.devices)
     adam_impl: AdamImpl = "torch"  # CUDA: torch's fused AdamW, or DeepSpeed's FusedAdam (built at first use)
+
+    @classmethod
+    def of(cls, lc: LearnerConfig, device: str, **overrides: Any) -> TrainSettings:
+        """The settings `learner.*` gives, on `device` (already resolved), with `overrides` on top."""
+        given: dict[str, Any] = {
+            "backend": lc.backend,
+            "zero_stage": lc.zero_stage,
+            "grad_accum_steps": lc.micro_batches,
+            "lr": lc.lr,
+            "weight_decay": lc.weight_decay,
+            "betas": (lc.beta1, lc.beta2),
+            "eps": lc.adam_eps,
+            "grad_clip": lc.grad_clip,
+            "warmup_steps": lc.warmup_steps,
+            "device": device,
+            "adam_impl": lc.adam_impl.value,
+        }
+        return cls(**(given | overrides))
 
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "deepspeed"):

@@ -113,20 +113,7 @@ class ModelTrainer:
         device = resolve_device(lc.device, "learner.device")
         if device.startswith("cuda") and launched_world_size() > 1:
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-        return TrainSettings(
-            backend=lc.backend,  # type: ignore[arg-type]
-            zero_stage=lc.zero_stage,
-            micro_batch_size=1,
-            grad_accum_steps=lc.micro_batches,
-            lr=lc.lr,
-            weight_decay=lc.weight_decay,
-            betas=(lc.beta1, lc.beta2),
-            eps=lc.adam_eps,
-            grad_clip=lc.grad_clip,
-            warmup_steps=lc.warmup_steps,
-            device=device,
-            adam_impl=lc.adam_impl.value,
-        )
+        return TrainSettings.of(lc, device)
 
     def start(self, report: PhaseReport) -> None:
         from april.devices import init_cuda

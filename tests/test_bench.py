@@ -29,7 +29,7 @@ from cli.bench_plan import (
 )
 from cli.bench_report import bench_json
 from cli.main import app
-from cli.sim_options import resolve
+from cli.sim_options import resolve, sweep_points
 
 FLOATS = (
     "wall_s", "rollout_s", "samples_per_s", "tokens_per_s", "effective_tokens_per_s", "slot_utilization",
@@ -190,6 +190,47 @@ def test_several_staleness_bounds_run_async_once_each_against_one_sync_run() -> 
     assert list(predicted) == ["sync", "april", "async-eta1", "async-eta2"]
     assert predicted["sync"].speedup == 1.0 and predicted["async-eta2"].speedup is not None
     assert setting.to_json()["async_staleness"] == [1, 2]
+
+
+def test_a_sweep_runs_every_mode_but_sync_once_per_point_against_one_sync_run() -> None:
+    """`april bench --sweep algo.prompt_order=issue,shortest_first --sweep algo.max_staleness=1,2`: the
+    product of the points, each mode but sync once per point, each run differing only in mode and point."""
+    base = setting_of(Mode.SYNC).config
+    points = sweep_points(["algo.prompt_order=issue,shortest_first", "algo.max_staleness=1,2"], base)
+    setting = setting_of(Mode.SYNC, Mode.APRIL, sweep=tuple(tuple(p.items()) for p in points))
+    runs = setting.runs()
+    assert [r.label for r in runs] == [
+        "sync",
+        "april-prompt_order=issue-max_staleness=1",
+        "april-prompt_order=issue-max_staleness=2",
+        "april-prompt_order=shortest_first-max_staleness=1",
+        "april-prompt_order=shortest_first-max_staleness=2",
+    ]
+    configs = [config_to_dict(run_config(setting, r, "b")) for r in runs[1:]]
+    assert [(c["algo"]["prompt_order"], c["algo"]["max_staleness"]) for c in configs] == [
+        ("issue", 1),
+        ("issue", 2),
+        ("shortest_first", 1),
+        ("shortest_first", 2),
+    ]
+    for c in configs:
+        c["algo"].pop("prompt_order"), c["algo"].pop("max_staleness")
+    assert all(c == configs[0] for c in configs)
+    assert list(predict(setting)) == [r.label for r in runs]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--sweep", "engines=1,2"], "--sweep: engines cannot be swept"),
+        (["--sweep", "algo.colour=1,2"], "colour"),
+        (["--sweep", "algo.max_staleness=1", "--max-staleness", "1,2"], "sweep algo.max_staleness instead"),
+    ],
+)
+def test_a_bad_bench_sweep_is_one_line(args: list[str], expected: str, tmp_path: Path) -> None:
+    got = CliRunner().invoke(app, ["bench", "--out", str(tmp_path), *args])
+    assert got.exit_code == 2 and expected in got.output, got.output
+    assert not any(tmp_path.iterdir())  # nothing ran
 
 
 @pytest.mark.parametrize("text", ["", "x", "1,1", "-1", "1,,-2"])

@@ -12,11 +12,15 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from episode_samples import episodes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_snapshot_episodes import worker_turns
 
 from april.config import Mode
-from april.records import FinishReason, Sample, SampleStatus, Segment, new_group_samples
+from april.records import FinishReason, Sample, SampleStatus, Segment, Span, new_group_samples
 from april.wire_records import SampleBatch
-from broker.result_check import ResultRejected, check_continues, plainly_valid
+from broker.result_check import MAX_EPISODE_BYTES, ResultRejected, check_continues, plainly_valid
 
 MAX_NEW = 16
 VERSION = 3
@@ -183,3 +187,140 @@ def test_the_books_take_a_whole_result_vouched_for_and_refuse_a_broken_sample_in
             assert exc.value.reason == "task_changed"
     assert set(state.leases) == {lease_ids[5]}
     state.check_ledger("after a vouched result")
+
+
+# ---------------------------------------------------------------------------------------------------
+# episodes: observations are kept as leased, the episode state may change within its bound
+
+
+def reason(before: Sample, after: Sample, max_new: int = MAX_NEW, version: int = VERSION) -> str | None:
+    """The rule's verdict: None when it accepts `after`, else the rejection's reason."""
+    try:
+        check_continues(before, after, max_new, version)
+    except ResultRejected as exc:
+        return exc.reason
+    return None
+
+
+def partial_episode() -> Sample:
+    """As queued after an abort: a model turn [0, 2) under version 0, then an observation [2, 5)."""
+    fresh = Sample(4, 1, np.array([11, 12], np.int32), prompt_text="p", metadata={"answer": "3"}).resumed()
+    turn = fresh.extend([21, 22], [-0.5, -0.25], 0, FinishReason.NONE).observed([31, 32, 33])
+    return turn.with_episode(b'{"turns": 1}').extend([], [], 0, FinishReason.ABORT)
+
+
+def rewritten(leased: Sample, segments: tuple[Segment, ...], observations: tuple[Span, ...]) -> Sample:
+    """`leased` returned finished with one token more under version 0, its spans replaced."""
+    return dataclasses.replace(
+        leased.extend([41], [-0.125], 0, FinishReason.STOP).scored(1.0),
+        segments=segments,
+        observations=observations,
+    )
+
+
+def test_a_segment_may_not_grow_over_an_observation() -> None:
+    """(0, 0, 6) replacing (0, 0, 2) over the observation (2, 5): the tokens, log-probs and versions of
+    the old segments are a prefix, and the batch is valid on the wire (its segments alone tile the
+    response), but the observation's tokens would be trained as the model's."""
+    before = partial_episode()
+    after = rewritten(before.resumed(), (Segment(0, 0, 6),), ())
+    after.check()
+    SampleBatch.from_samples([after]).validate()
+    assert reason(before, after) == "not_a_continuation"
+
+
+@pytest.mark.parametrize(
+    ("segments", "observations"),
+    [
+        ((Segment(0, 0, 2), Segment(0, 4, 6)), (Span(2, 4),)),  # the observation cut short
+        ((Segment(0, 0, 2), Segment(1, 2, 6)), ()),  # the observation re-tagged as version 1's
+        ((Segment(0, 0, 2), Segment(0, 3, 6)), (Span(2, 3),)),  # cut shorter
+    ],
+    ids=["shortened", "retagged", "cut"],
+)
+def test_old_observations_are_returned_as_leased(
+    segments: tuple[Segment, ...], observations: tuple[Span, ...]
+) -> None:
+    before = partial_episode()
+    after = rewritten(before.resumed(), segments, observations)
+    after.check()  # a well-formed sample: only the comparison with the lease finds it out
+    assert reason(before, after) == "not_a_continuation"
+
+
+def test_an_episode_goes_on_after_its_observation() -> None:
+    """The next model turn (a new segment), more of the observation the response ends with (a tool's
+    output that went on), a new episode state: all continue the lease."""
+    before = partial_episode()
+    leased = before.resumed()
+    turn = leased.extend([51, 52], [-0.5, -0.5], 1, FinishReason.STOP).scored(1.0)
+    assert turn.segments == (Segment(0, 0, 2), Segment(1, 5, 7)) and reason(before, turn) is None
+    more = leased.observed([34]).with_episode(b'{"turns": 2}').extend([53], [-0.5], 0, FinishReason.ABORT)
+    assert more.observations == (Span(2, 6),) and reason(before, more) is None
+    single = (
+        Sample(0, 0, np.array([1], np.int32)).resumed().extend([2, 3], [-0.5, -0.5], 0, FinishReason.ABORT)
+    )
+    grown = single.resumed().extend([4], [-0.5], 0, FinishReason.STOP).scored(0.0)
+    assert grown.segments == (Segment(0, 0, 3),) and reason(single, grown) is None  # it ended the response
+
+
+def test_a_segment_grows_only_where_the_old_response_ended() -> None:
+    """Checked on its own (segments and observations that need not tile, as no decoder has seen them):
+    the old last segment (0, 0, 2) may not grow past the observation that followed it."""
+    before = partial_episode()
+    after = dataclasses.replace(rewritten(before.resumed(), (Segment(0, 0, 3),), (Span(2, 5),)))
+    assert reason(before, after) == "not_a_continuation"
+
+
+def test_the_budget_counts_observation_tokens() -> None:
+    """An episode's budget is its context: observation tokens count as the model's do (5 leased, 16 at
+    most)."""
+    before = partial_episode()
+    leased = before.resumed()
+    full = leased.observed(list(range(100, 110))).extend([9], [-0.5], 0, FinishReason.LENGTH).scored(0.0)
+    assert full.response_len == MAX_NEW and reason(before, full) is None
+    over = leased.observed(list(range(100, 111))).extend([9], [-0.5], 0, FinishReason.LENGTH).scored(0.0)
+    assert reason(before, over) == "bad_length"
+
+
+def test_an_episode_state_over_the_bound_is_refused_by_name() -> None:
+    before = partial_episode()
+    done = before.resumed().extend([51], [-0.5], 0, FinishReason.STOP).scored(1.0)
+    assert reason(before, done.with_episode(b"s" * MAX_EPISODE_BYTES)) is None
+    assert reason(before, done.with_episode(b"s" * (MAX_EPISODE_BYTES + 1))) == "episode_too_large"
+    fresh = leased(4, seed=5)
+    after = [s.extend([3], [-0.5], 0, FinishReason.STOP).scored(1.0) for s in fresh]
+    after[2] = after[2].with_episode(b"s" * (MAX_EPISODE_BYTES + 1))
+    after[3] = after[3].with_episode(b"s" * MAX_EPISODE_BYTES)
+    assert plainly_valid(fresh, SampleBatch.from_samples(after), MAX_NEW, VERSION) == [
+        True,
+        True,
+        False,
+        True,
+    ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_every_continuation_an_episode_driver_makes_is_accepted_and_a_moved_observation_is_not(
+    data: st.DataObject,
+) -> None:
+    """A partial episode (any mix of turns, observations, aborts and resumes), leased again and driven on
+    by a worker: accepted; the same return with one old observation span starting a token later: refused."""
+    partial = data.draw(episodes(steps=10), label="partial")
+    version = partial.segments[-1].version if partial.segments else 0
+    before = partial.extend([], [], version, FinishReason.ABORT)
+    leased_again = before.resumed()
+    budget = before.budget(64)
+    after = data.draw(
+        worker_turns(leased_again, version + data.draw(st.integers(0, 1)), budget), label="turns"
+    )
+    after = after.extend(
+        [], [], after.segments[-1].version if after.segments else version, FinishReason.ABORT
+    )
+    far = {"max_new": 64, "version": 1 << 20}  # the rule's other limits out of the way
+    assert reason(before, after, **far) is None
+    if before.observations:
+        i = data.draw(st.integers(0, len(before.observations) - 1), label="moved span")
+        old = before.observations[i]  # the returned span i starts there and ends there or later
+        moved = (*after.observations[:i], Span(old.start + 1, old.end), *after.observations[i + 1 :])
+        assert reason(before, dataclasses.replace(after, observations=moved), **far) == "not_a_continuation"

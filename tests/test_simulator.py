@@ -430,6 +430,18 @@ def test_cli_simulates_the_config_file_a_run_trains_with(tmp_path: Path) -> None
     assert json.loads(same)["modes"] == doc["modes"]
 
 
+def test_cli_simulates_the_slurm_example_whose_prompts_are_text() -> None:
+    """docs/slurm/april.toml trains on the built-in task, whose prompts arrive as text: the simulated
+    workers tokenize them as the sim engine's worker does (one id a byte), and every prompt's length is its
+    text's."""
+    slurm = Path(__file__).resolve().parents[1] / "docs" / "slurm" / "april.toml"
+    code, out = invoke("--config", str(slurm), "--set", "algo.max_staleness=2", "--steps", "2", "--json")
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["setting"]["prompts"] == "task" and doc["setting"]["max_staleness"] == 2
+    assert all(m["samples_per_s"] > 0 and m["wasted_tokens"] == 0 for m in doc["modes"].values())
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

@@ -73,11 +73,14 @@ def decode_sweep(path: Path, params: dict[str, Any]) -> dict[str, Any]:
         step_repeats=params["repeats"],
         seed=0,
         device=params["device"],
+        dtype="auto",
+        cuda_graphs=True,
     )
-    rows = engine_throughput.step_sweep(path, ns)
+    rows, how = engine_throughput.step_sweep(path, ns)
     return {
         "prompt": params["prompt"],
         "repeats": params["repeats"],
+        **how,
         "rows": rows,
         "ms_at": {str(r["active"]): r["ms_per_step"] for r in rows},
     }
@@ -90,7 +93,7 @@ def batching(path: Path, params: dict[str, Any]) -> dict[str, Any]:
     from april.hf import load_model
 
     spec = params["batching"]
-    ns = argparse.Namespace(**spec, seed=0, device=params["device"])
+    ns = argparse.Namespace(**spec, seed=0, device=params["device"], dtype="auto", cuda_graphs=True)
     prompts, lengths = engine_throughput.workload(ns)
     continuous = engine_throughput.run_engine(path, ns, spec["slots"], prompts, lengths)
     model = load_model(path, params["device"])

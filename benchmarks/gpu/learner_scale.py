@@ -25,26 +25,10 @@ from typing import Any
 
 from april.hf import set_torch_threads
 from gpu.flops import attention_flops, matmul_weights, weight_flops
-from gpu.record import PhaseRecord, PhaseSkipped
+from gpu.record import PhaseRecord
 from gpu.shapes import SHAPES, Qwen3Shape, build
 
 GIB = 2**30
-
-
-def adam_setting(impl: str, device: str) -> dict[str, str]:
-    """The `TrainSettings` keyword that selects `impl`, or {} where the engine has no choice and uses
-    `impl` anyway (DeepSpeed's FusedAdam on CUDA, torch's AdamW on the CPU: `learner.ds_config`)."""
-    from learner.engine import TrainSettings
-
-    if "adam_impl" in {f.name for f in dataclasses.fields(TrainSettings)}:
-        return {"adam_impl": impl}
-    built_in = "deepspeed" if device.startswith("cuda") else "torch"
-    if impl != built_in:
-        raise PhaseSkipped(
-            f"adam_impl {impl!r}: this code's TrainSettings has no adam_impl field; on {device} it always "
-            f"uses {built_in!r}"
-        )
-    return {}
 
 
 def optimizer_chain(engine: Any) -> list[str]:
@@ -57,27 +41,14 @@ def optimizer_chain(engine: Any) -> list[str]:
     return names
 
 
-def make_engine(model: Any, device: str, adam: dict[str, str]) -> Any:
+def make_engine(model: Any, device: str, adam_impl: str) -> Any:
     """The training engine as `learner.model_trainer` builds it from the `learner.*` defaults."""
     from april.config import LearnerConfig
     from learner.engine import TrainEngine, TrainSettings
 
-    lc = LearnerConfig()
-    settings = TrainSettings(
-        backend="deepspeed",
-        zero_stage=lc.zero_stage,
-        micro_batch_size=1,
-        grad_accum_steps=lc.micro_batches,
-        lr=lc.lr,
-        weight_decay=lc.weight_decay,
-        betas=(lc.beta1, lc.beta2),
-        eps=lc.adam_eps,
-        grad_clip=lc.grad_clip,
-        warmup_steps=lc.warmup_steps,
-        device=device,
-        **adam,
+    return TrainEngine(
+        model, TrainSettings.of(LearnerConfig(), device, backend="deepspeed", adam_impl=adam_impl)
     )
-    return TrainEngine(model, settings)
 
 
 def measure_size(
@@ -148,7 +119,6 @@ def run(params: dict[str, Any], record: PhaseRecord) -> None:
     device, shape = params["device"], SHAPES[params["shape"]]
     if params.get("threads"):
         set_torch_threads(params["threads"])
-    adam = adam_setting(params["adam_impl"], device)
     started = time.perf_counter()
     model = build(shape, device, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     weights = matmul_weights(model)
@@ -164,12 +134,11 @@ def run(params: dict[str, Any], record: PhaseRecord) -> None:
         },
     )
     started = time.perf_counter()
-    engine = make_engine(model, device, adam)
+    engine = make_engine(model, device, params["adam_impl"])
     record.put(
         "engine",
         {
             "adam_impl": params["adam_impl"],
-            "setting": adam,
             "optimizer": optimizer_chain(engine),
             "setup_s": time.perf_counter() - started,
         },

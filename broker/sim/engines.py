@@ -41,6 +41,7 @@ to lease and when to abort.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from actors.tokenizer import ByteTokenizer
 from april.engine_cost import EngineCost
 from april.prefix_cache import PrefixCache
 from april.protocol import Abort, WeightsReady
@@ -59,6 +61,7 @@ from broker.sim.figures import Meter
 
 LengthOf = Callable[[Sample], int]  # the drawn total response length of a sample
 Output = tuple[int, Sample]  # (lease id, the sample as returned to the broker)
+BYTES = ByteTokenizer()  # the sim engine's tokenizer (actors.factory): a text prompt's ids, one a byte
 _EPS = 1e-9  # float slack when placing a time on the step grid
 
 
@@ -224,6 +227,9 @@ class EngineModel:
         self.credit -= len(work)
         before, ready, remaining = self.active, [], list[int]()
         for lease_id, budget, sample in work:
+            if sample.prompt_ids.shape[0] == 0:  # a text prompt: tokenized as the sim engine's worker does
+                ids = BYTES.encode_prompt(sample.prompt_text, sample.metadata)
+                sample = dataclasses.replace(sample, prompt_ids=ids)
             if self.active >= self.slots:
                 self.queued.append((lease_id, budget, sample))
                 continue
