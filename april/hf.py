@@ -30,6 +30,10 @@ class ModelError(Exception):
     """A model directory that is missing, incomplete or unreadable; the message is one readable line."""
 
 
+TINY_MODEL = (
+    Path(__file__).resolve().parents[1] / "models" / "tiny"
+)  # the shipped model (`april sft` made it)
+
 # Special tokens of the tiny byte-level tokenizer; the 256 byte tokens follow them.
 TINY_PAD, TINY_BOS, TINY_EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 TINY_SPECIALS = (TINY_PAD, TINY_BOS, TINY_EOS)

@@ -42,11 +42,12 @@ sys.path.insert(0, str(REPO))
 
 from april.config import load_config, write_config  # noqa: E402
 from april.files import read_jsonl  # noqa: E402
+from april.hf import TINY_MODEL  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from april.status import BrokerStatus  # noqa: E402
 from cli.status_cmd import StatusError, fetch_status  # noqa: E402
 from cli.supervisor import Supervisor  # noqa: E402
-from cli.up_cmd import BROKER, LEARNER, TINY_MODEL, plan, wire_addresses  # noqa: E402
+from cli.up_cmd import BROKER, LEARNER, plan, wire_addresses  # noqa: E402
 
 UNBOUNDED = 1 << 30  # restarts allowed per child
 

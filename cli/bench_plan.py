@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 from actors.factory import model_vocab_size
 from actors.lengths import LengthSpec
@@ -31,13 +30,12 @@ from april.config import (
     parse_override,
     replace_fields,
 )
+from april.hf import TINY_MODEL
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
 from cli.sim_options import paper_config
 
 ENGINES = ("sim", "torch")
-REPO = Path(__file__).resolve().parents[1]
-TINY_MODEL = REPO / "models" / "tiny"
 TASK_WORKLOAD = "tiny-task"  # the built-in task's lengths on the tiny model (workloads/tiny-task.txt)
 DEFAULT_WORKLOAD = {"sim": "math-long-tail", "torch": TASK_WORKLOAD}
 Overrides = tuple[tuple[str, str], ...]  # ("section.key", value) as `--set` takes them

@@ -23,8 +23,6 @@ from actors.tokenizer import HFTokenizer
 from april.config import Config
 from april.data import FilePromptSource, PromptRecord, open_source
 
-REPO = Path(__file__).resolve().parents[1]
-TINY_MODEL = REPO / "models" / "tiny"
 PERCENTILES = (50, 90, 99)
 SAMPLE = 10_000  # records tokenized for the length percentiles by default (0: every record)
 SAMPLE_SEED = 0

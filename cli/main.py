@@ -11,9 +11,10 @@ from typing import Annotated
 import typer
 
 from april.config import Mode
+from april.hf import TINY_MODEL
 from cli.bench_cmd import bench_command
 from cli.broker_cmd import run_broker
-from cli.data_cmd import SAMPLE, TINY_MODEL, data_app
+from cli.data_cmd import SAMPLE, data_app
 from cli.keys_cmd import keys_app
 from cli.options import AprilGroup, ConfigOpt, SetOpt, resolve_config
 from cli.sft_cmd import sft_command, task_app

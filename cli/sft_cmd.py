@@ -27,6 +27,7 @@ from april.chat import chat_format
 from april.data import export_jsonl
 from april.envs.calculator import CalculatorEnvironment, CalculatorPromptSource, parse_numbers
 from april.files import write_text_atomic
+from april.hf import TINY_MODEL
 from april.provenance import provenance
 from april.records import FinishReason
 from april.task import MAX_NEW_TOKENS, TaskPromptSource
@@ -40,7 +41,6 @@ from learner.sft import (
     train_sft,
 )
 
-DEFAULT_MODEL_DIR = Path("models/tiny")  # the shipped model, relative to the repository root
 EVAL_SEED = 0  # held-out prompts: the task source an RL run with run.seed = 0 draws from
 TURN_TOKENS = 96  # calculator evaluation: tokens a turn may take (a call is about 60 with a byte tokenizer)
 MAX_TURNS = 12  # calculator evaluation: turns an episode may take (ten numbers take ten)
@@ -243,7 +243,7 @@ OutDirOpt = Annotated[Path, typer.Option("--out", help="Model directory to write
 
 
 def sft_command(
-    out: OutDirOpt = DEFAULT_MODEL_DIR,
+    out: OutDirOpt = TINY_MODEL,
     seed: Annotated[int, typer.Option("--seed", help="Init, data and batch-order seed.")] = 0,
     task: Annotated[
         SftTask,

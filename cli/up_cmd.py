@@ -30,6 +30,7 @@ from typing import Any
 from april.config import BrokerConfig, Config, Mode, WeightsTransport, write_config
 from april.devices import check_device
 from april.files import read_jsonl
+from april.hf import TINY_MODEL
 from april.keys import configured_client_keys, server_keys, weights_client_keys, weights_server_keys
 from april.startup import STARTUP_EXIT
 from cli.dashboard import export_svg
@@ -40,8 +41,6 @@ from cli.supervisor import ChildExit, ChildSpec, Supervisor
 from learner.checkpoint import latest as latest_checkpoint
 from learner.wandb_sink import check_wandb
 
-REPO = Path(__file__).resolve().parents[1]
-TINY_MODEL = REPO / "models" / "tiny"
 MAX_RESTARTS = 3
 BROKER_START_S = 60.0  # the broker answers its first status within this (imports + bind)
 FINAL_EVAL_WAIT_S = 120.0  # after the last step, the final evaluation may take this long to finish

@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 from actors.lengths import LengthSpec
 from april.config import ConfigError, Mode, ResumeKV, config_to_dict, replace_fields
+from april.hf import TINY_MODEL
 from broker.sim.figures import Figures, with_speedups
 from cli.bench_cmd import staleness_bounds
 from cli.bench_plan import (
-    TINY_MODEL,
     BenchRun,
     BenchSetting,
     bench_base,

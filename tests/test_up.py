@@ -355,7 +355,7 @@ def test_a_headless_run_in_each_mode(tmp_path: Path, mode: str) -> None:
 def test_the_default_run_on_the_tiny_model(tmp_path: Path) -> None:
     """`april up --headless --steps 3` with no config: the built-in task, the shipped tiny model, two torch
     workers and the DeepSpeed learner, in april mode."""
-    from cli.up_cmd import TINY_MODEL
+    from april.hf import TINY_MODEL
 
     if not TINY_MODEL.is_dir():
         pytest.fail(f"the shipped tiny model is missing from {TINY_MODEL}")
@@ -415,8 +415,8 @@ def unusable_gpu_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_a_worker_whose_gpu_cannot_start_exits_with_one_line_and_the_startup_code(tmp_path: Path) -> None:
+    from april.hf import TINY_MODEL
     from april.startup import STARTUP_EXIT
-    from cli.up_cmd import TINY_MODEL
 
     args = ["worker", "--engine", "torch", "--model", str(TINY_MODEL), "--set", "worker.device=cuda"]
     result = subprocess.run(
