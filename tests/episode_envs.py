@@ -17,7 +17,7 @@ from april.data import PromptRecord
 from april.episode import EnvStep, Message, Role, Tool
 
 TURNS = 3
-STEP_S = 1.0
+STEP_S = 0.3
 _ARGS = {"type": "object", "properties": {}}
 
 
