@@ -56,10 +56,13 @@ class Episode:
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """An episode that leaves the driver: finished, failed, or back unfinished (INTERRUPTED)."""
+    """An episode that leaves the driver: finished, failed, or back unfinished (INTERRUPTED). `credit`:
+    1 when its lease never reached the engine, so the slot its lease took from the broker's credit was
+    never used (nor freed) and is granted back with it."""
 
     lease_id: int
     sample: Sample
+    credit: int = 0
 
 
 class EpisodeDriver:
@@ -138,7 +141,8 @@ class EpisodeDriver:
             except EpisodeError as exc:  # a state the driver cannot read: the sample is broken
                 done = ep.sample.failed(f"episode: {exc}"[:500])
             if done is not None:
-                settled.append(self._settle(ep, done))
+                unused = not ep.started and ep.phase is not Phase.RETURNING  # (an abort reset the credit)
+                settled.append(self._settle(ep, done, credit=int(unused)))
         return settled
 
     def abort(self) -> tuple[list[Settled], list[int]]:
@@ -226,9 +230,9 @@ class EpisodeDriver:
         (self._answered if ep.started else self._unstarted).append(ep.lease_id)
         return None
 
-    def _settle(self, ep: Episode, sample: Sample) -> Settled:
+    def _settle(self, ep: Episode, sample: Sample, credit: int = 0) -> Settled:
         self._drop(ep.lease_id)
-        return Settled(ep.lease_id, sample)
+        return Settled(ep.lease_id, sample, credit)
 
     def _drop(self, lease_id: int) -> None:
         ep = self.episodes.pop(lease_id, None)

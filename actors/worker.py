@@ -382,7 +382,8 @@ class Worker:
             return
         settled = self.episodes.poll()
         if settled:
-            self._owe([(e.lease_id, e.sample) for e in settled])
+            credit = 0 if self.health.down else sum(e.credit for e in settled)
+            self._owe([(e.lease_id, e.sample) for e in settled], credit)
         if self.episodes.ready:
             self._fill_slots()
 

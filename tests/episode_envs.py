@@ -35,7 +35,7 @@ class CountingEnv:
         time.sleep(self.step_s)
         s = json.loads(state)
         k, chars = s["k"] + 1, s["chars"] + len(turn.content) + 7 * len(turn.tool_calls)
-        new = json.dumps({"k": k, "chars": chars})
+        new = json.dumps({"k": k, "chars": chars, "lens": [*s.get("lens", []), len(turn.content)]})
         if k >= TURNS:
             return EnvStep((), new, done=True, reward=(chars % 10) / 10 + 0.05)
         text = f"obs {k}: {len(turn.content)} {len(turn.tool_calls)}"

@@ -329,6 +329,7 @@ def check_batch(msg: protocol.Batch, cfg: LearnerScript, ev: Events) -> None:
         observations=[[[int(o.start), int(o.end)] for o in s.observations] for s in samples],
         responses=[s.response_ids.tolist() for s in samples],
         rewards=[s.reward for s in samples],
+        resumes=[s.resumes for s in samples],
         episodes=[s.episode.decode() for s in samples],
         stats=msg.stats,
         ledger=msg.ledger.to_json(),

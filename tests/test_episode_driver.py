@@ -192,19 +192,23 @@ def resume(partial: Sample) -> Sample:
     return partial.resumed()
 
 
-def test_abort_mid_turn_then_resume_is_the_uninterrupted_transcript(make_driver, engine) -> None:
+@pytest.mark.parametrize("turn", [0, 1])
+def test_abort_mid_turn_then_resume_is_the_uninterrupted_transcript(make_driver, engine, turn) -> None:
+    """The first turn is cut by max_turn_tokens (its resume must get only the turn's tokens left); the
+    second follows an observation."""
     want = play(make_driver(), engine, {1: fresh(1)})[1]
+    assert want.segments[0].end == ENV.max_turn_tokens  # the first turn was cut by its budget
     loop = Loop(make_driver(), engine)
     loop.lease(1, fresh(1))
-    second_turn = lambda: bool(loop.held) and loop.held[1].observations  # noqa: E731
-    loop.run(until=second_turn)
-    for _ in range(3):  # a few tokens into the second turn
+    loop.run(until=lambda: 1 in loop.held and len(loop.held[1].observations) == turn)
+    for _ in range(3):  # a few tokens into the turn
         loop.tick()
     assert loop.abort() == []
     partial = loop.out.pop(1)
-    assert partial.observations and partial.response_len > partial.observations[-1].end  # mid-turn
+    start = partial.observations[-1].end if partial.observations else 0
+    assert len(partial.observations) == turn and partial.response_len > start  # mid-turn
     np.testing.assert_array_equal(partial.response_ids, want.response_ids[: partial.response_len])
-    assert EpisodeState.from_bytes(partial.episode).turns == 1
+    assert EpisodeState.from_bytes(partial.episode).turns == turn
     assert_same_transcript(play(make_driver(), engine, {7: resume(partial)})[7], want)
 
 

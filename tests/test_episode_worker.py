@@ -37,6 +37,7 @@ def trained(c: Cluster) -> list[dict[str, Any]]:
                     "segments": b["segments"][i],
                     "observations": b["observations"][i],
                     "reward": b["rewards"][i],
+                    "resumes": b["resumes"][i],
                     "episode": EpisodeState.from_bytes(b["episodes"][i].encode()),
                 }
             )
@@ -76,14 +77,12 @@ def test_calculator_episodes_train_through_aborts(cluster: Callable[..., Cluster
         assert s["reward"] in (0.0, 1.0) and s["episode"].owed is None and s["episode"].turns >= 1
 
 
-def counting_reward(s: dict[str, Any], tokenizer: HFTokenizer) -> float:
-    """tests/episode_envs.py's reward, recomputed from the trained sample's own turns."""
+def turn_lengths(s: dict[str, Any], tokenizer: HFTokenizer) -> list[int]:
+    """The content length of each model turn of a trained sample (its tokens between observations)."""
     chat = chat_format(tokenizer.tok)
-    chars = 0
-    for _, a, b in s["segments"]:
-        turn = chat.parse_turn(chat.turn_text(s["response"][a:b]))
-        chars += len(turn.content) + 7 * len(turn.tool_calls)
-    return (chars % 10) / 10 + 0.05
+    bounds = [0, *(x for o in s["observations"] for x in o), len(s["response"])]
+    turns = [s["response"][a:b] for a, b in zip(bounds[::2], bounds[1::2], strict=True)]
+    return [len(chat.parse_turn(chat.turn_text(t)).content) for t in turns]
 
 
 def test_worker_killed_mid_tool_call_loses_nothing(cluster: Callable[..., Cluster]) -> None:
@@ -96,7 +95,8 @@ def test_worker_killed_mid_tool_call_loses_nothing(cluster: Callable[..., Cluste
             "over_sampling_batch_size": 4,
         },
         env={"name": "episode_envs:SlowCountingEnv", "max_turns": 8, "max_turn_tokens": 8},
-        worker={**WORKER, "slots": 4},
+        # ~20 tokens a sample, 8 a turn: most turns have tokens of their own
+        worker={**WORKER, "slots": 4, "sim_lengths": "lognormal:median=20,sigma=0.3,cap=40"},
     )
     c.start_broker()
     c.start_worker("victim")
@@ -106,16 +106,22 @@ def test_worker_killed_mid_tool_call_loses_nothing(cluster: Callable[..., Cluste
     held = {w.id: w.leases for w in c.status().workers}["victim"]
     c.kill("victim")  # SIGKILL: its tool-runner children die with it
     c.start_worker("w2")
-    c.start_learner(steps=2, train_s=0.05)
+    c.start_learner(steps=4, train_s=0.05)  # async aborts at each version: later batches hold resumes
     assert c.wait_exit("learner", 120) == 0
     status = c.status()
-    assert held > 0 and status.ledger_balanced and status.ledger.trained == 4  # groups
+    assert held > 0 and status.ledger_balanced and status.ledger.trained == 8  # groups
     assert "worker victim silent for" in (c.tmp / "broker.log").read_text()
     tokenizer = HFTokenizer(TINY)
     samples = trained(c)
-    assert len({s["key"] for s in samples}) == len(samples) == 8
+    assert len({s["key"] for s in samples}) == len(samples) == 16
+    assert any(s["resumes"] for s in samples)
     for s in samples:
         assert_tiled(s)
         # every turn stepped once (a turn the sim engine ends at once leaves two observations adjacent)
-        assert s["episode"].turns == json.loads(s["episode"].env_state)["k"] == TURNS
-        assert np.isclose(s["reward"], counting_reward(s, tokenizer))
+        state = json.loads(s["episode"].env_state)
+        assert s["episode"].turns == state["k"] == TURNS
+        # each turn the environment stepped is one in the transcript, in order, none lost or repeated (a
+        # turn of no tokens leaves its neighbouring observations adjacent, one span)
+        lengths = turn_lengths(s, tokenizer)
+        assert [n for n in state["lens"] if n] == [n for n in lengths if n] and any(lengths)
+        assert np.isclose(s["reward"], (sum(lengths) % 10) / 10 + 0.05)
