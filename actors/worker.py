@@ -31,6 +31,9 @@ serves; then the worker says so, loads the newest weights version it has ready (
 holds its launch weights; a newer one still being fetched follows when it is ready), and grants its slots
 again. Samples being scored are not the engine's and are
 unaffected. `actors.engine_health` keeps the schedule and the counts.
+
+With `env.name` set every lease is an episode: `actors.episode_driver` holds it between turns (resets,
+tool steps, waiting for a slot); the worker adds its turns to the engine and sends what settles.
 """
 
 from __future__ import annotations
