@@ -31,6 +31,9 @@ serves; then the worker says so, loads the newest weights version it has ready (
 holds its launch weights; a newer one still being fetched follows when it is ready), and grants its slots
 again. Samples being scored are not the engine's and are
 unaffected. `actors.engine_health` keeps the schedule and the counts.
+
+With `env.name` set every lease is an episode: `actors.episode_driver` holds it between turns (resets,
+tool steps, waiting for a slot); the worker adds its turns to the engine and sends what settles.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from actors.engine import (
 )
 from actors.engine_health import EngineHealth, one_line
 from actors.engines.sim_engine import SampleIdentity
+from actors.episode_driver import EpisodeDriver
 from actors.outbox import Outbox
 from actors.reward_runner import RewardRunner
 from actors.slot_meter import SlotMeter
@@ -66,6 +70,7 @@ from actors.tokenizer import Tokenizer
 from actors.weight_sync import Ready, Unavailable, WeightSync
 from april import protocol
 from april.config import WeightsConfig, WorkerConfig
+from april.episode import EpisodeError
 from april.files import sha256_file
 from april.keys import ClientKeys
 from april.peer_link import PeerLink
@@ -124,8 +129,10 @@ class Worker:
         curve: ClientKeys | None = None,
         weights: WeightsConfig | None = None,
         weights_keys: ClientKeys | None = None,
+        episodes: EpisodeDriver | None = None,
     ) -> None:
         self.cfg = cfg
+        self.episodes = episodes  # multi-turn samples (`env.name` set): every lease is an episode
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -157,11 +164,13 @@ class Worker:
         try:
             while not should_stop():
                 busy = self.engine is not None and not self.health.down and self.engine.active > 0
-                # idle, the loop waits on the broker socket; a fetch finishing does not wake it, so it
-                # looks every 5 ms while one is on its way (a version loads promptly, sync_s is honest),
-                # and no longer than what the outbox holds may wait
-                self._read_broker(0 if busy else self._idle_wait_ms(5 if self.sync.busy else 50))
+                # idle, the loop waits on the broker socket; a fetch finishing (or a tool step) does not
+                # wake it, so it looks every 5 ms while one is on its way (a version loads promptly, sync_s
+                # is honest), and no longer than what the outbox holds may wait
+                stepping = self.episodes is not None and self.episodes.busy
+                self._read_broker(0 if busy else self._idle_wait_ms(5 if self.sync.busy or stepping else 50))
                 self._sync_weights()
+                self._drive_episodes()
                 self._meter_usage()
                 if self.health.down:
                     self._probe(time.monotonic())
@@ -237,6 +246,11 @@ class Worker:
                 strict=True,
             )
         )
+        if self.episodes is not None and not self.health.down and self.engine is not None:
+            for lease_id, budget, greedy, sample in leased:
+                self._lease_episode(lease_id, budget, bool(greedy), sample)
+            self._fill_slots()
+            return
         failed: list[tuple[int, Sample]] = []
         for i, (lease_id, budget, greedy, sample) in enumerate(leased):
             if self.health.down or self.engine is None:  # leased before the broker heard: back, as leased
@@ -284,6 +298,7 @@ class Worker:
         server, when not `asked` by an Abort); failed requests fail their sample."""
         done: list[tuple[int, Sample]] = []
         finished = 0
+        settled: list[tuple[int, Sample]] = []  # episodes ended by a turn (their reward is set)
         for out in outputs:
             held = self.held.pop(out.request_id, None)
             if held is None:  # a request of a lease already returned (after an engine failure)
@@ -298,13 +313,18 @@ class Worker:
                 log.warning("sample %s failed by the engine: %s", held.sample.key, out.error)
                 done.append((out.request_id, failed_by_engine(apply_output(held.sample, out), out.error)))
                 self.health.failed += 1
+            elif self.episodes is not None:
+                settled += self._turn_ended(out.request_id, held.sample, out)
+                finished += 1
             else:
                 self._score(out.request_id, apply_output(held.sample, out))
                 finished += 1
+        if self.episodes is not None and not asked:  # a freed slot goes to an episode waiting, else credit
+            finished = max(0, finished - self._fill_slots())
         if done:
             self._owe(done, credit=0 if asked else len(done))
-        if finished:
-            self._owe([], finished)
+        if finished or settled:
+            self._owe(settled, finished)
 
     def _score(self, lease_id: int, sample: Sample) -> None:
         self.scoring[lease_id] = sample
@@ -328,6 +348,8 @@ class Worker:
     def _owe(self, items: list[tuple[int, Sample]], credit: int = 0) -> None:
         """Results and freed slots for the broker: into the outbox, sent once it is due (at once with
         result_hold_ms 0)."""
+        if self.episodes is not None:
+            self.episodes.forget([lease_id for lease_id, _ in items])
         self.outbox.add(items, credit, time.monotonic())
         self._send_outbox_if_due()
 
@@ -340,6 +362,70 @@ class Worker:
         if msg is not None:
             self.link.send(msg)
 
+    # ------------------------------------------------------------------ episodes
+
+    def _lease_episode(self, lease_id: int, budget: int, greedy: bool, sample: Sample) -> None:
+        assert self.episodes is not None
+        try:
+            self.episodes.lease(lease_id, budget, greedy, sample)
+        except EpisodeError as exc:  # a state this worker cannot read: the sample, not the worker, fails
+            log.warning("sample %s cannot be resumed: %s", sample.key, exc)
+            self._owe([(lease_id, sample.failed(f"episode: {exc}"[:500]))], credit=1)
+
+    def _turn_ended(self, lease_id: int, sample: Sample, out: GenerationOutput) -> list[tuple[int, Sample]]:
+        """An episode's turn finished (STOP or LENGTH): its step starts, or it settles (returned)."""
+        assert self.episodes is not None
+        turn = apply_output(sample, dataclasses.replace(out, finish_reason=FinishReason.NONE))
+        ended = self.episodes.turn_ended(lease_id, turn, out.finish_reason)
+        return [] if ended is None else [(ended.lease_id, ended.sample)]
+
+    def _drive_episodes(self) -> None:
+        """Steps and resets that answered: settled episodes to the broker, the rest into free slots."""
+        if self.episodes is None:
+            return
+        settled = self.episodes.poll()
+        if settled:
+            credit = 0 if self.health.down else sum(e.credit for e in settled)
+            self._owe([(e.lease_id, e.sample) for e in settled], credit)
+        if self.episodes.ready:
+            self._fill_slots()
+
+    def _fill_slots(self) -> int:
+        """Start episodes' next turns in free engine slots, answered episodes before unstarted leases
+        (those wait when an answered episode took the slot their credit was for). While the engine is
+        down they go back as partials. Returns how many started."""
+        assert self.episodes is not None
+        started = 0
+        while self.episodes.ready and self.engine is not None:
+            if self.health.down:
+                back = []
+                while (nxt := self.episodes.next_request()) is not None:
+                    back.append((nxt[0].request_id, interrupted(nxt[1], None)))
+                self.health.returned += len(back)
+                self._owe(back)
+                break
+            if self.engine.active >= self.engine.slots:
+                break
+            nxt = self.episodes.next_request()
+            assert nxt is not None
+            request, sample = nxt
+            self.held[request.request_id] = Held(request.request_id, sample)
+            try:
+                self.engine.add([request])
+                started += 1
+            except EngineUnavailable as exc:
+                self._engine_down(exc, exc.partials)
+            except EngineError as exc:
+                self.held.pop(request.request_id, None)
+                self.health.failed += 1
+                log.warning("sample %s cannot be generated: %s", sample.key, exc)
+                failed = sample.failed(f"engine rejected the request: {exc}"[:500])
+                self._owe([(request.request_id, failed)], credit=1)
+        return started
+
+    def _episodes_held(self) -> bool:
+        return self.episodes is not None and bool(self.episodes.episodes)
+
     def _idle_wait_ms(self, wait_ms: int) -> int:
         """How long an idle loop may block on the broker socket: `wait_ms`, or until the outbox is due."""
         left = self.outbox.wait_s(time.monotonic())
@@ -349,7 +435,12 @@ class Worker:
         """Return every unfinished sample as a partial; confirm once the engine is idle (a down engine
         is: it holds nothing, and grants no credit)."""
         returned = self._drain_engine()
-        scoring = np.array(sorted(self.scoring), dtype=np.int64)
+        waited: list[int] = []
+        if self.episodes is not None:  # episodes between turns: back, or waited for (named as scoring is)
+            back, waited = self.episodes.abort()
+            self._owe([(e.lease_id, e.sample) for e in back])
+            returned += len(back)
+        scoring = np.array(sorted([*self.scoring, *waited]), dtype=np.int64)
         self._send(protocol.AbortDone(round_id, 0 if self.health.down else self.cfg.slots, scoring))
         log.info(
             "abort %d: engine idle, %d partials returned, %d still scoring",
@@ -457,6 +548,7 @@ class Worker:
         outputs = {o.request_id: o for o in partials}
         back: list[tuple[int, Sample]] = []
         failed: list[tuple[int, Sample]] = []
+        settled: list[tuple[int, Sample]] = []  # episodes a finished turn ended
         for lease_id, held in self.held.items():
             out = outputs.get(lease_id)
             if out is not None and out.error and out.finish_reason == FinishReason.NONE:
@@ -467,7 +559,10 @@ class Worker:
                 and not out.error
                 and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
             ):
-                self._score(lease_id, apply_output(held.sample, out))
+                if self.episodes is None:
+                    self._score(lease_id, apply_output(held.sample, out))
+                    continue
+                settled += self._turn_ended(lease_id, held.sample, out)
             else:
                 back.append((lease_id, interrupted(held.sample, out)))
         self.held.clear()
@@ -476,8 +571,8 @@ class Worker:
         self.health.failed += len(failed)
         self.health.go_down(str(exc), time.monotonic())
         self._report_health()
-        if back or failed:
-            self._owe(failed + back)  # credit 0: nothing more until the engine serves
+        if back or failed or settled:
+            self._owe(settled + failed + back)  # credit 0: nothing more until the engine serves
         if not was_down:
             log.error(
                 "engine down (%s): %d samples returned, leasing nothing until it serves again",
@@ -555,7 +650,10 @@ class Worker:
     def _hello(self) -> list[protocol.Message]:
         """What introduces this worker to a broker that may have lost it: the leases it still holds, and
         its engine's health when that is not the broker's default (up, nothing lost)."""
-        held = np.array(sorted([*self.held, *self.scoring, *self.outbox.lease_ids()]), dtype=np.int64)
+        episodes = self.episodes.lease_ids() if self.episodes is not None else []
+        held = np.array(
+            sorted([*self.held, *self.scoring, *self.outbox.lease_ids(), *episodes]), dtype=np.int64
+        )
         version = self.engine.version if self.engine is not None else 0
         hello = protocol.WorkerHello(
             self.worker_id, self.cfg.engine, self.cfg.slots, version, os.getpid(), socket.gethostname(), held
@@ -572,12 +670,18 @@ class Worker:
     def _shutdown(self) -> None:
         """Leave cleanly: partials back to the broker, scored samples sent if they come quickly."""
         self._drain_engine()
+        if self.episodes is not None:
+            back, _ = self.episodes.abort()
+            self._owe([(e.lease_id, e.sample) for e in back])
         deadline = time.monotonic() + min(self.cfg.reward_timeout_s, 5.0)
-        while self.scoring and time.monotonic() < deadline:
+        while (self.scoring or self._episodes_held()) and time.monotonic() < deadline:
             time.sleep(0.01)
             self._send_scored()
+            self._drive_episodes()
         self._send(protocol.Disconnect("shutdown"))
         self.rewards.close()
+        if self.episodes is not None:
+            self.episodes.close()
         self.sync.close()
         if self.prober is not None:
             self.prober.shutdown(wait=False, cancel_futures=True)

@@ -233,7 +233,7 @@ class AnswerFormat(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", "task", or a JSONL/JSON/Parquet/Arrow file or save_to_disk dir
+    source: str = "synthetic"  # "synthetic", "task", "calculator", or a dataset file / save_to_disk dir
     prompt_key: str = "prompt"  # field holding the prompt: text, chat messages or token ids (dotted: nested)
     answer_key: str = "answer"  # field holding the reference answer given to the reward; empty: none
     answer_format: AnswerFormat = AnswerFormat.RAW  # raw: as it is; gsm8k: the text after its last "####"

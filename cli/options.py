@@ -29,8 +29,10 @@ from typer.core import TyperGroup
 from actors.engine import EngineError
 from actors.lengths import LengthSpecError
 from actors.rewards import RewardError
+from april.chat import ChatError
 from april.config import Config, ConfigError, load_config, parse_override
 from april.data import DatasetError
+from april.episode import EpisodeError
 from april.hf import ModelError
 from april.startup import STARTUP_EXIT, StartupError
 from broker.sim.model import SimulationError
@@ -56,6 +58,8 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     ModelError,
     EngineError,
     RewardError,
+    EpisodeError,  # a bad env.name
+    ChatError,  # a chat template the episode driver cannot split into turns
     LengthSpecError,
     SimulationError,
     OSError,  # a file that cannot be read or written (one with a filename; see `user_errors`)

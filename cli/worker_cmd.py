@@ -7,6 +7,7 @@ from pathlib import Path
 
 from actors.engine import Engine, SamplingParams
 from actors.engines.sim_engine import Identify
+from actors.episode_driver import open_episode_driver
 from actors.factory import check_worker, make_engine, make_tokenizer, on_device
 from actors.reward_runner import RewardRunner
 from actors.worker import Worker
@@ -28,6 +29,7 @@ def run_worker(config: Config, build_engine: EngineBuilder = make_engine) -> Non
     check_worker(cfg)  # an unknown engine would only fail at the first lease
     cfg = on_device(cfg)  # "auto" resolved; a GPU torch sees and cannot use is one line, before connecting
     tokenizer = make_tokenizer(cfg)
+    episodes = open_episode_driver(config.env, tokenizer)  # a bad env.name: one error line, exit 2
     rewards = RewardRunner(cfg.reward, cfg.reward_timeout_s)
     worker: Worker
 
@@ -43,6 +45,7 @@ def run_worker(config: Config, build_engine: EngineBuilder = make_engine) -> Non
         curve=curve,
         weights=config.weights,
         weights_keys=weights_keys,
+        episodes=episodes,
     )
     worker.run(stop_requested())
 

@@ -43,7 +43,12 @@ __all__ = [
 
 
 def open_source(data_config: DataConfig, seed: int) -> PromptSource:
-    """The source named by `[data] source`: "synthetic", "task" (the built-in task) or a dataset path."""
+    """The source named by `[data] source`: "synthetic", "task" (the built-in task), "calculator" (the
+    built-in multi-turn task, `april.envs.calculator`) or a dataset path."""
+    if data_config.source == "calculator":
+        from april.envs.calculator import CalculatorPromptSource  # it imports this package
+
+        return CalculatorPromptSource(seed=seed)
     if data_config.source == "task":
         from april.task import TaskPromptSource  # april.task imports this package
 

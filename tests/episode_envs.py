@@ -1,0 +1,51 @@
+"""Scripted environments for the episode driver's tests, importable as `episode_envs:Class` (tests/ is on
+the path of the test processes and of the tool runner's children they start).
+
+`CountingEnv` answers every model turn with one tool message that depends on the turn's text, and ends
+the episode after `TURNS` turns with a reward computed from every turn's length, so a transcript that
+lost or repeated anything scores differently. The model need not call a tool: any turn is answered.
+`SlowCountingEnv` takes `STEP_S` seconds per step (an abort catches it running). Its `commit` tool is not
+repeatable: a turn that calls it cannot be killed by an abort (the tests inject such a turn).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from april.data import PromptRecord
+from april.episode import EnvStep, Message, Role, Tool
+
+TURNS = 3
+STEP_S = 0.3
+_ARGS = {"type": "object", "properties": {}}
+
+
+class CountingEnv:
+    tools: tuple[Tool, ...] = (
+        Tool("note", "Write a note.", _ARGS, repeatable=True, timeout_s=30.0),
+        Tool("commit", "Commit the notes.", _ARGS, repeatable=False, timeout_s=30.0),
+    )
+    step_s = 0.0
+
+    def reset(self, prompt: PromptRecord) -> EnvStep:
+        return EnvStep((Message(Role.USER, f"count for {prompt.text}"),), json.dumps({"k": 0, "chars": 0}))
+
+    def step(self, state: str, turn: Message) -> EnvStep:
+        time.sleep(self.step_s)
+        s = json.loads(state)
+        k, chars = s["k"] + 1, s["chars"] + len(turn.content) + 7 * len(turn.tool_calls)
+        new = json.dumps({"k": k, "chars": chars, "lens": [*s.get("lens", []), len(turn.content)]})
+        if k >= TURNS:
+            return EnvStep((), new, done=True, reward=(chars % 10) / 10 + 0.05)
+        text = f"obs {k}: {len(turn.content)} {len(turn.tool_calls)}"
+        return EnvStep((Message(Role.TOOL, text, tool_call_id="call_0", name="note"),), new)
+
+
+class SlowCountingEnv(CountingEnv):
+    step_s = STEP_S
+
+
+class BrokenEnv(CountingEnv):
+    def step(self, state: str, turn: Message) -> EnvStep:
+        raise ValueError("the environment broke")

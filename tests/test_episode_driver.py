@@ -1,0 +1,273 @@
+"""The episode driver (actors/episode_driver.py) with a real TorchEngine on models/tiny and a real tool
+runner running the scripted environments of tests/episode_envs.py: turns and observations tile the
+response, observations are masked, the environment's reward is the score; an abort mid-turn, mid-step
+(repeatable: killed and owed; not repeatable: waited for) and a resume give exactly the transcript of an
+uninterrupted run (greedy decoding).
+
+`Loop` does for the driver what actors/worker.py does around it (engine add/step/abort, the order of
+slots), so that the driver is tested with the real engine and runner without a broker."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.engine import SamplingParams
+from actors.episode_driver import EpisodeDriver, Phase, open_episode_driver
+from actors.tokenizer import HFTokenizer
+from actors.tool_runner import ToolRunnerSettings
+from actors.worker import apply_output, interrupted
+from april.chat import chat_format
+from april.config import EnvConfig
+from april.episode import EpisodeState, Message, Role, ToolCall
+from april.records import FinishReason, Sample, SampleStatus
+
+torch = pytest.importorskip("torch")
+from actors.engines.torch_engine import TorchEngine  # noqa: E402
+
+TINY = Path(__file__).resolve().parent.parent / "models" / "tiny"
+MAX_NEW = 200
+ENV = EnvConfig(name="episode_envs:CountingEnv", max_turns=8, max_turn_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> HFTokenizer:
+    return HFTokenizer(TINY)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer: HFTokenizer) -> TorchEngine:
+    sampling = SamplingParams(temperature=1.0, stop_token_ids=tokenizer.eos_token_ids, seed=0)
+    return TorchEngine(TINY, 2, sampling, device="cpu", dtype="float32", greedy=True, cuda_graphs=False)
+
+
+@pytest.fixture
+def make_driver(tokenizer: HFTokenizer) -> Iterator[object]:
+    made: list[EpisodeDriver] = []
+
+    def make(env: EnvConfig = ENV) -> EpisodeDriver:
+        driver = open_episode_driver(env, tokenizer, ToolRunnerSettings(processes=1))
+        assert driver is not None
+        made.append(driver)
+        return driver
+
+    yield make
+    for d in made:
+        d.close()
+
+
+class Loop:
+    """The worker's part: leases in, answered episodes' turns into free slots, turns out to the driver,
+    settled samples collected; `abort` returns what the engine and the driver hold."""
+
+    def __init__(self, driver: EpisodeDriver, engine: TorchEngine) -> None:
+        self.driver, self.engine = driver, engine
+        self.held: dict[int, Sample] = {}
+        self.out: dict[int, Sample] = {}
+
+    def lease(self, lease_id: int, sample: Sample) -> None:
+        self.driver.lease(lease_id, MAX_NEW - sample.response_len, True, sample)
+
+    def tick(self) -> None:
+        for settled in self.driver.poll():
+            self.out[settled.lease_id] = settled.sample
+        while self.driver.ready and self.engine.active < self.engine.slots:
+            nxt = self.driver.next_request()
+            assert nxt is not None
+            request, sample = nxt
+            self.held[request.request_id] = sample
+            self.engine.add([request])
+        if self.engine.active:
+            for o in self.engine.step():
+                sample = self.held.pop(o.request_id)
+                turn = apply_output(sample, dataclasses.replace(o, finish_reason=FinishReason.NONE))
+                ended = self.driver.turn_ended(o.request_id, turn, o.finish_reason)
+                if ended is not None:
+                    self.out[ended.lease_id] = ended.sample
+        elif self.driver.busy:
+            time.sleep(0.01)
+
+    def run(self, until: object = None, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.driver.episodes or self.held:
+            if callable(until) and until():
+                return
+            assert time.monotonic() < deadline, "episodes did not settle"
+            self.tick()
+
+    def abort(self) -> list[int]:
+        """Every unfinished episode back (self.out); returns the leases waited for."""
+        for o in self.engine.abort():
+            self.out[o.request_id] = interrupted(self.held.pop(o.request_id), o)
+            self.driver.forget([o.request_id])
+        back, waited = self.driver.abort()
+        for settled in back:
+            self.out[settled.lease_id] = settled.sample
+        return waited
+
+
+def fresh(index: int) -> Sample:
+    empty = np.zeros(0, dtype=np.int32)
+    return Sample(
+        group_id=index,
+        index=0,
+        prompt_ids=empty,
+        prompt_text=f"item {index}",
+        metadata={"prompt_index": str(index)},
+    ).resumed()
+
+
+def play(driver: EpisodeDriver, engine: TorchEngine, samples: dict[int, Sample]) -> dict[int, Sample]:
+    loop = Loop(driver, engine)
+    for lease_id, s in samples.items():
+        loop.lease(lease_id, s)
+    loop.run()
+    return loop.out
+
+
+def assert_same_transcript(got: Sample, want: Sample) -> None:
+    assert got.status == want.status == SampleStatus.FINISHED
+    np.testing.assert_array_equal(got.prompt_ids, want.prompt_ids)
+    np.testing.assert_array_equal(got.response_ids, want.response_ids)
+    assert got.observations == want.observations
+    assert [(s.start, s.end) for s in got.segments] == [(s.start, s.end) for s in want.segments]
+    assert got.reward == want.reward and got.finish_reason == want.finish_reason
+    assert got.episode == want.episode
+
+
+def test_episodes_tile_the_response_and_score_the_env_reward(make_driver, engine, tokenizer) -> None:
+    driver = make_driver()
+    out = play(driver, engine, {1: fresh(1), 2: fresh(2), 3: fresh(3)})
+    assert set(out) == {1, 2, 3}
+    for s in out.values():
+        s.check()  # segments and observations tile the response
+        assert s.status == SampleStatus.FINISHED and s.finish_reason == FinishReason.STOP
+        state = EpisodeState.from_bytes(s.episode)
+        assert state.turns == 3 and state.owed is None
+        assert len(s.observations) == 2 and len(s.segments) == 3  # turn, obs, turn, obs, turn
+        # the score is the environment's: from the lengths of the parsed turns' texts
+        chat = driver.chat
+        turns = [s.response_ids[seg.start : seg.end].tolist() for seg in s.segments]
+        chars = sum(len(chat.parse_turn(chat.turn_text(t)).content) for t in turns)
+        assert s.reward == pytest.approx((chars % 10) / 10 + 0.05)
+        assert s.model_tokens == sum(seg.end - seg.start for seg in s.segments) < s.response_len
+        # observations: the environment's text, as the chat format renders it, with log-prob 0
+        first = s.observations[0]
+        assert "obs 1:" in tokenizer.decode(s.response_ids[first.start : first.end])
+        assert not s.response_logprobs[first.start : first.end].any()
+        # the prompt is the reset's first observation, rendered
+        assert tokenizer.decode(s.prompt_ids).startswith(f"count for item {s.group_id}")
+        assert all(seg.end - seg.start <= ENV.max_turn_tokens for seg in s.segments)
+
+
+def test_budget_and_max_turns_cut_an_episode_off(make_driver, engine) -> None:
+    short = play(make_driver(), engine, {1: fresh(1)})
+    full = short[1].response_len
+    loop = Loop(make_driver(), engine)
+    loop.driver.lease(1, full - 5, True, fresh(1))  # not room for the last turn
+    loop.run()
+    cut = loop.out[1]
+    assert cut.status == SampleStatus.FINISHED and cut.finish_reason == FinishReason.LENGTH
+    assert cut.reward == 0.0 and cut.response_len <= full - 5
+    one_turn = play(make_driver(dataclasses.replace(ENV, max_turns=2)), engine, {1: fresh(1)})[1]
+    assert one_turn.finish_reason == FinishReason.LENGTH and one_turn.reward == 0.0
+    assert EpisodeState.from_bytes(one_turn.episode).turns == 2 and len(one_turn.segments) == 2
+
+
+def test_a_failing_environment_fails_the_sample(make_driver, engine) -> None:
+    env = dataclasses.replace(ENV, name="episode_envs:BrokenEnv")
+    s = play(make_driver(env), engine, {1: fresh(1)})[1]
+    assert s.status == SampleStatus.FAILED
+    assert s.error == "environment step raised ValueError: the environment broke"
+
+
+def resume(partial: Sample) -> Sample:
+    """The partial as the broker leases it again."""
+    assert partial.status == SampleStatus.INTERRUPTED and partial.finish_reason == FinishReason.ABORT
+    return partial.resumed()
+
+
+@pytest.mark.parametrize("turn", [0, 1])
+def test_abort_mid_turn_then_resume_is_the_uninterrupted_transcript(make_driver, engine, turn) -> None:
+    """The first turn is cut by max_turn_tokens (its resume must get only the turn's tokens left); the
+    second follows an observation."""
+    want = play(make_driver(), engine, {1: fresh(1)})[1]
+    assert want.segments[0].end == ENV.max_turn_tokens  # the first turn was cut by its budget
+    loop = Loop(make_driver(), engine)
+    loop.lease(1, fresh(1))
+    loop.run(until=lambda: 1 in loop.held and len(loop.held[1].observations) == turn)
+    for _ in range(3):  # a few tokens into the turn
+        loop.tick()
+    assert loop.abort() == []
+    partial = loop.out.pop(1)
+    start = partial.observations[-1].end if partial.observations else 0
+    assert len(partial.observations) == turn and partial.response_len > start  # mid-turn
+    np.testing.assert_array_equal(partial.response_ids, want.response_ids[: partial.response_len])
+    assert EpisodeState.from_bytes(partial.episode).turns == turn
+    assert_same_transcript(play(make_driver(), engine, {7: resume(partial)})[7], want)
+
+
+def test_abort_mid_repeatable_step_kills_it_and_the_resume_owes_it(make_driver, engine) -> None:
+    want = play(make_driver(), engine, {1: fresh(1)})[1]
+    slow = dataclasses.replace(ENV, name="episode_envs:SlowCountingEnv")
+    loop = Loop(make_driver(slow), engine)
+    loop.lease(1, fresh(1))
+    loop.run(until=lambda: 1 in loop.driver.episodes and loop.driver.episodes[1].phase is Phase.STEP)
+    deadline = time.monotonic() + 60
+    while not step_running(loop.driver):
+        assert loop.driver.runner.poll() == [] and time.monotonic() < deadline
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert loop.abort() == []  # killed, not waited for
+    assert time.monotonic() - started < 0.5
+    partial = loop.out.pop(1)
+    state = EpisodeState.from_bytes(partial.episode)
+    assert state.owed is not None and state.turns == 0 and not partial.observations
+    assert_same_transcript(play(make_driver(), engine, {7: resume(partial)})[7], want)
+
+
+def step_running(driver: EpisodeDriver) -> bool:
+    """Whether a child of the driver's tool runner is running a request (the runner's own slots)."""
+    return any(slot is not None and slot.job is not None for slot in driver.runner._slots)
+
+
+def committed(tokenizer: HFTokenizer) -> Sample:
+    """A partial the broker could hold: one model turn that calls the non-repeatable `commit` tool, its
+    step owed."""
+    turn = Message(Role.ASSISTANT, "done", (ToolCall("call_0", "commit", {}),))
+    chat = chat_format(tokenizer.tok)
+    ids = chat.turn_ids(turn)
+    prompt = chat.prompt_ids((Message(Role.USER, "count for item 5"),))
+    s = dataclasses.replace(fresh(5), prompt_ids=np.asarray(prompt, dtype=np.int32))
+    s = s.extend(ids, np.full(len(ids), -0.5, np.float32), 0, FinishReason.ABORT)
+    state = EpisodeState('{"k": 0, "chars": 0}', 0, turn)  # CountingEnv's state after its reset
+    return s.with_episode(state.to_bytes())
+
+
+def test_abort_mid_step_that_cannot_be_killed_waits_and_keeps_its_result(
+    make_driver, engine, tokenizer
+) -> None:
+    leased = resume(committed(tokenizer))
+    want = play(make_driver(), engine, {1: leased})[1]
+    assert EpisodeState.from_bytes(want.episode).turns == 3
+    slow = dataclasses.replace(ENV, name="episode_envs:SlowCountingEnv")
+    loop = Loop(make_driver(slow), engine)
+    loop.lease(1, leased)
+    assert loop.driver.episodes[1].phase is Phase.STEP  # the owed step is submitted at once
+    deadline = time.monotonic() + 60
+    while not step_running(loop.driver):  # handed to a child (a queued one would just be dropped)
+        assert loop.driver.runner.poll() == [] and time.monotonic() < deadline
+        time.sleep(0.01)
+    assert loop.abort() == [1]  # not repeatable: waited for
+    assert 1 not in loop.out
+    loop.run()
+    partial = loop.out.pop(1)
+    assert partial.status == SampleStatus.INTERRUPTED and len(partial.observations) == 1
+    state = EpisodeState.from_bytes(partial.episode)
+    assert state.owed is None and state.turns == 1  # the step's result is kept, not owed
+    assert_same_transcript(play(make_driver(), engine, {7: resume(partial)})[7], want)

@@ -1,0 +1,127 @@
+"""Real `april worker` processes driving episodes (actors/episode_driver.py) against a real broker over
+ZeroMQ and the scripted learner: calculator episodes through APRIL's aborts, and a worker killed with
+SIGKILL while its tool calls run (nothing lost, nothing trained twice: every trained episode is whole and
+scored by the environment from exactly its own turns). The sim engine generates the turns; the tiny
+model's tokenizer renders the conversation."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from episode_envs import TURNS
+from harness import Cluster, wait_for
+
+from actors.tokenizer import HFTokenizer
+from april.chat import chat_format
+from april.episode import EpisodeState
+
+TINY = str(Path(__file__).resolve().parent.parent / "models" / "tiny")
+WORKER = {"model": TINY, "sim_lengths": "lognormal:median=6,sigma=0.5,cap=12"}
+
+
+def trained(c: Cluster) -> list[dict[str, Any]]:
+    """Every trained sample of the learner's batches: its tokens, spans, reward and episode state."""
+    out = []
+    for b in c.batches():
+        assert b["ok"]
+        for i, key in enumerate(b["keys"]):
+            out.append(
+                {
+                    "key": tuple(key),
+                    "response": b["responses"][i],
+                    "segments": b["segments"][i],
+                    "observations": b["observations"][i],
+                    "reward": b["rewards"][i],
+                    "resumes": b["resumes"][i],
+                    "episode": EpisodeState.from_bytes(b["episodes"][i].encode()),
+                }
+            )
+    return out
+
+
+def assert_tiled(s: dict[str, Any]) -> None:
+    spans = sorted([(a, b) for _, a, b in s["segments"]] + [tuple(o) for o in s["observations"]])
+    pos = 0
+    for a, b in spans:
+        assert a == pos and b > a
+        pos = b
+    assert pos == len(s["response"])
+
+
+def test_calculator_episodes_train_through_aborts(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(
+        run={"mode": "april"},
+        algo={"max_new_tokens": 96},
+        data={"source": "calculator"},
+        env={"name": "calculator", "max_turns": 4, "max_turn_tokens": 64},
+        # turns of ~0.5 s: the over-sampled groups are still generating when a batch completes
+        worker={**WORKER, "sim_lengths": "lognormal:median=30,sigma=0.5,cap=60", "sim_time_scale": 1.0},
+    )
+    c.start_broker()
+    c.start_worker("w0")
+    c.start_worker("w1")
+    c.start_learner(steps=3, train_s=0.05)
+    assert c.wait_exit("learner", 120) == 0
+    status = c.status()
+    assert status.ledger_balanced and status.ledger.trained == 12  # groups
+    assert status.totals.aborted > 0 and status.totals.resumed > 0
+    samples = trained(c)
+    assert len({s["key"] for s in samples}) == len(samples) == 24
+    for s in samples:
+        assert_tiled(s)
+        assert s["reward"] in (0.0, 1.0) and s["episode"].owed is None and s["episode"].turns >= 1
+
+
+def turn_lengths(s: dict[str, Any], tokenizer: HFTokenizer) -> list[int]:
+    """The content length of each model turn of a trained sample (its tokens between observations)."""
+    chat = chat_format(tokenizer.tok)
+    bounds = [0, *(x for o in s["observations"] for x in o), len(s["response"])]
+    turns = [s["response"][a:b] for a, b in zip(bounds[::2], bounds[1::2], strict=True)]
+    return [len(chat.parse_turn(chat.turn_text(t)).content) for t in turns]
+
+
+def test_worker_killed_mid_tool_call_loses_nothing(cluster: Callable[..., Cluster]) -> None:
+    c = cluster(
+        run={"mode": "async"},
+        algo={
+            "max_new_tokens": 400,
+            "max_staleness": 4,
+            "rollout_batch_size": 2,
+            "over_sampling_batch_size": 4,
+        },
+        env={"name": "episode_envs:SlowCountingEnv", "max_turns": 8, "max_turn_tokens": 8},
+        # ~20 tokens a sample, 8 a turn: most turns have tokens of their own
+        worker={**WORKER, "slots": 4, "sim_lengths": "lognormal:median=20,sigma=0.3,cap=40"},
+    )
+    c.start_broker()
+    c.start_worker("victim")
+    # turns take milliseconds, steps 0.3 s: a worker holding episodes is almost always in their steps
+    wait_for(lambda: any(w.leases for w in c.status().workers), 60, "the victim to hold leases")
+    time.sleep(1.0)  # some episodes are past their first step: their progress is lost with the worker
+    held = {w.id: w.leases for w in c.status().workers}["victim"]
+    c.kill("victim")  # SIGKILL: its tool-runner children die with it
+    c.start_worker("w2")
+    c.start_learner(steps=4, train_s=0.05)  # async aborts at each version: later batches hold resumes
+    assert c.wait_exit("learner", 120) == 0
+    status = c.status()
+    assert held > 0 and status.ledger_balanced and status.ledger.trained == 8  # groups
+    assert "worker victim silent for" in (c.tmp / "broker.log").read_text()
+    tokenizer = HFTokenizer(TINY)
+    samples = trained(c)
+    assert len({s["key"] for s in samples}) == len(samples) == 16
+    assert any(s["resumes"] for s in samples)
+    for s in samples:
+        assert_tiled(s)
+        # every turn stepped once (a turn the sim engine ends at once leaves two observations adjacent)
+        state = json.loads(s["episode"].env_state)
+        assert s["episode"].turns == state["k"] == TURNS
+        # each turn the environment stepped is one in the transcript, in order, none lost or repeated (a
+        # turn of no tokens leaves its neighbouring observations adjacent, one span)
+        lengths = turn_lengths(s, tokenizer)
+        assert [n for n in state["lens"] if n] == [n for n in lengths if n] and any(lengths)
+        assert np.isclose(s["reward"], (sum(lengths) % 10) / 10 + 0.05)
