@@ -7,12 +7,14 @@ model's tokenizer renders the conversation."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from episode_envs import TURNS
 from harness import Cluster, wait_for
 
@@ -85,7 +87,11 @@ def turn_lengths(s: dict[str, Any], tokenizer: HFTokenizer) -> list[int]:
     return [len(chat.parse_turn(chat.turn_text(t)).content) for t in turns]
 
 
-def test_worker_killed_mid_tool_call_loses_nothing(cluster: Callable[..., Cluster]) -> None:
+def test_worker_killed_mid_tool_call_loses_nothing(
+    cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tests = str(Path(__file__).resolve().parent)  # the worker processes import the env from tests/
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
     c = cluster(
         run={"mode": "async"},
         algo={
