@@ -131,3 +131,62 @@ def test_worker_killed_mid_tool_call_loses_nothing(
         lengths = turn_lengths(s, tokenizer)
         assert [n for n in state["lens"] if n] == [n for n in lengths if n] and any(lengths)
         assert np.isclose(s["reward"], (sum(lengths) % 10) / 10 + 0.05)
+
+
+def test_broker_killed_mid_episode_resumes_every_transcript_from_its_snapshot(
+    cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL the broker while episodes are partial in its buffer (async aborts them at every version)
+    and restart it with --resume: the partials come back from its snapshot and log with their transcripts
+    and episode states, the workers and the learner reconnect, every group is trained once, and every
+    trained episode is whole: each of its turns stepped once, in order, scored from exactly its turns."""
+    tests = str(Path(__file__).resolve().parent)  # the worker processes import the env from tests/
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
+    c = cluster(
+        run={"mode": "async"},
+        algo={
+            "max_new_tokens": 400,
+            "max_staleness": 4,
+            "rollout_batch_size": 2,
+            "over_sampling_batch_size": 4,
+        },
+        env={"name": "episode_envs:SlowCountingEnv", "max_turns": 8, "max_turn_tokens": 8},
+        worker={**WORKER, "slots": 4, "sim_lengths": "lognormal:median=20,sigma=0.3,cap=40"},
+        broker={"snapshot_interval_s": 0.2},  # the partials of the moment are in the snapshot it restores
+    )
+    c.start_broker()
+    c.start_worker("w0")
+    c.start_worker("w1")
+    c.start_learner(steps=6, train_s=0.3)
+
+    def partials_with_progress() -> bool:
+        s = c.status()
+        return s.ledger.partial > 0 and s.totals.resumed + s.totals.aborted > 0
+
+    wait_for(partials_with_progress, 120, "episode partials in the broker's buffer")
+    time.sleep(0.5)  # a snapshot holds them
+    before = c.status()
+    c.kill("broker")
+    c.start_broker(resume=True)
+    after = c.status()
+    assert after.epoch == before.epoch + 1 and after.ledger_balanced, after.ledger
+    assert after.ledger.partial > 0  # episodes restored unfinished, with their transcripts and states
+    assert after.ledger.issued >= before.ledger.issued - 4  # at most the unsaved tail of issues is redone
+    assert c.wait_exit("learner", 180) == 0, (c.tmp / "broker.log").read_text()[-3000:]
+    status = c.status()
+    assert status.ledger_balanced and status.ledger.trained == 6 * 2  # groups
+    tokenizer = HFTokenizer(TINY)
+    by_batch = {b["batch"]: b for b in c.batches()}  # a batch sent again after the restart counts once
+    assert len(by_batch) == 6
+    samples = trained(c)
+    keys = [s["key"] for s in samples]
+    firsts = {s["key"]: s for s in samples}
+    assert len(firsts) == 6 * 2 * c.config["algo"]["n_samples_per_prompt"] == len(set(keys))
+    assert any(s["resumes"] for s in firsts.values())
+    for s in firsts.values():
+        assert_tiled(s)
+        state = json.loads(s["episode"].env_state)
+        assert s["episode"].turns == state["k"] == TURNS and s["episode"].owed is None
+        lengths = turn_lengths(s, tokenizer)
+        assert [n for n in state["lens"] if n] == [n for n in lengths if n]
+        assert np.isclose(s["reward"], (sum(lengths) % 10) / 10 + 0.05)
