@@ -1,4 +1,5 @@
-"""The episode driver (actors/episode_driver.py) with a real TorchEngine on models/tiny and a real tool
+"""The episode driver (actors/episode_driver.py) with each engine (the torch engine and vLLM on models/tiny,
+the SGLang adapter against the fake server) and a real tool
 runner running the scripted environments of tests/episode_envs.py: turns and observations tile the
 response, observations are masked, the environment's reward is the score; an abort mid-turn, mid-step
 (repeatable: killed and owed; not repeatable: waited for) and a resume give exactly the transcript of an
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.engine import SamplingParams
+from actors.engine import Engine, SamplingParams
 from actors.episode_driver import EpisodeDriver, Phase, open_episode_driver
 from actors.tokenizer import HFTokenizer
 from actors.tool_runner import ToolRunnerSettings
@@ -40,10 +41,36 @@ def tokenizer() -> HFTokenizer:
     return HFTokenizer(TINY)
 
 
-@pytest.fixture(scope="module")
-def engine(tokenizer: HFTokenizer) -> TorchEngine:
+@pytest.fixture(scope="module", params=["torch", "sglang", pytest.param("vllm", marks=pytest.mark.vllm)])
+def engine(request: pytest.FixtureRequest, tokenizer: HFTokenizer) -> Iterator[Engine]:
+    """Each engine, greedy, two slots: the torch engine and vLLM on models/tiny; the SGLang adapter on the
+    fake server rebuilt from SGLang's source (a deterministic toy model over the tiny vocabulary, so a
+    resumed request continues exactly where an uninterrupted one would have gone; it never stops by
+    itself, so every turn of it is cut by `max_turn_tokens`)."""
     sampling = SamplingParams(temperature=1.0, stop_token_ids=tokenizer.eos_token_ids, seed=0)
-    return TorchEngine(TINY, 2, sampling, device="cpu", dtype="float32", greedy=True, cuda_graphs=False)
+    if request.param == "torch":
+        yield TorchEngine(TINY, 2, sampling, device="cpu", dtype="float32", greedy=True, cuda_graphs=False)
+    elif request.param == "sglang":
+        from sglang_runtime import ToyModel
+        from sglang_server import FakeSGLangServer
+
+        from actors.engines.sglang_engine import SGLangEngine
+
+        toy = ToyModel(vocab_size=len(tokenizer.tok), eos_token_id=tokenizer.eos_token_ids[0])
+        # a token every 20 ms: a test's few ticks land mid-turn, as they do on the torch engine
+        with FakeSGLangServer(max_running_requests=2, model=toy, token_delay_s=0.02) as server:
+            sglang = SGLangEngine([server.url], slots=2, sampling=sampling, control_timeout_s=10.0)
+            yield sglang
+            sglang.close()
+    else:
+        pytest.importorskip("vllm")
+        from actors.engines.vllm_engine import VLLMEngine, VLLMSettings
+
+        vllm = VLLMEngine(
+            TINY, slots=2, sampling=sampling, greedy=True, settings=VLLMSettings(max_model_len=1024)
+        )
+        yield vllm
+        vllm.close()
 
 
 @pytest.fixture
@@ -65,7 +92,7 @@ class Loop:
     """The worker's part: leases in, answered episodes' turns into free slots, turns out to the driver,
     settled samples collected; `abort` returns what the engine and the driver hold."""
 
-    def __init__(self, driver: EpisodeDriver, engine: TorchEngine) -> None:
+    def __init__(self, driver: EpisodeDriver, engine: Engine) -> None:
         self.driver, self.engine = driver, engine
         self.held: dict[int, Sample] = {}
         self.out: dict[int, Sample] = {}
@@ -122,7 +149,7 @@ def fresh(index: int) -> Sample:
     ).resumed()
 
 
-def play(driver: EpisodeDriver, engine: TorchEngine, samples: dict[int, Sample]) -> dict[int, Sample]:
+def play(driver: EpisodeDriver, engine: Engine, samples: dict[int, Sample]) -> dict[int, Sample]:
     loop = Loop(driver, engine)
     for lease_id, s in samples.items():
         loop.lease(lease_id, s)

@@ -190,3 +190,42 @@ def test_broker_killed_mid_episode_resumes_every_transcript_from_its_snapshot(
         lengths = turn_lengths(s, tokenizer)
         assert [n for n in state["lens"] if n] == [n for n in lengths if n]
         assert np.isclose(s["reward"], (sum(lengths) % 10) / 10 + 0.05)
+
+
+def test_sglang_worker_runs_episodes_one_request_a_turn(
+    cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real worker drives episodes through the SGLang adapter against the fake server rebuilt from
+    SGLang's source: each turn is one /generate request of the whole context so far (prompt, earlier
+    turns, observations), and every episode trains whole through APRIL's aborts."""
+    from sglang_runtime import ToyModel
+    from sglang_server import FakeSGLangServer
+
+    tests = str(Path(__file__).resolve().parent)  # the worker processes import the env from tests/
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
+    toy = ToyModel(vocab_size=259, eos_token_id=2, eos_per_mille=30)  # the tiny tokenizer's ids
+    with FakeSGLangServer(max_running_requests=4, model=toy, token_delay_s=0.01) as server:
+        c = cluster(
+            run={"mode": "april"},
+            algo={"max_new_tokens": 200},
+            env={"name": "episode_envs:CountingEnv", "max_turns": 8, "max_turn_tokens": 16},
+            worker={"engine": "sglang", "sglang_urls": server.url, "slots": 4, "model": TINY},
+        )
+        c.start_broker()
+        c.start_worker("sw0")
+        c.start_learner(steps=2, train_s=0.05)
+        assert c.wait_exit("learner", 120) == 0, (c.tmp / "sw0.log").read_text()[-3000:]
+        inputs = [len(b["input_ids"]) for b in server.rt.generate_bodies]
+    status = c.status()
+    assert status.ledger_balanced and status.ledger.trained == 2 * c.config["algo"]["rollout_batch_size"]
+    tokenizer = HFTokenizer(TINY)
+    samples = trained(c)
+    assert len({s["key"] for s in samples}) == len(samples)
+    for s in samples:
+        assert_tiled(s)
+        state = json.loads(s["episode"].env_state)
+        assert s["episode"].turns == state["k"] == TURNS and len(s["observations"]) == TURNS - 1
+        lengths = turn_lengths(s, tokenizer)
+        assert [n for n in state["lens"] if n] == [n for n in lengths if n]
+    # one request a turn: at least a request per turn of every trained episode, later ones longer
+    assert len(inputs) >= TURNS * len(samples) and max(inputs) > min(inputs)
