@@ -4,7 +4,7 @@ The broker deals in token ids; the worker tokenizes prompts that arrive as text 
 resumes reuse the ids) and decodes responses for the reward. `HFTokenizer` wraps a Hugging Face tokenizer
 saved with the model (applying its chat template when the record carries chat `messages`; a model without
 one is given the last user message's text, the record's text, and says so once: `no_chat_template`);
-`ByteTokenizer` serves the sim engine and tests. Heavy imports stay inside `HFTokenizer`.
+`april.byte_tokenizer.ByteTokenizer` serves the sim engine and tests. Heavy imports stay inside `HFTokenizer`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-
-BYTE_OFFSET = 3  # ids 0, 1, 2 are pad, bos, eos, as in the tiny model's tokenizer
 
 log = logging.getLogger("april.tokenizer")
 
@@ -37,19 +35,6 @@ class Tokenizer(Protocol):
     def encode_prompt(self, text: str, metadata: dict[str, str]) -> npt.NDArray[np.int32]: ...
 
     def decode(self, ids: npt.NDArray[np.int32]) -> str: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes shifted past the three special ids; lossless for any text."""
-
-    eos_token_ids: tuple[int, ...] = (2,)
-
-    def encode_prompt(self, text: str, metadata: dict[str, str]) -> npt.NDArray[np.int32]:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
-
-    def decode(self, ids: npt.NDArray[np.int32]) -> str:
-        data = bytes(int(i) - BYTE_OFFSET for i in ids if BYTE_OFFSET <= int(i) < BYTE_OFFSET + 256)
-        return data.decode("utf-8", "replace")
 
 
 class HFTokenizer:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from april.data import PromptRecord
+from april.data import PromptRecord, SeededPromptSource
 
 TASK_NAME = "repeated-addition"
 MAX_NEW_TOKENS = 256  # the generation budget the task is designed around (about 2% of references exceed it)
@@ -126,25 +126,17 @@ def make_example(seed: int, index: int, spec: TaskSpec = TaskSpec()) -> TaskExam
     )
 
 
-class TaskPromptSource:
-    """The task as a `PromptSource`: cursor -> example (cursor % size) under the run's seed.
+class TaskPromptSource(SeededPromptSource):
+    """The task as a `PromptSource`: cursor -> example (cursor % size) under the run's seed. Records are
+    text-only (empty `prompt_ids`); the worker tokenizes them with the model's tokenizer."""
 
-    No shuffling: examples are i.i.d. draws already, so the draw order is the index order.
-    Records are text-only (empty `prompt_ids`); the worker tokenizes them with the model's tokenizer.
-    """
+    kind = "task"
 
     def __init__(self, size: int = DEFAULT_SIZE, *, seed: int = 0, spec: TaskSpec = TaskSpec()) -> None:
-        if size <= 0:
-            raise ValueError(f"task source size must be > 0, got {size}")
-        self.size, self.seed, self.spec = size, seed, spec
+        super().__init__(size, seed)
+        self.spec = spec
 
-    def __len__(self) -> int:
-        return self.size
-
-    def get(self, cursor: int) -> PromptRecord:
-        if cursor < 0:
-            raise ValueError(f"prompt cursor must be >= 0, got {cursor}")
-        index = cursor % self.size
+    def example(self, index: int) -> PromptRecord:
         ex = make_example(self.seed, index, self.spec)
         ids = np.zeros(0, dtype=np.int32)
         ids.flags.writeable = False

@@ -32,9 +32,9 @@ from scripted_engine import EngineScript, ScriptedEngine, fails, response_length
 
 from actors.engine import EngineError, EngineUnavailable, GenerationOutput, SamplingParams
 from actors.reward_runner import RewardResult
-from actors.tokenizer import ByteTokenizer
 from actors.worker import Held, Worker
 from april import protocol
+from april.byte_tokenizer import ByteTokenizer
 from april.config import WeightsConfig, WorkerConfig
 from april.peer_link import BACKOFF_MIN_S
 from april.ports import free_ports

@@ -18,9 +18,9 @@ from test_peer_link import FakeClock
 
 from actors.outbox import Outbox
 from actors.slot_meter import SlotMeter
-from actors.tokenizer import ByteTokenizer
 from actors.worker import Worker
 from april import protocol
+from april.byte_tokenizer import ByteTokenizer
 from april.config import ConfigError, WorkerConfig
 from april.records import FinishReason, Sample, SampleStatus
 from april.sample_draw import sample_key

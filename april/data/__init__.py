@@ -23,6 +23,7 @@ from april.data.records import (
     PromptRecord,
     PromptSource,
     RecordError,
+    SeededPromptSource,
 )
 from april.data.synthetic import SyntheticPromptSource
 
@@ -36,6 +37,7 @@ __all__ = [
     "PromptRecord",
     "PromptSource",
     "RecordError",
+    "SeededPromptSource",
     "SyntheticPromptSource",
     "export_jsonl",
     "open_source",

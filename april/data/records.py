@@ -4,7 +4,8 @@ Owns `PromptRecord`, the `PromptSource` contract (cursor -> record: a count of p
 2, ... forever, maps to the same record always, so a run resumes from its saved cursor alone),
 `DatasetError` (a dataset that cannot be used, one line) and `RecordError` (one record's problem, before
 the source says where the record is), `CursorMap` (epochs and each epoch's seeded permutation) and
-`KeptRecords` (records kept once built, within a byte budget).
+`KeptRecords` (records kept once built, within a byte budget), and `SeededPromptSource` (the frame of a
+source generated from a seed, the built-in tasks').
 
 Reads no file and knows no format: `april.data.json_rows` and `april.data.arrow_rows` read them,
 `april.data.fields` turns a row into a record.
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -89,3 +90,27 @@ class KeptRecords:
         self._bytes += self.size_of(record)
         while self._bytes > self.budget:
             self._bytes -= self.size_of(self._kept.popitem(last=False)[1])
+
+
+class SeededPromptSource:
+    """A source generated from a seed: cursor -> `example(cursor % size)`, each an i.i.d. draw under the
+    run's seed, so the draw order is the index order (no shuffling). Subclasses name themselves (`kind`,
+    for messages) and make the example."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, size: int, seed: int) -> None:
+        if size <= 0:
+            raise ValueError(f"{self.kind} source size must be > 0, got {size}")
+        self.size, self.seed = size, seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get(self, cursor: int) -> PromptRecord:
+        if cursor < 0:
+            raise ValueError(f"prompt cursor must be >= 0, got {cursor}")
+        return self.example(cursor % self.size)
+
+    def example(self, index: int) -> PromptRecord:
+        raise NotImplementedError

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from april.chat import ChatFormat
-from april.data import PromptRecord
+from april.data import PromptRecord, SeededPromptSource
 from april.episode import (
     EnvStep,
     EpisodeError,
@@ -170,24 +170,20 @@ class CalculatorEnvironment:
         return EnvStep((*results, _pointer(s["numbers"], s["used"])), json.dumps(s))
 
 
-class CalculatorPromptSource:
+class CalculatorPromptSource(SeededPromptSource):
     """The task as a `PromptSource`: cursor -> example (cursor % size) under the run's seed; records are
     text-only (the worker tokenizes through the chat format)."""
+
+    kind = CALCULATOR_NAME
 
     def __init__(
         self, size: int = DEFAULT_SIZE, *, seed: int = 0, spec: CalculatorSpec = CalculatorSpec()
     ) -> None:
-        if size <= 0:
-            raise ValueError(f"calculator source size must be > 0, got {size}")
-        self.size, self.seed, self.spec = size, seed, spec
+        super().__init__(size, seed)
+        self.spec = spec
 
-    def __len__(self) -> int:
-        return self.size
-
-    def get(self, cursor: int) -> PromptRecord:
-        if cursor < 0:
-            raise ValueError(f"prompt cursor must be >= 0, got {cursor}")
-        return make_example(self.seed, cursor % self.size, self.spec).record()
+    def example(self, index: int) -> PromptRecord:
+        return make_example(self.seed, index, self.spec).record()
 
     def describe(self) -> str:
         return f"{CALCULATOR_NAME}(size={self.size}, seed={self.seed})"

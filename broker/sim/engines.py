@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from actors.tokenizer import ByteTokenizer
+from april.byte_tokenizer import ByteTokenizer
 from april.engine_cost import EngineCost
 from april.prefix_cache import PrefixCache
 from april.protocol import Abort, WeightsReady
