@@ -24,7 +24,7 @@ import numpy as np
 
 from actors.engine import GenerationRequest
 from actors.tokenizer import HFTokenizer, Tokenizer
-from actors.tool_runner import ToolResult, ToolRunner, ToolRunnerSettings
+from actors.tool_runner import ToolResult, ToolRunner, ToolRunnerSettings, load_env
 from april.chat import ChatFormat, chat_format
 from april.config import EnvConfig
 from april.data import PromptRecord
@@ -249,14 +249,29 @@ def open_episode_driver(
     if not env.name:
         return None
     if not isinstance(tokenizer, HFTokenizer):
-        raise EpisodeError(
-            f"env.name = {env.name!r} needs worker.model: its tokenizer renders the conversation"
-        )
+        raise _needs_model(env)
     try:
         runner = ToolRunner(env.name, settings or ToolRunnerSettings())
     except EpisodeError as exc:
         raise EpisodeError(f"env.name: {exc}") from None
     return EpisodeDriver(env, chat_format(tokenizer.tok, tokenizer.eos_token_ids), runner)
+
+
+def check_env(env: EnvConfig, model: str) -> None:
+    """What `open_episode_driver` would refuse, checked where no worker runs yet (`april up`'s preflight):
+    a `env.name` that does not load, or no `worker.model` (the tokenizer comes from it). One line."""
+    if not env.name:
+        return
+    if not model:
+        raise _needs_model(env)
+    try:
+        load_env(env.name)
+    except EpisodeError as exc:
+        raise EpisodeError(f"env.name: {exc}") from None
+
+
+def _needs_model(env: EnvConfig) -> EpisodeError:
+    return EpisodeError(f"env.name = {env.name!r} needs worker.model: its tokenizer renders the conversation")
 
 
 def _record(sample: Sample) -> PromptRecord:

@@ -143,11 +143,13 @@ def wire_addresses(config: Config) -> Config:
 def preflight(config: Config) -> None:
     """Every check that can fail before a process starts, each as one line (UpError, or the domain's
     error: EngineError, ModelError, DatasetError, ConfigError, DeviceError, KeysError)."""
+    from actors.episode_driver import check_env
     from actors.factory import check_worker
     from april.hf import check_model_dir
     from broker.heldout import open_prompts
 
     check_worker(config.worker)  # the worker's device too
+    check_env(config.env, config.worker.model)
     if config.learner.backend != "sim":  # the simulated learner has no model, nor device
         check_model_dir(config.learner.model)
         check_device(config.learner.device, "learner.device")

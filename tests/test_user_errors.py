@@ -76,6 +76,9 @@ CASES = [
     case("up", "missing dataset", f"up --headless --run-dir {{out}} --set data.source={M}/d.jsonl",
          f"{M}/d.jsonl"),
     case("up", "bad enum", "up --headless --mode fast", "--mode", "'fast'", "sync"),
+    case("up", "unknown env", "up --headless --run-dir {out} --set env.name=nope:Cls", "env.name", "'nope'"),
+    case("up", "env without a model", "up --headless --engine sim --run-dir {out} --set env.name=calculator "
+         "--set worker.model=", "env.name", "worker.model"),
     case("up", "negative count", "up --headless --workers -1", "--workers", "-1"),
     case("up", "malformed --set", "up --headless --set run.steps", "--set", "run.steps"),
     case("up", "unknown config key", "up --headless --set run.bogus=1", "bogus"),
