@@ -262,9 +262,8 @@ def test_abort_mid_repeatable_step_kills_it_and_the_resume_owes_it(make_driver, 
     while not step_running(loop.driver):
         assert loop.driver.runner.poll() == [] and time.monotonic() < deadline
         time.sleep(0.01)
-    started = time.monotonic()
-    assert loop.abort() == []  # killed, not waited for
-    assert time.monotonic() - started < 0.5
+    assert loop.abort() == []  # killed, not waited for: the sample comes back at once, owing the step
+    assert not step_running(loop.driver)
     partial = loop.out.pop(1)
     state = EpisodeState.from_bytes(partial.episode)
     assert state.owed is not None and state.turns == 0 and not partial.observations
