@@ -24,6 +24,26 @@ from april.episode import EpisodeState
 
 TINY = str(Path(__file__).resolve().parent.parent / "models" / "tiny")
 WORKER = {"model": TINY, "sim_lengths": "lognormal:median=6,sigma=0.5,cap=12"}
+# the kill tests: async, steps of 0.3 s (SlowCountingEnv); ~20 tokens a sample, 8 a turn, so most turns
+# have tokens of their own
+SLOW_EPISODES: dict[str, Any] = {
+    "run": {"mode": "async"},
+    "algo": {
+        "max_new_tokens": 400,
+        "max_staleness": 4,
+        "rollout_batch_size": 2,
+        "over_sampling_batch_size": 4,
+    },
+    "env": {"name": "episode_envs:SlowCountingEnv", "max_turns": 8, "max_turn_tokens": 8},
+}
+SLOW_WORKER = {**WORKER, "slots": 4, "sim_lengths": "lognormal:median=20,sigma=0.3,cap=40"}
+
+
+@pytest.fixture
+def env_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/ on the PYTHONPATH of the processes a test starts: its workers import the env from there."""
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
 
 
 def trained(c: Cluster) -> list[dict[str, Any]]:
@@ -79,6 +99,20 @@ def test_calculator_episodes_train_through_aborts(cluster: Callable[..., Cluster
         assert s["reward"] in (0.0, 1.0) and s["episode"].owed is None and s["episode"].turns >= 1
 
 
+def assert_whole(s: dict[str, Any], tokenizer: HFTokenizer) -> list[int]:
+    """A trained CountingEnv episode is whole: its spans tile the response, every turn was stepped once
+    (a turn the sim engine ends at once leaves two observations adjacent, one span), each turn the
+    environment stepped is one in the transcript, in order, none lost or repeated, nothing is owed, and
+    the reward recomputes from exactly its turns. Returns its turns' lengths."""
+    assert_tiled(s)
+    state = json.loads(s["episode"].env_state)
+    assert s["episode"].turns == state["k"] == TURNS and s["episode"].owed is None
+    lengths = turn_lengths(s, tokenizer)
+    assert [n for n in state["lens"] if n] == [n for n in lengths if n]
+    assert np.isclose(s["reward"], (sum(lengths) % 10) / 10 + 0.05)
+    return lengths
+
+
 def turn_lengths(s: dict[str, Any], tokenizer: HFTokenizer) -> list[int]:
     """The content length of each model turn of a trained sample (its tokens between observations)."""
     chat = chat_format(tokenizer.tok)
@@ -88,21 +122,11 @@ def turn_lengths(s: dict[str, Any], tokenizer: HFTokenizer) -> list[int]:
 
 
 def test_worker_killed_mid_tool_call_loses_nothing(
-    cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+    cluster: Callable[..., Cluster], env_on_path: None
 ) -> None:
-    tests = str(Path(__file__).resolve().parent)  # the worker processes import the env from tests/
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
     c = cluster(
-        run={"mode": "async"},
-        algo={
-            "max_new_tokens": 400,
-            "max_staleness": 4,
-            "rollout_batch_size": 2,
-            "over_sampling_batch_size": 4,
-        },
-        env={"name": "episode_envs:SlowCountingEnv", "max_turns": 8, "max_turn_tokens": 8},
-        # ~20 tokens a sample, 8 a turn: most turns have tokens of their own
-        worker={**WORKER, "slots": 4, "sim_lengths": "lognormal:median=20,sigma=0.3,cap=40"},
+        **SLOW_EPISODES,
+        worker=SLOW_WORKER,
     )
     c.start_broker()
     c.start_worker("victim")
@@ -122,36 +146,19 @@ def test_worker_killed_mid_tool_call_loses_nothing(
     assert len({s["key"] for s in samples}) == len(samples) == 16
     assert any(s["resumes"] for s in samples)
     for s in samples:
-        assert_tiled(s)
-        # every turn stepped once (a turn the sim engine ends at once leaves two observations adjacent)
-        state = json.loads(s["episode"].env_state)
-        assert s["episode"].turns == state["k"] == TURNS
-        # each turn the environment stepped is one in the transcript, in order, none lost or repeated (a
-        # turn of no tokens leaves its neighbouring observations adjacent, one span)
-        lengths = turn_lengths(s, tokenizer)
-        assert [n for n in state["lens"] if n] == [n for n in lengths if n] and any(lengths)
-        assert np.isclose(s["reward"], (sum(lengths) % 10) / 10 + 0.05)
+        assert any(assert_whole(s, tokenizer))
 
 
 def test_broker_killed_mid_episode_resumes_every_transcript_from_its_snapshot(
-    cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+    cluster: Callable[..., Cluster], env_on_path: None
 ) -> None:
     """SIGKILL the broker while episodes are partial in its buffer (async aborts them at every version)
     and restart it with --resume: the partials come back from its snapshot and log with their transcripts
     and episode states, the workers and the learner reconnect, every group is trained once, and every
     trained episode is whole: each of its turns stepped once, in order, scored from exactly its turns."""
-    tests = str(Path(__file__).resolve().parent)  # the worker processes import the env from tests/
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
     c = cluster(
-        run={"mode": "async"},
-        algo={
-            "max_new_tokens": 400,
-            "max_staleness": 4,
-            "rollout_batch_size": 2,
-            "over_sampling_batch_size": 4,
-        },
-        env={"name": "episode_envs:SlowCountingEnv", "max_turns": 8, "max_turn_tokens": 8},
-        worker={**WORKER, "slots": 4, "sim_lengths": "lognormal:median=20,sigma=0.3,cap=40"},
+        **SLOW_EPISODES,
+        worker=SLOW_WORKER,
         broker={"snapshot_interval_s": 0.2},  # the partials of the moment are in the snapshot it restores
     )
     c.start_broker()
@@ -184,16 +191,11 @@ def test_broker_killed_mid_episode_resumes_every_transcript_from_its_snapshot(
     assert len(firsts) == 6 * 2 * c.config["algo"]["n_samples_per_prompt"] == len(set(keys))
     assert any(s["resumes"] for s in firsts.values())
     for s in firsts.values():
-        assert_tiled(s)
-        state = json.loads(s["episode"].env_state)
-        assert s["episode"].turns == state["k"] == TURNS and s["episode"].owed is None
-        lengths = turn_lengths(s, tokenizer)
-        assert [n for n in state["lens"] if n] == [n for n in lengths if n]
-        assert np.isclose(s["reward"], (sum(lengths) % 10) / 10 + 0.05)
+        assert_whole(s, tokenizer)
 
 
 def test_sglang_worker_runs_episodes_one_request_a_turn(
-    cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+    cluster: Callable[..., Cluster], env_on_path: None
 ) -> None:
     """A real worker drives episodes through the SGLang adapter against the fake server rebuilt from
     SGLang's source: each turn is one /generate request of the whole context so far (prompt, earlier
@@ -201,8 +203,6 @@ def test_sglang_worker_runs_episodes_one_request_a_turn(
     from sglang_runtime import ToyModel
     from sglang_server import FakeSGLangServer
 
-    tests = str(Path(__file__).resolve().parent)  # the worker processes import the env from tests/
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
     toy = ToyModel(vocab_size=259, eos_token_id=2, eos_per_mille=30)  # the tiny tokenizer's ids
     with FakeSGLangServer(max_running_requests=4, model=toy, token_delay_s=0.01) as server:
         c = cluster(
@@ -222,10 +222,7 @@ def test_sglang_worker_runs_episodes_one_request_a_turn(
     samples = trained(c)
     assert len({s["key"] for s in samples}) == len(samples)
     for s in samples:
-        assert_tiled(s)
-        state = json.loads(s["episode"].env_state)
-        assert s["episode"].turns == state["k"] == TURNS and len(s["observations"]) == TURNS - 1
-        lengths = turn_lengths(s, tokenizer)
-        assert [n for n in state["lens"] if n] == [n for n in lengths if n]
+        assert_whole(s, tokenizer)
+        assert len(s["observations"]) == TURNS - 1
     # one request a turn: at least a request per turn of every trained episode, later ones longer
     assert len(inputs) >= TURNS * len(samples) and max(inputs) > min(inputs)
