@@ -149,6 +149,43 @@ def test_worker_killed_mid_tool_call_loses_nothing(
         assert any(assert_whole(s, tokenizer))
 
 
+def test_a_worker_whose_engine_fails_mid_episode_loses_nothing(
+    cluster: Callable[..., Cluster], env_on_path: None
+) -> None:
+    """As for single-turn samples (tests/test_engine_failures.py), with episodes: the scripted engine goes
+    down mid-turn (its probe fails once), again in the first abort, and fails one request in four half-way
+    (a partial). The engine's episodes come back as partials with their transcripts and states, those
+    between turns go back when their next turn meets the down engine, steps already running finish, the
+    same worker process serves again, and every trained episode is whole."""
+    c = cluster(**SLOW_EPISODES, worker=SLOW_WORKER)
+    c.start_broker()
+    # 20-40 tokens a sample in turns of at most 8: every turn has tokens of its own
+    log = c.start_scripted_worker(
+        "w0",
+        length_min=20,
+        length_max=40,
+        down_at_steps=[12],
+        probe_failures=1,
+        down_on_abort=1,
+        transient_every=4,
+    )
+    c.start_learner(steps=4, train_s=0.05)
+    assert c.wait_exit("learner", 180) == 0, log.read_text()[-3000:]
+    status = c.status()
+    assert status.ledger_balanced and status.ledger.trained == 8  # groups
+    (w0,) = status.workers
+    assert w0.returned_by_engine >= 1 and w0.engine_ok
+    text = log.read_text()
+    assert text.count("engine down (") >= 2 and text.count("engine serves again") >= 2  # a step, an abort
+    assert "Traceback" not in text and c.procs["w0"].poll() is None  # one worker process throughout
+    tokenizer = HFTokenizer(TINY)
+    samples = trained(c)
+    assert len({s["key"] for s in samples}) == len(samples) == 16
+    assert any(s["resumes"] for s in samples)
+    for s in samples:
+        assert any(assert_whole(s, tokenizer))
+
+
 def test_broker_killed_mid_episode_resumes_every_transcript_from_its_snapshot(
     cluster: Callable[..., Cluster], env_on_path: None
 ) -> None:
