@@ -1,8 +1,9 @@
 """Real `april worker` processes driving episodes (actors/episode_driver.py) against a real broker over
-ZeroMQ and the scripted learner: calculator episodes through APRIL's aborts, and a worker killed with
-SIGKILL while its tool calls run (nothing lost, nothing trained twice: every trained episode is whole and
-scored by the environment from exactly its own turns). The sim engine generates the turns; the tiny
-model's tokenizer renders the conversation."""
+ZeroMQ and the scripted learner: calculator episodes through APRIL's aborts, a worker killed with SIGKILL
+while its tool calls run, a broker killed mid-episode, and a worker whose engine fails (nothing lost,
+nothing trained twice: every trained episode is whole and scored by the environment from exactly its own
+turns). The sim engine (the scripted one for engine failures, the fake SGLang server for SGLang) generates
+the turns; the tiny model's tokenizer renders the conversation."""
 
 from __future__ import annotations
 
