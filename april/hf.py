@@ -33,6 +33,7 @@ class ModelError(Exception):
 TINY_MODEL = (
     Path(__file__).resolve().parents[1] / "models" / "tiny"
 )  # the shipped model (`april sft` made it)
+TINY_CALCULATOR_MODEL = TINY_MODEL.with_name("tiny-calculator")  # `april sft --task calculator` made it
 
 # Special tokens of the tiny byte-level tokenizer; the 256 byte tokens follow them.
 TINY_PAD, TINY_BOS, TINY_EOS = "<|pad|>", "<|bos|>", "<|eos|>"
@@ -101,19 +102,31 @@ def load_tokenizer(model_dir: Path | str) -> PreTrainedTokenizerBase:
     return tok
 
 
-def make_tiny_tokenizer() -> PreTrainedTokenizerBase:
-    """A byte-level tokenizer (3 specials + 256 byte tokens, no merges) built from code, usable offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def make_tiny_tokenizer(digit_groups: bool = False, words: tuple[str, ...] = ()) -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer (3 specials + 256 byte tokens) built from code, usable offline. With
+    `digit_groups`, runs of digits are split into groups of up to three, each one token (as Llama-3's
+    tokenizer splits numbers): 1,100 more tokens, merged from the digit bytes. `words` are whole tokens
+    too, matched before anything else (as the frequent strings of a task are, in a BPE tokenizer trained
+    on its text)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate((*TINY_SPECIALS, *byte_tokens))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    groups = [f"{n:0{w}d}" for w in (2, 3) for n in range(10**w)] if digit_groups else []
+    vocab = {tok: i for i, tok in enumerate((*TINY_SPECIALS, *byte_tokens, *groups))}
+    merges = [(g[:-1], g[-1]) for g in groups]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\d{1,3}"), behavior="isolated"), byte_level])
+        if digit_groups
+        else byte_level
+    )
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, pad_token=TINY_PAD, bos_token=TINY_BOS, eos_token=TINY_EOS
     )
+    fast.add_tokens([AddedToken(w, normalized=False, special=False) for w in words])
     return fast
 
 
@@ -141,6 +154,8 @@ def make_tiny_model(
     init_std: float = 0.1,
     architecture: str = "llama",
     tie_embeddings: bool = False,
+    digit_groups: bool = False,
+    words: tuple[str, ...] = (),
 ) -> Path:
     """Write a random causal LM + byte-level tokenizer to `model_dir`; return the path.
 
@@ -156,7 +171,9 @@ def make_tiny_model(
     import transformers
     from transformers import GenerationConfig
 
-    tokenizer = make_tiny_tokenizer()
+    tokenizer = make_tiny_tokenizer(digit_groups, words)
+    if digit_groups or words:
+        vocab_size = max(vocab_size, len(tokenizer))
     if vocab_size < len(tokenizer):
         raise ModelError(f"make_tiny_model: vocab_size {vocab_size} < tokenizer size {len(tokenizer)}")
     if architecture not in ARCHITECTURES:

@@ -85,6 +85,19 @@ STEPS: tuple[Step, ...] = (
         minutes=7,
     ),
     Step(
+        "sft-calculator",
+        "results/sft-calculator",
+        "april sft --task calculator --report {out}/sft.json",
+        minutes=7,
+    ),
+    Step(
+        "calculator-run",
+        "results/calculator-run",
+        "april up --headless --config configs/calculator.toml --run-dir {work}/run",
+        collect=("run/metrics.jsonl", "run/eval.jsonl", "run/summary.json", "run/config.toml"),
+        minutes=15,
+    ),
+    Step(
         "simulate",
         "results/simulate",
         "april simulate --lengths math-long-tail --engines 8 --slots 64 --max-staleness 1 --json",
@@ -323,10 +336,11 @@ def started_at(step: str) -> float:
     return datetime.datetime.strptime(date, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
 
 
-def block_up_run() -> str:
-    lines = load("results/up-run/metrics.jsonl")
-    evals = load("results/up-run/eval.jsonl")
-    t0 = started_at("up-run")  # `april up` launched
+def block_up_run(step: str = "up-run") -> str:
+    """An `april up` run's training accuracy by windows of ten steps, and what the run did."""
+    lines = load(f"results/{step}/metrics.jsonl")
+    evals = load(f"results/{step}/eval.jsonl")
+    t0 = started_at(step)  # `april up` launched
     windows = [lines[i : i + 10] for i in range(0, len(lines), 10)]
     head = "| steps | " + " | ".join(f"{w[0]['step']}-{w[-1]['step']}" for w in windows) + " |"
     acc = (
@@ -357,7 +371,24 @@ def block_up_run() -> str:
             f"(`eval.jsonl`, {evals[0]['n']} prompts) {min(greedy):.2f}-{max(greedy):.2f} over "
             f"{len(evals)} evaluations.",
             "",
-            source("up-run"),
+            source(step),
+        ]
+    )
+
+
+def block_sft_calculator() -> str:
+    doc = load("results/sft-calculator/sft.json")
+    evals = []
+    for mode in ("greedy", "sampled"):
+        e = doc["eval"][mode]
+        by = ", ".join(f"{k}: {a:.2f}" for k, (a, _) in e["by_numbers"].items())
+        evals.append(f"{mode} {e['accuracy']:.3f} over {e['samples']} episodes (by numbers to sum: {by})")
+    return "\n".join(
+        [
+            f"{doc['parameters'] / 1e6:.2f}M parameters, {doc['steps']} steps, {doc['wall_s']:.0f} s; "
+            f"held-out accuracy {'; '.join(evals)}.",
+            "",
+            source("sft-calculator"),
         ]
     )
 
@@ -1002,6 +1033,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "scheduling": block_scheduling,
     "headline": block_headline,
     "up-run": block_up_run,
+    "calculator-run": lambda: block_up_run("calculator-run"),
+    "sft-calculator": block_sft_calculator,
     "simulate": block_simulate,
     "paper-sim": lambda: bench_table("paper-sim"),
     "saturated-sim": lambda: bench_table("saturated-sim"),

@@ -27,7 +27,6 @@ from april.chat import chat_format
 from april.data import export_jsonl
 from april.envs.calculator import CalculatorEnvironment, CalculatorPromptSource, parse_numbers
 from april.files import write_text_atomic
-from april.hf import TINY_MODEL
 from april.provenance import provenance
 from april.records import FinishReason
 from april.task import MAX_NEW_TOKENS, TaskPromptSource
@@ -42,7 +41,7 @@ from learner.sft import (
 )
 
 EVAL_SEED = 0  # held-out prompts: the task source an RL run with run.seed = 0 draws from
-TURN_TOKENS = 96  # calculator evaluation: tokens a turn may take (a call is about 60 with a byte tokenizer)
+TURN_TOKENS = 96  # calculator evaluation: tokens a turn may take (a call is about 60 bytes)
 MAX_TURNS = 12  # calculator evaluation: turns an episode may take (ten numbers take ten)
 
 
@@ -239,11 +238,16 @@ def export_task(out: Path, count: int, seed: int) -> None:
 # ---------------------------------------------------------------------------------------------------
 # the commands (registered in cli.main)
 
-OutDirOpt = Annotated[Path, typer.Option("--out", help="Model directory to write (overwritten).")]
+OutDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--out", help="Model directory to write (overwritten); default: the task's shipped model directory."
+    ),
+]
 
 
 def sft_command(
-    out: OutDirOpt = TINY_MODEL,
+    out: OutDirOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Init, data and batch-order seed.")] = 0,
     task: Annotated[
         SftTask,
@@ -264,8 +268,10 @@ def sft_command(
         Path | None, typer.Option("--report", help="Also write the figures as JSON here.", dir_okay=False)
     ] = None,
 ) -> None:
-    """Warm-start the tiny model on a built-in task; the defaults rebuild models/tiny (~5 min, 2 cores)."""
-    run_sft(out, SftSettings(seed=seed, task=task, steps=steps, lr=lr, threads=threads), eval_prompts, report)
+    """Warm-start a tiny model on a built-in task; the defaults rebuild models/tiny, with --task calculator
+    models/tiny-calculator."""
+    settings = SftSettings(seed=seed, task=task, steps=steps, lr=lr, threads=threads)
+    run_sft(out or task.model_dir, settings, eval_prompts, report)
 
 
 task_app = typer.Typer(

@@ -38,6 +38,7 @@ import numpy as np
 
 from april.chat import chat_format
 from april.envs import calculator
+from april.hf import TINY_CALCULATOR_MODEL, TINY_MODEL
 from april.task import TaskSpec, demonstration, make_example
 
 if TYPE_CHECKING:
@@ -61,6 +62,19 @@ class SftTask(enum.StrEnum):
     def context(self) -> int:
         """The positions the model is given: the longest demonstrations fit."""
         return calculator.CONTEXT if self is SftTask.CALCULATOR else 1024
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """The model's tokenizer beyond bytes (`april.hf.make_tiny_tokenizer`): digit groups and these
+        whole words when not empty. The calculator's has them, so that a number the model copies is one
+        token a few tokens from where it goes (a byte-level model did not learn to copy across its
+        40-byte calls); the built-in task's is byte-level."""
+        return calculator.WORDS if self is SftTask.CALCULATOR else ()
+
+    @property
+    def model_dir(self) -> Path:
+        """Where `april sft --task` writes by default: the shipped model of the task."""
+        return TINY_CALCULATOR_MODEL if self is SftTask.CALCULATOR else TINY_MODEL
 
 
 Row = tuple[list[int], list[bool]]  # a demonstration's token ids and its loss mask (True: trained on)
@@ -223,6 +237,8 @@ def train_sft(
         intermediate=settings.intermediate,
         max_positions=settings.max_positions or settings.task.context,
         init_std=0.02,
+        digit_groups=bool(settings.task.words),
+        words=settings.task.words,
     )
     tokenizer = load_tokenizer(path)
     model = load_model(path, "cpu", "float32")

@@ -24,7 +24,7 @@ from april.envs.calculator import (
     transcript,
 )
 from april.episode import EpisodeError, Message, Role, ToolCall
-from april.hf import load_tokenizer
+from april.hf import load_tokenizer, make_tiny_tokenizer
 
 
 def test_examples_are_right_and_reproducible() -> None:
@@ -65,25 +65,28 @@ def test_the_environment_answers_calls_and_scores_the_final_answer() -> None:
     ex = make_example(0, 1)  # Sum: 99 56 30
     first = env.reset(ex.record())
     assert first.observation == (Message(Role.USER, ex.prompt), Message(Role.USER, "next 56"))
-    assert not first.done
+    assert not first.done and json.loads(first.state)["total"] == 99  # the first number is on the register
     calls = (
-        ToolCall("call_0", "add", {"a": 12, "b": 7}),
-        ToolCall("call_1", "add", {"a": 1.5, "b": 2}),
-        ToolCall("call_2", "add", {"a": 1}),
-        ToolCall("call_3", "mul", {"a": 1, "b": 2}),
+        ToolCall("call_0", "add", {"n": 56}),
+        ToolCall("call_1", "add", {"n": 1.5}),
+        ToolCall("call_2", "add", {"n": 1, "m": 2}),
+        ToolCall("call_3", "mul", {"n": 2}),
     )
     step = env.step(first.state, Message(Role.ASSISTANT, "", calls))
     assert [m.content for m in step.observation] == [
-        "19",
-        'error: add takes integer arguments a and b, got {"a": 1.5, "b": 2}',
-        'error: add takes integer arguments a and b, got {"a": 1}',
+        "155",
+        'error: add takes one integer argument n, got {"n": 1.5}',
+        'error: add takes one integer argument n, got {"n": 1, "m": 2}',
         "error: unknown tool 'mul'; tools: add",
-        "next 30",  # one call added (whatever it added): the pointer moved on by one
+        "next 30",  # one call added: the pointer moved on by one
     ]
     assert [m.tool_call_id for m in step.observation] == ["call_0", "call_1", "call_2", "call_3", ""]
     assert [m.role for m in step.observation] == [Role.TOOL] * 4 + [Role.USER] and not step.done
+    assert json.loads(first.state)["total"] == 99  # a step returns a new state, the old one is as it was
+    last = env.step(step.state, Message(Role.ASSISTANT, "", (ToolCall("call_0", "add", {"n": 30}),)))
+    assert [m.content for m in last.observation] == ["185", "all added"]
     for text, reward in ((f"Answer: {ex.answer}", 1.0), (f"answer:{int(ex.answer) + 1}", 0.0), ("?", 0.0)):
-        done = env.step(step.state, Message(Role.ASSISTANT, text))
+        done = env.step(last.state, Message(Role.ASSISTANT, text))
         assert done.done and done.reward == reward and done.observation == ()
     assert final_answer("Answer: 3\nanswer: -12") == -12 and final_answer("3") is None
 
@@ -91,11 +94,11 @@ def test_the_environment_answers_calls_and_scores_the_final_answer() -> None:
 def test_the_pointer_moves_on_per_call_that_adds_and_stops_at_all_added() -> None:
     env = CalculatorEnvironment()
     state = env.reset(make_example(0, 1).record()).state  # Sum: 99 56 30
-    bad = Message(Role.ASSISTANT, "", (ToolCall("call_0", "add", {"a": "x", "b": 1}),))
+    bad = Message(Role.ASSISTANT, "", (ToolCall("call_0", "add", {"n": "x"}),))
     assert env.step(state, bad).observation[-1].content == "next 56"  # an error adds nothing
-    two = Message(Role.ASSISTANT, "", (ToolCall("call_0", "add", {"a": 1, "b": 2}),) * 2)
+    two = Message(Role.ASSISTANT, "", (ToolCall("call_0", "add", {"n": 2}),) * 2)
     after = env.step(state, two)
-    assert [m.content for m in after.observation] == ["3", "3", "all added"]
+    assert [m.content for m in after.observation] == ["101", "103", "all added"]
     assert env.step(after.state, two).observation[-1].content == "all added"  # never past the end
 
 
@@ -119,10 +122,8 @@ def test_a_transcript_is_the_episode_the_environment_plays(tokenizer: str) -> No
     assert len(stops) == 4 and stops[-1] == len(trained) - 1
     turns = [trained[a + 1 : b + 1] for a, b in zip([-1, *stops], stops, strict=False)]
     parsed = [chat.parse_turn(chat.turn_text(t)) for t in turns]
-    total = ex.numbers[0]
     for k, turn in enumerate(parsed[:-1]):
-        assert turn.tool_calls == (ToolCall("call_0", "add", {"a": total, "b": ex.numbers[k + 1]}),)
-        total += ex.numbers[k + 1]
+        assert turn.tool_calls == (ToolCall("call_0", "add", {"n": ex.numbers[k + 1]}),)
     assert parsed[-1] == Message(Role.ASSISTANT, f"Answer: {sum(ex.numbers)}")
     # the untrained tokens are the prompt and the observations, which carry the running totals
     text = str(
@@ -151,20 +152,14 @@ def test_slips_make_wrong_answers_at_about_the_slip_rate() -> None:
     assert "error" not in text and int(re.findall(r"<tool_response>(\d+)<", text)[0]) == final_answer(text)
 
 
-def test_transcripts_fit_the_context_of_a_byte_level_model() -> None:
-    chat = chat_format(load_tokenizer("models/tiny"))
-    longest = max(
-        len(
-            transcript(
-                make_example(0, i, CalculatorSpec(median_numbers=10, sigma=0, number_max=99)),
-                chat,
-                0.0,
-                np.random.default_rng(0),
-            ).ids
-        )
-        for i in range(20)
-    )
-    assert 1024 < longest <= CONTEXT  # ten numbers: more than models/tiny's 1,024 positions
+@pytest.mark.parametrize("digit_groups", [False, True])
+def test_transcripts_fit_the_context(digit_groups: bool) -> None:
+    chat = chat_format(make_tiny_tokenizer(digit_groups))
+    spec = CalculatorSpec(median_numbers=10, sigma=0, number_max=99)  # the longest: ten numbers
+    lengths = [
+        len(transcript(make_example(0, i, spec), chat, 0.0, np.random.default_rng(0)).ids) for i in range(20)
+    ]
+    assert max(lengths) <= CONTEXT
 
 
 def test_add_is_a_repeatable_tool() -> None:

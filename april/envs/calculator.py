@@ -1,20 +1,21 @@
-"""The built-in multi-turn task: summing numbers with a calculator tool that adds two at a time.
+"""The built-in multi-turn task: summing numbers with a calculator tool that keeps a running total.
 
 One example with four numbers (the model's turns end with its stop token; plain format shown):
 
     prompt   "Sum: 12 7 30 5\nnext 7\n"
-    turn 1   <tool_call>{"name":"add","arguments":{"a":12,"b":7}}</tool_call>     observation 19, next 30
-    turn 2   <tool_call>{"name":"add","arguments":{"a":19,"b":30}}</tool_call>    observation 49, next 5
-    turn 3   <tool_call>{"name":"add","arguments":{"a":49,"b":5}}</tool_call>     observation 54, all added
-    turn 4   "Answer: 54"                                                          reward 1.0
+    turn 1   <tool_call>{"name":"add","arguments":{"n":7}}</tool_call>      observation 19, next 30
+    turn 2   <tool_call>{"name":"add","arguments":{"n":30}}</tool_call>     observation 49, next 5
+    turn 3   <tool_call>{"name":"add","arguments":{"n":5}}</tool_call>      observation 54, all added
+    turn 4   "Answer: 54"                                                    reward 1.0
 
 k numbers take k-1 calls and k turns; k is drawn from a discretised log-normal clipped to [2, 10], so most
 episodes are two or three turns and a few run to ten. The reward is 1.0 when the final turn's last
-"Answer: N" is the true sum, else 0.0. The tool does the arithmetic; the model feeds it the running total
-(the last result) and the number the environment says is next (a user message after the prompt and after
-each step's results, `next N` or `all added`), and answers when all are added. The pointer makes each
-turn depend on the last observation alone, not on where the next number sits in the prompt (which the
-tiny model, trained by SFT, did not learn to find).
+"Answer: N" is the true sum, else 0.0. The calculator's register (part of the environment's state, so it
+travels with a partial episode) starts at the first number; `add` adds its argument to it and answers the
+new total. After the prompt and after each step's results the environment says which number is next (a
+user message, `next N` or `all added`): each call copies the number just named, and the answer copies
+the last result, so what the model must get right is always a few tokens back, never a search through
+the prompt (which the tiny model, trained by SFT, did not learn).
 
 Owns the seeded example generator (example `index` under `seed` comes from `numpy.random.default_rng((seed,
 index))` alone), `CalculatorEnvironment` (the `calculator` env spec), `CalculatorPromptSource` (a
@@ -33,7 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from april.chat import ChatFormat
+from april.chat import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    ChatFormat,
+)
 from april.data import PromptRecord, SeededPromptSource
 from april.episode import (
     EnvStep,
@@ -51,17 +58,32 @@ from april.task import SLIPS
 CALCULATOR_NAME = "calculator"
 DEFAULT_SIZE = 1_000_000  # prompts in the source before it wraps around (they are i.i.d. anyway)
 DEFAULT_SLIP_RATE = 0.25  # chance that a demonstrated call adds a wrong number (see `transcript`)
-CONTEXT = 2048  # positions a byte-level model needs: a ten-number episode is over 1,024 tokens
+CONTEXT = 1024  # positions a model needs: a ten-number episode fits, byte-level or with digit groups
 _ANSWER = re.compile(r"answer\s*:\s*(-?\d+)", re.IGNORECASE)
 _PROMPT = re.compile(r"Sum: (\d+(?: \d+)*)")
 
+# The task's fixed strings as the plain chat format renders them: whole tokens of the calculator model's
+# tokenizer (`april sft --task calculator`), with digit groups, so that a call is five tokens.
+WORDS = (
+    TOOL_CALL_OPEN,
+    TOOL_CALL_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    '{"name":"add","arguments":{"n":',
+    "}}",
+    "next ",
+    "all added",
+    "Answer: ",
+    "Sum: ",
+)
+
 ADD = Tool(
     name="add",
-    description="Add two integers and return their sum.",
+    description="Add an integer to the running total and return the new total.",
     parameters={
         "type": "object",
-        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"],
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
     },
     repeatable=True,
     timeout_s=2.0,
@@ -135,18 +157,18 @@ def _pointer(numbers: list[int], used: int) -> Message:
     return Message(Role.USER, f"next {numbers[used]}" if used < len(numbers) else "all added")
 
 
-def _add(arguments: Mapping[str, Any]) -> str:
-    a, b = arguments.get("a"), arguments.get("b")
-    if type(a) is not int or type(b) is not int or set(arguments) != {"a", "b"}:
-        raise ToolError(f"add takes integer arguments a and b, got {json.dumps(dict(arguments))[:80]}")
-    return str(a + b)
+def _number(arguments: Mapping[str, Any]) -> int:
+    n = arguments.get("n")
+    if type(n) is not int or set(arguments) != {"n"}:
+        raise ToolError(f"add takes one integer argument n, got {json.dumps(dict(arguments))[:80]}")
+    return n
 
 
 class CalculatorEnvironment:
     """The `calculator` env: the first observation is the prompt and `next N` (the second number: the
-    first call adds the first two); a turn with tool calls is answered with their results and the next
-    pointer (each call that adds moves it on by one); a turn without any ends the episode, scored by its
-    final answer. The state: the gold answer, the numbers, and how many are used."""
+    register holds the first); a turn with tool calls is answered with their results and the next pointer
+    (each call that adds moves it on by one); a turn without any ends the episode, scored by its final
+    answer. The state: the gold answer, the numbers, how many are used, and the register (`total`)."""
 
     tools: tuple[Tool, ...] = (ADD,)
 
@@ -157,16 +179,21 @@ class CalculatorEnvironment:
                 f"calculator prompt {prompt.prompt_index}: text {prompt.text[:40]!r} and answer {answer!r}, "
                 "expected 'Sum: N N ...' and an integer"
             )
-        state = {"answer": int(answer), "numbers": numbers, "used": 1}
+        state = {"answer": int(answer), "numbers": numbers, "used": 1, "total": numbers[0]}
         return EnvStep((*prompt_messages(prompt), _pointer(numbers, 1)), json.dumps(state))
 
     def step(self, state: str, turn: Message) -> EnvStep:
         s = json.loads(state)
         if not turn.tool_calls:
             return EnvStep((), state, done=True, reward=float(final_answer(turn.content) == s["answer"]))
-        results = call_tools(turn, {ADD.name: _add})
-        added = sum(1 for m in results if not m.content.startswith("error: "))
-        s["used"] = min(s["used"] + added, len(s["numbers"]))
+
+        def add(arguments: Mapping[str, Any]) -> str:
+            """The tool: the register plus `n` (a bad argument changes nothing); the pointer moves on."""
+            s["total"] += _number(arguments)
+            s["used"] = min(s["used"] + 1, len(s["numbers"]))
+            return str(s["total"])
+
+        results = call_tools(turn, {ADD.name: add})
         return EnvStep((*results, _pointer(s["numbers"], s["used"])), json.dumps(s))
 
 
@@ -203,12 +230,11 @@ class Transcript:
 def transcript(
     example: CalculatorExample, chat: ChatFormat, slip_rate: float, rng: np.random.Generator
 ) -> Transcript:
-    """The episode an imperfect demonstrator plays: each call adds the running total (the last tool
-    result) and the number the environment says is next, which with probability `slip_rate` is off by one
-    of `april.task.SLIPS` (never below 0); the final turn, after `all added`, answers the last tool
-    result. Every turn is tokenized by `chat`, parsed back from its tokens as the worker parses the
-    model's, and answered by the real environment, so the observations are exactly those RL episodes
-    see."""
+    """The episode an imperfect demonstrator plays: each call adds the number the environment says is
+    next, which with probability `slip_rate` is off by one of `april.task.SLIPS` (never below 0); the
+    final turn, after `all added`, answers the last tool result. Every turn is tokenized by `chat`,
+    parsed back from its tokens as the worker parses the model's, and answered by the real environment,
+    so the observations are exactly those RL episodes see."""
     if not 0 <= slip_rate < 1:
         raise ValueError(f"slip_rate = {slip_rate}, expected in [0, 1)")
     env = CalculatorEnvironment()
@@ -223,7 +249,7 @@ def transcript(
             env,
             chat,
             state,
-            Message(Role.ASSISTANT, "", (ToolCall("call_0", ADD.name, {"a": total, "b": number}),)),
+            Message(Role.ASSISTANT, "", (ToolCall("call_0", ADD.name, {"n": number}),)),
             ids,
             mask,
         )
