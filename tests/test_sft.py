@@ -16,6 +16,7 @@ from actors.tokenizer import HFTokenizer
 from april.chat import chat_format
 from april.data import FilePromptSource
 from april.envs import calculator
+from april.episode import Message, Role, ToolCall
 from april.hf import load_model, load_tokenizer, make_tiny_tokenizer
 from april.task import TaskPromptSource, TaskSpec, make_example
 from cli.main import app
@@ -34,6 +35,7 @@ from learner.sft import (
 )
 
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "tiny"
+SHIPPED_CALCULATOR = SHIPPED.with_name("tiny-calculator")
 TINY = SftSettings(
     steps=3,
     warmup_steps=1,
@@ -203,3 +205,37 @@ def test_shipped_model_has_learned_the_task() -> None:
     with torch.no_grad():
         loss = float(model(**batch).loss)
     assert loss < 0.06, loss  # shipped: 0.032; undertrained (greedy accuracy 25%): 0.12
+
+
+def test_shipped_calculator_model_has_its_tokenizer_and_context() -> None:
+    """Digit groups and the task's words: a call is five tokens and its stop, the number one of them;
+    any text round-trips."""
+    tok = load_tokenizer(SHIPPED_CALCULATOR)
+    chat = chat_format(tok)
+    call = chat.turn_ids(Message(Role.ASSISTANT, "", (ToolCall("call_0", "add", {"n": 123}),)))
+    assert len(call) == 6 and call[-1] in chat.stop_ids and tok.decode([call[2]]) == "123"
+    for text in ("Sum: 1 22 333 4444 55555\nnext 22", "Answer: 0x7f, {'a': [1]} é"):
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    assert [tok.decode([i]) for i in tok("4444 55555", add_special_tokens=False)["input_ids"]] == [
+        "444", "4", " ", "555", "55"
+    ]  # fmt: skip
+    model = load_model(SHIPPED_CALCULATOR)
+    assert model.config.vocab_size >= len(tok) and model.config.max_position_embeddings == calculator.CONTEXT
+
+
+def test_shipped_calculator_model_has_learned_the_task() -> None:
+    """On held-out episodes played without slips, the shipped model's greedy next token is the
+    demonstrator's on nearly every trained token, the numbers it copies included (a forward pass with
+    teacher forcing; episode accuracy is measured by `april sft`, not asserted here)."""
+    model = load_model(SHIPPED_CALCULATOR)
+    chat = chat_format(load_tokenizer(SHIPPED_CALCULATOR))
+    rng = np.random.default_rng(0)
+    hits = total = 0
+    for i in range(64):
+        tr = calculator.transcript(calculator.make_example(0, i), chat, 0.0, rng)
+        with torch.no_grad():
+            predicted = model(torch.tensor([tr.ids])).logits[0, :-1].argmax(-1).tolist()
+        trained = [(p, t) for p, t, m in zip(predicted, tr.ids[1:], tr.loss_mask[1:], strict=True) if m]
+        hits += sum(p == t for p, t in trained)
+        total += len(trained)
+    assert hits / total > 0.95, hits / total
