@@ -134,7 +134,12 @@ class ToolRunner:
     @property
     def pending(self) -> int:
         """Requests submitted without a result delivered by `poll` yet."""
-        return len(self._queue) + len(self._results) + sum(1 for s in self._slots if s and s.job)
+        return len(self._queue) + len(self._results) + self.running
+
+    @property
+    def running(self) -> int:
+        """Requests a child is running now (handed over, not yet answered)."""
+        return sum(1 for s in self._slots if s is not None and s.job is not None)
 
     def submit(self, key: int, request: EnvRequest) -> None:
         """Queue one request; never blocks. `key` must not be pending already."""
@@ -214,7 +219,7 @@ class ToolRunner:
             self._slots[i] = self._spawn()
 
     def _busy(self) -> bool:
-        return bool(self._queue) or any(s is not None and s.job is not None for s in self._slots)
+        return bool(self._queue) or self.running > 0
 
     # -- I/O ------------------------------------------------------------------------------------------
 

@@ -129,9 +129,11 @@ def evaluate_episodes(
     samples_per_prompt: int = 1,
     slots: int = 32,
     seed: int = 0,
+    weights: Path | None = None,
 ) -> EpisodeEvalResult:
     """Play the first `prompts` calculator prompts (seed EVAL_SEED) to the end, all episodes one turn per
-    round; an episode that does not answer within MAX_TURNS turns of TURN_TOKENS tokens scores 0."""
+    round; an episode that does not answer within MAX_TURNS turns of TURN_TOKENS tokens scores 0.
+    `weights`: a weights file a run published, loaded over `model_dir`'s (whose tokenizer is used)."""
     from actors.engine import run_to_completion
     from actors.engines.torch_engine import TorchEngine
     from april.hf import load_tokenizer
@@ -147,6 +149,8 @@ def evaluate_episodes(
         episodes += [_Episode(list(ids), first.state, numbers) for _ in range(samples_per_prompt)]
     sampling = SamplingParams(temperature=1.0, stop_token_ids=chat.stop_ids, seed=seed)
     engine = TorchEngine(model_dir, slots, sampling, greedy=greedy)
+    if weights is not None:
+        engine.load_weights(weights, 1)
     started, generated = time.perf_counter(), 0
     while active := [k for k, e in enumerate(episodes) if e.reward is None]:
         requests = [
@@ -268,8 +272,7 @@ def sft_command(
         Path | None, typer.Option("--report", help="Also write the figures as JSON here.", dir_okay=False)
     ] = None,
 ) -> None:
-    """Warm-start a tiny model on a built-in task; the defaults rebuild models/tiny, with --task calculator
-    models/tiny-calculator."""
+    """Warm-start a tiny model on a built-in task: models/tiny, or models/tiny-calculator (--task)."""
     settings = SftSettings(seed=seed, task=task, steps=steps, lr=lr, threads=threads)
     run_sft(out or task.model_dir, settings, eval_prompts, report)
 

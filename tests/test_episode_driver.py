@@ -271,8 +271,8 @@ def test_abort_mid_repeatable_step_kills_it_and_the_resume_owes_it(make_driver, 
 
 
 def step_running(driver: EpisodeDriver) -> bool:
-    """Whether a child of the driver's tool runner is running a request (the runner's own slots)."""
-    return any(slot is not None and slot.job is not None for slot in driver.runner._slots)
+    """Whether a child of the driver's tool runner is running a request."""
+    return driver.runner.running > 0
 
 
 def committed(tokenizer: HFTokenizer) -> Sample:

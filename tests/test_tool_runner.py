@@ -161,10 +161,10 @@ def test_the_calculator_runs_reset_steps_and_the_end() -> None:
         first = collect(runner, 1)[1].step
         assert first is not None
         assert first.observation == (Message(Role.USER, ex.prompt), Message(Role.USER, "next 40"))
-        runner.submit(2, StepRequest(first.state, calls(("add", {"a": 2, "b": 40}))))
+        runner.submit(2, StepRequest(first.state, calls(("add", {"n": 40}))))
         runner.submit(3, StepRequest(first.state, Message(Role.ASSISTANT, f"Answer: {ex.answer}")))
         got = collect(runner, 2)
-        assert observed(got[2]) == ["42", "all added"]
+        assert observed(got[2]) == ["69", "all added"]  # the register held 29
         assert got[3].step is not None and got[3].step.done and got[3].step.reward == 1.0
 
 

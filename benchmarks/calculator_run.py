@@ -1,0 +1,79 @@
+"""The calculator task's learning curve: `april up --config configs/calculator.toml`, then the held-out
+accuracy of the run's starting and final weights.
+
+The run's own figures are its training accuracy per step (`metrics.jsonl`: sampled at T = 1 on the
+prompts each step drew, whose count of numbers to sum varies from step to step, and in APRIL's rounds the
+quick episodes complete first) and the broker's greedy evaluations (`eval.jsonl`, where the SFT model is
+already right on most prompts). Neither holds the prompts still while sampling as training does, so
+afterwards both weights play the same held-out calculator prompts (`cli.sft_cmd.evaluate_episodes`, the
+evaluation `april sft` reports), sampled at T = 1 and greedy, by count of numbers to sum.
+
+    python benchmarks/calculator_run.py --out DIR [--set section.key=value ...]
+
+Writes DIR/run/ (the run directory) and DIR/calculator_run.json. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from april.config import load_config  # noqa: E402
+from april.files import write_text_atomic  # noqa: E402
+from cli.sft_cmd import evaluate_episodes  # noqa: E402
+
+CONFIG = "configs/calculator.toml"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for the run and calculator_run.json")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="passed to april up")
+    ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts to play")
+    ap.add_argument("--eval-samples", type=int, default=4, help="samples per prompt at T = 1")
+    args = ap.parse_args(argv)
+    out = args.out.resolve()
+    run_dir = out / "run"
+    sets = [x for s in args.sets for x in ("--set", s)]
+    command = ["april", "up", "--headless", "--config", CONFIG, "--run-dir", str(run_dir), *sets]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    launcher = [sys.executable, "-c", "from cli.main import main; main()", *command[1:]]
+    subprocess.run(launcher, cwd=REPO, env=env, check=True)
+    config = load_config(run_dir / "config.toml")
+    model = Path(config.worker.model)
+    model = model if model.is_absolute() else REPO / model
+    final = json.loads((run_dir / "summary.json").read_text())["final_version"]
+    weights = run_dir / "weights" / f"v{final:06d}.safetensors"
+    held_out: dict[str, dict[str, object]] = {}
+    for version, path in ((0, None), (final, weights)):
+        for greedy in (False, True):
+            samples = 1 if greedy else args.eval_samples
+            r = evaluate_episodes(
+                model, args.eval_prompts, greedy=greedy, samples_per_prompt=samples, weights=path
+            )
+            held_out.setdefault(f"v{version}", {})["greedy" if greedy else "sampled"] = dataclasses.asdict(r)
+            print(f"[calculator] v{version} {'greedy' if greedy else 'sampled'}: accuracy {r.accuracy:.3f}")
+    doc = {
+        "command": " ".join(command),
+        "final_version": final,
+        "eval_prompts": args.eval_prompts,
+        "eval_samples": args.eval_samples,
+        "held_out": held_out,
+    }
+    write_text_atomic(out / "calculator_run.json", json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
