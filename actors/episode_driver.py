@@ -244,14 +244,16 @@ def open_episode_driver(
     env: EnvConfig, tokenizer: Tokenizer, settings: ToolRunnerSettings | None = None
 ) -> EpisodeDriver | None:
     """The driver `env` asks for (None: single-turn), its environment loaded and its tool processes
-    started. A bad `env.name`, or no tokenizer to render the conversation with, is a one-line
-    EpisodeError."""
+    started (`settings`, or `env.tool_processes` and `env.step_timeout_s`). A bad `env.name`, or no
+    tokenizer to render the conversation with, is a one-line EpisodeError."""
     if not env.name:
         return None
     if not isinstance(tokenizer, HFTokenizer):
         raise _needs_model(env)
+    if settings is None:
+        settings = ToolRunnerSettings(processes=env.tool_processes, step_timeout_s=env.step_timeout_s)
     try:
-        runner = ToolRunner(env.name, settings or ToolRunnerSettings())
+        runner = ToolRunner(env.name, settings)
     except EpisodeError as exc:
         raise EpisodeError(f"env.name: {exc}") from None
     return EpisodeDriver(env, chat_format(tokenizer.tok, tokenizer.eos_token_ids), runner)

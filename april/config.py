@@ -497,9 +497,11 @@ class EnvConfig:
     name: str = ""  # multi-turn episodes' environment: a built-in name or module:Class; empty: single-turn
     max_turns: int = 16  # model turns an episode may take at most
     max_turn_tokens: int = 4096  # tokens one model turn may generate at most (within algo.max_new_tokens)
+    tool_processes: int = 4  # per worker: child processes running resets and tool steps, one at a time each
+    step_timeout_s: float = 10.0  # a reset or a step's own code, on top of its tools' own time-outs
 
     def __post_init__(self) -> None:
-        _positive(self, "env", "max_turns", "max_turn_tokens")
+        _positive(self, "env", "max_turns", "max_turn_tokens", "tool_processes", "step_timeout_s")
 
 
 @dataclass(frozen=True, slots=True)

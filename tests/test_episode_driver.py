@@ -24,7 +24,7 @@ from actors.tokenizer import HFTokenizer
 from actors.tool_runner import ToolRunnerSettings
 from actors.worker import apply_output, interrupted
 from april.chat import chat_format
-from april.config import EnvConfig
+from april.config import ConfigError, EnvConfig
 from april.episode import EpisodeState, Message, Role, ToolCall
 from april.records import FinishReason, Sample, SampleStatus
 
@@ -171,6 +171,17 @@ def assert_same_transcript(got: Sample, want: Sample) -> None:
     assert [(s.start, s.end) for s in got.segments] == [(s.start, s.end) for s in want.segments]
     assert got.reward == want.reward and got.finish_reason == want.finish_reason
     assert got.episode == want.episode
+
+
+def test_the_env_section_sizes_the_tool_runner(tokenizer: HFTokenizer) -> None:
+    driver = open_episode_driver(dataclasses.replace(ENV, tool_processes=3, step_timeout_s=2.5), tokenizer)
+    assert driver is not None
+    try:
+        assert driver.runner.settings == ToolRunnerSettings(processes=3, step_timeout_s=2.5)
+    finally:
+        driver.close()
+    with pytest.raises(ConfigError, match=r"env\.tool_processes"):
+        dataclasses.replace(ENV, tool_processes=0)
 
 
 def test_episodes_tile_the_response_and_score_the_env_reward(make_driver, engine, tokenizer) -> None:
