@@ -9,6 +9,7 @@ afterwards both weights play the same held-out calculator prompts (`cli.sft_cmd.
 evaluation `april sft` reports), sampled at T = 1 and greedy, by count of numbers to sum.
 
     python benchmarks/calculator_run.py --out DIR [--set section.key=value ...]
+    python benchmarks/calculator_run.py --smoke     # 2 steps, 4 held-out prompts (the suite runs it)
 
 Writes DIR/run/ (the run directory) and DIR/calculator_run.json. Not a test: nothing is asserted.
 """
@@ -36,15 +37,23 @@ CONFIG = "configs/calculator.toml"
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="folder for the run and calculator_run.json")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the run and calculator_run.json")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="passed to april up")
-    ap.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts to play")
+    ap.add_argument("--steps", type=int, default=None, help="learner steps (default: the config's)")
+    ap.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts to play (200)")
     ap.add_argument("--eval-samples", type=int, default=4, help="samples per prompt at T = 1")
+    ap.add_argument("--smoke", action="store_true", help="2 steps and 4 prompts (options given win)")
     args = ap.parse_args(argv)
+    smoke = {"out": REPO / "bench-out" / "calculator-run-smoke", "steps": 2, "eval_prompts": 4}
+    full = {"out": REPO / "bench-out" / "calculator-run", "steps": None, "eval_prompts": 200}
+    for key, value in (smoke if args.smoke else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     out = args.out.resolve()
     run_dir = out / "run"
     sets = [x for s in args.sets for x in ("--set", s)]
-    command = ["april", "up", "--headless", "--config", CONFIG, "--run-dir", str(run_dir), *sets]
+    steps = [] if args.steps is None else ["--steps", str(args.steps)]
+    command = ["april", "up", "--headless", "--config", CONFIG, "--run-dir", str(run_dir), *steps, *sets]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),

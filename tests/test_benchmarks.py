@@ -274,6 +274,21 @@ def check_weight_sync(tmp_path: Path) -> None:
     assert "x loopback" in printed and f"{args['sizes']}      file" in printed
 
 
+def check_calculator_run(tmp_path: Path) -> None:
+    out = tmp_path / "calc"
+    run_smoke("calculator_run.py", out, tmp_path)
+    doc = json.loads((out / "calculator_run.json").read_text())
+    final = doc["final_version"]
+    assert final == 2 and set(doc["held_out"]) == {"v0", f"v{final}"}
+    for ev in doc["held_out"].values():
+        for mode, samples in (("sampled", 4 * 4), ("greedy", 4)):
+            r = ev[mode]
+            assert r["samples"] == samples and finite(r["accuracy"]) and 0 <= r["accuracy"] <= 1
+            assert sum(n for _, n in r["by_numbers"].values()) == samples
+    lines = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1] and all(0 <= x["accuracy"] <= 1 for x in lines)
+
+
 def check_accuracy(tmp_path: Path) -> None:
     out = tmp_path / "accuracy"
     printed = run_smoke("accuracy.py", out, tmp_path)
@@ -589,6 +604,7 @@ CHECKS: dict[str, Callable[[Path], None]] = {
     "learner_memory.py": check_learner_memory,
     "weight_sync.py": check_weight_sync,
     "accuracy.py": check_accuracy,
+    "calculator_run.py": check_calculator_run,
     "soak.py": check_soak,
     "scheduling.py": check_scheduling,
     "results.py": check_results,
