@@ -157,13 +157,15 @@ def make_tiny_model(
     digit_groups: bool = False,
     words: tuple[str, ...] = (),
 ) -> Path:
-    """Write a random causal LM + byte-level tokenizer to `model_dir`; return the path.
+    """Write a random causal LM + byte-level tokenizer (`make_tiny_tokenizer(digit_groups, words)`) to
+    `model_dir`; return the path.
 
     `architecture` is one of `ARCHITECTURES`: "llama" (Llama-3's layout), "qwen2" (biases on q/k/v) or
     "qwen3" (RMSNorm on q and k); `tie_embeddings` shares the input embedding with the output head, as
     the small Qwen models do. Same arguments and seed give the same weights. `vocab_size` must cover the
-    tokenizer's 259 tokens; ids above that are valid model outputs that decode to nothing (a real
-    vocabulary, e.g. `REAL_VOCAB_SIZES["qwen3"]`, gives a real model's output layer and softmax width).
+    tokenizer's 259 tokens (with digit groups or words it grows to the tokenizer's size); ids above that
+    are valid model outputs that decode to nothing (a real vocabulary, e.g. `REAL_VOCAB_SIZES["qwen3"]`,
+    gives a real model's output layer and softmax width).
     pad/bos/eos are ids 0/1/2. `init_std` is larger than Llama's 0.02 so that a random model has peaked
     (not near-uniform) next-token distributions, which keeps greedy comparisons away from numerical ties.
     """
