@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from april import files  # noqa: E402
 from april.ports import free_ports  # noqa: E402
+from april.weights_uri import version_path  # noqa: E402
 
 MODES = ("sync", "april", "async")
 EVAL_TASK_SEED = 12345  # task seed of the sampled held-out prompts: no run here draws from it
@@ -372,7 +373,7 @@ def sampled_eval(model_dir: Path, weights: Path | None, prompts: int, samples: i
 
 
 def final_weights(run_dir: Path, steps: int) -> Path:
-    path = run_dir / "weights" / f"v{steps:06d}.safetensors"
+    path = version_path(run_dir / "weights", steps)
     if not path.exists():
         raise FileNotFoundError(f"{path}: the final weights of a {steps}-step run are not there")
     return path

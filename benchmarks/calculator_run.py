@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from april.config import load_config  # noqa: E402
 from april.files import write_text_atomic  # noqa: E402
+from april.weights_uri import version_path  # noqa: E402
 from cli.sft_cmd import evaluate_episodes  # noqa: E402
 
 CONFIG = "configs/calculator.toml"
@@ -64,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = Path(config.worker.model)
     model = model if model.is_absolute() else REPO / model
     final = json.loads((run_dir / "summary.json").read_text())["final_version"]
-    weights = run_dir / "weights" / f"v{final:06d}.safetensors"
+    weights = version_path(run_dir / "weights", final)
     held_out: dict[str, dict[str, object]] = {}
     for version, path in ((0, None), (final, weights)):
         for greedy in (False, True):

@@ -122,6 +122,17 @@ def turn_lengths(s: dict[str, Any], tokenizer: HFTokenizer) -> list[int]:
     return [len(chat.parse_turn(chat.turn_text(t)).content) for t in turns]
 
 
+def assert_trained_once_and_whole(c: Cluster, samples: int) -> None:
+    """`samples` trained, each once, some of them resumed, and every one a whole episode with turns of
+    its own."""
+    tokenizer = HFTokenizer(TINY)
+    got = trained(c)
+    assert len({s["key"] for s in got}) == len(got) == samples
+    assert any(s["resumes"] for s in got)
+    for s in got:
+        assert any(assert_whole(s, tokenizer))
+
+
 def test_worker_killed_mid_tool_call_loses_nothing(
     cluster: Callable[..., Cluster], env_on_path: None
 ) -> None:
@@ -142,12 +153,7 @@ def test_worker_killed_mid_tool_call_loses_nothing(
     status = c.status()
     assert held > 0 and status.ledger_balanced and status.ledger.trained == 8  # groups
     assert "worker victim silent for" in (c.tmp / "broker.log").read_text()
-    tokenizer = HFTokenizer(TINY)
-    samples = trained(c)
-    assert len({s["key"] for s in samples}) == len(samples) == 16
-    assert any(s["resumes"] for s in samples)
-    for s in samples:
-        assert any(assert_whole(s, tokenizer))
+    assert_trained_once_and_whole(c, 16)
 
 
 def test_a_worker_whose_engine_fails_mid_episode_loses_nothing(
@@ -179,12 +185,7 @@ def test_a_worker_whose_engine_fails_mid_episode_loses_nothing(
     text = log.read_text()
     assert text.count("engine down (") >= 2 and text.count("engine serves again") >= 2  # a step, an abort
     assert "Traceback" not in text and c.procs["w0"].poll() is None  # one worker process throughout
-    tokenizer = HFTokenizer(TINY)
-    samples = trained(c)
-    assert len({s["key"] for s in samples}) == len(samples) == 16
-    assert any(s["resumes"] for s in samples)
-    for s in samples:
-        assert any(assert_whole(s, tokenizer))
+    assert_trained_once_and_whole(c, 16)
 
 
 def test_broker_killed_mid_episode_resumes_every_transcript_from_its_snapshot(
