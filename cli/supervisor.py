@@ -1,6 +1,7 @@
 """Child processes of `april up`: start them, notice crashes, restart within a bound, stop them all.
 
-Owns process plumbing only: each child is an `april <role>` command in its own session (so a final
+Owns process plumbing only: each child is an `april <role>` command (or another program, such as an
+SGLang server) with its own environment additions, in its own session (so a final
 SIGKILL of its process group also takes its own children, e.g. a worker's reward runner), logging to
 its own file, and on Linux asked to receive SIGTERM if `april up` itself dies (no orphans). A crashed
 child is restarted with its restart command line (e.g. with `--resume`) at most `max_restarts` times.
@@ -16,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,11 @@ class ChildSpec:
     restart_argv: tuple[str, ...]  # the arguments of a restart (e.g. with --resume)
     log: Path
     max_restarts: int = 3
+    env: Mapping[str, str] = field(default_factory=dict)  # set for this child only (CUDA_VISIBLE_DEVICES)
+    program: tuple[str, ...] = ()  # a command other than `april` (argv follows it); empty: `april`
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        return [*self.program, *argv] if self.program else april_command(argv)
 
 
 @dataclass(slots=True)
@@ -84,11 +90,11 @@ class Supervisor:
         spec.log.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log, "ab") as out:  # the child keeps its own descriptor
             return subprocess.Popen(
-                april_command(argv),
+                spec.command(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=self.env,
+                env={**self.env, **spec.env},
                 preexec_fn=own_session_dying_with_parent,
             )
 

@@ -73,6 +73,25 @@ def test_a_finished_child_is_not_restarted(tmp_path: Path) -> None:
     assert sup.poll(lambda name, code: code == 0) == []
 
 
+def test_a_child_runs_its_own_program_with_its_own_environment(tmp_path: Path) -> None:
+    """A non-april child (an SGLang server) gets its program and its env additions (its GPUs); the
+    supervisor's other children do not see them."""
+    code = "import os, sys; sys.exit(int(os.environ['APRIL_TEST_EXIT']))"
+    sup = Supervisor()
+    spec = ChildSpec(
+        "sglang-0",
+        ("-c", code),
+        ("-c", code),
+        tmp_path / "s.log",
+        0,
+        {"APRIL_TEST_EXIT": "7"},
+        (sys.executable,),
+    )
+    sup.start(spec).proc.wait(60)
+    assert [(e.name, e.code) for e in sup.poll(lambda name, code: False)] == [("sglang-0", 7)]
+    assert "APRIL_TEST_EXIT" not in sup.env
+
+
 def test_stop_kills_the_child_and_its_own_children(tmp_path: Path) -> None:
     """A child that ignores SIGTERM and has a child of its own: both are gone after stop()."""
     script = tmp_path / "stubborn.py"
