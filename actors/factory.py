@@ -77,6 +77,7 @@ def vllm_settings(cfg: WorkerConfig, device: str) -> VLLMSettings:
         dtype=cfg.vllm_dtype,
         enforce_eager=cfg.vllm_enforce_eager,
         max_model_len=cfg.vllm_max_model_len,
+        tensor_parallel_size=cfg.gpus_per_engine,
     )
 
 

@@ -70,6 +70,7 @@ from actors.tokenizer import Tokenizer
 from actors.weight_sync import Ready, Unavailable, WeightSync
 from april import protocol
 from april.config import WeightsConfig, WorkerConfig
+from april.devices import visible_gpus
 from april.episode import EpisodeError
 from april.files import sha256_file
 from april.keys import ClientKeys
@@ -224,7 +225,9 @@ class Worker:
 
     def _engine_built(self, engine: Engine) -> None:
         self.engine = engine
-        self.health.placement = one_line(engine.placement, protocol.MAX_PLACEMENT)  # told with its coming up
+        gpus = visible_gpus() if engine.name == "sglang" or self.cfg.device.startswith("cuda") else ""
+        placement = f"{engine.placement}, {gpus}" if gpus else engine.placement
+        self.health.placement = one_line(placement, protocol.MAX_PLACEMENT)  # told with its coming up
         if isinstance(engine, TensorLoading):  # it can take the learner's broadcast, when one is announced
             self.sync.accept_broadcast(self.cfg.device)
         self.meter = SlotMeter(engine.slots, time.monotonic(), self.cfg.usage_report_s)

@@ -309,6 +309,7 @@ class WorkerConfig:
     usage_report_s: float = 0.1  # seconds between usage reports while generating: the phase split's grain
     worker_id: str = ""  # empty: <hostname>-<pid>
     device: str = "auto"  # torch, vllm engines: auto (cuda if torch sees a GPU, else cpu), cpu, cuda, cuda:N
+    gpus_per_engine: int = 1  # april up: GPUs of each engine (sglang, vllm: its tensor-parallel size)
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
     sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
     sglang_weights_dir: str = ""  # sglang: a directory per weights version, for its servers (empty: temp)
@@ -336,7 +337,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         _endpoint("worker.broker", self.broker)
         _device("worker.device", self.device)
-        _positive(self, "worker", "slots", "reward_timeout_s", "torch_threads", "usage_report_s")
+        _positive(
+            self, "worker", "slots", "reward_timeout_s", "torch_threads", "usage_report_s", "gpus_per_engine"
+        )
         _check(
             0 <= self.result_hold_ms <= MAX_RESULT_HOLD_MS,
             "worker.result_hold_ms",
@@ -399,6 +402,7 @@ class LearnerConfig:
     pack_sequences: bool = False  # one padding-free row per micro-batch (needs packed-sequence support)
     gradient_checkpointing: bool = False  # recompute each decoder layer in backward (less memory)
     device: str = "auto"  # auto (cuda if torch sees a GPU, else cpu) | cpu | cuda | cuda:N
+    gpus: int = 0  # april up: the learner's GPUs, one rank each (0: half the node); on CPU, its CPU ranks
     adam_impl: AdamImpl = AdamImpl.TORCH  # CUDA: torch (fused AdamW, no build) | deepspeed (FusedAdam, nvcc)
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # max global gradient norm; <= 0 disables clipping
@@ -432,6 +436,7 @@ class LearnerConfig:
         _device("learner.device", self.device)
         _positive(self, "learner", "lr", "micro_batches", "torch_threads", "updates_per_batch", "adam_eps")
         _check(self.keep_checkpoints >= 1, "learner.keep_checkpoints", self.keep_checkpoints, "must be >= 1")
+        _check(self.gpus >= 0, "learner.gpus", self.gpus, "must be >= 0 (0 = april up decides)")
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             _check(0 <= v < 1, f"learner.{name}", v, "must be in [0, 1)")

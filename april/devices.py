@@ -4,14 +4,19 @@ Owns availability: `check_device` (is a `worker.device` / `learner.device` value
 `DeviceError` line naming the field, the value and what torch sees), `resolve_device` ("auto" becomes
 "cuda" when torch sees a GPU, "cpu" otherwise; any other value is checked and kept) and `init_cuda`
 (creates the CUDA context at start, so that a GPU or driver torch cannot use is one `StartupError` line
-before the model loads, not a traceback in the middle of it). The form of a value ('auto', 'cpu', 'cuda',
+before the model loads, not a traceback in the middle of it), and `visible_gpus` (the node's GPUs a
+process was given, for the status). The form of a value ('auto', 'cpu', 'cuda',
 'cuda:N') is checked with the rest of the config (april/config.py), without torch. torch is imported
 inside the functions, and only for a value that needs it: "cpu" never does, "auto" only to resolve.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from april.config import DEVICE, ConfigError
+from april.placement import gpu_list
 from april.startup import StartupError
 
 
@@ -75,3 +80,10 @@ def init_cuda(device: str, role: str) -> None:
             f"{role}: CUDA could not start on {device!r}: {cause}; check the GPU and driver (nvidia-smi), "
             f'or set {role}.device = "cpu"'
         ) from exc
+
+
+def visible_gpus(env: Mapping[str, str] = os.environ) -> str:
+    """The node's GPUs this process was given, for people ("GPU 4", "GPUs 0,1,2,3": CUDA_VISIBLE_DEVICES,
+    which `april up` sets for each child); "" when it was given none or all."""
+    gpus = [x.strip() for x in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return gpu_list(gpus) if gpus else ""

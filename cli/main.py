@@ -108,7 +108,9 @@ def learner(
     from cli.learner_cmd import run_learner_process
 
     cfg = resolve_config(config, set_, learner__broker=broker_address, learner__model=model, run__steps=steps)
-    run_learner_process(cfg, run_dir, resume)
+    code = run_learner_process(cfg, run_dir, resume)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command()
@@ -173,7 +175,15 @@ def up(
     config: ConfigOpt = None,
     mode: ModeOpt = None,
     engine: Annotated[str | None, typer.Option("--engine", help="torch | sim | sglang | vllm.")] = None,
-    workers: Annotated[int, typer.Option("--workers", "-k", help="Rollout worker processes.", min=1)] = 2,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            "-k",
+            help="Rollout workers, one per engine (default: as the GPUs fit; 2 on CPU).",
+            min=1,
+        ),
+    ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="Learner steps (run.steps).", min=1)] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Run directory (runs/<name>).")] = None,
     resume: Annotated[
@@ -185,6 +195,13 @@ def up(
     set_: SetOpt = None,
     screenshot: Annotated[
         Path | None, typer.Option("--screenshot", help="Save the dashboard as SVG one step before the end.")
+    ] = None,
+    plan: Annotated[
+        bool, typer.Option("--plan", help="Print which GPUs each process would get, and exit.")
+    ] = False,
+    json_: Annotated[bool, typer.Option("--json", help="With --plan: the processes as JSON.")] = False,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", help="With --plan: plan for a node of this many GPUs.", min=0)
     ] = None,
 ) -> None:
     """Run broker, workers and learner with a live dashboard (default: built-in task, tiny model)."""
@@ -201,6 +218,9 @@ def up(
         headless=headless,
         sets=tuple(set_ or ()),
         screenshot=screenshot,
+        plan=plan,
+        json=json_,
+        gpus=gpus,
     )
     raise typer.Exit(run_up(opts))
 

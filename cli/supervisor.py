@@ -62,11 +62,16 @@ def april_command(args: Sequence[str]) -> list[str]:
     return [sys.executable, "-c", "from cli.main import main; main()", *args]
 
 
-def own_session_dying_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
+def dying_with_parent() -> None:  # runs in a child between fork and exec
+    """Ask (Linux) for SIGTERM when the parent dies, so no child outlives the process that supervises it."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def own_session_dying_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    dying_with_parent()
 
 
 def log_tail(path: Path, lines: int = 12) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import os
 import signal
 import socket
 import sys
@@ -32,6 +33,7 @@ from april.devices import check_device
 from april.files import read_jsonl
 from april.hf import TINY_MODEL
 from april.keys import configured_client_keys, server_keys, weights_client_keys, weights_server_keys
+from april.placement import Placement, Role, gpu_list, node_gpus, node_words, place, wants_gpus
 from april.startup import STARTUP_EXIT
 from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
@@ -60,13 +62,16 @@ class UpOptions:
     config: Path | None = None
     mode: Mode | None = None
     engine: str | None = None
-    workers: int = 2
+    workers: int | None = None  # None: one per engine the node's GPUs fit (2 without GPUs)
     steps: int | None = None
     run_dir: Path | None = None
     resume: Path | None = None  # a run directory to continue
     headless: bool = False
     sets: tuple[str, ...] = ()
     screenshot: Path | None = None  # save the dashboard as SVG one step before the end (or at a stop)
+    plan: bool = False  # print the placement and exit
+    json: bool = False  # with plan: as JSON
+    gpus: int | None = None  # plan for a node of this many GPUs instead of this machine's
 
 
 def builtin_config() -> Config:
@@ -119,7 +124,7 @@ def resolve(opts: UpOptions) -> tuple[Config, Path, bool]:
             write_config(builtin_config(), Path(tmp) / "builtin.toml")
             config = load(Path(tmp) / "builtin.toml")
     run_dir = opts.run_dir or config.run_path()
-    if (run_dir / "metrics.jsonl").exists():
+    if (run_dir / "metrics.jsonl").exists() and not opts.plan:
         raise UpError(f"{run_dir} already holds a run: continue it with `april up --resume {run_dir}`")
     return config, run_dir, False
 
@@ -183,28 +188,68 @@ def preflight(config: Config) -> None:
                 ) from None
 
 
-def plan(config: Config, config_path: Path, run_dir: Path, workers: int, resume: bool) -> list[ChildSpec]:
-    """The children of a run: broker, workers, learner (in start order)."""
+def node_of(config: Config, gpus: int | None) -> tuple[str, ...]:
+    """The GPUs to place on: a node of `gpus` GPUs (0..gpus-1), or those of this machine that the roles
+    would use (torch is asked only when a role can run on a GPU)."""
+    if gpus is not None:
+        return node_gpus(gpus, {})
+    if not wants_gpus(config):
+        return ()
+    from april.devices import gpu_count
+
+    return node_gpus(gpu_count(), os.environ)
+
+
+def plan(
+    config: Config, config_path: Path, run_dir: Path, placement: Placement, resume: bool
+) -> list[ChildSpec]:
+    """The children of a run, in start order: broker, workers, learner, each with its GPUs."""
     logs = run_dir / "logs"
     common = ("--config", str(config_path))
     again = ("--resume",) if resume else ()
-    specs = [
-        ChildSpec(
-            BROKER,
-            ("broker", *common, "--run-dir", str(run_dir), *again),
-            ("broker", *common, "--run-dir", str(run_dir), "--resume"),
-            logs / "broker-0.log",
-            MAX_RESTARTS,
-        )
-    ]
-    for i in range(workers):
-        args = ("worker", *common, "--set", f"worker.worker_id={config.run.name}-w{i}")
-        specs.append(ChildSpec(f"worker-{i}", args, args, logs / f"worker-{i}.log", MAX_RESTARTS))
-    learner = ("learner", *common, "--run-dir", str(run_dir))
-    specs.append(
-        ChildSpec(LEARNER, (*learner, *again), (*learner, "--resume"), logs / "learner-0.log", MAX_RESTARTS)
-    )
+    specs = []
+    for p in placement.processes():
+        env = placement.env(p.gpus)
+        if p.role is Role.BROKER:
+            args = ("broker", *common, "--run-dir", str(run_dir))
+            specs.append(
+                ChildSpec(
+                    BROKER, (*args, *again), (*args, "--resume"), logs / "broker-0.log", MAX_RESTARTS, env
+                )
+            )
+        elif p.role is Role.WORKER:
+            args = (
+                "worker",
+                *common,
+                "--set",
+                f"worker.worker_id={config.run.name}-w{p.name.removeprefix('worker-')}",
+            )
+            specs.append(ChildSpec(p.name, args, args, logs / f"{p.name}.log", MAX_RESTARTS, env))
+        elif p.role is Role.LEARNER:
+            args = ("learner", *common, "--run-dir", str(run_dir))
+            specs.append(
+                ChildSpec(
+                    LEARNER, (*args, *again), (*args, "--resume"), logs / "learner-0.log", MAX_RESTARTS, env
+                )
+            )
     return specs
+
+
+def print_plan(placement: Placement, config: Config, as_json: bool) -> None:
+    """`april up --plan`: every process with its role and GPUs (JSON: a list of them)."""
+    processes = placement.processes()
+    if as_json:
+        print(json.dumps([p.to_json() for p in processes]))
+        return
+    learner = f"learner {placement.learner_ranks} rank" + ("s" if placement.learner_ranks > 1 else "")
+    shared = ", sharing its GPU with the engines" if placement.shared else ""
+    print(
+        f"april up plan for a node with {node_words(placement.node)}: {len(placement.engines)} x engine "
+        f"{config.worker.engine}, {learner}{shared}"
+    )
+    for p in processes:
+        ranks = f" ({p.ranks} ranks)" if p.ranks > 1 else ""
+        print(f"  {p.name:<12} {p.role!s:<8} {gpu_list(p.gpus)}{ranks}")
 
 
 class Run:
@@ -239,7 +284,9 @@ class Run:
                 return
         for spec in others:
             self.supervisor.start(spec)
-            add_event(self.state, time.time(), f"started {spec.name} (log {spec.log})")
+            gpus = spec.env.get("CUDA_VISIBLE_DEVICES")
+            where = f" on {gpu_list(gpus.split(','))}" if gpus else ""
+            add_event(self.state, time.time(), f"started {spec.name}{where} (log {spec.log})")
 
     def tick(self, state: DashboardState) -> bool:
         """Called by the view each refresh: supervise children; False once the run is over."""
@@ -341,14 +388,19 @@ class Run:
 
 
 def run_up(opts: UpOptions) -> int:
-    """Run to the end; returns the exit code (0: every step trained; 1: a child failed; 130: stopped)."""
+    """Run to the end; returns the exit code (0: every step trained; 1: a child failed; 130: stopped).
+    With `opts.plan`, print the placement and return 0 (nothing checked but the config and the split)."""
     config, run_dir, resume = resolve(opts)
-    config = wire_addresses(config)
+    placement = place(config, node_of(config, opts.gpus), opts.workers)
+    if opts.plan:
+        print_plan(placement, config, opts.json)
+        return 0
+    config = wire_addresses(placement.resolved(config))
     preflight(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
     write_config(config, config_path)
-    run = Run(config, run_dir, plan(config, config_path, run_dir, opts.workers, resume), opts.screenshot)
+    run = Run(config, run_dir, plan(config, config_path, run_dir, placement, resume), opts.screenshot)
     previous = signal.signal(signal.SIGTERM, run.on_signal)
     try:
         with StatusFeed(run.pub, configured_client_keys(config.broker.curve_keys_dir)) as feed:

@@ -42,10 +42,14 @@ def loss_config(config: Config) -> LossConfig:
 
 def engine_summary(settings: TrainSettings, world_size: int) -> str:
     """What `start` builds, for the phase report (the broker keeps it as the learner's engine):
-    'DeepSpeed ZeRO-2 on cuda, torch fused AdamW, 2 ranks'."""
+    'DeepSpeed ZeRO-2 on cuda, torch fused AdamW, 2 ranks, GPUs 0,1' (the GPUs `april up` gave it)."""
+    from april.devices import visible_gpus
+
     s = settings
     engine = f"DeepSpeed ZeRO-{s.zero_stage}" if s.backend == "deepspeed" else "torch"
-    return f"{engine} on {s.device}, {s.optimizer}, {world_size} rank{'s' if world_size > 1 else ''}"
+    gpus = visible_gpus() if s.device.startswith("cuda") else ""
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    return f"{engine} on {s.device}, {s.optimizer}, {ranks}" + (f", {gpus}" if gpus else "")
 
 
 class ModelTrainer:

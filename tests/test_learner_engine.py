@@ -199,15 +199,21 @@ def test_ds_config_gpu_is_bf16_torch_fused_adamw_or_deepspeeds_fused_adam() -> N
     assert _cfg(adam_impl="deepspeed") == _cfg()  # on CPU both are torch.optim.AdamW
 
 
-def test_the_settings_name_the_adamw_they_step_with() -> None:
-    """What the learner reports as its engine (the broker's status shows it): backend, device, AdamW."""
+def test_the_settings_name_the_adamw_they_step_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the learner reports as its engine (the broker's status shows it): backend, device, AdamW,
+    and on CUDA the node's GPUs `april up` gave it."""
     from learner.model_trainer import engine_summary
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     cuda = TrainSettings(backend="deepspeed", zero_stage=2, device="cuda")
     assert engine_summary(cuda, 8) == "DeepSpeed ZeRO-2 on cuda, torch fused AdamW, 8 ranks"
     deepspeeds = TrainSettings(backend="deepspeed", device="cuda:1", adam_impl="deepspeed")
     assert engine_summary(deepspeeds, 1) == "DeepSpeed ZeRO-0 on cuda:1, DeepSpeed FusedAdam, 1 rank"
     assert engine_summary(TrainSettings(backend="torch"), 1) == "torch on cpu, torch AdamW, 1 rank"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert engine_summary(cuda, 4) == "DeepSpeed ZeRO-2 on cuda, torch fused AdamW, 4 ranks, GPUs 0,1,2,3"
+    assert engine_summary(TrainSettings(backend="torch"), 1) == "torch on cpu, torch AdamW, 1 rank"  # no GPU
     with pytest.raises(ValueError, match="needs backend = 'deepspeed'"):
         TrainSettings(backend="torch", adam_impl="deepspeed")
 

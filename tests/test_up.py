@@ -416,6 +416,28 @@ def test_a_killed_worker_is_restarted_and_the_run_carries_on(tmp_path: Path) -> 
     check_run(run_dir, 12, samples=4)
 
 
+def test_the_learner_runs_as_the_ranks_april_up_starts_for_it(tmp_path: Path) -> None:
+    """`learner.gpus = 2` on a machine without GPUs: two DeepSpeed ranks over gloo, started by `april
+    learner` itself under `april up` (no torchrun line), training every step once; none left after."""
+    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+    cfg.write_text(cfg.read_text().replace('backend = "torch"', 'backend = "deepspeed"\ngpus = 2'))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from cli.main import main; main()", "up", "--headless", "--config", str(cfg),
+         "--run-dir", str(run_dir), "--steps", "3", *free_port_set()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+    )  # fmt: skip
+    ranks: set[int] = set()
+    while proc.poll() is None:
+        ranks |= {r for child in child_pids(proc.pid) for r in child_pids(child)}  # the learner's too
+        time.sleep(0.2)
+    out = proc.communicate(timeout=60)[0].decode(errors="replace")
+    assert proc.returncode == 0, out
+    check_run(run_dir, 3, samples=4)
+    log = (run_dir / "logs" / "learner-0.log").read_text()
+    assert "2 ranks" in log, log[-2000:]
+    assert not wait_all_exited(sorted(ranks))
+
+
 # ---------------------------------------------------------------------- errors a restart would meet again
 
 # Python runs a `sitecustomize` module at every start: this one makes torch report one CUDA GPU. torch here

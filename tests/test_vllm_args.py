@@ -63,6 +63,8 @@ def test_cuda_keeps_vllms_gpu_defaults_unless_asked() -> None:
     )
     assert asked["gpu_memory_utilization"] == 0.45 and asked["dtype"] == "float16"
     assert asked["enforce_eager"] is True and "kv_cache_memory_bytes" not in asked
+    assert "tensor_parallel_size" not in asked  # one GPU: vLLM's default
+    assert args_for(VLLMSettings(device="cuda", tensor_parallel_size=2))["tensor_parallel_size"] == 2
 
 
 def test_logprobs_mode_matches_the_learner_where_vllm_can() -> None:

@@ -101,6 +101,7 @@ class VLLMSettings:
     dtype: str = ""
     enforce_eager: bool = False
     max_model_len: int = 0
+    tensor_parallel_size: int = 1  # worker.gpus_per_engine: the GPUs one engine spreads the model over
 
     def __post_init__(self) -> None:
         match = _DEVICE.match(self.device)
@@ -133,6 +134,8 @@ def engine_args(model: str, slots: int, sampling: SamplingParams, settings: VLLM
             args["dtype"] = settings.dtype
         if settings.enforce_eager:
             args["enforce_eager"] = True
+        if settings.tensor_parallel_size > 1:
+            args["tensor_parallel_size"] = settings.tensor_parallel_size
     else:  # fp32 and no torch.compile warm-up: start-up in seconds, log-probs as the learner's
         args["dtype"] = settings.dtype or "float32"
         args["enforce_eager"] = True
