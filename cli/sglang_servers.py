@@ -200,9 +200,9 @@ class ServerGate:
             if not self._closed.is_set():
                 self._gave_up.add(name)
 
-    def holds(self, child: str) -> bool:
-        """Whether child `child` is a worker whose server has not answered yet."""
-        return self.starting(server_of(child)) if child.startswith(WORKER_PREFIX) else False
+    def has_server(self, child: str) -> bool:
+        """Whether child `child` is a worker driving a server of this gate (it starts once that answers)."""
+        return child.startswith(WORKER_PREFIX) and server_of(child) in self.urls
 
     def starting(self, name: str) -> bool:
         with self._lock:
@@ -215,14 +215,15 @@ class ServerGate:
         self._released.update(n for n, _ in new)
         return new
 
-    def late(self) -> str | None:
-        """One line for a server that has not answered within `worker.sglang_start_timeout_s`."""
+    def late(self) -> tuple[str, str] | None:
+        """A server that has not answered within `worker.sglang_start_timeout_s`, and one line saying so."""
         with self._lock:
             late = sorted(self._gave_up)
         if not late:
             return None
-        return (
-            f"{late[0]} did not answer {self.urls[late[0]]}/health within {self.timeout_s:g}s "
+        name = late[0]
+        return name, (
+            f"{name} did not answer {self.urls[name]}/health within {self.timeout_s:g}s "
             "(worker.sglang_start_timeout_s)"
         )
 

@@ -261,7 +261,7 @@ class Run:
                 self.outcome = f"failed: the broker published nothing within {BROKER_START_S:.0f}s"
                 return
         for spec in self.specs:
-            if not (is_server(spec.name) or spec.name == BROKER or server_of(spec.name) in self.gate.urls):
+            if not (is_server(spec.name) or spec.name == BROKER or self.gate.has_server(spec.name)):
                 self._start(spec)
         self._started = True
         self._check_servers()
@@ -277,8 +277,9 @@ class Run:
         """Fail the run on a server past its start-up deadline; start the workers whose server answered."""
         late = self.gate.late()
         if late is not None:
-            add_start_error(self.state, late.split()[0], ERROR_PREFIX + late)
-            self.outcome = f"failed: {late}"
+            server, line = late
+            add_start_error(self.state, server, ERROR_PREFIX + line)
+            self.outcome = f"failed: {line}"
             return
         if not self._started:
             return
@@ -378,7 +379,7 @@ class Run:
         """Whether the run cannot go on without child `name` (now exited for good)."""
         return name in (LEARNER, BROKER) or not any(
             self.supervisor.running(s.name)
-            and (server_of(s.name) not in self.gate.urls or self.supervisor.running(server_of(s.name)))
+            and (not self.gate.has_server(s.name) or self.supervisor.running(server_of(s.name)))
             for s in self.specs
             if s.name.startswith("worker-")
         )  # a worker whose server is gone for good serves nothing

@@ -130,23 +130,21 @@ def test_the_gate_releases_a_worker_once_its_server_answers_and_names_one_that_n
     with FakeSGLangServer(port=a):
         config = sglang_config(sglang_port=a, sglang_start_timeout_s=2.0)
         gate = ServerGate(config.worker, ["sglang-0"])
-        assert gate.starting("sglang-0") and gate.holds("worker-0") and not gate.holds("learner")
+        assert gate.starting("sglang-0") and gate.has_server("worker-0") and not gate.has_server("worker-1")
         gate.watch("sglang-0")
         deadline = time.monotonic() + 60
         while not (released := gate.released()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [name for name, _ in released] == ["sglang-0"] and gate.released() == []
-        assert not gate.starting("sglang-0") and not gate.holds("worker-0") and gate.late() is None
+        assert not gate.starting("sglang-0") and gate.late() is None
         gate.close()
     silent = ServerGate(sglang_config(sglang_port=b, sglang_start_timeout_s=1.0).worker, ["sglang-0"])
     silent.watch("sglang-0")
     deadline = time.monotonic() + 60
     while (late := silent.late()) is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert (
-        late
-        == f"sglang-0 did not answer http://127.0.0.1:{b}/health within 1s (worker.sglang_start_timeout_s)"
-    )
+    said = f"sglang-0 did not answer http://127.0.0.1:{b}/health within 1s (worker.sglang_start_timeout_s)"
+    assert late == ("sglang-0", said)
     assert silent.starting("sglang-0") and silent.released() == []
 
 
