@@ -176,6 +176,37 @@ def test_a_server_that_never_answers_fails_the_run_at_its_deadline(tmp_path: Pat
     assert len(children) >= 2  # the servers (and the broker) were running, and were stopped
 
 
+# A server that answers /health and nothing else (other requests lose their connection: to its worker it
+# is unreachable, not wrong), then dies after a few seconds, every time it is started.
+FLAKY_SERVER = """
+import http.server, sys, threading, time
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/health":
+            self.send_response(200)
+            self.end_headers()
+        self.close_connection = True
+port = int(sys.argv[sys.argv.index("--port") + 1])
+server = http.server.HTTPServer(("127.0.0.1", port), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+time.sleep(4)
+sys.exit("scheduler died")
+"""
+
+
+def test_a_server_out_of_restarts_ends_a_run_whose_workers_all_need_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["--engine", "sglang", "--workers", "1", "--steps", "3", "--run-dir", str(run_dir)]
+    launch = shlex.join([sys.executable, "-c", FLAKY_SERVER])
+    args += [f"--set=worker.sglang_port={free_port_pair()}", f"--set=worker.sglang_launch={launch}"]
+    code, out, children = run_up(args, timeout=300)
+    assert code == 1, out[-3000:]
+    assert all(f"sglang-0 exited 1: restarted ({n}/3)" in out for n in (1, 2, 3)), out[-3000:]
+    assert "sglang-0 exited 1: out of restarts" in out and "failed: sglang-0 exited 1 after 3 restarts" in out
+    assert "worker-0 exited" not in out  # the worker outlived every server, waiting for one to serve
+    assert not wait_all_exited(children)
+
+
 # ---------------------------------------------------------------------- SGLang's own parser (sglang venv)
 
 
