@@ -14,11 +14,12 @@ SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_SPEC ?= sglang==0.5.23
 SGLANG_TORCH_SPEC ?= torch==2.13.0+cpu
-# What importing SGLang's request types needs (sglang.api.v1.api_types, sglang.srt.sampling.sampling_params),
-# not sglang's own requirement list, which pulls a CUDA torch and GBs more.
+# What importing SGLang's request types needs (sglang.api.v1.api_types, sglang.srt.sampling.sampling_params)
+# and its launch parser (sglang.srt.server_args), plus uvicorn to serve the launch stand-in
+# (tests/sglang_launch_server.py); not sglang's own requirement list, which pulls a CUDA torch and GBs more.
 # io_struct is out of reach: it imports torchvision, whose only Linux wheel is built for a CUDA torch.
 SGLANG_IMPORTS := numpy triton transformers==5.19.0 aiohttp IPython tqdm pillow starlette pydantic pybase64 \
-	orjson psutil requests msgspec xxhash zstandard pyzmq
+	orjson psutil requests msgspec xxhash zstandard pyzmq uvicorn
 
 .PHONY: install up test test-vllm test-sglang lint bench results docs wheelhouse base-image compose-test clean \
 	gpu-wheels gpu-check
@@ -71,12 +72,13 @@ $(SGLANG_STAMP): Makefile
 		'error: $(SGLANG_VENV) got a CUDA torch ' + torch.__version__ + '; set SGLANG_TORCH_SPEC to a CPU build')"
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps '$(SGLANG_SPEC)'
 	$(SGLANG_VENV)/bin/python -m pip install --quiet $(SGLANG_IMPORTS)
-	$(SGLANG_VENV)/bin/python -c "import sglang.api.v1.api_types, sglang.srt.sampling.sampling_params"
+	$(SGLANG_VENV)/bin/python -c "import sglang.api.v1.api_types, sglang.srt.sampling.sampling_params, \
+		sglang.srt.server_args, uvicorn"
 	@touch $(SGLANG_STAMP)
 
 test-sglang: install $(SGLANG_STAMP)
 	APRIL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -m sglang \
-		tests/test_sglang_server.py $(PYTEST_ARGS)
+		tests/test_sglang_server.py tests/test_sglang_launch.py $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

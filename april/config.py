@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -121,6 +122,15 @@ DEVICE = re.compile(r"(auto|cpu|cuda(?::(\d+))?)")
 
 def _device(name: str, value: str) -> None:
     _check(DEVICE.fullmatch(value) is not None, name, value, "expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+def _splits(command: str) -> bool:
+    """Whether `command` splits as a shell would split it (no unclosed quote)."""
+    try:
+        shlex.split(command)
+    except ValueError:
+        return False
+    return True
 
 
 def _positive(section: object, prefix: str, *names: str) -> None:
@@ -313,6 +323,11 @@ class WorkerConfig:
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
     sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
     sglang_weights_dir: str = ""  # sglang: a directory per weights version, for its servers (empty: temp)
+    # `april up` with engine sglang and no sglang_urls starts one server per engine (cli/sglang_servers.py)
+    sglang_launch: str = ""  # april up: the command starting a server (shlex); empty: -m sglang.launch_server
+    sglang_args: str = ""  # april up: more server flags after april's own, e.g. "--mem-fraction-static 0.7"
+    sglang_port: int = 30000  # april up: server i listens on 127.0.0.1, port sglang_port + i
+    sglang_start_timeout_s: float = 900.0  # april up: seconds a server may take to answer /health
     sim_lengths: str = "lognormal:median=64,sigma=1.0,cap=512"  # sim engine: response-length spec
     sim_time_scale: float = 1.0  # sim engine: wall seconds per simulated second
     sim_prompt_corr: float = 0.0  # sim engine: how much a length is the prompt's, in [0, 1) (sample_draw)
@@ -376,6 +391,11 @@ class WorkerConfig:
         _check(
             self.vllm_max_model_len >= 0, "worker.vllm_max_model_len", self.vllm_max_model_len, "must be >= 0"
         )
+        for name in ("sglang_launch", "sglang_args"):
+            value = getattr(self, name)
+            _check(_splits(value), f"worker.{name}", value, "a command line (shlex: quotes closed)")
+        _check(1 <= self.sglang_port <= 65535, "worker.sglang_port", self.sglang_port, "a port in [1, 65535]")
+        _positive(self, "worker", "sglang_start_timeout_s")
 
     @property
     def sim_cost(self) -> EngineCost:

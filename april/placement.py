@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from april.config import Config, ConfigError
+from april.config import Config, ConfigError, WorkerConfig
 
 GPU_ENGINES = ("torch", "vllm", "sglang")  # engines that run on GPUs (sim runs on none)
 TENSOR_PARALLEL_ENGINES = ("vllm", "sglang")  # engines that can spread one model over several GPUs
@@ -100,6 +100,11 @@ def gpu_list(gpus: Sequence[str]) -> str:
     return f"GPU {gpus[0]}" if len(gpus) == 1 else "GPUs " + ",".join(gpus)
 
 
+def starts_sglang(worker: WorkerConfig) -> bool:
+    """Whether `april up` starts the SGLang servers (engine sglang, no `worker.sglang_urls`)."""
+    return worker.engine == "sglang" and not worker.sglang_urls.strip()
+
+
 def learner_uses_gpus(config: Config) -> bool:
     return config.learner.backend != "sim" and config.learner.device != "cpu"
 
@@ -109,7 +114,7 @@ def engines_use_gpus(config: Config) -> bool:
     the user runs (`worker.sglang_urls`)."""
     wc = config.worker
     if wc.engine == "sglang":
-        return not wc.sglang_urls
+        return starts_sglang(wc)
     return wc.engine in GPU_ENGINES and wc.device != "cpu"
 
 
@@ -157,8 +162,7 @@ def place(config: Config, node: Sequence[str], workers: int | None = None) -> Pl
     else:
         engines = tuple(() for _ in range(count))
     ranks = len(learner) if learner_on_gpu else (lc.gpus or 1)
-    starts = wc.engine == "sglang" and not wc.sglang_urls
-    return Placement(node, learner, ranks, engines, starts)
+    return Placement(node, learner, ranks, engines, starts_sglang(wc))
 
 
 def _check_request(config: Config, node: tuple[str, ...], learner_on_gpu: bool, engines_on_gpu: bool) -> None:

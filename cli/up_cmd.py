@@ -3,9 +3,10 @@
 Owns the launch plan: which config a run gets (the built-in task on the shipped tiny model unless a
 config file says otherwise; `--resume D` reuses D/config.toml), the checks that turn a doomed start into
 one error line (bad config, missing model, unknown engine, a device torch does not see, busy port), the
-children (`april broker`, K x `april worker`, `april learner`, each logging to D/logs/<role>-<id>.log),
-and the end of the run: the learner finishing its steps, a child failing for good, or Ctrl-C / SIGTERM,
-after which every child is stopped (learner and workers first, the broker last, so its snapshot has
+children (`april broker`, K x `april worker`, `april learner`, each logging to D/logs/<role>-<id>.log,
+and with engine sglang but no sglang_urls an SGLang server per worker, cli.sglang_servers), and the end
+of the run: the learner finishing its steps, a child failing for good, or Ctrl-C / SIGTERM, after which
+every child is stopped (learner and workers first, then the servers and the broker, so its snapshot has
 everything) and D is left resumable. Crashed children are restarted within a bound (broker and learner
 with --resume); a child that exits with a user error (exit 2) or could not start (`STARTUP_EXIT`) would
 fail alike again: it is not restarted, and its one error line is reported once (several workers failing
@@ -39,6 +40,15 @@ from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
 from cli.dashboard_state import DashboardState, add_alert, add_event, add_start_error
 from cli.options import USAGE_EXIT, UserError, resolve_config
+from cli.sglang_servers import (
+    ServerGate,
+    check_servers,
+    is_server,
+    server_of,
+    server_specs,
+    server_url,
+    worker_of,
+)
 from cli.supervisor import ChildExit, ChildSpec, Supervisor
 from learner.checkpoint import latest as latest_checkpoint
 from learner.wandb_sink import check_wandb
@@ -203,35 +213,31 @@ def node_of(config: Config, gpus: int | None) -> tuple[str, ...]:
 def plan(
     config: Config, config_path: Path, run_dir: Path, placement: Placement, resume: bool
 ) -> list[ChildSpec]:
-    """The children of a run, in start order: broker, workers, learner, each with its GPUs."""
+    """The children of a run in start order, each with its GPUs: its SGLang servers (engine sglang without
+    sglang_urls: one per worker, cli.sglang_servers), broker, workers, learner."""
     logs = run_dir / "logs"
     common = ("--config", str(config_path))
     again = ("--resume",) if resume else ()
     specs = []
+    if placement.starts_sglang:
+        specs += server_specs(config, run_dir, placement.engines, placement.learner, MAX_RESTARTS)
+    args: tuple[str, ...]
     for p in placement.processes():
         env = placement.env(p.gpus)
         if p.role is Role.BROKER:
             args = ("broker", *common, "--run-dir", str(run_dir))
-            specs.append(
-                ChildSpec(
-                    BROKER, (*args, *again), (*args, "--resume"), logs / "broker-0.log", MAX_RESTARTS, env
-                )
-            )
+            log = logs / "broker-0.log"
+            specs.append(ChildSpec(BROKER, (*args, *again), (*args, "--resume"), log, MAX_RESTARTS, env))
         elif p.role is Role.WORKER:
-            args = (
-                "worker",
-                *common,
-                "--set",
-                f"worker.worker_id={config.run.name}-w{p.name.removeprefix('worker-')}",
-            )
+            i = int(p.name.removeprefix("worker-"))
+            args = ("worker", *common, "--set", f"worker.worker_id={config.run.name}-w{i}")
+            if placement.starts_sglang:
+                args += ("--set", f"worker.sglang_urls={server_url(config.worker, i)}")
             specs.append(ChildSpec(p.name, args, args, logs / f"{p.name}.log", MAX_RESTARTS, env))
         elif p.role is Role.LEARNER:
             args = ("learner", *common, "--run-dir", str(run_dir))
-            specs.append(
-                ChildSpec(
-                    LEARNER, (*args, *again), (*args, "--resume"), logs / "learner-0.log", MAX_RESTARTS, env
-                )
-            )
+            log = logs / "learner-0.log"
+            specs.append(ChildSpec(LEARNER, (*args, *again), (*args, "--resume"), log, MAX_RESTARTS, env))
     return specs
 
 
@@ -269,24 +275,52 @@ class Run:
         self.finished_at: float | None = None
         self.checkpoint = latest_checkpoint(run_dir / "checkpoints")  # the newest one seen
         self._signalled = False
+        self.gate = ServerGate(config.worker, [s.name for s in specs if is_server(s.name)])
+        self._started = False  # start() is done: workers may start as their servers answer
 
     def start(self, feed: StatusFeed) -> None:
-        """The broker first, and the others once it publishes (so none of them starts in a backoff)."""
-        broker, *others = self.specs
-        self.supervisor.start(broker)
+        """SGLang servers (minutes on a GPU) and the broker first, the others once it publishes (so none of
+        them starts in a backoff); a worker with a server of its own once that answers (`_check_servers`)."""
+        for spec in self.specs:
+            if is_server(spec.name) or spec.name == BROKER:
+                self._start(spec)
         deadline = time.monotonic() + BROKER_START_S
         while feed.poll(200) is None:
             self._check_exits()
+            self._check_servers()
             if self.outcome:
                 return
             if time.monotonic() > deadline:
                 self.outcome = f"failed: the broker published nothing within {BROKER_START_S:.0f}s"
                 return
-        for spec in others:
-            self.supervisor.start(spec)
+        for spec in self.specs:
+            if not (is_server(spec.name) or spec.name == BROKER or self.gate.has_server(spec.name)):
+                self._start(spec)
+        self._started = True
+        self._check_servers()
+
+    def _start(self, spec: ChildSpec) -> None:
+        self.supervisor.start(spec)
+        if spec.name != BROKER:
             gpus = spec.env.get("CUDA_VISIBLE_DEVICES")
             where = f" on {gpu_list(gpus.split(','))}" if gpus else ""
             add_event(self.state, time.time(), f"started {spec.name}{where} (log {spec.log})")
+        if is_server(spec.name):
+            self.gate.watch(spec.name)
+
+    def _check_servers(self) -> None:
+        """Fail the run on a server past its start-up deadline; start the workers whose server answered."""
+        late = self.gate.late()
+        if late is not None:
+            server, line = late
+            add_start_error(self.state, server, ERROR_PREFIX + line)
+            self.outcome = f"failed: {line}"
+            return
+        if not self._started:
+            return
+        for server, took in self.gate.released():
+            add_event(self.state, time.time(), f"{server} answers after {took:.0f}s", "green")
+            self._start(next(s for s in self.specs if s.name == worker_of(server)))
 
     def tick(self, state: DashboardState) -> bool:
         """Called by the view each refresh: supervise children; False once the run is over."""
@@ -294,6 +328,7 @@ class Run:
             self.outcome = "interrupted"
         if not self.outcome:
             self._check_exits()
+            self._check_servers()
         self._check_checkpoints()
         if state.last_step is not None and state.last_step + 2 >= self.config.run.steps:
             self.save_screenshot()  # one step before the end: everything still running
@@ -324,13 +359,23 @@ class Run:
             self.checkpoint = found
 
     def _check_exits(self) -> None:
-        for ex in self.supervisor.poll(
-            lambda name, code: (name == LEARNER and code == 0) or code in FINAL_EXITS
-        ):
+        for ex in self.supervisor.poll(self._final):
             self._report(ex)
+
+    def _final(self, name: str, code: int) -> bool:
+        """Whether an exit is not to be restarted: the learner done, an exit that says a restart would fail
+        alike, or a server that exits before it ever answered."""
+        return (name == LEARNER and code == 0) or code in FINAL_EXITS or self.gate.starting(name)
 
     def _report(self, ex: ChildExit) -> None:
         now = time.time()
+        if self.gate.starting(ex.name):  # a server that never answered would fail alike again
+            said = f": {ex.tail[-1].strip()}" if ex.tail else ""
+            line = f"{ERROR_PREFIX}{ex.name} exited {ex.code} while starting{said}"
+            add_start_error(self.state, ex.name, line)
+            add_alert(self.state, f"{ex.name} (exit {ex.code})", ex.tail)
+            self.outcome = f"failed: {ex.name} exited {ex.code} while starting (log {self._log(ex.name)})"
+            return
         if ex.name == LEARNER and ex.code == 0 and not ex.restarted:
             self.outcome, self.finished_at = "finished", now
             add_event(self.state, now, f"learner finished {self.config.run.steps} steps", "green")
@@ -368,8 +413,11 @@ class Run:
     def _fatal(self, name: str) -> bool:
         """Whether the run cannot go on without child `name` (now exited for good)."""
         return name in (LEARNER, BROKER) or not any(
-            self.supervisor.running(s.name) for s in self.specs if s.name.startswith("worker-")
-        )
+            self.supervisor.running(s.name)
+            and (not self.gate.has_server(s.name) or self.supervisor.running(server_of(s.name)))
+            for s in self.specs
+            if s.name.startswith("worker-")
+        )  # a worker whose server is gone for good serves nothing
 
     def _log(self, name: str) -> Path:
         return next(s.log for s in self.specs if s.name == name)
@@ -384,7 +432,8 @@ class Run:
 
     def stop(self) -> None:
         workers = [s.name for s in self.specs if s.name.startswith("worker-")]
-        self.supervisor.stop([[LEARNER, *workers], [BROKER]])
+        self.gate.close()
+        self.supervisor.stop([[LEARNER, *workers], [*self.gate.urls, BROKER]])
 
 
 def run_up(opts: UpOptions) -> int:
@@ -397,6 +446,7 @@ def run_up(opts: UpOptions) -> int:
         return 0
     config = wire_addresses(placement.resolved(config))
     preflight(config)
+    check_servers(config.worker, len(placement.engines))  # the SGLang servers it would start (one per worker)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
     write_config(config, config_path)

@@ -1,10 +1,12 @@
 """Starting and stopping real SGLang servers for the SGLang adapter (one server per GPU or TP group).
 
-`launch` runs `python -m sglang.launch_server` with the flags RL needs (token ids only, a weight version,
-a bound on running requests), waits until each server answers, and hands the URLs and processes to an
-`SGLangEngine`, which stops them on close. The servers run on this host, as the adapter needs: it hands
-them weights as local directories. Every flag here parses with SGLang 0.5.23's own parser
-(ServerArgs.add_cli_args). Needs a GPU machine with sglang installed to run a server.
+`server_command` is the one place that says how a server is started: the launch command (`python -m
+sglang.launch_server`, or a command line of the user's own, e.g. SGLang's own virtualenv) and the flags
+RL needs (token ids only, a weight version, a bound on running requests, the engine's GPUs as its TP
+size). Every flag parses with SGLang 0.5.23's own parser (sglang/srt/server_args.py:
+prepare_server_args). `launch` starts servers in-process for an `SGLangEngine`, which stops them on close;
+`april up` starts them as supervised children instead (cli/sglang_servers.py). Needs a GPU machine with
+sglang installed to run a real server.
 
 A server inherits this process's environment; one with SGLANG_RETURN_ORIGINAL_LOGPROB set would report
 log-probs before temperature (sglang/srt/layers/sampler.py), so `server_command` refuses to build it.
@@ -13,6 +15,7 @@ log-probs before temperature (sglang/srt/layers/sampler.py), so `server_command`
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -37,6 +40,12 @@ def check_server_env(env: Mapping[str, str]) -> None:
         )
 
 
+def launch_prefix(launch: str = "") -> list[str]:
+    """The command that starts a server, before its flags: `launch` split as a shell would (e.g.
+    "/opt/sglang/bin/python -m sglang.launch_server"), or this interpreter's `-m sglang.launch_server`."""
+    return shlex.split(launch) or [sys.executable, "-m", "sglang.launch_server"]
+
+
 def server_command(
     model_path: str,
     *,
@@ -46,20 +55,29 @@ def server_command(
     version: int = 0,
     extra: Sequence[str] = (),
     deterministic: bool = False,
+    launch: str = "",
+    tp_size: int = 1,
+    mem_fraction: float | None = None,
 ) -> list[str]:
-    """The `python -m sglang.launch_server` command line for one server (token ids only). With
-    `deterministic`, sampling_seed is honoured (--enable-deterministic-inference), so a run's seed makes
-    sampling reproducible. EngineError if this environment would spoil the server's log-probs."""
+    """The command line for one server (token ids only), started by `launch` (see `launch_prefix`).
+    With `deterministic`, sampling_seed is honoured (--enable-deterministic-inference), so a run's seed
+    makes sampling reproducible. `tp_size`: the GPUs the server spans; `mem_fraction`: its share of each
+    GPU's memory (None: SGLang's own choice, for a GPU it has to itself). `extra` comes last, so a flag
+    given there wins over april's (argparse keeps the last value). EngineError if this environment would
+    spoil the server's log-probs."""
     check_server_env(os.environ)
     flags = ["--enable-deterministic-inference"] if deterministic else []
+    if mem_fraction is not None:
+        flags += ["--mem-fraction-static", f"{mem_fraction:g}"]
     return [
-        sys.executable, "-m", "sglang.launch_server",
+        *launch_prefix(launch),
         "--model-path", model_path,
         "--host", host,
         "--port", str(port),
         "--skip-tokenizer-init",
         "--max-running-requests", str(slots),
         "--weight-version", str(version),
+        "--tp-size", str(tp_size),
         *flags,
         *extra,
     ]  # fmt: skip
