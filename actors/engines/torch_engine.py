@@ -149,7 +149,8 @@ class TorchEngine:
             None if greedy else torch.ones(slots, width, dtype=torch.float32, device=self.device)
         )
         self._out = torch.zeros(slots, 2, dtype=torch.float64, device=self.device)  # token, log-prob
-        self._graphs.capture_all(self._step_shapes(), self._step_of)
+        with torch.inference_mode():  # as `step` runs them
+            self._graphs.capture_all(self._step_shapes(), self._step_of)
 
     # ---- Engine interface -------------------------------------------------------------------------
 
