@@ -264,8 +264,9 @@ def test_a_parquet_dataset_without_pyarrow_is_one_line(tmp_path: Path) -> None:
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"april: error: {path}: reading it needs pyarrow, which this Python lacks (No module named 'pyarrow'); "
-        "expected pyarrow installed (pip install pyarrow), or the rows as JSON Lines, which need nothing"
+        f"april: error: {path}: reading it needs pyarrow, which this Python lacks "
+        "(No module named 'pyarrow'); expected pyarrow installed (pip install pyarrow), or the rows as "
+        "JSON Lines, which need nothing"
     ]
 
 
