@@ -137,7 +137,14 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
         # one generator per engine: salted with the worker id, or two workers would draw the same noise
         sampling = dataclasses.replace(sampling, seed=worker_seed(sampling.seed, cfg.worker_id))
         device = resolve_device(cfg.device, "worker.device")
-        return TorchEngine(cfg.model, cfg.slots, sampling, device=device, version=version)
+        return TorchEngine(
+            cfg.model,
+            cfg.slots,
+            sampling,
+            device=device,
+            version=version,
+            memory_fraction=cfg.gpu_memory_fraction,
+        )
     if cfg.engine == "sglang":
         from actors.engines.sglang_engine import SGLangEngine
 

@@ -303,6 +303,9 @@ DEFAULT_LOGPROB_CHUNK_TOKENS = 512
 VLLM_DTYPES = ("", "auto", "float32", "float", "bfloat16", "float16", "half")
 # worker.sim_tool_ms: median 1 s, p99 30 s (sigma = ln 30 / 2.326), 30 s at most (a tool's time-out)
 SIM_TOOL_MS = "lognormal:median=1000,sigma=1.46,cap=30000"
+# worker.gpu_memory_fraction: the torch engine's share of its GPU for weights and KV cache (docs/engines.md).
+# Half: on one GPU the learner takes the rest. The cache takes only what its rows need, often far less.
+GPU_MEMORY_FRACTION = 0.5
 # worker.result_hold_ms: held longer, results would wait on the order of a heartbeat (april.peer_link)
 MAX_RESULT_HOLD_MS = 1000.0
 
@@ -321,6 +324,7 @@ class WorkerConfig:
     device: str = "auto"  # torch, vllm engines: auto (cuda if torch sees a GPU, else cpu), cpu, cuda, cuda:N
     gpus_per_engine: int = 1  # april up: GPUs of each engine (sglang, vllm: its tensor-parallel size)
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
+    gpu_memory_fraction: float = GPU_MEMORY_FRACTION  # torch on CUDA: most of the GPU for weights + KV cache
     sglang_urls: str = ""  # comma-separated server URLs (one SGLang server per GPU or TP group)
     sglang_weights_dir: str = ""  # sglang: a directory per weights version, for its servers (empty: temp)
     # `april up` with engine sglang and no sglang_urls starts one server per engine (cli/sglang_servers.py)
@@ -354,6 +358,12 @@ class WorkerConfig:
         _device("worker.device", self.device)
         _positive(
             self, "worker", "slots", "reward_timeout_s", "torch_threads", "usage_report_s", "gpus_per_engine"
+        )
+        _check(
+            0 < self.gpu_memory_fraction <= 1,
+            "worker.gpu_memory_fraction",
+            self.gpu_memory_fraction,
+            "must be in (0, 1]",
         )
         _check(
             0 <= self.result_hold_ms <= MAX_RESULT_HOLD_MS,

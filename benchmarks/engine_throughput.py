@@ -7,8 +7,8 @@ What runs (one process, CPU by default, `--threads` torch threads):
   drawn from a lognormal (median `--median`, sigma `--sigma`, capped at `--cap`): the long tail of RL
   rollouts. Both sides generate exactly these lengths: no stop tokens, each request's budget is its length.
 - continuous batching: `TorchEngine` with `slots` requests in flight; a finished request's slot is refilled
-  from the queue before the next step (as a rollout worker does); with CUDA graphs, after a first pass of
-  the same workload that captures every step shape (a worker captures them once per process);
+  from the queue before the next step (as a rollout worker does); its rows hold the run's longest request
+  (the cache and, on CUDA, every step shape's graph are made when the engine starts, as in a worker);
 - static batching: `model.generate` (sampling, KV cache, SDPA) on consecutive batches of `slots` prompts;
   a batch runs until its longest member is done (`min_new_tokens = max_new_tokens = max length`), and only
   each request's own length counts as useful tokens.
@@ -104,17 +104,20 @@ def workload(args: argparse.Namespace) -> tuple[list[np.ndarray], list[int]]:
     return prompts, lengths
 
 
-def make_engine(model_dir: Path, args: argparse.Namespace, slots: int) -> Any:
+def make_engine(model_dir: Path, args: argparse.Namespace, slots: int, row_tokens: int) -> Any:
+    """The engine under test: rows of `row_tokens` (the longest request of the run), and the keyword
+    arguments of `args.engine_options` (the GPU check's `--engine-option`) over this script's own."""
     from actors.engine import SamplingParams
     from actors.engines.torch_engine import TorchEngine
 
+    options = {"cuda_graphs": args.cuda_graphs, "max_seq_len": row_tokens}
     return TorchEngine(
         model_dir,
         slots=slots,
         sampling=SamplingParams(seed=args.seed),
         device=args.device,
         dtype=args.dtype,
-        cuda_graphs=args.cuda_graphs,
+        **{**options, **getattr(args, "engine_options", {})},
     )
 
 
@@ -123,11 +126,8 @@ def run_engine(
 ) -> dict[str, float]:
     from actors.engine import GenerationRequest
 
-    engine = make_engine(model_dir, args, slots)
-    if engine.placement.endswith("cuda graphs"):  # warm-up: every step shape of the run, captured
-        _drive(engine, prompts, lengths, GenerationRequest)
-    else:
-        _drive(engine, prompts[:slots], [4] * min(slots, len(prompts)), GenerationRequest)
+    engine = make_engine(model_dir, args, slots, max(len(p) for p in prompts) + max(lengths))
+    _drive(engine, prompts[:slots], [4] * min(slots, len(prompts)), GenerationRequest)  # warm-up
     t0 = time.perf_counter()
     steps, tokens = _drive(engine, prompts, lengths, GenerationRequest)
     wall = time.perf_counter() - t0
@@ -203,10 +203,10 @@ def step_sweep(model_dir: Path, args: argparse.Namespace) -> tuple[list[dict[str
     """Decode step times at 1, 2, 4, ... active rows, and how the engine ran them."""
     from actors.engine import GenerationRequest
 
-    engine = make_engine(model_dir, args, args.max_active)
+    budget = args.step_repeats + 4
+    engine = make_engine(model_dir, args, args.max_active, args.step_prompt + budget)
     rng = np.random.default_rng(args.seed + 1)
     rows, active = [], 1
-    budget = args.step_repeats + 4
     while active <= args.max_active:
         engine.add(
             [
@@ -214,7 +214,7 @@ def step_sweep(model_dir: Path, args: argparse.Namespace) -> tuple[list[dict[str
                 for i in range(active)
             ]
         )
-        engine.step()  # prefill + first decode (on CUDA: eager, then captured)
+        engine.step()  # prefill + first decode (on CUDA: a replay, every shape captured at the start)
         engine.step()
         t0 = time.perf_counter()
         for _ in range(args.step_repeats):
@@ -223,7 +223,12 @@ def step_sweep(model_dir: Path, args: argparse.Namespace) -> tuple[list[dict[str
         engine.abort()
         rows.append({"active": active, "ms_per_step": 1e3 * dt, "tokens_per_s": active / dt})
         active *= 2
-    how = {"placement": engine.placement, "captured_graphs": engine.captured_graphs}
+    plan = engine.cache_plan
+    how = {
+        "placement": engine.placement,
+        "captured_graphs": engine.captured_graphs,
+        "kv_cache": plan.describe() if plan is not None else "grown as rows need",
+    }
     engine.close()
     return rows, how
 

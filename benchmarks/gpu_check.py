@@ -12,7 +12,10 @@ and the next one runs (`benchmarks/gpu/`, one module a phase):
   trained step, samples/s;
 - `engine`: the torch engine's decode step at 1..64 rows (128-token prompts) on the shipped tiny model
   and a Qwen3-0.6B shape, and continuous batching against HF `generate` on long-tailed lengths;
-- `gpu-tests`: `pytest -m gpu`.
+- `gpu-tests`: `pytest -m gpu`, each outcome recorded as it comes.
+Before any phase runs, a `packages` preflight (`gpu.image`) prints one line per phase: what this Python
+lacks for it; a phase that lacks a package it must have is an error without running. The first five
+phases' budgets add up to the check's 6 minutes; the second learner runs only in what they leave.
 Writes OUT/gpu_check.json (every phase's status, figures and errors; the targets met or not),
 OUT/provenance.json (command, commit, GPU, driver, torch, CUDA, date) and OUT/gpu_check.log (each phase's
 output); `benchmarks/results.py render` turns a committed copy in docs/results/gpu-check/ into the
@@ -42,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from gpu.flops import utilisation  # noqa: E402
 from gpu.hardware import arch_list_for_deepspeed  # noqa: E402
+from gpu.image import PHASE_NEEDS, preflight_line  # noqa: E402
 from gpu.record import PhaseRecord, PhaseSkipped, read_record  # noqa: E402
 
 from april.provenance import provenance  # noqa: E402
@@ -57,6 +61,7 @@ class Phase:
     budget_s: float  # its timeout
     least_s: float  # not started with less of the check's budget left
     params: dict[str, Any]
+    gpus: int = 1  # skipped where the device phase saw fewer (a placed `april up` needs 2 or more)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,16 +105,19 @@ TARGETS = (
 # Per phase: (budget s: its timeout, least s: not started with less of the check's budget left, params).
 # Learner sizes: [samples, response tokens, warm-up steps, timed steps]; `threads`: torch's CPU threads
 # (left to torch where absent). A phase also gets `device` and `timeout_s`, its time at the start.
+# Full size: the first five phases' budgets are the 360 s; each is the phase's expected time with room
+# (april up 3 steps on the tiny model: about 45 s; a 1.7B learner built and DeepSpeed set up: about 40 s,
+# GPU-MACHINE.md), and `gpu-tests` runs the engine's graph checks and one `april up` on CUDA.
 FULL: dict[str, tuple[float, float, dict[str, Any]]] = {
-    "device": (45, 10, {"matmul_n": 8192, "matmul_reps": 20, "rounds": 3}),
+    "device": (30, 10, {"matmul_n": 8192, "matmul_reps": 20, "rounds": 3}),
     "learner": (
-        170,
+        115,
         60,
         {"shape": "qwen3-1.7b", "prompt": 64, "group": 4, "sizes": [[16, 8192, 1, 2], [64, 8192, 0, 1]]},
     ),
-    "up": (120, 45, {"steps": 3, "sets": []}),
+    "up": (80, 45, {"steps": 3, "sets": []}),
     "engine": (
-        100,
+        60,
         30,
         {
             "max_rows": 64,
@@ -128,7 +136,7 @@ FULL: dict[str, tuple[float, float, dict[str, Any]]] = {
             },
         },
     ),
-    "gpu-tests": (60, 15, {}),
+    "gpu-tests": (75, 15, {}),
 }
 # The same code at sizes a loaded 2-core CPU runs in about a minute; the budgets are "did not hang" limits.
 # `april up`'s learner is plain torch here: DeepSpeed's start-up is the learner phase's.
@@ -203,6 +211,7 @@ def plan(args: argparse.Namespace) -> list[Phase]:
         phase("up", "up", "up_run"),
         phase("engine", "engine", "engine_decode", engine_options=args.engine_options),
         phase("gpu-tests", "gpu-tests", "gpu_tests"),
+        # phases for machines with more GPUs (a placed `april up`) go here, each with its `gpus`
         *learners[1:],
     ]
 
@@ -346,6 +355,14 @@ def run_phase(phase: Phase, scratch: Path, env: dict[str, str], deadline: float)
     return entry
 
 
+def gpu_shortfall(phase: Phase, results: dict[str, Any]) -> str:
+    """Why `phase` cannot run here for want of GPUs (the device phase's count), or ""."""
+    seen = results.get("device", {}).get("result", {}).get("identity", {}).get("gpus")
+    if phase.gpus <= 1 or (isinstance(seen, int) and seen >= phase.gpus):
+        return ""
+    return f"needs {phase.gpus} GPUs, the device phase saw {seen}"
+
+
 def with_utilisation(phases: dict[str, Any], device: dict[str, Any]) -> None:
     """Each learner size's model-FLOPs utilisation, with and without attention, against the vendor's
     dense peak (`spec`) and the matmul measured in this run (`measured`)."""
@@ -481,9 +498,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     results: dict[str, Any] = {}
+    packages = {}
+    for phase in phases:  # before any phase runs: what this Python lacks, one line a phase
+        lacks, packages[phase.name] = preflight_line(phase.name, PHASE_NEEDS[phase.module])
+        print(f"gpu-check: {packages[phase.name]}", flush=True)
+        if lacks:
+            results[phase.name] = {"status": "error", "errors": [packages[phase.name]], "wall_s": 0.0}
 
     def save() -> dict[str, Any]:  # after every phase: a check killed from outside keeps what it measured
-        doc = artifact(args, environment, results, time.monotonic() - started)
+        doc = {**artifact(args, environment, results, time.monotonic() - started), "packages": packages}
         (args.out / "gpu_check.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
         prov = stamp(args, argv, doc["device"], doc["wall_s"])
         (args.out / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n", encoding="utf-8")
@@ -494,7 +517,11 @@ def main(argv: list[str] | None = None) -> int:
         open(args.out / "gpu_check.log", "w") as log,
     ):
         for phase in phases:
-            if phase.name in results:  # skipped already
+            if phase.name in results:  # skipped already, or lacking a package
+                continue
+            short = gpu_shortfall(phase, results)
+            if short:
+                results[phase.name] = {"status": "skipped", "reason": short, "wall_s": 0.0}
                 continue
             print(f"gpu-check: {phase.name} ...", flush=True)
             results[phase.name] = entry = run_phase(phase, Path(tmp), env, started + args.budget_s)

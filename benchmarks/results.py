@@ -1015,7 +1015,7 @@ def gpu_tests_line(phases: dict[str, Any]) -> list[str]:
     r = phases.get("gpu-tests", {}).get("result", {})
     if "counts" not in r:
         return []
-    counts = ", ".join(f"{n} {k}" for k, n in r["counts"].items() if n)
+    counts = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in r["counts"].items() if n)
     reasons = sorted({t["message"] for t in r["tests"] if t["outcome"] == "skipped"})
     return [
         f"`pytest -m gpu`: {counts or 'nothing collected'}"

@@ -270,11 +270,12 @@ class TrainEngine:
             self._ds.set_train_batch_size(micro * micro_batches * self._ds.dp_world_size)
             self._ds.set_gradient_accumulation_boundary(micro_batches == 1)  # for the first forward
 
-    def forward_backward(self, loss_fn: LossFn, micro_batch: Any) -> float:
-        """`loss_fn(self.model, micro_batch)`, back-propagated; returns the (unscaled) loss value."""
+    def forward_backward(self, loss_fn: LossFn, micro_batch: Any) -> torch.Tensor:
+        """`loss_fn(self.model, micro_batch)`, back-propagated; returns the (unscaled) loss, detached, on
+        its device (reading it is the caller's choice: a read waits for the GPU)."""
         loss = loss_fn(self.model, micro_batch)
         self.backward(loss)
-        return float(loss.detach().item())
+        return loss.detach()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of one micro-batch's loss (scaled by 1 / grad_accum_steps).

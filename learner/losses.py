@@ -2,7 +2,8 @@
 
 Owns `policy_loss` (one formula per `algo.algorithm` x `algo.offpolicy`, on per-token tensors), the loss
 settings (`LossConfig`: clip range, KL and entropy coefficients, the numerical guards) and the
-step statistics (`LossStats`, summable over micro-batches). Does not run models, build batches or step
+step statistics (`DeviceStats` on the loss's device, merged over micro-batches there and read to the
+host once a step as `LossStats`). Does not run models, build batches or step
 optimizers: inputs are log-probs already gathered at the response tokens (`learner.batching`).
 
 Notation, per sample i and response token t (m_it = 1 on real response tokens, B = samples and
@@ -213,13 +214,38 @@ class LossStats:
         return out
 
 
-def merge_stats(parts: Sequence[LossStats]) -> LossStats:
-    """Stats of a whole batch from its micro-batches' stats (sums add, maxima take the max)."""
-    merged: dict[str, float | int] = {}
-    for f in dataclasses.fields(LossStats):
-        values = [getattr(p, f.name) for p in parts]
-        merged[f.name] = max(values, default=0) if f.name.endswith("_max") else sum(values)
-    return LossStats(**merged)  # type: ignore[arg-type]
+STAT_FIELDS = tuple(f.name for f in dataclasses.fields(LossStats))
+INT_FIELDS = frozenset(f.name for f in dataclasses.fields(LossStats) if f.type in ("int", int))
+MAX_INDEX = [i for i, name in enumerate(STAT_FIELDS) if name.endswith("_max")]
+SUM_INDEX = [i for i, name in enumerate(STAT_FIELDS) if not name.endswith("_max")]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStats:
+    """`LossStats`' fields, in their order, as one float64 vector on the loss's device: a micro-batch adds
+    its statistics without reading anything back to the host; `host` reads them once."""
+
+    values: Tensor  # [len(STAT_FIELDS)] float64
+
+    def host(self) -> LossStats:
+        values = self.values.tolist()  # the one read back
+        return LossStats(
+            **{n: int(v) if n in INT_FIELDS else v for n, v in zip(STAT_FIELDS, values, strict=True)}
+        )
+
+    def metrics(self) -> dict[str, float]:
+        return self.host().metrics()
+
+
+def merge_stats(parts: Sequence[DeviceStats]) -> DeviceStats:
+    """Stats of a whole batch from its micro-batches' stats (sums add, maxima take the max), on their
+    device."""
+    if not parts:
+        return DeviceStats(torch.zeros(len(STAT_FIELDS), dtype=torch.float64))
+    stacked = torch.stack([p.values for p in parts])  # [parts, fields]
+    merged = stacked.sum(dim=0)
+    merged[MAX_INDEX] = stacked[:, MAX_INDEX].amax(dim=0)
+    return DeviceStats(merged)
 
 
 def policy_loss(
@@ -236,8 +262,8 @@ def policy_loss(
     num_tokens: int | None = None,
     logp_ref: Tensor | None = None,
     entropy: Tensor | None = None,
-) -> tuple[Tensor, LossStats]:
-    """Scalar loss (to minimise) and its stats; see the module docstring for the formulas.
+) -> tuple[Tensor, DeviceStats]:
+    """Scalar loss (to minimise) and its stats (on its device); see the module docstring for the formulas.
 
     Shapes: `[B, Tr]` for the log-probs (nats), `token_mask` (bool), `versions` (int), `logp_ref` and
     `entropy`; `advantages` is `[B]` or `[B, Tr]` (gspo takes the masked per-sample mean of the latter).
@@ -275,11 +301,11 @@ def policy_loss(
     agg = _aggregator(cfg, m, n_samples, n_tokens)
     if cfg.algorithm is Algorithm.GSPO:
         pg, units, clipped, dual = _gspo(log_ratio, w, adv, mask, k, cfg, n_samples)
-        unit_weights = w[units]
+        unit_weights = w  # [B], of the units where `units`
         rejected_units = rejected & candidates.any(dim=1)  # samples
     else:
         pg, units, clipped, dual = _token_level(log_ratio, w, adv, keep, cfg, agg)
-        unit_weights = _per_token(w, m)[units]
+        unit_weights = _per_token(w, m)  # [B, Tr], of the units where `units`
         rejected_units = rejected_tokens & candidates  # tokens
     loss = pg
     kl_term = ent_term = torch.zeros((), dtype=m.dtype, device=m.device)
@@ -302,7 +328,7 @@ def policy_loss(
             logp_ref,
             entropy,
             (mask, k, versions, current_version),
-            (units, clipped, dual, unit_weights, int(rejected_units.sum())),
+            (units, clipped, dual, unit_weights, rejected_units),
             cfg,
         )
     return loss, stats
@@ -474,11 +500,12 @@ def _stats(
     logp_ref: Tensor | None,
     entropy: Tensor | None,
     masks: tuple[Tensor, Tensor, Tensor, int],
-    clipping: tuple[Tensor, Tensor, Tensor, Tensor, int],
+    clipping: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
     cfg: LossConfig,
-) -> LossStats:
+) -> DeviceStats:
     """terms: (loss, pg, kl, entropy); masks: (mask, kept, versions, current_version); clipping: (units,
-    clipped units, dual-clipped units, IS weights of the units, rejected units)."""
+    clipped units, dual-clipped units, IS weights (read where `units`), rejected units). Every value stays
+    on the device: no branch on a tensor's value, no boolean indexing (both read back to the host)."""
     loss, pg, kl_term, ent_term = terms
     mask, k, versions, current_version = masks
     units, clipped, dual, weights, rejected = clipping
@@ -489,30 +516,34 @@ def _stats(
     if mask.shape[1] > 0:  # min over an empty dimension raises: a micro-batch of empty responses has none
         oldest = torch.where(mask, versions, torch.iinfo(torch.int64).max).min(dim=1).values
         staleness = torch.where(has_tokens, current_version - oldest, 0)
-    kl_ref_sum, kl_ref_tokens = 0.0, 0
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    kl_ref_sum, kl_ref_tokens = zero, zero
     if logp_ref is not None:
         r = torch.where(mask, logp_ref - logp_new, 0.0).clamp(-bound, bound)
-        kl_ref_sum, kl_ref_tokens = float((torch.exp(r) - r - 1).sum()), int(mask.sum())
-    return LossStats(
-        loss=float(loss),
-        pg_loss=float(pg),
-        kl_loss=float(kl_term),
-        entropy_loss=float(ent_term),
-        samples=int(has_tokens.sum()),
-        tokens=int(mask.sum()),
-        kept_tokens=int((k > 0).sum()),
-        offpolicy_tokens=int((mask & (versions < current_version)).sum()),
-        units=int(units.sum()),
-        clipped_units=int(clipped.sum()),
-        dual_clipped_units=int(dual.sum()),
-        is_masked_units=rejected,
-        is_weight_sum=float(weights.sum()),
-        is_weight_max=float(weights.max()) if weights.numel() else 0.0,
-        approx_kl_sum=float((torch.exp(d) - 1 - d).sum()),  # k3 of KL(pi_beh || pi_theta), sampled by pi_beh
-        entropy_sum=float(torch.where(mask, entropy, 0.0).sum()) if entropy is not None else 0.0,
-        entropy_tokens=int(mask.sum()) if entropy is not None else 0,
-        kl_ref_sum=kl_ref_sum,
-        kl_ref_tokens=kl_ref_tokens,
-        staleness_sum=int(staleness.sum()),
-        staleness_max=int(staleness.max()) if staleness.numel() else 0,
-    )
+        kl_ref_sum, kl_ref_tokens = (torch.exp(r) - r - 1).sum(), mask.sum()
+    unit_weights = torch.where(units, weights, 0.0)  # weights are >= 0: a max over units, 0 without any
+    values = {
+        "loss": loss,
+        "pg_loss": pg,
+        "kl_loss": kl_term,
+        "entropy_loss": ent_term,
+        "samples": has_tokens.sum(),
+        "tokens": mask.sum(),
+        "kept_tokens": (k > 0).sum(),
+        "offpolicy_tokens": (mask & (versions < current_version)).sum(),
+        "units": units.sum(),
+        "clipped_units": clipped.sum(),
+        "dual_clipped_units": dual.sum(),
+        "is_masked_units": rejected.sum(),
+        "is_weight_sum": unit_weights.sum(),
+        "is_weight_max": unit_weights.max() if unit_weights.numel() else zero,
+        "approx_kl_sum": (torch.exp(d) - 1 - d).sum(),  # k3 of KL(pi_beh || pi_theta), sampled by pi_beh
+        "entropy_sum": torch.where(mask, entropy, 0.0).sum() if entropy is not None else zero,
+        "entropy_tokens": mask.sum() if entropy is not None else zero,
+        "kl_ref_sum": kl_ref_sum,
+        "kl_ref_tokens": kl_ref_tokens,
+        "staleness_sum": staleness.sum(),
+        "staleness_max": staleness.max() if staleness.numel() else zero,
+    }
+    # each value cast to float64 before stacking: a float32 loss keeps its value, counts are exact
+    return DeviceStats(torch.stack([values[n].detach().to(torch.float64) for n in STAT_FIELDS]))

@@ -12,7 +12,6 @@ Does not own the training step, the broker client or the process group set-up (`
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,7 +21,7 @@ from april import protocol
 if TYPE_CHECKING:
     import torch
 
-    from learner.losses import LossStats  # imports torch: the simulated learner's loop must not
+    from learner.losses import DeviceStats  # imports torch: the simulated learner's loop must not
 
 MAX_FRAMES = 1024  # a Batch message has a header and one frame per SampleBatch column: far fewer
 
@@ -85,22 +84,18 @@ def share_batch(batch: protocol.Batch | None, max_bytes: int) -> protocol.Batch 
     return msg
 
 
-def reduce_stats(stats: LossStats) -> LossStats:
-    """The step's statistics over all ranks: sums add, `*_max` fields take the maximum."""
-    import torch
+def reduce_stats(stats: DeviceStats) -> DeviceStats:
+    """The step's statistics over all ranks, on the device: sums add, `*_max` fields take the maximum."""
     import torch.distributed as dist
+
+    from learner.losses import MAX_INDEX, SUM_INDEX, DeviceStats
 
     _, world = _world()
     if world == 1:
         return stats
-    names = [f.name for f in dataclasses.fields(stats)]
-    maxima = [n for n in names if n.endswith("_max")]
-    sums = [n for n in names if n not in maxima]
-    device = _device()
-    summed = torch.tensor([float(getattr(stats, n)) for n in sums], dtype=torch.float64, device=device)
-    peaked = torch.tensor([float(getattr(stats, n)) for n in maxima], dtype=torch.float64, device=device)
+    values = stats.values.to(_device())
+    summed, peaked = values[SUM_INDEX], values[MAX_INDEX]
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     dist.all_reduce(peaked, op=dist.ReduceOp.MAX)
-    values = dict(zip(sums, summed.tolist(), strict=True)) | dict(zip(maxima, peaked.tolist(), strict=True))
-    typed = {n: type(getattr(stats, n))(values[n]) for n in names}  # ints stay ints
-    return dataclasses.replace(stats, **typed)
+    values[SUM_INDEX], values[MAX_INDEX] = summed, peaked
+    return DeviceStats(values)

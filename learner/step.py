@@ -35,7 +35,7 @@ from learner.batching import (
     with_advantages,
 )
 from learner.engine import TrainEngine
-from learner.losses import LossConfig, LossStats, merge_stats, needs_proximal, policy_loss
+from learner.losses import DeviceStats, LossConfig, merge_stats, needs_proximal, policy_loss
 from learner.ranks import reduce_stats
 
 
@@ -133,7 +133,7 @@ def train_step(
     if needs_proximal(cfg.offpolicy):  # the weights before this batch's first update: the proximal policy
         with torch.no_grad():
             proximal = [[_logprobs(module, p, temperature, layout) for p in parts] for _, _, parts in plan]
-    stats: list[LossStats] = []
+    stats: list[DeviceStats] = []  # on the device: nothing is read back until the step is done
     grad_norms: list[float] = []
     for (mb, accum, parts), prox in zip(plan, proximal, strict=True):
         engine.set_accumulation(accum)
@@ -145,8 +145,7 @@ def train_step(
             # forwards keep the engine's micro-batch count and every rank's collectives in step
             engine.backward(_logprobs(engine.model, filler, temperature, layout).sum() * 0.0)
         grad_norms.append(engine.step())
-    merged = reduce_stats(merge_stats(stats))
-    metrics = merged.metrics()
+    metrics = reduce_stats(merge_stats(stats)).metrics()  # the step's one read of its statistics
     for name in ("loss", "pg_loss", "kl_loss", "entropy_loss"):  # mean over the updates, not their sum
         metrics[name] = metrics[name] / len(plan)
     metrics["grad_norm"] = max(grad_norms)
@@ -168,7 +167,7 @@ def _backward_part(
     temperature: float,
     reference: Any,
     layout: Layout,
-) -> LossStats:
+) -> DeviceStats:
     """Loss and backward of one part; its loss is scaled so the engine's averaging gives the sum."""
     logp, entropy = response_logprobs_and_entropy(
         engine.model,

@@ -25,10 +25,17 @@ BENCHMARKS = REPO / "benchmarks"
 DEADLINE_S = 300  # "did not hang", not "was fast": the smoke sizes take seconds to a minute or two
 
 
-def run_smoke(script: str, out: Path, cwd: Path, verb: str = "", extra: Sequence[str] = ()) -> str:
+def run_smoke(
+    script: str,
+    out: Path,
+    cwd: Path,
+    verb: str = "",
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> str:
     """`python benchmarks/SCRIPT [VERB] --smoke --out OUT [EXTRA]` with this tree's april first on the
-    path; its output."""
-    env = {
+    path (or in `env`); its output."""
+    env = env or {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
     }
@@ -376,10 +383,14 @@ def load_benchmark(name: str) -> Any:
 
 
 def check_gpu_check(tmp_path: Path) -> None:
-    """Every phase of the GPU check at its smoke size on the CPU, through the same code as on a GPU; an
-    engine option bound on the way (`prefill_tokens`, a keyword TorchEngine has)."""
+    """Every phase of the GPU check at its smoke size on the CPU, through the same code as on a GPU, with
+    only what the GPU image's python3 can import (tests/image_python.py: uvicorn, pyarrow, ... cannot);
+    an engine option bound on the way (`prefill_tokens`, a keyword TorchEngine has)."""
+    from image_python import image_env
+
     out = tmp_path / "gpu-check"
-    printed = run_smoke("gpu_check.py", out, tmp_path, extra=["--engine-option", "prefill_tokens=64"])
+    extra = ["--engine-option", "prefill_tokens=64"]
+    printed = run_smoke("gpu_check.py", out, tmp_path, extra=extra, env=image_env(tmp_path / "image"))
     a = json.loads((out / "gpu_check.json").read_text())
     phases = a["phases"]
     assert a["benchmark"] == "gpu_check" and a["smoke"] is True and a["device"]["device"] == "cpu"
@@ -429,8 +440,17 @@ def check_gpu_check(tmp_path: Path) -> None:
     assert b["ratio"] == pytest.approx(b["continuous"]["tokens_per_s"] / b["static_generate"]["tokens_per_s"])
 
     tests = phases["gpu-tests"]["result"]
-    assert "tests/test_gpu.py" in tests["files"] and len(tests["tests"]) == sum(tests["counts"].values()) >= 1
+    assert tests["files"][-1] == "tests/test_gpu.py" and "tests/test_sglang_engine.py" in tests["files"]
+    assert len(tests["tests"]) == sum(tests["counts"].values()) >= 1 and tests["not_run"] == []
     assert tests["counts"]["failed"] == tests["counts"]["error"] == 0
+    (sglang,) = (t for t in tests["tests"] if t["test"].startswith("tests/test_sglang_engine.py"))
+    assert sglang["outcome"] == "skipped" and re.fullmatch(
+        r"not collected: it imports (uvicorn|fastapi), absent on the GPU image", sglang["message"]
+    ), sglang
+    assert all(a["packages"][n].startswith(f"packages: {n}: ok") for n in phases), a["packages"]
+    assert "; without sglang (the real SGLang server test skips); vllm (" in a["packages"]["gpu-tests"]
+    assert "; uvicorn (tests/test_sglang_engine.py, whose fake server needs it" in a["packages"]["gpu-tests"]
+    assert f"gpu-check: {a['packages']['up']}" in printed
 
     targets = {t["target"]: t for t in a["targets"]}
     assert len(targets) == 3 and all(t["met"] is None for n, t in targets.items() if "64 rows" in n)
@@ -465,6 +485,90 @@ def check_gpu_check(tmp_path: Path) -> None:
     assert "| up | error |" in block and "april up exited 1" in block
 
 
+HUNG_TESTS = """
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_quick():
+    pass
+
+
+def test_skips():
+    pytest.skip("no second GPU")
+
+
+def test_hangs():
+    time.sleep(600)
+
+
+def test_after():
+    pass
+"""
+
+
+def test_a_gpu_tests_phase_killed_at_its_timeout_keeps_the_outcomes_it_had(tmp_path: Path) -> None:
+    """The phase records each test as it ends: killed while a test hangs, it still has the passed and the
+    skipped ones, and names the two that did not get to run."""
+    gpu_check = load_benchmark("gpu_check")
+    tests = tmp_path / "test_hung.py"
+    tests.write_text(HUNG_TESTS)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    phase = gpu_check.Phase("gpu-tests", "gpu_tests", 60, 1, {"files": [str(tests)]})
+    entry = gpu_check.run_phase(phase, tmp_path, env, time.monotonic() + 600)
+    assert entry["status"] == "timeout", entry
+    r = entry["result"]
+    assert r["counts"] == {"passed": 1, "failed": 0, "error": 0, "skipped": 1, "not_run": 2}, r
+    assert {t["test"].split("::")[1]: t["outcome"] for t in r["tests"]} == {
+        "test_quick": "passed",
+        "test_skips": "skipped",
+    }
+    assert [t.split("::")[1] for t in r["not_run"]] == ["test_hangs", "test_after"]
+
+
+def test_a_collection_error_is_a_skip_only_for_a_package_the_image_lacks() -> None:
+    gpu_tests = load_benchmark("gpu.gpu_tests")
+    lines = [
+        {"collected": ["tests/test_b.py::test_one"]},
+        {"test": "tests/test_a.py", "when": "collect", "outcome": "error",
+         "message": "ModuleNotFoundError: No module named 'uvicorn'"},
+        {"test": "tests/test_c.py", "when": "collect", "outcome": "error",
+         "message": "ModuleNotFoundError: No module named 'actors.gone'"},
+        {"test": "tests/test_b.py::test_one", "when": "call", "outcome": "passed", "message": ""},
+        {"test": "tests/test_b.py::test_one", "when": "teardown", "outcome": "error", "message": "boom"},
+    ]  # fmt: skip
+    rows, not_run = gpu_tests.outcomes(lines)
+    assert {r["test"]: r["outcome"] for r in rows} == {
+        "tests/test_a.py": "skipped",
+        "tests/test_c.py": "error",
+        "tests/test_b.py::test_one": "error",  # the worst of its reports
+    }
+    assert rows[0]["message"] == "not collected: it imports uvicorn, absent on the GPU image" and not not_run
+
+
+def test_the_packages_preflight_says_what_each_phase_lacks_and_a_phase_without_gpus_is_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    image = load_benchmark("gpu.image")
+    gpu_check = load_benchmark("gpu_check")
+    monkeypatch.setattr(image, "lacking", lambda modules: [m for m in modules if m in ("zmq", "sglang")])
+    lacks, line = image.preflight_line("up", image.PHASE_NEEDS["up_run"])
+    assert lacks == ["zmq"] and line == "packages: up: lacks zmq (carried by make gpu-wheels: installed?)"
+    lacks, line = image.preflight_line("gpu-tests", image.PHASE_NEEDS["gpu_tests"])
+    assert lacks == ["zmq"] and line.endswith("; without sglang (the real SGLang server test skips)")
+    placed = gpu_check.Phase("up-placed", "up_run", 60, 30, {}, gpus=2)
+    device = {"device": {"result": {"identity": {"gpus": 1}}}}
+    assert gpu_check.gpu_shortfall(placed, device) == "needs 2 GPUs, the device phase saw 1"
+    assert gpu_check.gpu_shortfall(placed, {"device": {"result": {"identity": {"gpus": 8}}}}) == ""
+    assert gpu_check.gpu_shortfall(gpu_check.Phase("up", "up_run", 60, 30, {}), device) == ""
+
+
 def test_the_gpu_checks_full_size_is_the_issues() -> None:
     """What `make gpu-check` runs on a GPU (the smoke runs the same code smaller): the phases in order,
     the second optimizer last, the issue's shapes and sizes, budgets that fit the 6 minutes' plan."""
@@ -481,8 +585,33 @@ def test_the_gpu_checks_full_size_is_the_issues() -> None:
         "prompt"
     ] == 128
     assert by["engine"]["max_rows"] == 64 and by["engine"]["batching"]["model"] == "tiny"
-    assert gpu_check.parse_args(["--out", "x"]).budget_s == 360
-    assert all(p.least_s <= p.budget_s for p in plan)
+    budget = gpu_check.parse_args(["--out", "x"]).budget_s
+    assert budget == 360 and all(p.least_s <= p.budget_s for p in plan)
+    assert sum(p.budget_s for p in plan[:5]) <= budget  # every phase fits; the second learner if time allows
+
+
+def test_the_engine_phase_hands_its_engine_options_to_every_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--engine-option cuda_graphs=false` reaches the engines the phase measures, over
+    engine_throughput.py's own `cuda_graphs=True`: with graphs "supported" on the CPU and captured as a
+    stand-in that re-runs its step, the default phase's engine replays graphs and the eager one has none.
+    An option TorchEngine does not take is refused before anything runs."""
+    from types import SimpleNamespace
+
+    from actors.engines import cuda_graphs
+
+    decode = load_benchmark("gpu.engine_decode")
+    monkeypatch.setattr(cuda_graphs, "graphs_supported", lambda device: True)
+    monkeypatch.setattr(cuda_graphs, "capture", lambda step, pool, stream: SimpleNamespace(replay=step))
+    params = {"max_rows": 2, "prompt": 4, "repeats": 1, "device": "cpu"}
+    shapes = {"bucketed": True}  # as on CUDA
+    graphs = decode.decode_sweep(REPO / "models" / "tiny", {**params, "engine_options": shapes})
+    off = {**shapes, "cuda_graphs": False}
+    eager = decode.decode_sweep(REPO / "models" / "tiny", {**params, "engine_options": off})
+    assert graphs["placement"] == "cpu, cuda graphs" and graphs["captured_graphs"] > 0, graphs
+    assert eager["placement"] == "cpu, eager (cuda graphs off)" and eager["captured_graphs"] == 0, eager
+    assert graphs["kv_cache"] == eager["kv_cache"] == "2 rows x 9 tokens, 0.00 GiB"  # prompt 4 + 1 + 4
+    with pytest.raises(ValueError, match=r"engine option\(s\) \['bogus'\]: TorchEngine does not take them"):
+        decode.check_options({"bogus": 1})
 
 
 def test_the_gpu_check_stops_without_a_gpu_and_takes_its_commit_from_the_wheels(

@@ -32,6 +32,8 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -245,6 +247,27 @@ def test_records_dropped_from_the_budget_are_built_again_the_same(
     for cursor in [*range(40), 0, 39, 17]:
         assert same(small.get(cursor), whole.get(cursor)), cursor
     assert small.get(39) is not kept  # dropped meanwhile, built again from its row
+
+
+def test_a_parquet_dataset_without_pyarrow_is_one_line(tmp_path: Path) -> None:
+    """Where pyarrow is absent (the lent GPU machine: its wheel is not carried there), a Parquet
+    `data.source` is refused in one line that says what to do; `april data inspect` exits 2 with it."""
+    from image_python import image_env
+
+    path = write_parquet(tmp_path / "dapo.parquet", dapo_rows())
+    done = subprocess.run(
+        [sys.executable, "-c", "from cli.main import main; main()", "data", "inspect", str(path)],
+        env=image_env(tmp_path / "image"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"april: error: {path}: reading it needs pyarrow, which this Python lacks "
+        "(No module named 'pyarrow'); expected pyarrow installed (pip install pyarrow), or the rows as "
+        "JSON Lines, which need nothing"
+    ]
 
 
 def test_the_format_is_told_by_content_not_name(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def train(spec: dict[str, Any]) -> None:
         batch = torch.randint(3, 259, (per_rank * engine.world_size, SEQ_LEN))
         mine = batch[engine.rank * per_rank : (engine.rank + 1) * per_rank]
         lr = engine.lr
-        losses = [engine.forward_backward(lm_loss, mb) for mb in mine.split(s.micro_batch_size)]
+        losses = [float(engine.forward_backward(lm_loss, mb)) for mb in mine.split(s.micro_batch_size)]
         norm = engine.step()
         probe = [random.random(), float(np.random.rand())]  # python and numpy RNG, restored on resume
         metrics.append(

@@ -254,7 +254,7 @@ def loss_of(batch: TrainBatch, cfg: LossConfig, values: dict[str, list[np.ndarra
         entropy=model_values(batch, values["entropy"], -junk),
     )
     (grad,) = torch.autograd.grad(loss, new)
-    return float(loss.detach()), [g[m] for g, m in zip(grad, batch.response_mask, strict=True)], stats
+    return float(loss.detach()), [g[m] for g, m in zip(grad, batch.response_mask, strict=True)], stats.host()
 
 
 ALGOS = list(Algorithm)

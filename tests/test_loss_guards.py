@@ -203,7 +203,7 @@ def test_decoupled_weights_are_bounded_by_default() -> None:
         LossConfig.from_algo(AlgoConfig(offpolicy=OffPolicy.DECOUPLED, is_mask_high=0.0)).is_mask_high == 0.0
     )
     _, grad, stats = is_loss(x, default)
-    assert float(grad[0, 0]) == 0.0 and stats.is_masked_units == 1
+    assert float(grad[0, 0]) == 0.0 and stats.host().is_masked_units == 1
     assert stats.metrics()["is_weight_max"] == pytest.approx(1.0)
     assert bool((grad.flatten()[1:] != 0).all())
 
@@ -222,7 +222,7 @@ def test_sequence_weights_reject_or_truncate_the_whole_sample(level: ISLevel) ->
     )
     _, grad, stats = is_loss(x, dec)
     rejected = {ISLevel.TOKEN: 1, ISLevel.SEQUENCE: 100, ISLevel.GEOMETRIC: 0}[level]
-    assert int((grad[0] == 0).sum()) == rejected and stats.is_masked_units == rejected
+    assert int((grad[0] == 0).sum()) == rejected and stats.host().is_masked_units == rejected
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -278,7 +278,8 @@ def test_a_micro_batch_of_empty_responses_adds_nothing(algorithm: Algorithm, off
     )
     loss.backward()
     assert float(loss.detach()) == 0.0 and new.grad is not None and new.grad.shape == (2, 0)
-    assert (stats.samples, stats.tokens, stats.units, stats.staleness_max) == (0, 0, 0, 0)
+    host = stats.host()
+    assert (host.samples, host.tokens, host.units, host.staleness_max) == (0, 0, 0, 0)
     x = random_inputs(2)  # merged with a real micro-batch's, its stats change nothing
     _, real = policy_loss(x["new"], x["beh"], x["prox"], x["adv"], x["mask"], x["versions"], CUR, cfg_off())
     assert merge_stats([real, stats]).metrics() == real.metrics()
@@ -288,14 +289,22 @@ def cfg_off() -> LossConfig:
     return LossConfig(offpolicy=OffPolicy.TIS)
 
 
-def test_stats_match_loop_reference() -> None:
+@pytest.mark.parametrize("parts", [1, 3])
+def test_stats_match_loop_reference(parts: int) -> None:
+    """One call, or micro-batches whose statistics are merged on the device: the loop's numbers."""
     x = random_inputs(4)
     cfg = LossConfig(
         algorithm=Algorithm.DAPO, offpolicy=OffPolicy.TIS, tis_cap=1.5, eps_low=0.2, eps_high=0.28
     )
-    _, stats = policy_loss(
-        x["new"], x["beh"], x["prox"], x["adv"], x["mask"], x["versions"], CUR, cfg, entropy=x["entropy"]
-    )
+    keys = ("new", "beh", "prox", "adv", "mask", "versions")
+    calls = [
+        policy_loss(
+            *(x[k][rows] for k in keys[:5]), x["versions"][rows], CUR, cfg, entropy=x["entropy"][rows],
+            num_samples=int(x["mask"].shape[0]), num_tokens=int(x["mask"].sum()),
+        )[1]
+        for rows in torch.arange(x["mask"].shape[0]).tensor_split(parts)
+    ]  # fmt: skip
+    stats = merge_stats(calls)
     tokens = clipped = old = 0
     kl = ent = w_sum = w_max = 0.0
     stale: list[int] = []
@@ -324,6 +333,22 @@ def test_stats_match_loop_reference() -> None:
     assert m["masked_frac"] == 0.0
     assert m["staleness_max"] == max(stale)
     assert m["staleness_mean"] == pytest.approx(sum(stale) / len(stale), abs=1e-12)
+
+
+@pytest.mark.parametrize("algorithm", list(Algorithm))
+def test_the_statistics_never_leave_the_device(algorithm: Algorithm) -> None:
+    """On the meta device every read of a value raises (`.item()`, a branch on a tensor, a boolean index's
+    data-dependent shape): the loss and its statistics, merged, never read back to the host; a step reads
+    them once (`DeviceStats.host`), not 20 scalars a micro-batch."""
+    x = {k: v.to("meta") for k, v in random_inputs(4).items()}
+    for offpolicy in OffPolicy:
+        cfg = LossConfig(algorithm=algorithm, offpolicy=offpolicy, kl_coef=0.1, entropy_coef=0.01)
+        loss, stats = policy_loss(
+            x["new"], x["beh"], x["prox"], x["adv"], x["mask"], x["versions"], CUR, cfg,
+            num_samples=7, num_tokens=30, logp_ref=x["ref"], entropy=x["entropy"],
+        )  # fmt: skip
+        merged = merge_stats([stats, stats])
+        assert loss.device.type == merged.values.device.type == "meta", offpolicy
 
 
 def test_policy_loss_rejects_bad_inputs() -> None:

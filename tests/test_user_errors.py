@@ -159,6 +159,8 @@ CASES = [
     case("worker", "negative count", "worker --engine sim --slots -1", "slots", "-1"),
     case("worker", "malformed --set", "worker --engine sim --set slots=3", "--set", "slots"),
     case("worker", "unknown config key", "worker --engine sim --set worker.bogus=1", "bogus"),
+    case("worker", "GPU share out of range", "worker --engine torch --set worker.gpu_memory_fraction=1.5",
+         "worker.gpu_memory_fraction", "1.5", "(0, 1]"),
     case("worker", "bad device", "worker --engine torch --model {tiny} --set worker.device=bogus",
          "worker.device", "'bogus'", DEVICE_FORMS),
     case("worker", "device without a GPU", "worker --engine torch --model {tiny} --set worker.device=cuda:0",

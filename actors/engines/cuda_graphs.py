@@ -1,20 +1,21 @@
 """Replaying the torch engine's decode step as CUDA graphs, one per step shape, or running it eagerly.
 
-Owns the graphs and their shared memory pool. A step shape (its key) is seen first: the step runs
-eagerly on the capture stream (the real step, and the warm-up of its capture: cuBLAS handles and
-workspaces are made outside the capture), then the same step is captured, which records its kernels
-without running them. Later steps of that shape replay the graph. The step must therefore read and write
-only tensors whose addresses stay fixed (the engine's buffers) and never synchronise with the host.
-A capture that fails (an operation that cannot be captured, an old driver) turns graphs off for good:
-the runner logs it once and steps run eagerly from then on, giving the same results. `clear` drops the
-graphs when the buffers they read are reallocated. Does not know what the step computes.
+Owns the graphs, their shared memory pool and the side stream they are captured on. `capture_all` runs at
+the engine's start, over every step shape the engine can take: each shape's step runs eagerly on the side
+stream (the warm-up: cuBLAS handles and workspaces are made outside the capture), then is captured, which
+records its kernels without running them; serving only replays. The step must therefore read and write
+only tensors whose addresses stay fixed (the engine's buffers) and never synchronise with the host. A
+capture that fails (an operation that cannot be captured, an old driver) ends that capture, restores the
+stream, drops every graph and the pool, and turns graphs off for good, reporting its own error (not the
+"capture invalidated" one that ending a broken capture raises); the engine then decodes eagerly with the
+same results, and says so from its start. Does not know what the step computes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -26,39 +27,66 @@ def graphs_supported(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def capture(step: Callable[[], None], pool: Any, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-    """Record `step` into a new graph (nothing runs): memory from `pool`, on `stream`."""
+def capture(step: Callable[[], None], pool: Any, stream: Any) -> Any:
+    """A new graph of `step` (nothing runs), its memory from `pool`, captured on `stream`."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        step()
+    record(graph, step, pool, torch.cuda.stream(stream))
     return graph
 
 
+def record(
+    graph: Any, step: Callable[[], None], pool: Any, on_stream: contextlib.AbstractContextManager[Any]
+) -> None:
+    """Capture `step` into `graph` inside `on_stream` (the capture stream made current, restored on exit).
+
+    `torch.cuda.graph` ends a capture in its `__exit__` before it restores the stream: when the step fails
+    mid-capture, ending the broken capture raises ("operation failed due to a previous error during
+    capture"), that error replaces the step's own, and the capture stream stays current. Here the stream
+    is restored whatever happens and the step's own error is raised."""
+    with on_stream:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            step()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the stream must leave capture mode; its error is secondary
+                graph.capture_end()
+            raise
+        graph.capture_end()
+
+
 class StepGraphs:
-    """Runs a step for a key: replays its graph, or runs it eagerly (and captures it if graphs are on)."""
+    """Runs a step for a key: replays its graph, or runs it eagerly (no graph for it, or graphs off)."""
 
     def __init__(self, device: torch.device, enabled: bool) -> None:
         self.device = device
         self.enabled = enabled and graphs_supported(device)
         self.failure = ""  # why capture failed, one line; graphs are off once it is set
-        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
-        self._pool: Any = None  # the memory pool every graph captures into
-        self._stream: torch.cuda.Stream | None = None
+        self._graphs: dict[Hashable, Any] = {}
+        self._pool: Any = None  # the memory pool every graph captures into (a new one after `clear`)
+        self._stream: Any = None
+
+    def capture_all(
+        self, keys: Iterable[Hashable], step_for: Callable[[Hashable], Callable[[], None]]
+    ) -> None:
+        """Warm up and capture the step of every key (at start: serving then never captures). The first
+        failure turns graphs off and drops what was captured."""
+        if not self.enabled:
+            return
+        try:
+            with self._on_capture_stream():
+                for key in keys:
+                    step = step_for(key)
+                    step()  # the warm-up, eager
+                    self._graphs[key] = capture(step, self._pool, self._stream)
+        except Exception as exc:  # any failure to capture means: decode eagerly
+            self._give_up(exc)
 
     def run(self, key: Hashable, step: Callable[[], None]) -> None:
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
-            return
-        if not self.enabled:
+        else:
             step()
-            return
-        with self._on_capture_stream():
-            step()
-        try:
-            self._graphs[key] = capture(step, self._pool, self._stream)  # type: ignore[arg-type]
-        except Exception as exc:  # any failure to capture means: decode eagerly
-            self._give_up(exc)
 
     @property
     def count(self) -> int:
@@ -76,8 +104,9 @@ class StepGraphs:
         return ""
 
     def clear(self) -> None:
-        """Drop every graph (the buffers they read were reallocated)."""
+        """Drop every graph and their pool: a later capture starts a new pool, with no blocks left over."""
         self._graphs.clear()
+        self._pool = None
 
     @contextlib.contextmanager
     def _on_capture_stream(self) -> Iterator[None]:
@@ -87,16 +116,19 @@ class StepGraphs:
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            yield
-        current.wait_stream(self._stream)
+        try:
+            with torch.cuda.stream(self._stream):
+                yield
+        finally:
+            current.wait_stream(self._stream)
 
     def _give_up(self, exc: BaseException) -> None:
         lines = str(exc).strip().splitlines()
         self.failure = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
         self.enabled = False
-        self._graphs.clear()
-        log.warning("torch engine: CUDA graph capture failed, decoding eagerly from now on: %s", self.failure)
+        self.clear()
+        log.warning("torch engine: CUDA graph capture failed, decoding eagerly: %s", self.failure)

@@ -4,8 +4,9 @@ Owns one buffer of every layer's keys and values, `[layers, 2, slots, H, cap, D]
 (`[slots]`: how many of its tokens are cached, the column its next token goes to) and the decode mask. Each
 row's sequence is left-aligned in its own slot; a decode step writes its new keys/values at the row's own
 position (a scatter on the position buffer) and attends over the first C columns, masked to the columns up
-to its position, so a step's shapes and addresses depend on (rows, C) only. `cap` grows by doubling; a
-reallocation invalidates captured graphs (`reserve` says so). Decode attention passes the Hq / H query heads
+to its position, so a step's shapes and addresses depend on (rows, C) only. `allocate` sizes it once (what
+CUDA graphs need: their addresses never move); without it `cap` grows by doubling as rows need, a
+reallocation that `reserve` reports. Decode attention passes the Hq / H query heads
 of each key/value head as its queries: no copy of the cache per query head, which transformers' SDPA path
 makes (`repeat_kv`) whenever there is a mask. Does not decide which rows are live or what is sampled.
 """
@@ -38,20 +39,34 @@ class SlotCache:
         # the current forward's window: prefill rows [row0, row1), or decode rows [0, row1) over `width`
         self.decoding, self.row0, self.row1, self.width = False, 0, 0, 0
         self._index: torch.Tensor | None = None  # [rows, H, 1, D] view of `pos`: where decode writes
+        self.fixed = False  # sized once by `allocate`: never reallocated
+
+    def allocate(self, cap: int, heads: int, dim: int, dtype: torch.dtype) -> None:
+        """Every buffer at its final size now: `cap` columns of `heads` x `dim` keys and values a row."""
+        shape = (len(self._layers), 2, self.slots, heads, cap, dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._size(cap)
+        self.fixed = True
 
     def reserve(self, cols: int) -> bool:
         """Make room for `cols` columns (at least doubling); True if the buffers were reallocated."""
         if cols <= self.cap:
             return False
+        if self.fixed:  # the engine clips every row to the columns it allocated: a bug if reached
+            raise EngineError(f"torch engine: a step needs {cols} cache columns, the cache holds {self.cap}")
         cap = max(cols, 2 * self.cap, 64)
         if self.kv is not None:
             kv = self.kv.new_zeros((*self.kv.shape[:4], cap, self.kv.shape[5]))
             kv[..., : self.cap, :] = self.kv
             self.kv = kv
+        self._size(cap)
+        return True
+
+    def _size(self, cap: int) -> None:
+        """The column buffers for `cap` columns."""
         self.cap = cap
         self._cols = torch.arange(cap, device=self.device)
         self._mask = torch.zeros(self.slots, cap, dtype=torch.bool, device=self.device)
-        return True
 
     def prefill(self, row0: int, row1: int) -> None:
         """The next forward writes rows [row0, row1) from column 0 and attends to its own keys only."""
@@ -107,6 +122,7 @@ class SlotCache:
     def release(self) -> None:
         self.kv = None
         self.cap = 0
+        self.fixed = False
         self._layers.clear()
 
     def _decode_index(self, rows: int, heads: int, dim: int) -> torch.Tensor:

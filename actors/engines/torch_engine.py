@@ -4,21 +4,26 @@ Owns one model, the request table and the batch (which request is in which row o
 `actors.engines.slot_cache`), prefill, the decode step and weights loads; token ids only. A request joins
 between decode steps, its input but the last token prefilled into the rows after the active ones; a finished
 row leaves by moving the last row into its place, so rows [0, B) are the active ones, in the order in which
-they draw from the one seeded generator. The decode step has fixed shapes (rounded up to buckets on CUDA)
-and addresses and no host sync but the read of its tokens, so on CUDA it is captured once per shape as a
-CUDA graph (`actors.engines.cuda_graphs`). Sampling and log-probs: `actors.engines.token_sampling`. A stop
-token ends a request with STOP and is part of it; a budget is clipped to the context length (LENGTH). A
-weights load validates the whole state, copies it in place and re-prefills every active row. How and why:
-docs/engines.md. Does not implement sliding-window or linear-attention layers, beam search or speculation.
+they draw from the one seeded generator. The cache is sized once at start on CUDA (`slots` rows of a
+full-length sequence, checked against a memory budget by `actors.engines.kv_budget`) or when given a row
+length; on the CPU it grows as rows need. The decode step has fixed shapes (rounded up to buckets on CUDA)
+and addresses and no host sync but the read of its tokens, so on CUDA every shape is captured as a CUDA
+graph at start (`actors.engines.cuda_graphs`) and serving only replays. Sampling and log-probs:
+`actors.engines.token_sampling`. A stop token ends a request with STOP and is part of it; a budget is
+clipped to the row's length (LENGTH). A weights load validates the whole state, copies it in place and
+re-prefills every active row. How and why: docs/engines.md. Does not implement sliding-window or
+linear-attention layers, beam search or speculation.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -33,10 +38,14 @@ from actors.engine import (
     check_engine_args,
 )
 from actors.engines.cuda_graphs import StepGraphs
+from actors.engines.kv_budget import CachePlan, DeviceMemory, plan_cache
 from actors.engines.slot_cache import SlotCache, use_slot_attention
 from actors.engines.token_sampling import sample
+from april.config import GPU_MEMORY_FRACTION
 from april.hf import load_model, model_context_length
 from april.records import FinishReason
+
+log = logging.getLogger(__name__)
 
 PREFILL_TOKENS = 8192  # most (rows x padded length) positions in one prefill forward
 MIN_COLUMNS = 64  # the smallest cache-column bucket of a bucketed decode step
@@ -81,7 +90,10 @@ class TorchEngine:
     """Continuous batching with a KV cache over a local HF causal LM (see the module docstring).
 
     `cuda_graphs` (CUDA only) captures and replays the decode step; `bucketed` rounds the decode step's rows
-    and cache columns up to buckets (None: on CUDA, where graphs need fixed shapes).
+    and cache columns up to buckets (None: on CUDA, where graphs need fixed shapes; graphs need it).
+    `max_seq_len` is the tokens a row holds, prompt and response (None: the model's context); given, or on
+    CUDA, the cache is sized once at start. `memory_fraction` is the share of the GPU's memory that the
+    weights and the cache may take (CUDA only).
     """
 
     name = "torch"
@@ -99,6 +111,8 @@ class TorchEngine:
         prefill_tokens: int = PREFILL_TOKENS,
         cuda_graphs: bool = True,
         bucketed: bool | None = None,
+        max_seq_len: int | None = None,
+        memory_fraction: float = GPU_MEMORY_FRACTION,
     ) -> None:
         check_engine_args("torch", slots, sampling)
         self.slots = slots
@@ -122,7 +136,10 @@ class TorchEngine:
         self._rows: list[_Row] = []  # active rows, in batch order: row i of the cache
         self._bucketed = self.device.type == "cuda" if bucketed is None else bucketed
         self._kv = SlotCache(self._num_layers(), slots, self.device)
-        self._graphs = StepGraphs(self.device, cuda_graphs)
+        self._graphs = StepGraphs(self.device, cuda_graphs and self._bucketed)
+        fixed = self.device.type == "cuda" or self._graphs.enabled or max_seq_len is not None
+        self.row_tokens = min(self.context, max_seq_len or self.context)  # a row's prompt + response, at most
+        self.cache_plan: CachePlan | None = self._size_cache(memory_fraction) if fixed else None
         # the decode step's other buffers, one entry per slot (rows past the active ones are inert)
         self._next = torch.zeros(slots, dtype=torch.long, device=self.device)  # the token fed next
         self._live = torch.zeros(slots, dtype=torch.long, device=self.device)  # 1: the position advances
@@ -132,6 +149,8 @@ class TorchEngine:
             None if greedy else torch.ones(slots, width, dtype=torch.float32, device=self.device)
         )
         self._out = torch.zeros(slots, 2, dtype=torch.float64, device=self.device)  # token, log-prob
+        with torch.inference_mode():  # as `step` runs them
+            self._graphs.capture_all(self._step_shapes(), self._step_of)
 
     # ---- Engine interface -------------------------------------------------------------------------
 
@@ -143,15 +162,13 @@ class TorchEngine:
     def placement(self) -> str:
         """Where and how it runs: "cpu", "cuda:0, cuda graphs", "cuda:0, eager (cuda graphs off)" or
         "cuda:0, eager (graph capture failed: <why>)"."""
-        where = str(self.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            where = f"cuda:{torch.cuda.current_device()}"
+        where = self._where()
         how = self._graphs.describe()
         return f"{where}, {how}" if how else where
 
     @property
     def captured_graphs(self) -> int:
-        """CUDA graphs of the decode step captured and in use (one per step shape seen; 0 when eager)."""
+        """CUDA graphs of the decode step in use: one per step shape, all captured at start (0 when eager)."""
         return self._graphs.count
 
     def add(self, requests: Sequence[GenerationRequest]) -> None:
@@ -159,7 +176,7 @@ class TorchEngine:
         inputs = admit("torch engine", self.active, self.slots, requests, known, self.vocab_size)
         now = time.perf_counter()
         for req, ids in zip(requests, inputs, strict=True):
-            budget = min(req.max_new_tokens, self.context - len(ids))
+            budget = min(req.max_new_tokens, self.row_tokens - len(ids))
             row = _Row(req.request_id, ids, budget, added_s=now, greedy=req.greedy)
             if row.budget <= 0:
                 self._done.append(row.output(FinishReason.LENGTH))
@@ -326,13 +343,64 @@ class TorchEngine:
         """Cache columns a step over sequences of up to `width` tokens attends over (a bucket on CUDA)."""
         if not self._bucketed:
             return width
-        return min(max(1 << (width - 1).bit_length(), MIN_COLUMNS), max(self.context, width))
+        return min(max(1 << (width - 1).bit_length(), MIN_COLUMNS), max(self.row_tokens, width))
 
     def _reserve(self, cols: int) -> None:
-        if self._kv.reserve(cols):
-            self._graphs.clear()  # they read the buffers that were just reallocated
+        """Room for `cols` columns: a no-op for a cache sized at start (graphs exist only with one)."""
+        self._kv.reserve(cols)
+
+    def _step_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, columns) a bucketed decode step can take: what is captured at start."""
+        rows = sorted({min(1 << k, self.slots) for k in range(self.slots.bit_length() + 1)})
+        widths = (min(1 << k, self.row_tokens) for k in range(self.row_tokens.bit_length() + 1))
+        cols = sorted({self._columns(w) for w in widths})
+        return [(r, c) for r in rows for c in cols]
+
+    def _step_of(self, key: Hashable) -> Callable[[], None]:
+        rows, cols = cast(tuple[int, int], key)
+        return lambda: self._decode_step(rows, cols, True)
 
     # ---- set-up helpers ---------------------------------------------------------------------------
+
+    def _size_cache(self, fraction: float) -> CachePlan:
+        """Allocate the whole cache now: `slots` rows of `row_tokens`, within the memory budget on CUDA.
+        A model that states no context needs a row length given (EngineError otherwise)."""
+        if self.row_tokens >= 2**31:
+            raise EngineError(
+                "torch engine: the model's config states no max_position_embeddings, so a row's length is "
+                "unknown; expected a model config that states its context"
+            )
+        heads, dim, dtype = self._token_shape()
+        token_bytes = self._num_layers() * 2 * heads * dim * dtype.itemsize
+        memory = device_memory(self.device)
+        plan = plan_cache(self.slots, self.row_tokens, token_bytes, fraction, memory, self._where())
+        try:
+            self._kv.allocate(plan.columns, heads, dim, dtype)
+        except torch.OutOfMemoryError as exc:
+            raise EngineError(
+                f"torch engine on {self._where()}: allocating its KV cache ({plan.describe()}) ran out of "
+                f"memory ({_first_line(exc)}); expected fewer worker.slots or more free GPU memory"
+            ) from None
+        log.info("torch engine on %s: KV cache %s", self._where(), plan.describe())
+        return plan
+
+    def _token_shape(self) -> tuple[int, int, torch.dtype]:
+        """(H, D, dtype) of one token's keys in a layer, from a one-token forward through a plain cache."""
+        probe = DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            self.model(
+                input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                use_cache=True,
+                **{self._cache_arg: probe},
+            )
+        keys = getattr(probe.layers[0], "keys", None)  # a DynamicLayer's (`_check_full_attention`)
+        assert isinstance(keys, torch.Tensor)
+        return int(keys.shape[1]), int(keys.shape[3]), keys.dtype
+
+    def _where(self) -> str:
+        if self.device.type == "cuda" and self.device.index is None:
+            return f"cuda:{torch.cuda.current_device()}"
+        return str(self.device)
 
     def _logits_width(self) -> int:
         """V: the output head's rows (a padded head may have more than the vocabulary)."""
@@ -399,3 +467,17 @@ def _check_state(state: Mapping[str, torch.Tensor], params: dict[str, torch.Tens
             )
         if not tensor.is_floating_point() and want.is_floating_point():
             raise WeightLoadError(f"load_weights: {name!r} has dtype {tensor.dtype}, expected floating point")
+
+
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    """The GPU's total and free memory (all processes) and what this process's allocator holds; None off
+    CUDA (no budget: host memory is not shared out)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(total=int(total), free=int(free), held=int(torch.cuda.memory_reserved(device)))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -31,7 +31,10 @@ def _pyarrow(path: Path) -> Any:
         import pyarrow
         import pyarrow.parquet
     except ImportError as exc:
-        raise DatasetError(f"{path}: reading it needs pyarrow ({exc}): pip install pyarrow") from None
+        raise DatasetError(
+            f"{path}: reading it needs pyarrow, which this Python lacks ({exc}); expected pyarrow installed "
+            "(pip install pyarrow), or the rows as JSON Lines, which need nothing"
+        ) from None
     return pyarrow
 
 

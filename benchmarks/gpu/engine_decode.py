@@ -7,19 +7,17 @@ script's comparison: continuous batching (`TorchEngine`, a finished row refilled
 `generate` on static batches of the same size, both generating the same long-tailed lengths; the ratio
 of useful tokens/s. The model's dtype is the engine's default for the device (bf16 on CUDA).
 
-`engine_options` are keyword arguments bound onto `TorchEngine` for the whole phase (an engine variant,
-e.g. a switch of its CUDA graphs), checked against its signature first; engine_throughput.py constructs
-the engine by name, so they are bound where it looks the name up.
+`engine_options` are keyword arguments of `TorchEngine` for the whole phase (an engine variant, e.g.
+`cuda_graphs=false` for the eager step), checked against its signature first and handed to
+engine_throughput.py, whose own arguments they override. Each engine's rows hold the longest request it
+is given; its KV cache plan is recorded with its figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import inspect
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,26 +28,17 @@ from gpu.shapes import SHAPES, write_model_dir
 REPO = Path(__file__).resolve().parents[2]
 
 
-@contextlib.contextmanager
-def engine_options(options: dict[str, Any]) -> Iterator[None]:
-    """`actors.engines.torch_engine.TorchEngine` with `options` bound, until the block ends."""
-    import actors.engines.torch_engine as module
+def check_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`options`, if `TorchEngine` takes them (ValueError naming them otherwise)."""
+    from actors.engines.torch_engine import TorchEngine
 
-    original = module.TorchEngine
-    if not options:
-        yield
-        return
     try:
-        inspect.signature(original).bind_partial(Path("."), 1, None, **options)
+        inspect.signature(TorchEngine).bind_partial(Path("."), 1, None, **options)
     except TypeError as exc:
         raise ValueError(
             f"engine option(s) {sorted(options)}: TorchEngine does not take them ({exc})"
         ) from exc
-    module.TorchEngine = functools.partial(original, **options)  # type: ignore[misc,assignment]
-    try:
-        yield
-    finally:
-        module.TorchEngine = original  # type: ignore[misc]
+    return options
 
 
 def model_dir(spec: dict[str, str], scratch: Path, device: str) -> Path:
@@ -75,6 +64,7 @@ def decode_sweep(path: Path, params: dict[str, Any]) -> dict[str, Any]:
         device=params["device"],
         dtype="auto",
         cuda_graphs=True,
+        engine_options=params["engine_options"],
     )
     rows, how = engine_throughput.step_sweep(path, ns)
     return {
@@ -93,7 +83,14 @@ def batching(path: Path, params: dict[str, Any]) -> dict[str, Any]:
     from april.hf import load_model
 
     spec = params["batching"]
-    ns = argparse.Namespace(**spec, seed=0, device=params["device"], dtype="auto", cuda_graphs=True)
+    ns = argparse.Namespace(
+        **spec,
+        seed=0,
+        device=params["device"],
+        dtype="auto",
+        cuda_graphs=True,
+        engine_options=params["engine_options"],
+    )
     prompts, lengths = engine_throughput.workload(ns)
     continuous = engine_throughput.run_engine(path, ns, spec["slots"], prompts, lengths)
     model = load_model(path, params["device"])
@@ -114,14 +111,11 @@ def batching(path: Path, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(params: dict[str, Any], record: PhaseRecord) -> None:
-    record.put("engine_options", params["engine_options"])
+    record.put("engine_options", check_options(params["engine_options"]))
     if params.get("threads"):
         set_torch_threads(params["threads"])
     decode: dict[str, Any] = {}
-    with (
-        tempfile.TemporaryDirectory(prefix="april-gpu-engine-") as tmp,
-        engine_options(params["engine_options"]),
-    ):
+    with tempfile.TemporaryDirectory(prefix="april-gpu-engine-") as tmp:
         paths = {}
         for spec in params["decode"]:
             try:

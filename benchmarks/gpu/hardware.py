@@ -72,6 +72,7 @@ def identity(device: str) -> dict[str, Any]:
     info: dict[str, Any] = {
         "device": device,
         "cuda_available": torch.cuda.is_available(),
+        "gpus": torch.cuda.device_count(),
         "torch_cuda": torch.version.cuda,
         "python": platform.python_version(),
         "libraries": {name: package_version(name) for name in LIBRARIES},

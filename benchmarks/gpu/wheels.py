@@ -1,15 +1,17 @@
 """`make gpu-wheels`: the wheels the lent GPU machine lacks for april, made here, checked complete.
 
 The machine's image (Python 3.12, torch with CUDA, transformers, numpy, ...; no network) lacks what
-`IMAGE_LACKS` names. Each is pinned to the version this interpreter's environment (.venv) runs and
+`gpu.image.CARRIED` names. Each is pinned to the version this interpreter's environment (.venv) runs and
 downloaded as a cp312 manylinux (or pure) wheel with `--no-deps`; DeepSpeed, an sdist, is built into a
 py3-none-any wheel against this environment's torch (its ops compile at first use on the GPU machine).
-The folder is then checked: at most `MAX_BYTES`, one wheel a package, every wheel's requirements met by
-the folder or the image (`IMAGE_HAS`), and the pure wheels installed with pip into a scratch folder and
-imported from it, with april's modules, under this interpreter (the binary ones are cp312 builds:
-only their tags are checked). `source.json` records the commit the check will run from (the device
-receives a copy of the working tree without git). A folder that already holds the pinned set is reused.
-Does not install anything into this environment and never runs on the GPU machine.
+pyarrow is not carried: its wheel alone is more than a device call carries with the tree, so a Parquet
+or Arrow dataset there fails in one line. The folder is then checked: at most `MAX_BYTES`, one wheel a
+package, every wheel's requirements met by the folder or the image (`IMAGE_HAS`), and the pure wheels
+installed with pip into a scratch folder and imported from it, with april's modules, under this
+interpreter (the binary ones are cp312 builds: only their tags are checked). `source.json` records the
+commit the check will run from (the device receives a copy of the working tree without git). A folder
+that already holds the pinned set is reused. Does not install anything into this environment and never
+runs on the GPU machine.
 """
 
 from __future__ import annotations
@@ -26,45 +28,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-# What april imports that the image lacks (GPU-MACHINE.md in the project's reference notes, 2026-11-27),
-# and what those need beyond the image: typing-extensions is carried because pydantic needs a recent one.
-IMAGE_LACKS = (
-    "pyzmq",
-    "pydantic",
-    "pydantic-core",
-    "annotated-types",
-    "typing-inspection",
-    "typing-extensions",
-    "hjson",
-    "math-verify",
-    "latex2sympy2-extended",
-    "antlr4-python3-runtime",
-)
-BUILT = "deepspeed"  # an sdist on PyPI: built here into a pure wheel
-# The image's Python packages that the wheels above require (the device notes' package list, 2026-11-17).
-IMAGE_HAS = frozenset(
-    {
-        "einops",
-        "msgpack",
-        "ninja",
-        "numpy",
-        "nvidia-ml-py",
-        "packaging",
-        "psutil",
-        "py-cpuinfo",
-        "sympy",
-        "torch",
-        "tqdm",
-        "mpmath",
-        "transformers",
-        "safetensors",
-        "rich",
-        "typer",
-        "pytest",
-    }
-)
+from gpu.image import BUILT, CARRIED, IMAGE_HAS  # noqa: E402
+
 MAX_BYTES = 60 * 2**20
 PLATFORMS = (
     "manylinux_2_28_x86_64",
@@ -115,7 +82,7 @@ def canonical(name: str) -> str:
 
 def pins() -> dict[str, str]:
     """Each carried package at the version this environment runs."""
-    return {canonical(name): version(name) for name in (*IMAGE_LACKS, BUILT)}
+    return {canonical(name): version(name) for name in (*CARRIED, BUILT)}
 
 
 def wheel_name(path: Path) -> tuple[str, str, str]:
