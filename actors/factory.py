@@ -76,7 +76,7 @@ def vllm_settings(cfg: WorkerConfig, device: str) -> VLLMSettings:
         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
         dtype=cfg.vllm_dtype,
         enforce_eager=cfg.vllm_enforce_eager,
-        max_model_len=cfg.vllm_max_model_len,
+        max_model_len=cfg.max_seq_len,
         tensor_parallel_size=cfg.gpus_per_engine,
     )
 
@@ -144,6 +144,7 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
             device=device,
             version=version,
             memory_fraction=cfg.gpu_memory_fraction,
+            max_seq_len=cfg.max_seq_len or None,
         )
     if cfg.engine == "sglang":
         from actors.engines.sglang_engine import SGLangEngine

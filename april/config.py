@@ -322,6 +322,7 @@ class WorkerConfig:
     usage_report_s: float = 0.1  # seconds between usage reports while generating: the phase split's grain
     worker_id: str = ""  # empty: <hostname>-<pid>
     device: str = "auto"  # torch, vllm engines: auto (cuda if torch sees a GPU, else cpu), cpu, cuda, cuda:N
+    max_seq_len: int = 0  # torch, vllm: tokens one sequence holds, prompt + response; 0 = the model's context
     gpus_per_engine: int = 1  # april up: GPUs of each engine (sglang, vllm: its tensor-parallel size)
     torch_threads: int = 1  # intra-op threads per worker process (several processes share the cores)
     gpu_memory_fraction: float = GPU_MEMORY_FRACTION  # torch on CUDA: most of the GPU for weights + KV cache
@@ -351,7 +352,6 @@ class WorkerConfig:
     vllm_gpu_memory_utilization: float = 0.0  # vllm on CUDA: GPU memory share (weights, KV); 0 = vLLM's own
     vllm_dtype: str = ""  # vllm engine: empty = float32 on CPU, vLLM's "auto" on CUDA; or bfloat16, ...
     vllm_enforce_eager: bool = False  # vllm on CUDA: no CUDA graphs or torch.compile (always so on CPU)
-    vllm_max_model_len: int = 0  # vllm engine: context length; 0 = the model's
 
     def __post_init__(self) -> None:
         _endpoint("worker.broker", self.broker)
@@ -399,7 +399,10 @@ class WorkerConfig:
             "one of " + ", ".join(repr(d) for d in VLLM_DTYPES),
         )
         _check(
-            self.vllm_max_model_len >= 0, "worker.vllm_max_model_len", self.vllm_max_model_len, "must be >= 0"
+            self.max_seq_len >= 0,
+            "worker.max_seq_len",
+            self.max_seq_len,
+            "must be >= 0 (0 = the model's context)",
         )
         for name in ("sglang_launch", "sglang_args"):
             value = getattr(self, name)

@@ -130,6 +130,12 @@ def test_the_torch_engine_is_built_on_the_resolved_device() -> None:
         assert engine.placement == "cpu"
     finally:
         engine.close()
+    short = WorkerConfig(engine="torch", model=model, slots=1, max_seq_len=96)
+    engine = make_engine(short, SamplingParams(), None, 0)  # type: ignore[arg-type]
+    try:
+        assert engine.row_tokens == 96  # worker.max_seq_len: a row of that many tokens, not the context
+    finally:
+        engine.close()
 
 
 def test_the_learner_runs_where_its_device_resolves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -117,7 +117,7 @@ def test_worker_config_maps_onto_the_settings() -> None:
         vllm_gpu_memory_utilization=0.5,
         vllm_dtype="bfloat16",
         vllm_enforce_eager=True,
-        vllm_max_model_len=2048,
+        max_seq_len=2048,
     )
     assert vllm_settings(cfg, "cuda") == VLLMSettings("cuda", 0.0, 0.5, "bfloat16", True, 2048)
     assert vllm_settings(WorkerConfig(), "cpu") == VLLMSettings()  # the defaults agree

@@ -28,7 +28,7 @@ def test_vllm_worker_runs_april_rounds(cluster: Callable[..., Cluster], tmp_path
             "n_samples_per_prompt": 2,
             "max_new_tokens": 12,
         },
-        worker={"engine": "vllm", "model": str(model), "slots": 4, "vllm_max_model_len": 1024},
+        worker={"engine": "vllm", "model": str(model), "slots": 4, "max_seq_len": 1024},
         data={"synthetic_vocab_size": 320},
         broker={"liveness": 100},  # vLLM starts in tens of seconds: keep the worker alive meanwhile
     )
