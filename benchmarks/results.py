@@ -113,6 +113,18 @@ STEPS: tuple[Step, ...] = (
         "--over-sampling-batch-size 4 --n-samples-per-prompt 2 --steps 2 --json",
     ),
     Step(
+        "paper-config",
+        "results/paper-config",
+        # the paper's run as configured; what the simulator cannot read or score is set for it: the
+        # dataset file (the user's) by 256-token synthetic prompts, and dynamic sampling off (its rewards
+        # are all 0, so the filter would drop every group)
+        "april simulate --config configs/qwen3-4b-dapo.toml --engines 3 --set data.source=synthetic "
+        "--set data.synthetic_prompt_len_min=256 --set data.synthetic_prompt_len_max=256 "
+        "--set algo.dynamic_sampling=false --json",
+        stdout="simulate.json",
+        minutes=2,
+    ),
+    Step(
         "paper-sim",
         "bench/paper-sim",
         f"{PAPER} --engines 8 --target-s 150 --out {{work}}/bench",
@@ -431,6 +443,43 @@ def block_simulate() -> str:
     for mode, fig in doc["modes"].items():
         rows.append(f"| {mode} | {fig['samples_per_s']:.3f} | {x(fig['speedup'])} |")
     return "\n".join([*rows, "", source("simulate")])
+
+
+def block_paper_config() -> str:
+    """configs/qwen3-4b-dapo.toml simulated: each mode's trained samples/s and what it cost."""
+    doc = load("results/paper-config/simulate.json")
+    s = doc["setting"]
+    rows = [
+        "| mode | trained samples/s | vs sync | off-policy tokens | aborted / resumed | wasted tokens |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, f in doc["modes"].items():
+        rows.append(
+            f"| {mode} | {f['samples_per_s']:.3f} | {x(f['speedup'])} | {f['offpolicy_token_frac']:.3f} | "
+            f"{f['aborted']} / {f['resumed']} | {f['wasted_tokens']} |"
+        )
+    return "\n".join(
+        [
+            *rows,
+            "",
+            f"{s['steps']} steps of {s['rollout_batch_size']} x {s['n_samples_per_prompt']} samples "
+            f"(over-sampling {s['over_sampling_batch_size']}, {s['max_new_tokens']} tokens max) on "
+            f"{s['engines']} engines x {s['slots']} slots; lengths {s['lengths']}; the sim engine's cost "
+            f"(decode step {s['decode_ms']:g} + {s['decode_ms_per_seq']:g} ms a sequence, prefill "
+            f"{s['prefill_ms_per_token']:g} ms a token) and a {s['learner_step_s']:g} s learner step.",
+            "",
+            source("paper-config"),
+        ]
+    )
+
+
+def block_paper_config_gain() -> str:
+    """One line: april's predicted samples/s over sync's for configs/qwen3-4b-dapo.toml."""
+    doc = load("results/paper-config/simulate.json")
+    return (
+        f"`april simulate` predicts {x(doc['modes']['april']['speedup'])} sync's trained samples/s for this "
+        f"run ([docs/bench.md]({{root}}bench.md#the-papers-run-simulated))."
+    )
 
 
 def bench_table(step: str) -> str:
@@ -1069,6 +1118,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "calculator-held-out": block_calculator_held_out,
     "sft-calculator": block_sft_calculator,
     "simulate": block_simulate,
+    "paper-config": block_paper_config,
+    "paper-config-gain": block_paper_config_gain,
     "paper-sim": lambda: bench_table("paper-sim"),
     "saturated-sim": lambda: bench_table("saturated-sim"),
     "torch-tiny": lambda: bench_table("torch-tiny"),
