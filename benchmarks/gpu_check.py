@@ -12,7 +12,9 @@ and the next one runs (`benchmarks/gpu/`, one module a phase):
   trained step, samples/s;
 - `engine`: the torch engine's decode step at 1..64 rows (128-token prompts) on the shipped tiny model
   and a Qwen3-0.6B shape, and continuous batching against HF `generate` on long-tailed lengths;
-- `gpu-tests`: `pytest -m gpu`, each outcome recorded as it comes.
+- `gpu-tests`: `pytest -m gpu`, each outcome recorded as it comes;
+- `up-placed`, on a machine of 2 GPUs or more, if time allows: `april up` placing the run on them itself
+  (learner ranks on half, one torch engine per GPU of the rest), its `--plan` recorded with the run.
 Before any phase runs, a `packages` preflight (`gpu.image`) prints one line per phase: what this Python
 lacks for it; a phase that lacks a package it must have is an error without running. The first five
 phases' budgets add up to the check's 6 minutes; the second learner runs only in what they leave.
@@ -27,6 +29,7 @@ Usage: python benchmarks/gpu_check.py --out DIR [--adam-impls deepspeed,torch] [
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -211,7 +214,7 @@ def plan(args: argparse.Namespace) -> list[Phase]:
         phase("up", "up", "up_run"),
         phase("engine", "engine", "engine_decode", engine_options=args.engine_options),
         phase("gpu-tests", "gpu-tests", "gpu_tests"),
-        # phases for machines with more GPUs (a placed `april up`) go here, each with its `gpus`
+        dataclasses.replace(phase("up-placed", "up", "up_run", placed=True), gpus=2),
         *learners[1:],
     ]
 

@@ -91,6 +91,7 @@ def server_specs(
             launch=w.sglang_launch,
             tp_size=max(1, len(group)),
             mem_fraction=SHARED_MEM_FRACTION if shared else None,
+            seed=config.run.seed + i,  # engine i's own, from the run's seed (as slime seeds engine i)
         )
         argv = tuple(command[prefix:])
         specs.append(

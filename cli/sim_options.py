@@ -182,13 +182,26 @@ def parse_modes(text: str) -> list[Mode]:
 
 def resolve(config_file: Path | None, sets: list[str] | None, base: Config, **flags: object) -> Config:
     """The config from `config_file` (or `base` without one), the environment, --set and `flags`
-    ("section__key" -> value or None), in that order of precedence."""
+    ("section__key" -> value or None), in that order of precedence; checked as simulated engines run it."""
     if config_file is not None:
-        return resolve_config(config_file, sets, **flags)
-    with tempfile.TemporaryDirectory(prefix="april-sim-") as tmp:
-        path = Path(tmp) / "base.toml"
-        write_config(base, path)
-        return resolve_config(path, sets, **flags)
+        config = resolve_config(config_file, sets, **flags)
+    else:
+        with tempfile.TemporaryDirectory(prefix="april-sim-") as tmp:
+            path = Path(tmp) / "base.toml"
+            write_config(base, path)
+            config = resolve_config(path, sets, **flags)
+    check_simulated(config)
+    return config
+
+
+def check_simulated(config: Config) -> None:
+    """What simulated engines cannot run, as one ConfigError line: they score every sample 0, so dynamic
+    sampling would drop every group and no batch would ever form."""
+    if config.algo.dynamic_sampling:
+        raise ConfigError(
+            "algo.dynamic_sampling = true: simulated engines score every sample 0, so every group would be "
+            "dropped and no batch would form; expected false here (--set algo.dynamic_sampling=false)"
+        )
 
 
 def sweep_points(specs: list[str], config: Config) -> list[dict[str, str]]:

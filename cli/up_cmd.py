@@ -162,8 +162,11 @@ def preflight(config: Config) -> None:
     from actors.factory import check_worker
     from april.hf import check_model_dir
     from broker.heldout import open_prompts
+    from cli.sim_options import check_simulated
 
     check_worker(config.worker)  # the worker's device too
+    if config.worker.engine == "sim":
+        check_simulated(config)
     check_env(config.env, config.worker.model)
     if config.learner.backend != "sim":  # the simulated learner has no model, nor device
         check_model_dir(config.learner.model)

@@ -394,7 +394,9 @@ def check_gpu_check(tmp_path: Path) -> None:
     a = json.loads((out / "gpu_check.json").read_text())
     phases = a["phases"]
     assert a["benchmark"] == "gpu_check" and a["smoke"] is True and a["device"]["device"] == "cpu"
-    assert list(phases) == ["device", "learner-torch", "up", "engine", "gpu-tests"]
+    assert list(phases) == ["device", "learner-torch", "up", "engine", "gpu-tests", "up-placed"]
+    placed = phases.pop("up-placed")  # needs 2 GPUs: on this CPU, skipped with its reason
+    assert (placed["status"], placed["reason"]) == ("skipped", "needs 2 GPUs, the device phase saw 0"), placed
     for name, e in phases.items():  # every phase ran to its end, without an error
         assert (e["status"], e["errors"], e["exit_code"]) == ("ok", [], 0), (name, e)
         assert 0 < e["wall_s"] <= e["timeout_s"] <= e["budget_s"], name
@@ -575,9 +577,16 @@ def test_the_gpu_checks_full_size_is_the_issues() -> None:
     gpu_check = load_benchmark("gpu_check")
     plan = gpu_check.plan(gpu_check.parse_args(["--out", "x"]))
     names = [p.name for p in plan]
-    assert names == ["device", "learner-deepspeed", "up", "engine", "gpu-tests", "learner-torch"]
+    assert names == ["device", "learner-deepspeed", "up", "engine", "gpu-tests", "up-placed", "learner-torch"]
     by = {p.name: p.params for p in plan}
+    placed = next(p for p in plan if p.name == "up-placed")
+    assert placed.gpus == 2 and by["up-placed"]["placed"] is True  # skipped on one GPU, april up places
+    up_run = load_benchmark("gpu.up_run")
+    args = up_run.command(by["up-placed"])
+    assert "--workers" not in args and not any(a.endswith(".device=cuda") for a in args), args
+    assert "--workers" in up_run.command(by["up"])  # the single-GPU run: one worker, devices named
     assert all(p["device"] == "cuda" for p in by.values())
+    assert all(p.gpus == 1 for p in plan if p.name != "up-placed")
     assert by["learner-deepspeed"]["shape"] == "qwen3-1.7b" and by["learner-torch"]["adam_impl"] == "torch"
     assert [s[:2] for s in by["learner-deepspeed"]["sizes"]] == [[16, 8192], [64, 8192]]
     assert by["up"] == {"device": "cuda", "steps": 3, "sets": []}

@@ -78,6 +78,24 @@ def test_the_plan_for_8_gpus_gives_every_gpu_to_one_role() -> None:
     assert code == 0 and "3 x engine sglang, learner 2 ranks" in text, text
 
 
+def test_the_servers_april_up_would_start_take_the_scripts_flags(tmp_path: Path) -> None:
+    """Each engine's SGLang server: the model, --tp-size 2 over its own 2 GPUs, slime's decoupled
+    --mem-fraction-static 0.7 (worker.sglang_args), a seed of its own."""
+    from april.placement import node_gpus, place
+    from cli.up_cmd import plan as children
+
+    config = resolve_config(CONFIG, [])
+    specs = children(config, tmp_path / "config.toml", tmp_path, place(config, node_gpus(8, {})), False)
+    servers = [s for s in specs if s.name.startswith("sglang-")]
+    assert len(servers) == 3
+    for i, server in enumerate(servers):
+        argv = " ".join(server.argv)
+        assert "--model-path models/Qwen3-4B" in argv and "--tp-size 2" in argv, argv
+        assert argv.endswith("--mem-fraction-static 0.7"), argv  # the user's flags last: they win
+        assert f"--random-seed {config.run.seed + i}" in argv, argv
+        assert server.env == {"CUDA_VISIBLE_DEVICES": f"{2 + 2 * i},{3 + 2 * i}"}
+
+
 def paper_step_command() -> list[str]:
     """The `april simulate` command of the `paper-config` step, as its arguments after `april`."""
     benchmarks = str(REPO / "benchmarks")

@@ -107,6 +107,7 @@ def test_on_a_node_each_server_and_its_worker_get_the_engines_gpus(tmp_path: Pat
         gpus = f"{2 + 2 * i},{3 + 2 * i}"
         assert specs[f"sglang-{i}"].env == specs[f"worker-{i}"].env == {"CUDA_VISIBLE_DEVICES": gpus}
         assert flag(specs[f"sglang-{i}"].argv, "--tp-size") == "2"
+        assert flag(specs[f"sglang-{i}"].argv, "--random-seed") == str(config.run.seed + i)
         assert "--mem-fraction-static" not in specs[f"sglang-{i}"].argv
     assert specs["learner"].env == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert specs["broker"].env == {"CUDA_VISIBLE_DEVICES": ""}

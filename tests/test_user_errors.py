@@ -115,6 +115,7 @@ CASES = [
     case("simulate", "missing config", f"simulate --config {M}/a.toml", "--config", "a.toml"),
     case("simulate", "malformed --set", "simulate --set run.steps", "--set", "run.steps"),
     case("simulate", "unknown config key", "simulate --set run.bogus=1", "bogus"),
+    case("simulate", "dynamic sampling", "simulate --set algo.dynamic_sampling=1", "algo.dynamic_sampling"),
     case("simulate", "bad config value", "simulate --set algo.max_staleness=-1", "algo.max_staleness", "-1"),
     case("simulate", "buffer below a batch", "simulate --set broker.max_buffered_samples=100",
          "broker.max_buffered_samples = 100", "256"),

@@ -1,7 +1,8 @@
 """The `up` phase: `april up --headless` on the device, its whole run timed from the launch.
 
 The built-in run (the task on the shipped tiny model, the torch engine, the DeepSpeed learner) for
-`steps` steps with one worker, worker and learner on `params["device"]`, and `sets` added (`--set`
+`steps` steps with one worker, worker and learner on `params["device"]`, or with `placed` as april up
+places it on the machine's GPUs (its `--plan` recorded first), and `sets` added (`--set`
 overrides; the smoke size shrinks the batch). Free loopback ports, a scratch run directory. Measured:
 seconds from the launch to the first trained step (metrics.jsonl's first line) and to the exit, each
 step's time, and samples/s as the run's summary.json reports it. `april up` is stopped (SIGTERM, then
@@ -31,10 +32,12 @@ STOP_S = 15.0  # of the phase's time, kept to stop april up in good order before
 
 
 def command(params: dict[str, Any]) -> list[str]:
-    """`april up`'s arguments as a user types them (without the ports and the run directory)."""
-    device = params["device"]
-    args = ["up", "--headless", "--steps", str(params["steps"]), "--workers", "1"]
-    args += ["--set", f"worker.device={device}", "--set", f"learner.device={device}"]
+    """`april up`'s arguments as a user types them (without the ports and the run directory). `placed`:
+    as on a node, april up's own placement (no worker count, no device pinned)."""
+    args = ["up", "--headless", "--steps", str(params["steps"])]
+    if not params.get("placed"):
+        device = params["device"]
+        args += ["--workers", "1", "--set", f"worker.device={device}", "--set", f"learner.device={device}"]
     for s in params["sets"]:
         args += ["--set", s]
     return args
@@ -59,6 +62,13 @@ def log_tails(run_dir: Path, lines: int = 40) -> None:
 def run(params: dict[str, Any], record: PhaseRecord) -> None:
     args = command(params)
     record.put("command", "april " + shlex.join(args))
+    if params.get("placed"):  # the split it is about to run, as `april up --plan` prints it
+        plan = [a for a in args if a != "--headless"] + ["--plan", "--json"]
+        shown = subprocess.run(
+            [sys.executable, "-c", "from cli.main import main; main()", *plan],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        record.put("plan", json.loads(shown.stdout) if shown.returncode == 0 else shown.stderr.strip())
     with tempfile.TemporaryDirectory(prefix="april-gpu-up-") as tmp:
         run_dir = Path(tmp) / "run"
         ports = zip(("worker_port", "learner_port", "pub_port"), free_ports(3), strict=True)
