@@ -43,6 +43,8 @@ from april.records import FinishReason
 if TYPE_CHECKING:
     import torch
 
+    from actors.weight_receive import GroupServers, Offer
+
 ENGINES = ("torch", "sglang", "vllm", "sim")
 
 
@@ -186,6 +188,23 @@ class TensorLoading(Protocol):
 
     def load_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Swap in weights `version` from `tensors` (name -> tensor, the model's state-dict names)."""
+        ...
+
+
+@runtime_checkable
+class BroadcastReceiving(Protocol):
+    """An engine whose servers receive the learner's broadcast themselves (SGLang: they are ranks of its
+    group, `actors.engines.sglang_broadcast`): the worker's broadcast member has `broadcast_servers` join
+    each group, and the worker loop calls `load_broadcast` when a version is on its way. Same contract as
+    `load_weights`: between steps; WeightLoadError leaves a whole older version serving."""
+
+    @property
+    def broadcast_servers(self) -> GroupServers:
+        """The servers as group ranks (called from the member's thread)."""
+        ...
+
+    def load_broadcast(self, offer: Offer) -> None:
+        """Receive and check version `offer.version` while the learner sends it."""
         ...
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from actors.engine import (
+    BroadcastReceiving,
     Engine,
     EngineError,
     EngineUnavailable,
@@ -67,7 +68,7 @@ from actors.outbox import Outbox
 from actors.reward_runner import RewardRunner
 from actors.slot_meter import SlotMeter
 from actors.tokenizer import Tokenizer
-from actors.weight_sync import Ready, Unavailable, WeightSync
+from actors.weight_sync import BROADCAST, Offered, Ready, Unavailable, WeightSync
 from april import protocol
 from april.config import WeightsConfig, WorkerConfig
 from april.episode import EpisodeError
@@ -227,6 +228,8 @@ class Worker:
         self.health.placement = one_line(engine.placement, protocol.MAX_PLACEMENT)  # told with its coming up
         if isinstance(engine, TensorLoading):  # it can take the learner's broadcast, when one is announced
             self.sync.accept_broadcast(self.cfg.device)
+        elif isinstance(engine, BroadcastReceiving):  # its servers can, as ranks of the learner's group
+            self.sync.accept_server_broadcast(engine.broadcast_servers)
         self.meter = SlotMeter(engine.slots, time.monotonic(), self.cfg.usage_report_s)
         log.info(
             "worker %s: engine %s ready (%d slots, %s)",
@@ -465,6 +468,7 @@ class Worker:
 
     def _on_weights(self, msg: protocol.WeightsReady) -> None:
         if self.engine is not None and msg.version <= self.engine.version:
+            self.sync.remember(msg)  # e.g. its servers took it from the broadcast before it was announced
             return
         self.sync.announce(msg)  # fetched (or found) in the background, loaded by _sync_weights when ready
 
@@ -472,7 +476,9 @@ class Worker:
         """Versions whose bytes became local: keep the newest, load it when the engine serves; answer
         versions that could not be had. A down or starting engine loads it once it serves again."""
         for result in self.sync.poll():
-            if isinstance(result, Unavailable):
+            if isinstance(result, Offered):
+                self._load_offer(result)
+            elif isinstance(result, Unavailable):
                 sync_s = time.monotonic() - result.heard_at
                 log.error(
                     "weights v%d cannot be had (%s): %s", result.version, result.transport, result.error
@@ -519,6 +525,7 @@ class Worker:
                 self._engine_down(exc, exc.partials)
             return
         now = time.monotonic()
+        self.sync.loaded(version)
         log.info(
             "weights v%d loaded in %.3fs (%s, %.3fs since announced)",
             version,
@@ -527,6 +534,33 @@ class Worker:
             now - ready.heard_at,
         )
         self._send(protocol.WeightsLoaded(version, True, "", ready.transport, now - ready.heard_at))
+
+    def _load_offer(self, offered: Offered) -> None:
+        """The learner is broadcasting a version to the engine's servers now: park, receive, check, resume
+        (`BroadcastReceiving.load_broadcast`), before the version is announced. A failure is answered
+        WeightsLoaded(ok=False) and the version comes by the network once announced."""
+        offer, engine = offered.offer, self.engine
+        if engine is None or self.health.down or not isinstance(engine, BroadcastReceiving):
+            log.warning("weights v%d: not taken from the broadcast: the engine is down", offer.version)
+            return
+        try:
+            engine.load_broadcast(offer)
+        except EngineError as exc:
+            log.error(
+                "weights v%d: broadcast not loaded (v%d serves): %s", offer.version, engine.version, exc
+            )
+            sync_s = time.monotonic() - offer.started_at
+            self._send(protocol.WeightsLoaded(offer.version, False, str(exc)[:500], BROADCAST, sync_s))
+            if isinstance(exc, EngineUnavailable):
+                self._engine_down(exc, exc.partials)
+            return
+        self.tried = max(self.tried, offer.version)
+        if self.ready is not None and self.ready.version <= offer.version:
+            self.ready = None  # older than what the engine serves now
+        self.sync.loaded(offer.version)
+        sync_s = time.monotonic() - offer.started_at
+        log.info("weights v%d loaded in %.3fs (broadcast, checked on the servers)", offer.version, sync_s)
+        self._send(protocol.WeightsLoaded(offer.version, True, "", BROADCAST, sync_s))
 
     def _meter_usage(self) -> None:
         """Account slot usage up to now, and report it when due (cumulative: a lost report loses nothing)."""
@@ -567,6 +601,7 @@ class Worker:
                 back.append((lease_id, interrupted(held.sample, out)))
         self.held.clear()
         was_down = self.health.down
+        self.sync.rejoin_broadcast()  # its servers leave the learner's group until they serve again
         self.health.returned += len(back)
         self.health.failed += len(failed)
         self.health.go_down(str(exc), time.monotonic())
@@ -635,8 +670,12 @@ class Worker:
         self.health.come_up()
         log.info("engine serves again: leasing resumes")
         self._report_health()
+        self.sync.rejoin_broadcast()  # a restarted server joins the learner's group with the others
         if self.ready is not None and self.ready.version >= self.engine.version:
             self._load(self.ready)
+        if self.engine.version < self.sync.served:  # the newest came by broadcast: no copy on disk
+            self.tried = self.engine.version
+            self.sync.refetch(self.engine.version)
         if not self.health.down:
             self._send(protocol.LeaseRequest(max(0, self.cfg.slots - len(self.held))))
 

@@ -253,13 +253,11 @@ _UNSAMPLED = (".k_proj.", ".v_proj.")
 
 
 def sample_entry(entries: Sequence[Entry]) -> Entry | None:
-    """The tensor of a bucket whose first values are checked on SGLang servers: the first non-empty
-    floating-point one that SGLang's `get_weights_by_name` reads right whatever the tensor-parallel size
-    (docs/protocol.md section 16); None when there is none."""
-    for e in entries:
-        if e.numel and e.dtype in _FLOATS and not any(part in e.name for part in _UNSAMPLED):
-            return e
-    return None
+    """The tensor of a bucket whose first values are checked on SGLang servers: the largest (the first of
+    equals) floating-point one that SGLang's `get_weights_by_name` reads right whatever the
+    tensor-parallel size (docs/protocol.md section 16); None when there is none."""
+    fit = [e for e in entries if e.numel and e.dtype in _FLOATS and not any(p in e.name for p in _UNSAMPLED)]
+    return max(fit, key=lambda e: e.nbytes, default=None)
 
 
 def sample_rows(entry_shape: Sequence[int]) -> int:

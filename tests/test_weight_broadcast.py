@@ -29,6 +29,7 @@ from april.broadcast_group import (
     BroadcastError,
     Entry,
     Manifest,
+    Sample,
     check_bucket,
     digest,
     plan,
@@ -355,6 +356,7 @@ def test_the_manifest_packs_whole_tensors_aligned_into_bounded_buckets() -> None
     assert layout == [[("b", 0), ("a", 20)], [("c", 0)], [("d", 0), ("e", 4)], [("f", 0)]]
     assert [b.nbytes for b in manifest.buckets] == [26, 400, 7, 400]
     assert [b.sample.name if b.sample else None for b in manifest.buckets] == ["b", "c", "d", "f"]
+    assert manifest.buckets[0].sample == Sample("b", (1.0, 2.0))
     assert manifest.nbytes == 3 * 2 + 5 * 4 + 100 * 4 + 4 + 3 + 400
     gap = manifest.to_json().replace('["a", "bfloat16", [3], 20]', '["a", "bfloat16", [3], 22]')
     with pytest.raises(BroadcastError, match="at byte 22, expected 20"):
@@ -367,9 +369,11 @@ def test_the_sampled_tensor_is_one_sglang_reads_right() -> None:
         Entry("model.layers.0.self_attn.v_proj.weight", "bfloat16", (4, 8), 64),
         Entry("empty", "bfloat16", (0,), 128),
         Entry("mask", "int8", (4,), 128),
-        Entry("model.layers.0.self_attn.q_proj.weight", "bfloat16", (4, 8), 132),
+        Entry("model.layers.0.input_layernorm.weight", "bfloat16", (8,), 132),
+        Entry("model.layers.0.self_attn.q_proj.weight", "bfloat16", (4, 8), 148),
+        Entry("model.layers.0.self_attn.o_proj.weight", "bfloat16", (8, 4), 212),
     ]
-    chosen = sample_entry(entries)
+    chosen = sample_entry(entries)  # the largest, first of equals; never k_proj or v_proj
     assert chosen is not None and chosen.name.endswith("q_proj.weight")
     assert sample_entry(entries[:4]) is None
     assert sample_rows((4096,)) == SAMPLE_VALUES and sample_rows((10, 8)) == 4 and sample_rows((3, 4096)) == 1
