@@ -69,6 +69,17 @@ class EngineUnavailable(EngineError):
         self.partials = list(partials)
 
 
+class WeightsLost(EngineUnavailable):
+    """The engine's servers answer but hold no whole version it can restore by itself (one restarted with
+    its launch weights, or a broadcast failed half-way, and the version it served came by broadcast, so
+    no copy is on disk). It stays unavailable until `load_weights` gives it `version`, or a newer one;
+    meanwhile its version does not go back (tokens never carry an older version than before)."""
+
+    def __init__(self, message: str, partials: Sequence[GenerationOutput] = (), version: int = 0) -> None:
+        super().__init__(message, partials)
+        self.version = version
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How tokens are drawn. Log-probs are always those of the temperature-scaled full distribution

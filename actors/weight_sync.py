@@ -143,11 +143,12 @@ class WeightSync:
         if self.member is not None and self.servers is not None:
             self.member.rejoin()
 
-    def refetch(self, below: int) -> None:
-        """The engine lost versions (a server restarted with its launch weights, and the newest came by
-        broadcast, so no copy is on disk): get the newest announced again if it is newer than `below`."""
+    def refetch(self, at_least: int) -> None:
+        """The engine lost its weights (they came by broadcast: no copy on disk): get the newest version
+        announced again, by file or network, if it is `at_least` or newer (a newer one is on its way
+        otherwise); `poll` hands it out as Ready."""
         msg = self.last
-        if msg is None or msg.version <= below or msg.version in self.fetching:
+        if msg is None or msg.version < at_least or msg.version in self.fetching or self.to_fetch is not None:
             return
         self.newest = min(self.newest, msg.version - 1)
         self.announce(msg)

@@ -60,6 +60,7 @@ from actors.engine import (
     GenerationRequest,
     SamplingParams,
     TensorLoading,
+    WeightsLost,
 )
 from actors.engine_health import EngineHealth, one_line
 from actors.engines.sim_engine import SampleIdentity
@@ -152,6 +153,7 @@ class Worker:
         self.sync = WeightSync(weights or WeightsConfig(), self.worker_id, weights_keys)
         self.ready: Ready | None = None  # the newest version ready to load (loaded again after a restart)
         self.tried = -1  # the newest version a load was tried of (a failed one is not tried again)
+        self.weights_lost = False  # the engine is down until a version is loaded into it again (WeightsLost)
         self.prober: ThreadPoolExecutor | None = None  # runs Engine.probe while the engine is down
         self.probing: Future[Engine | None] | None = None
         self.sampling: SamplingParams | None = None  # from the first Welcome: how engines are built
@@ -491,9 +493,10 @@ class Worker:
             elif self.ready is None or result.version > self.ready.version:
                 self.ready = result
         ready = self.ready
-        if ready is None or ready.version <= self.tried or self.engine is None or self.health.down:
+        if ready is None or ready.version <= self.tried or self.engine is None:
             return
-        if ready.version > self.engine.version:
+        lost = self.weights_lost and ready.version >= self.engine.version  # loaded while down: it answers
+        if lost or (not self.health.down and ready.version > self.engine.version):
             self._load(ready)
 
     def _load(self, ready: Ready) -> None:
@@ -526,6 +529,7 @@ class Worker:
             return
         now = time.monotonic()
         self.sync.loaded(version)
+        self.weights_lost = False
         log.info(
             "weights v%d loaded in %.3fs (%s, %.3fs since announced)",
             version,
@@ -602,6 +606,8 @@ class Worker:
         self.held.clear()
         was_down = self.health.down
         self.sync.rejoin_broadcast()  # its servers leave the learner's group until they serve again
+        if isinstance(exc, WeightsLost):
+            self._weights_lost(exc)
         self.health.returned += len(back)
         self.health.failed += len(failed)
         self.health.go_down(str(exc), time.monotonic())
@@ -614,6 +620,17 @@ class Worker:
                 self.health.detail,
                 len(back),
             )
+
+    def _weights_lost(self, exc: WeightsLost) -> None:
+        """The engine answers but holds no whole version (a server restarted, or a broadcast failed, and
+        its version came by broadcast): get that version, or the newest announced, from a file or the
+        network again and load it while the engine is down; the probe then finds it serving."""
+        if not self.weights_lost:
+            log.warning("engine holds no whole version (%s): getting v%d again", exc, exc.version)
+        self.weights_lost = True
+        self.tried = min(self.tried, exc.version - 1)
+        if self.ready is None or self.ready.version < exc.version:
+            self.sync.refetch(exc.version)
 
     def _return_unstarted(self, items: list[tuple[int, Sample]]) -> None:
         """Leases that reached a down engine's worker: back as leased, no credit."""
@@ -641,6 +658,8 @@ class Worker:
         except EngineError as exc:
             if self.engine is None and not isinstance(exc, EngineUnavailable):
                 raise
+            if isinstance(exc, WeightsLost):
+                self._weights_lost(exc)
             self.health.probe_failed(str(exc), now)
             log.warning(
                 "engine still down (probe %d): %s; next probe in %.0fs",
@@ -673,9 +692,6 @@ class Worker:
         self.sync.rejoin_broadcast()  # a restarted server joins the learner's group with the others
         if self.ready is not None and self.ready.version >= self.engine.version:
             self._load(self.ready)
-        if self.engine.version < self.sync.served:  # the newest came by broadcast: no copy on disk
-            self.tried = self.engine.version
-            self.sync.refetch(self.engine.version)
         if not self.health.down:
             self._send(protocol.LeaseRequest(max(0, self.cfg.slots - len(self.held))))
 

@@ -14,6 +14,7 @@ Tensor parallelism 1 only. Blocking calls: the server runs them off its event lo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -224,9 +225,12 @@ class WeightGroups:
         return True, "Succeeded to initialize custom process group."
 
     def destroy(self, group_name: str) -> tuple[bool, str]:
-        """weight_updater.py: destroy_weights_update_group."""
-        if self.groups.pop(group_name, None) is None:
+        """weight_updater.py: destroy_weights_update_group (torch's destroy_process_group shuts the
+        backend down: its sockets close)."""
+        group = self.groups.pop(group_name, None)
+        if group is None:
             return False, "The group to be destroyed does not exist."
+        _abort(group)
         return True, "Succeeded to destroy custom process group."
 
     def receive(
@@ -274,7 +278,10 @@ class WeightGroups:
         return weights
 
     def close(self) -> None:
-        """A killed server's groups go with it (its sockets close, so its peers see the group fail)."""
+        """A killed server's groups go with it: their sockets close (a receive in flight fails at once),
+        so its peers see the group fail, as when a process dies."""
+        for group in self.groups.values():
+            _abort(group)
         self.groups.clear()
 
 
@@ -297,6 +304,12 @@ def weight_files(model_path: str) -> list[str]:
         if files:
             return files
     raise ValueError(f"Cannot find any model weights with `{model_path}`")
+
+
+def _abort(group: Any) -> None:
+    """Close a gloo group's connections now (ProcessGroupGloo.abort)."""
+    with contextlib.suppress(RuntimeError):
+        group.abort()
 
 
 def _host(address: str) -> str:

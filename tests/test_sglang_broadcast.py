@@ -25,7 +25,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from sglang_server import FakeSGLangServer
 
-from actors.engine import EngineUnavailable, GenerationRequest, WeightLoadError, run_to_completion
+from actors.engine import (
+    EngineUnavailable,
+    GenerationRequest,
+    WeightLoadError,
+    WeightsLost,
+    run_to_completion,
+)
 from actors.engines.sglang_engine import SGLangEngine
 from actors.weight_receive import BroadcastMember, Invite, Offer, ReceivedWeights
 from april.broadcast_group import BroadcastError
@@ -220,34 +226,43 @@ def test_each_version_is_posted_bucket_by_bucket_then_read_back(
     assert fake.rt.weight_version == "2" and not fake.rt.session_open
 
 
-@pytest.mark.parametrize("fault", ["flip", "drop"])
-def test_an_update_received_wrong_or_not_applied_is_caught_and_whole_weights_serve(
-    setup: Callable[..., Setup], fault: str, tmp_path: Path
+@pytest.mark.parametrize(("fault", "on_disk"), [("flip", True), ("drop", False)])
+def test_an_update_received_wrong_or_not_applied_is_caught(
+    setup: Callable[..., Setup], fault: str, on_disk: bool, tmp_path: Path
 ) -> None:
-    """The server says success; reading back a sampled tensor shows it does not hold what was sent. Every
-    server is reloaded whole (their launch weights: no version came by disk), the load fails, and the
-    version comes through the disk path; the next broadcast is taken again."""
+    """The server says success; reading back a sampled tensor shows it does not hold what was sent. With
+    the current version on disk every server reloads it and the load fails (WeightLoadError); with none
+    (it came by broadcast) the engine is unavailable until a file brings a version again (WeightsLost),
+    its version never going back. The failed version then comes by file; the next broadcast is taken."""
     s = setup(servers=2)
     wait_for("the member joins", lambda: s.hub.waiting() == 1)
-    launch_prints = [f.rt.held.fingerprint for f in s.servers if f.rt.held is not None]
+    states = {v: learner_state(s.launch, v) for v in (1, 2, 3)}
+    files = {v: tmp_path / f"v{v:06d}.safetensors" for v in states}
+    for v, state in states.items():
+        save_file(state, str(files[v]))
+    if on_disk:
+        s.engine.load_weights(files[1], 1)
+    else:
+        assert s.send(states[1], 1)[2] is None
     s.servers[1].fault_next_update(fault)
-    state = learner_state(s.launch, 1)
-    report, _, raised = s.send(state, 1)
+    report, _, raised = s.send(states[2], 2)
     assert report.reached == ("w",)  # the hub's part went through: the fault is the server's
-    assert isinstance(raised, WeightLoadError) and "does not hold what was sent" in str(raised)
-    assert s.engine.version == 0 and all(f.rt.weight_version == "0" for f in s.servers)
-    assert [f.rt.held.fingerprint for f in s.servers if f.rt.held is not None] == launch_prints
-    assert all(holds(f, s.launch) for f in s.servers)
+    assert raised is not None and "does not hold what was sent" in str(raised)
+    assert s.engine.version == 1
+    if on_disk:
+        assert isinstance(raised, WeightLoadError) and not isinstance(raised, EngineUnavailable)
+        assert all(holds(f, states[1]) for f in s.servers)  # v1 again, whole
+    else:
+        assert isinstance(raised, WeightsLost) and raised.version == 1
+        with pytest.raises(WeightsLost):  # down until a version is loaded again
+            s.engine.probe()
+    s.engine.load_weights(files[2], 2)  # the network transport brings the file; the disk path loads it
+    s.engine.probe()
+    assert all(holds(f, states[2]) for f in s.servers)
 
-    file = tmp_path / "v000001.safetensors"  # the network transport brings the file; the disk path loads it
-    save_file(state, str(file))
-    s.engine.load_weights(file, 1)
-    assert all(holds(f, state) for f in s.servers)
-
-    state = learner_state(s.launch, 2)
-    report, _, raised = s.send(state, 2)
-    assert raised is None and report.reached == ("w",) and s.engine.version == 2
-    assert all(holds(f, state) for f in s.servers)
+    report, _, raised = s.send(states[3], 3)
+    assert raised is None and report.reached == ("w",) and s.engine.version == 3
+    assert all(holds(f, states[3]) for f in s.servers)
 
 
 def test_a_server_that_misses_its_bucket_fails_the_version_within_the_timeout(
@@ -260,9 +275,11 @@ def test_a_server_that_misses_its_bucket_fails_the_version_within_the_timeout(
     s.servers[1].fail_next("/update_weights_from_distributed", 503, {"error": {"message": "busy"}})
     report, _, raised = s.send(learner_state(s.launch, 1), 1)
     assert report.error and report.dropped == ("w",)
-    assert isinstance(raised, WeightLoadError) and s.engine.version == 0
-    assert all(holds(f, s.launch) for f in s.servers)
+    assert isinstance(raised, WeightsLost) and s.engine.version == 0  # the launch weights: not on disk
     assert all(not f.rt.session_open for f in s.servers)  # the weight-update session was closed
+    s.engine.load_weights(s.model_dir / "model.safetensors", 0)  # what the worker does: a file, loaded
+    s.engine.probe()
+    assert all(holds(f, s.launch) for f in s.servers)
 
     wait_for("the member joins anew", lambda: s.hub.waiting() == 1)
     state = learner_state(s.launch, 2)
@@ -270,7 +287,7 @@ def test_a_server_that_misses_its_bucket_fails_the_version_within_the_timeout(
     assert raised is None and report.reached == ("w",) and all(holds(f, state) for f in s.servers)
 
 
-def test_a_killed_server_rejoins_a_later_generation(setup: Callable[..., Setup]) -> None:
+def test_a_killed_server_rejoins_a_later_generation(setup: Callable[..., Setup], tmp_path: Path) -> None:
     s = setup(servers=2)
     wait_for("the member joins", lambda: s.hub.waiting() == 1)
     assert s.send(learner_state(s.launch, 1), 1)[2] is None
@@ -278,8 +295,13 @@ def test_a_killed_server_rejoins_a_later_generation(setup: Callable[..., Setup])
     s.servers[1].stop()
     s.servers[1].start()  # its launch weights and weight_version, and no group
     assert s.servers[1].rt.groups.groups == {}
-    s.engine.probe()  # notices the restart: no copy of v1 on disk, so the launch weights' version serves
-    assert s.engine.version == 0
+    with pytest.raises(WeightsLost) as lost:  # v1 came by broadcast: no copy on disk to reload
+        s.engine.probe()
+    assert lost.value.version == 1 and s.engine.version == 1
+    file = tmp_path / "v000001.safetensors"  # what the worker then fetches and loads
+    save_file(learner_state(s.launch, 1), str(file))
+    s.engine.load_weights(file, 1)
+    s.engine.probe()
     s.member.rejoin()  # what the worker does when its engine comes back
     wait_for("the member joins anew", lambda: s.hub.waiting() == 1)
 

@@ -19,8 +19,10 @@ from the server's behaviour (paths inside the wheel, `sglang/srt/...`):
   - With the learner's broadcast (`load_broadcast`, actors/engines/sglang_broadcast.py) the servers are
     ranks of its group and receive each version's buckets themselves; every server's weight_version and
     a sampled tensor per bucket are read back before the version serves. A broadcast that fails or does
-    not match leaves a server half-updated (SGLang does not roll a distributed update back): every server
-    is reloaded from disk first (the current version's directory, or the launch weights as version 0).
+    not match leaves a server half-updated (SGLang does not roll a distributed update back), and a
+    version that came by broadcast has no directory: a server in either state is reloaded from the
+    current directory if there is one, else the engine raises WeightsLost (unavailable until the worker
+    loads that version again from a file), so its version never goes back.
   - Budgets are clipped so that input + output stays one token short of the server's `max_req_input_len`
     (from /server_info): inside the tokenizer manager's context check and the scheduler's own cap, and
     every partial can be resumed there. An input too long for that fails its request (NONE).
@@ -37,7 +39,7 @@ from the server's behaviour (paths inside the wheel, `sglang/srt/...`):
     that swaps between decode steps. Every answer must name the weight_version the adapter expects: one
     that does not (the server restarted with its launch weights, or another client changed them) makes
     the engine unavailable, and `probe` reloads the adapter's version (one that came by broadcast has no
-    directory: the worker fetches it again).
+    directory: WeightsLost).
   - Log-probs are `log_softmax(logits / temperature)` of the full distribution, except in a batch where
     every request is greedy (layers/sampler.py: is_all_greedy), where they are at temperature 1. A
     `greedy` request (an evaluation sample) is sent with top_k 1, SGLang's greedy path, and no seed; when
@@ -78,6 +80,7 @@ from actors.engine import (
     GenerationRequest,
     SamplingParams,
     WeightLoadError,
+    WeightsLost,
 )
 from actors.engines.inflight import Flight, InFlight, Segment
 from actors.engines.sglang_broadcast import ServerGroup, check_version, concurrently, receive_version
@@ -103,7 +106,7 @@ log = logging.getLogger(__name__)
 REACH_TRIES = 3  # /server_info tries before a server counts as unreachable
 REACH_GAP_S = 0.2
 ABORT_RESEND_S = 0.2  # how often an abort by rid is re-sent while its /generate is still out
-UNKNOWN = "?"  # expected weight_version of a server whose weights a failed broadcast left unknown
+UNKNOWN = "?"  # expected weight_version of a server whose weights are not a whole version now
 
 
 class SGLangEngine:
@@ -157,7 +160,6 @@ class SGLangEngine:
         self._next_server = 0
         self.servers = [self._server_info(u) for u in self.urls]
         self._expected = [self._weight_version(u) for u in self.urls]  # what each server's answers name
-        self._launch = [s.model_path for s in self.servers]  # launch weights, reloaded when nothing else is
         self._group = ServerGroup(self.urls, control_timeout_s, weights_timeout_s)
         self._flights = InFlight(
             "sglang",
@@ -257,10 +259,10 @@ class SGLangEngine:
         holds (its weight_version and each bucket's sampled tensor), and serve it. Requests are parked
         meanwhile (the update waits for running ones) and resubmitted after.
 
-        A failed or mismatched update leaves a server with some buckets of each version: every server is
-        reloaded from disk first (the current version's directory, or with none their launch weights, and
-        the engine then serves version 0), then WeightLoadError; EngineUnavailable when a server cannot be
-        reached or reloaded."""
+        A failed or mismatched update leaves a server with some buckets of each version (SGLang does not
+        roll it back): with the current version's directory every server reloads it, then WeightLoadError;
+        with none (it came by broadcast too) WeightsLost, as when a server cannot be reached or reloaded:
+        EngineUnavailable."""
         parked = self._flights.park()
         errors = concurrently(
             self.urls, lambda i, url: receive_version(url, self.servers[i], offer, self._post_update)
@@ -276,15 +278,25 @@ class SGLangEngine:
                 wrong = check_version(url, offer, self._call)
         except EngineError as e:
             wrong = str(e)
-        if wrong:
-            try:
-                self._reload_consistent()
-            except EngineError as e:
-                raise self._flights.unavailable(f"{wrong}; and reloading failed: {e}", parked) from None
+        if not wrong:
+            self._loaded_version(offer.version, None)  # nothing on disk: see WeightsLost
             self._flights.resubmit(parked, self.version)
-            raise WeightLoadError(f"broadcast v{offer.version}: {wrong} (serving v{self.version})")
-        self._loaded_version(offer.version, None)  # nothing on disk: a restarted server holds launch weights
+            return
+        wrong = f"broadcast v{offer.version}: {wrong}"
+        self._expected = [UNKNOWN] * len(self.urls)  # until reloaded
+        if self._loaded is None:
+            lost = self._flights.unavailable(f"{wrong}; v{self.version} has no copy on disk", parked)
+            raise WeightsLost(str(lost), lost.partials, self.version)
+        try:
+            for url in self.urls:
+                self._update(0, url, "/update_weights_from_disk", self._disk_body(self._loaded, self.version))
+        except EngineError as e:
+            raise self._flights.unavailable(
+                f"{wrong}; reloading v{self.version} failed: {e}", parked
+            ) from None
+        self._expected = [str(self.version)] * len(self.urls)
         self._flights.resubmit(parked, self.version)
+        raise WeightLoadError(f"{wrong} (v{self.version} reloaded from disk)")
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -426,18 +438,14 @@ class SGLangEngine:
 
     def _restore(self, index: int, url: str, live: str) -> None:
         """A server that answers with another weight_version than expected (it restarted, or a failed
-        broadcast left its weights unknown): reload the current version from its directory; with none,
-        reload unknown weights from the launch path (version 0), or take a restarted server's version as
-        it is."""
-        if self._loaded is None and self._expected[index] == UNKNOWN:
-            launch = self._disk_body(Path(self._launch[index]), 0)
-            try:
-                self._update(0, url, "/update_weights_from_disk", launch)
-            except EngineError as e:
-                why = f"sglang {url}: reloading its launch weights failed: {e}"
-                raise self._flights.unavailable(why) from None
-            self._expected[index], self.version = "0", 0
-            return
+        broadcast left its weights unknown): reload the current version from its directory. With none:
+        WeightsLost when the engine serves a version (it came by broadcast), else (the launch weights)
+        take the server's version as it is."""
+        if self._loaded is None and (self.version > 0 or self._expected[index] == UNKNOWN):
+            self._expected[index] = UNKNOWN
+            why = f"sglang {url} serves weight_version {live}; v{self.version} has no copy on disk to reload"
+            lost = self._flights.unavailable(why)
+            raise WeightsLost(str(lost), lost.partials, self.version)
         if self._loaded is None:
             log.warning(
                 "sglang %s: serves weight_version %s, expected %s, and there is no copy to reload",
@@ -454,26 +462,8 @@ class SGLangEngine:
             raise self._flights.unavailable(
                 f"sglang {url} came back with weight_version {live}; reloading v{self.version} failed: {e}"
             ) from None
+        self._expected[index] = str(self.version)
         log.warning("sglang %s: came back with weight_version %s; reloaded v%d", url, live, self.version)
-
-    def _reload_consistent(self) -> None:
-        """Every server back to one whole version from disk after a failed broadcast: the current version's
-        directory, or with none their launch weights (the engine then serves version 0). EngineError when
-        a server cannot: its weights are unknown until `probe` reloads them."""
-        if self._loaded is not None:
-            sources, version = [self._loaded] * len(self.urls), self.version
-        else:
-            sources, version = [Path(p) for p in self._launch], 0
-        try:
-            for url, source in zip(self.urls, sources, strict=True):
-                if not str(source):
-                    raise EngineError(f"sglang {url}: /server_info names no model_path to reload")
-                self._update(0, url, "/update_weights_from_disk", self._disk_body(source, version))
-        except EngineError:
-            self._expected = [UNKNOWN] * len(self.urls)
-            raise
-        self.version, self._expected = version, [str(version)] * len(self.urls)
-        log.warning("sglang: weights reloaded from %s after a failed broadcast (v%d)", sources[0], version)
 
     def _post_update(self, url: str, path: str, body: dict[str, Any]) -> None:
         """One weights call of a broadcast: EngineError when it fails or answers success false."""
