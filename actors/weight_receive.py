@@ -261,11 +261,12 @@ class BroadcastMember:
                 if self.servers is not None:
                     self.servers.leave(roster.group)
             if reason != END_REFORM:  # the group failed, or this member left it: the hub wants a new ticket
-                ticket = self._join(store, stop)
+                # one that left takes it at once, so that the hub forms its next group without it
+                ticket = self._join(store, stop, wait=bool(reason))
 
-    def _join(self, store: Any, stop: threading.Event) -> int:
-        """A new ticket, once this member's servers (if any) can take a rank."""
-        while self.servers is not None and self.servers.ranks() <= 0:
+    def _join(self, store: Any, stop: threading.Event, wait: bool = True) -> int:
+        """A new ticket: once this member's servers (if any) can take a rank, unless not `wait`."""
+        while wait and self.servers is not None and self.servers.ranks() <= 0:
             if stop.wait(SERVERS_POLL_S):
                 raise BroadcastError("closing")
         self._rejoin.clear()
