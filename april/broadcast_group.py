@@ -40,6 +40,9 @@ LATEST = "latest"
 END_REFORM = "reform"
 END_FAILED = "failed"
 SAMPLE_VALUES = 32  # first values of each bucket's sampled tensor, checked on SGLang servers
+# SGLang's get_weights_by_name turns the whole tensor into a Python list before it truncates (models/
+# llama.py: .tolist()[:truncate_size]): a tensor larger than this is never sampled (seconds and GBs a call)
+SAMPLE_MAX_NUMEL = 1 << 22
 SAMPLE_RTOL = 2.0**-8  # one bfloat16 rounding: a server may hold the weights narrower than they were sent
 
 
@@ -253,11 +256,16 @@ _UNSAMPLED = (".k_proj.", ".v_proj.")
 
 
 def sample_entry(entries: Sequence[Entry]) -> Entry | None:
-    """The tensor of a bucket whose first values are checked on SGLang servers: the largest (the first of
-    equals) floating-point one that SGLang's `get_weights_by_name` reads right whatever the
-    tensor-parallel size (docs/protocol.md section 16); None when there is none."""
-    fit = [e for e in entries if e.numel and e.dtype in _FLOATS and not any(p in e.name for p in _UNSAMPLED)]
-    return max(fit, key=lambda e: e.nbytes, default=None)
+    """The tensor of a bucket whose first values are checked on SGLang servers: the smallest (the first of
+    equals) non-empty floating-point one of at most SAMPLE_MAX_NUMEL values that SGLang's
+    `get_weights_by_name` reads right whatever the tensor-parallel size (docs/protocol.md section 16);
+    None when there is none."""
+    fit = [
+        e
+        for e in entries
+        if 0 < e.numel <= SAMPLE_MAX_NUMEL and e.dtype in _FLOATS and not any(p in e.name for p in _UNSAMPLED)
+    ]
+    return min(fit, key=lambda e: e.numel, default=None)
 
 
 def sample_rows(entry_shape: Sequence[int]) -> int:

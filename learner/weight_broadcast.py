@@ -18,7 +18,8 @@ its sockets there, the rendezvous store listens on `bind_host`, port + 1. Worker
     servers receive takes their ranks; the rest are reported dropped) and only then sends;
   - it publishes the version's manifest (SGLang's flattened buckets, each with the first values of one
     tensor, `april.broadcast_group.plan`) in the store and broadcasts each bucket's bytes, its sha256 set
-    in the store before it is sent; it packs and hashes bucket i + 1 while bucket i is on the wire;
+    in the store before it is sent when a member checks them (SGLang servers are read back instead); it
+    packs and hashes bucket i + 1 while bucket i is on the wire;
   - any failure (a member died, was late or slow: an error or no progress within `timeout_s`) ends the
     group: every member of it is reported dropped (gloo does not say which peer failed, and a dropped
     member may even have received the version) and must join anew, which they do by themselves; the
@@ -134,6 +135,7 @@ class BroadcastHub:
         self._generation = 0
         self._group: Any = None  # the current generation's ProcessGroup, or None
         self._members: tuple[_Member, ...] = ()
+        self._digests = True  # a member of the current generation checks each bucket's sha256
         self._seq = 0  # broadcasts made in the current generation
 
     @classmethod
@@ -211,29 +213,30 @@ class BroadcastHub:
         self._store.set(call_key(g), json.dumps({"tickets": tickets, "upto": self._seen}))
         self._store.set(LATEST, str(g))
         answered = self._answers(g, tickets)
-        roster = tuple(m for m in candidates if answered.get(m.ticket, 0) > 0)
-        late = [m for m in candidates if answered.get(m.ticket, 0) <= 0]
+        roster = tuple(m for m in candidates if answered.get(m.ticket, (0, False))[0] > 0)
+        late = [m for m in candidates if m not in roster]
         if not roster:
             self._store.set(end_key(g), END_FAILED)  # anyone answering after the deadline joins anew
             return late
         ranks, size = {}, 1
         for m in roster:
-            ranks[m.ticket], size = size, size + answered[m.ticket]
+            ranks[m.ticket], size = size, size + answered[m.ticket][0]
+        self._digests = any(answered[m.ticket][1] for m in roster)
         name = group_name(self._id, g)
         self._store.set(roster_key(g), Roster(size, ranks, name, self.backend).to_json())
         self._members, self._seq = roster, 0
         self._group = open_group(self._raw, name, 0, size, self.address, self.timeout_s, self.backend)
         return late
 
-    def _answers(self, generation: int, tickets: list[int]) -> dict[int, int]:
-        """Ticket -> the ranks it asked for, of those that answered the call within timeout_s (returns as
-        soon as all did)."""
+    def _answers(self, generation: int, tickets: list[int]) -> dict[int, tuple[int, bool]]:
+        """Ticket -> (the ranks it asked for, whether it checks sha256s), of those that answered the call
+        within timeout_s (returns as soon as all did)."""
         deadline = time.monotonic() + self.timeout_s
-        answered: dict[int, int] = {}
+        answered: dict[int, tuple[int, bool]] = {}
         while True:
             for t in tickets:
                 if t not in answered and self._store.check([here_key(generation, t)]):
-                    answered[t] = _ranks_asked(self._store.get(here_key(generation, t)))
+                    answered[t] = _answer(self._store.get(here_key(generation, t)))
             if len(answered) == len(tickets) or time.monotonic() >= deadline:
                 return answered
             time.sleep(POLL_S)
@@ -266,7 +269,8 @@ class BroadcastHub:
         for i, bucket in enumerate(manifest.buckets):
             buffer = raw[i % 2][: bucket.nbytes]
             _pack(buffer, bucket, state)
-            self._store.set(digest_key(g, seq, i), digest(buffer))
+            if self._digests:  # SGLang servers are read back instead: no hashing for them
+                self._store.set(digest_key(g, seq, i), digest(buffer))
             if pending is not None:
                 await_work(pending, self.timeout_s, what=f"broadcast v{version} bucket {i - 1}")
             pending = start_broadcast(self._group, buffer)
@@ -280,7 +284,7 @@ class BroadcastHub:
         """Delete broadcast `seq`'s keys: the store holds only the last two manifests of a generation."""
         text = self._store.get(manifest_key(generation, seq))
         for i in range(len(Manifest.from_json(text).buckets)):
-            self._store.delete_key(digest_key(generation, seq, i))
+            self._store.delete_key(digest_key(generation, seq, i))  # False when it was never set
         self._store.delete_key(manifest_key(generation, seq))
 
     def _report(
@@ -313,13 +317,15 @@ def _worker_name(raw: bytes, ticket: int) -> str:
     return str(worker)
 
 
-def _ranks_asked(raw: bytes) -> int:
-    """The ranks a member's answer asks for (0: none now, or a malformed answer)."""
+def _answer(raw: bytes) -> tuple[int, bool]:
+    """The ranks a member's answer asks for (0: none now, or a malformed answer), and whether it checks
+    each bucket's sha256."""
     try:
-        ranks = json.loads(raw)["ranks"]
-    except (ValueError, KeyError, TypeError):
-        return 0
-    return ranks if isinstance(ranks, int) and 0 <= ranks <= 4096 else 0
+        answer = json.loads(raw)
+        ranks, sha256 = answer["ranks"], answer.get("sha256", True)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 0, False
+    return (ranks if isinstance(ranks, int) and 0 <= ranks <= 4096 else 0), sha256 is not False
 
 
 def _first_values(tensor: torch.Tensor) -> tuple[float, ...]:

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from sglang_server import FakeSGLangServer
 
+import learner.weight_broadcast as weight_broadcast
 from actors.engine import (
     EngineUnavailable,
     GenerationRequest,
@@ -176,7 +177,12 @@ def setup(tmp_path: Path) -> Iterator[Callable[..., Setup]]:
             fake.stop()
 
 
-def test_versions_reach_sglang_servers_and_a_torch_member_in_one_group(setup: Callable[..., Setup]) -> None:
+def test_versions_reach_sglang_servers_and_a_torch_member_in_one_group(
+    setup: Callable[..., Setup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashed: list[int] = []
+    real_digest = weight_broadcast.digest
+    monkeypatch.setattr(weight_broadcast, "digest", lambda b: hashed.append(b.numel()) or real_digest(b))
     s = setup(servers=2, torch_member=True)
     wait_for("both members join", lambda: s.hub.waiting() == 2)
     before = greedy(s.engine)
@@ -202,16 +208,20 @@ def test_versions_reach_sglang_servers_and_a_torch_member_in_one_group(setup: Ca
         assert sorted(got.tensors) == sorted(state)
         assert all(torch.equal(got.tensors[k], v) for k, v in state.items())
     assert greedy(s.engine) != before  # the toy model's tokens follow the weights the servers hold
+    assert len(hashed) == 2 * report.buckets  # the torch member checks each bucket's sha256
     assert sorted(s.hub.members) == ["t", "w"]  # one generation for both versions
 
 
 @pytest.mark.parametrize(("version", "bracket"), [("0.5.23", True), ("0.5.21", True), ("0.5.6", False)])
 def test_each_version_is_posted_bucket_by_bucket_then_read_back(
-    setup: Callable[..., Setup], version: str, bracket: bool
+    setup: Callable[..., Setup], version: str, bracket: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What one server is asked per version: one update per bucket (flattened, in the hub's order, the
     weight_version on the last only) inside begin/end from 0.5.21, a cache flush, then its weight_version
-    and one sampled tensor a bucket."""
+    and one sampled tensor a bucket. With only servers in the group the hub hashes nothing."""
+    hashed: list[int] = []
+    real_digest = weight_broadcast.digest
+    monkeypatch.setattr(weight_broadcast, "digest", lambda b: hashed.append(b.numel()) or real_digest(b))
     s = setup(servers=1, version=version)
     wait_for("the member joins", lambda: s.hub.waiting() == 1)
     fake = s.servers[0]
@@ -224,6 +234,7 @@ def test_each_version_is_posted_bucket_by_bucket_then_read_back(
     posted = ["/begin_weight_update", *updates, "/end_weight_update"] if bracket else updates
     assert paths == [*posted, "/flush_cache", "/model_info", *["/get_weights_by_name"] * report.buckets]
     assert fake.rt.weight_version == "2" and not fake.rt.session_open
+    assert hashed == []
 
 
 @pytest.mark.parametrize(("fault", "on_disk"), [("flip", True), ("drop", False)])

@@ -25,6 +25,7 @@ import learner.weight_broadcast as weight_broadcast
 from actors.engine import TensorLoading
 from actors.weight_receive import BroadcastMember, ReceivedWeights
 from april.broadcast_group import (
+    SAMPLE_MAX_NUMEL,
     SAMPLE_VALUES,
     BroadcastError,
     Entry,
@@ -355,8 +356,8 @@ def test_the_manifest_packs_whole_tensors_aligned_into_bounded_buckets() -> None
     # the widest dtypes come first, so every offset is a multiple of its element size
     assert layout == [[("b", 0), ("a", 20)], [("c", 0)], [("d", 0), ("e", 4)], [("f", 0)]]
     assert [b.nbytes for b in manifest.buckets] == [26, 400, 7, 400]
-    assert [b.sample.name if b.sample else None for b in manifest.buckets] == ["b", "c", "d", "f"]
-    assert manifest.buckets[0].sample == Sample("b", (1.0, 2.0))
+    assert [b.sample.name if b.sample else None for b in manifest.buckets] == ["a", "c", "d", "f"]
+    assert manifest.buckets[0].sample == Sample("a", (1.0, 2.0))
     assert manifest.nbytes == 3 * 2 + 5 * 4 + 100 * 4 + 4 + 3 + 400
     gap = manifest.to_json().replace('["a", "bfloat16", [3], 20]', '["a", "bfloat16", [3], 22]')
     with pytest.raises(BroadcastError, match="at byte 22, expected 20"):
@@ -369,13 +370,15 @@ def test_the_sampled_tensor_is_one_sglang_reads_right() -> None:
         Entry("model.layers.0.self_attn.v_proj.weight", "bfloat16", (4, 8), 64),
         Entry("empty", "bfloat16", (0,), 128),
         Entry("mask", "int8", (4,), 128),
-        Entry("model.layers.0.input_layernorm.weight", "bfloat16", (8,), 132),
-        Entry("model.layers.0.self_attn.q_proj.weight", "bfloat16", (4, 8), 148),
-        Entry("model.layers.0.self_attn.o_proj.weight", "bfloat16", (8, 4), 212),
+        Entry("model.embed_tokens.weight", "bfloat16", (SAMPLE_MAX_NUMEL + 1,), 132),
+        Entry("model.layers.0.self_attn.q_proj.weight", "bfloat16", (2, 8), 132 + 2 * (SAMPLE_MAX_NUMEL + 1)),
+        Entry("model.layers.0.self_attn.o_proj.weight", "bfloat16", (8, 2), 164 + 2 * (SAMPLE_MAX_NUMEL + 1)),
     ]
-    chosen = sample_entry(entries)  # the largest, first of equals; never k_proj or v_proj
+    # the smallest, first of equals, not over SAMPLE_MAX_NUMEL (SGLang lists the whole tensor to answer);
+    # never k_proj or v_proj
+    chosen = sample_entry(entries)
     assert chosen is not None and chosen.name.endswith("q_proj.weight")
-    assert sample_entry(entries[:4]) is None
+    assert sample_entry(entries[:5]) is None
     assert sample_rows((4096,)) == SAMPLE_VALUES and sample_rows((10, 8)) == 4 and sample_rows((3, 4096)) == 1
     assert sample_mismatch([1.0, -2.0], [1.0, -2.0, 7.0]) == ""
     assert sample_mismatch([1.0, 2.0], [1.0, 2.0 * (1 + 2**-9)]) == ""  # within one bfloat16 rounding
