@@ -613,8 +613,8 @@ def measure_size(name: str, args: argparse.Namespace, transports: list[str]) -> 
                 shown = ", ".join(f"{t} {raw[t][-1]['transfer_s']:.3f} s" for t in raw)
                 print(f"{name} round {round_}{' (warm-up)' if round_ == 0 else ''}: {shown}", flush=True)
         finally:
+            child.close()  # first: its members leave before the hubs' stores go away
             learner.close()
-            child.close()
     loopback = summarise(raw["loopback"][1:], None)
     result: dict[str, Any] = {
         "size": name,
