@@ -34,12 +34,12 @@ trusted cluster network, as NCCL is; the store listens on `bind_host` only.
 
 Not thread-safe: one caller (the learner loop) at a time; after `close` it is not used again.
 
-The NCCL path (`backend="nccl"`, `device="cuda"`: buffers on the GPU, each bucket hashed through a host
-copy, an ended group's communicator aborted) is the same code but untested here: CI and this machine
-have no GPU, and NCCL needs a GPU per rank. Before using it: the learner and the members must have picked
-their CUDA device (`torch.cuda.set_device`), and NCCL's watchdog tears the whole process down on a
-timed-out collective unless TORCH_NCCL_ASYNC_ERROR_HANDLING says otherwise (set it so a member's fault
-only ends the group). Only gloo on CPU is tested.
+The NCCL path (`backend="nccl"`, `device="cuda"`: buffers on the GPU, a bucket hashed through a host
+copy when a member checks sha256s, an ended group's communicator aborted) is the same code but untested
+here: CI and this machine have no GPU, and NCCL needs a GPU per rank. Before using it: the learner and
+the members must have picked their CUDA device (`torch.cuda.set_device`), and NCCL's watchdog tears the
+whole process down on a timed-out collective unless TORCH_NCCL_ASYNC_ERROR_HANDLING says otherwise (set it
+so a member's fault only ends the group). Only gloo on CPU is tested.
 Owns the hub's side only; the learner loop decides when to call it, and the file/network transports
 stay the source of truth for every version.
 """
