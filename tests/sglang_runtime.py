@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_contract import Features, RequestError, Sampling, build_sampling, parse_version
-from sglang_weights import HeldModel, WeightGroups
+from sglang_weights import HeldModel, WeightGroups, weight_files  # noqa: F401  # weight_files: was here
 
 FORCE_STREAM_INTERVAL = 50  # environ.py: SGLANG_FORCE_STREAM_INTERVAL default
 PAUSE_ABORT_POLL_S = 1.0  # tokenizer_manager.py: pause_generation(mode="abort") re-aborts every 1 s
