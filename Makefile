@@ -78,7 +78,7 @@ $(SGLANG_STAMP): Makefile
 
 test-sglang: install $(SGLANG_STAMP)
 	APRIL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -m sglang \
-		tests/test_sglang_server.py tests/test_sglang_launch.py $(PYTEST_ARGS)
+		tests/test_sglang_server.py tests/test_sglang_launch.py tests/test_sglang_broadcast.py $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

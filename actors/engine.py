@@ -43,6 +43,8 @@ from april.records import FinishReason
 if TYPE_CHECKING:
     import torch
 
+    from actors.weight_receive import GroupServers, Offer
+
 ENGINES = ("torch", "sglang", "vllm", "sim")
 
 
@@ -65,6 +67,17 @@ class EngineUnavailable(EngineError):
     def __init__(self, message: str, partials: Sequence[GenerationOutput] = ()) -> None:
         super().__init__(message)
         self.partials = list(partials)
+
+
+class WeightsLost(EngineUnavailable):
+    """The engine's servers answer but hold no whole version it can restore by itself (one restarted with
+    its launch weights, or a broadcast failed half-way, and the version it served came by broadcast, so
+    no copy is on disk). It stays unavailable until `load_weights` gives it `version`, or a newer one;
+    meanwhile its version does not go back (tokens never carry an older version than before)."""
+
+    def __init__(self, message: str, partials: Sequence[GenerationOutput] = (), version: int = 0) -> None:
+        super().__init__(message, partials)
+        self.version = version
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +199,23 @@ class TensorLoading(Protocol):
 
     def load_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Swap in weights `version` from `tensors` (name -> tensor, the model's state-dict names)."""
+        ...
+
+
+@runtime_checkable
+class BroadcastReceiving(Protocol):
+    """An engine whose servers receive the learner's broadcast themselves (SGLang: they are ranks of its
+    group, `actors.engines.sglang_broadcast`): the worker's broadcast member has `broadcast_servers` join
+    each group, and the worker loop calls `load_broadcast` when a version is on its way. Same contract as
+    `load_weights`: between steps; WeightLoadError leaves a whole older version serving."""
+
+    @property
+    def broadcast_servers(self) -> GroupServers:
+        """The servers as group ranks (called from the member's thread)."""
+        ...
+
+    def load_broadcast(self, offer: Offer) -> None:
+        """Receive and check version `offer.version` while the learner sends it."""
         ...
 
 

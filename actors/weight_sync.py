@@ -6,16 +6,20 @@ section 6), per the URI the learner announced (`april.weights_uri`) and the work
     file       the learner's file, when the URI offers a path this worker sees with the announced size
                (transport auto or file; a plain file:// URI is always read so)
     network    the learner's weight service, through `actors.weight_fetch.WeightFetcher` (background)
-    broadcast  the learner's collective (`actors.weight_receive.BroadcastMember`, joined once the engine
-               says it takes tensors: `accept_broadcast`); a version the member does not get within
+    broadcast  the learner's collective (`actors.weight_receive.BroadcastMember`), joined once the engine
+               says it takes tensors (`accept_broadcast`) or has servers that receive them
+               (`accept_server_broadcast`, SGLang); a version the member does not get within
                `weights.timeout_s`, or that comes while it is in no group (it joined late, or its group
-               ended), is fetched through the network transport instead
+               ended), or that its servers did not take, is fetched through the network transport
+               instead
 
 and hands the worker loop, through `poll`, each version that is ready to load (`Ready`: its local path,
 the transport, and when the worker first heard of it, from which the worker reports `sync_s` once the
-engine serves it) or that could not be had (`Unavailable`, once per version). Never blocks: the worker
-loop only ever waits on its broker socket. Verification: a fetched file was hashed as it came (`verified`);
-a file read in place is hashed by the worker before it loads it.
+engine serves it), that could not be had (`Unavailable`, once per version), or that the hub is sending to
+the engine's servers now (`Offered`: the loop loads it at once, before it is announced). Never blocks: the
+worker loop only ever waits on its broker socket. Verification: a fetched file was hashed as it came
+(`verified`); a file read in place is hashed by the worker before it loads it; a broadcast is checked per
+bucket (sha256) or on the servers (sampled values).
 
 Does not load weights (the worker does, between engine steps) nor talk to the broker.
 """
@@ -38,7 +42,7 @@ from april.keys import ClientKeys
 from april.weights_uri import WEIGHT_TRANSPORTS, WeightsLocation, WeightsURIError, parse
 
 if TYPE_CHECKING:
-    from actors.weight_receive import BroadcastMember, ReceivedWeights
+    from actors.weight_receive import BroadcastMember, GroupServers, Offer, ReceivedWeights
 
 log = logging.getLogger("april.weights")
 FILE, NETWORK, BROADCAST = WEIGHT_TRANSPORTS  # WeightsLoaded.transport
@@ -69,7 +73,15 @@ class Unavailable:
     heard_at: float
 
 
-SyncResult = Ready | Unavailable
+@dataclass(frozen=True, slots=True)
+class Offered:
+    """Version `offer.version` is being broadcast to the engine's servers now: load it at once (the hub
+    waits for them at most weights.timeout_s)."""
+
+    offer: Offer
+
+
+SyncResult = Ready | Unavailable | Offered
 
 
 def default_cache_dir(worker_id: str) -> Path:
@@ -98,6 +110,9 @@ class WeightSync:
         self.newest = -1  # the newest version announced
         self.to_fetch: tuple[WeightsLocation, protocol.WeightsReady] | None = None
         self.broadcast_device: str | None = None  # the engine takes tensors here (None: it takes none)
+        self.servers: GroupServers | None = None  # the engine's servers receive the broadcast themselves
+        self.served = -1  # the newest version the engine loaded (any transport)
+        self.last: protocol.WeightsReady | None = None  # the newest announcement (for `refetch`)
         self.member: BroadcastMember | None = None  # joined at the first broadcast announcement
         self.received: ReceivedWeights | None = None  # the newest version the member got, not yet used
         # the announced version awaited from the broadcast, and when it falls back to the network instead
@@ -108,8 +123,39 @@ class WeightSync:
         group when a version is announced with one."""
         self.broadcast_device = device
 
+    def accept_server_broadcast(self, servers: GroupServers) -> None:
+        """The engine's servers receive broadcast versions themselves: join the learner's group with them
+        when a version is announced with one."""
+        self.servers = servers
+
+    def remember(self, msg: protocol.WeightsReady) -> None:
+        """An announcement of a version the engine has (it came by broadcast, before its announcement):
+        kept for `refetch`."""
+        if self.last is None or msg.version > self.last.version:
+            self.last = msg
+
+    def loaded(self, version: int) -> None:
+        """The engine serves `version` now."""
+        self.served = max(self.served, version)
+
+    def rejoin_broadcast(self) -> None:
+        """The servers changed (one went down or came back): the member leaves its group and joins anew."""
+        if self.member is not None and self.servers is not None:
+            self.member.rejoin()
+
+    def refetch(self, at_least: int) -> None:
+        """The engine lost its weights (they came by broadcast: no copy on disk): get the newest version
+        announced again, by file or network, if it is `at_least` or newer (a newer one is on its way
+        otherwise); `poll` hands it out as Ready."""
+        msg = self.last
+        if msg is None or msg.version < at_least or msg.version in self.fetching or self.to_fetch is not None:
+            return
+        self.newest = min(self.newest, msg.version - 1)
+        self.announce(msg)
+
     def announce(self, msg: protocol.WeightsReady) -> None:
         """A version the broker announced (any number of times): start getting it if it is the newest."""
+        self.remember(msg)
         if msg.version <= self.newest:
             return
         self.newest = msg.version
@@ -153,7 +199,16 @@ class WeightSync:
 
     def _receive_broadcast(self, location: WeightsLocation, msg: protocol.WeightsReady) -> bool:
         """Await `msg`'s version from the learner's broadcast (`poll` takes it, or falls back to the
-        network); False when this worker's engine takes no tensors (the network transport it is)."""
+        network); False when this worker's engine takes no tensors (the network transport it is). With
+        servers that receive it, only join: a version they take is loaded before its announcement, so
+        one announced and not served did not come by broadcast (the network it is)."""
+        if self.servers is not None:
+            if self.member is None:
+                from actors.weight_receive import BroadcastMember  # imports torch
+
+                self.member = BroadcastMember(self.worker_id, self.cfg.timeout_s, servers=self.servers)
+            self.member.join(*location.broadcast_rendezvous)
+            return False
         if self.broadcast_device is None:
             return False
         if self.member is None:
@@ -166,9 +221,13 @@ class WeightSync:
         return True
 
     def _poll_broadcast(self) -> None:
-        """Take what the member received; hand out the awaited version, or fetch it when it will not come."""
+        """Take what the member received; hand out the awaited version, or fetch it when it will not come;
+        hand out what its servers are being sent."""
         if self.member is None:
             return
+        offer = self.member.offer()
+        if offer is not None and offer.version > self.served:
+            self.results.append(Offered(offer))
         got = self.member.poll()
         if got is not None:
             self.received = got

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from actors.engine import (
+    BroadcastReceiving,
     Engine,
     EngineError,
     EngineUnavailable,
@@ -59,6 +60,7 @@ from actors.engine import (
     GenerationRequest,
     SamplingParams,
     TensorLoading,
+    WeightsLost,
 )
 from actors.engine_health import EngineHealth, one_line
 from actors.engines.sim_engine import SampleIdentity
@@ -67,7 +69,7 @@ from actors.outbox import Outbox
 from actors.reward_runner import RewardRunner
 from actors.slot_meter import SlotMeter
 from actors.tokenizer import Tokenizer
-from actors.weight_sync import Ready, Unavailable, WeightSync
+from actors.weight_sync import BROADCAST, Offered, Ready, Unavailable, WeightSync
 from april import protocol
 from april.config import WeightsConfig, WorkerConfig
 from april.devices import visible_gpus
@@ -152,6 +154,7 @@ class Worker:
         self.sync = WeightSync(weights or WeightsConfig(), self.worker_id, weights_keys)
         self.ready: Ready | None = None  # the newest version ready to load (loaded again after a restart)
         self.tried = -1  # the newest version a load was tried of (a failed one is not tried again)
+        self.weights_lost = False  # the engine is down until a version is loaded into it again (WeightsLost)
         self.prober: ThreadPoolExecutor | None = None  # runs Engine.probe while the engine is down
         self.probing: Future[Engine | None] | None = None
         self.sampling: SamplingParams | None = None  # from the first Welcome: how engines are built
@@ -230,6 +233,8 @@ class Worker:
         self.health.placement = one_line(placement, protocol.MAX_PLACEMENT)  # told with its coming up
         if isinstance(engine, TensorLoading):  # it can take the learner's broadcast, when one is announced
             self.sync.accept_broadcast(self.cfg.device)
+        elif isinstance(engine, BroadcastReceiving):  # its servers can, as ranks of the learner's group
+            self.sync.accept_server_broadcast(engine.broadcast_servers)
         self.meter = SlotMeter(engine.slots, time.monotonic(), self.cfg.usage_report_s)
         log.info(
             "worker %s: engine %s ready (%d slots, %s)",
@@ -468,6 +473,7 @@ class Worker:
 
     def _on_weights(self, msg: protocol.WeightsReady) -> None:
         if self.engine is not None and msg.version <= self.engine.version:
+            self.sync.remember(msg)  # e.g. its servers took it from the broadcast before it was announced
             return
         self.sync.announce(msg)  # fetched (or found) in the background, loaded by _sync_weights when ready
 
@@ -475,7 +481,9 @@ class Worker:
         """Versions whose bytes became local: keep the newest, load it when the engine serves; answer
         versions that could not be had. A down or starting engine loads it once it serves again."""
         for result in self.sync.poll():
-            if isinstance(result, Unavailable):
+            if isinstance(result, Offered):
+                self._load_offer(result)
+            elif isinstance(result, Unavailable):
                 sync_s = time.monotonic() - result.heard_at
                 log.error(
                     "weights v%d cannot be had (%s): %s", result.version, result.transport, result.error
@@ -488,9 +496,10 @@ class Worker:
             elif self.ready is None or result.version > self.ready.version:
                 self.ready = result
         ready = self.ready
-        if ready is None or ready.version <= self.tried or self.engine is None or self.health.down:
+        if ready is None or ready.version <= self.tried or self.engine is None:
             return
-        if ready.version > self.engine.version:
+        lost = self.weights_lost and ready.version >= self.engine.version  # loaded while down: it answers
+        if lost or (not self.health.down and ready.version > self.engine.version):
             self._load(ready)
 
     def _load(self, ready: Ready) -> None:
@@ -522,6 +531,8 @@ class Worker:
                 self._engine_down(exc, exc.partials)
             return
         now = time.monotonic()
+        self.sync.loaded(version)
+        self.weights_lost = False
         log.info(
             "weights v%d loaded in %.3fs (%s, %.3fs since announced)",
             version,
@@ -530,6 +541,33 @@ class Worker:
             now - ready.heard_at,
         )
         self._send(protocol.WeightsLoaded(version, True, "", ready.transport, now - ready.heard_at))
+
+    def _load_offer(self, offered: Offered) -> None:
+        """The learner is broadcasting a version to the engine's servers now: park, receive, check, resume
+        (`BroadcastReceiving.load_broadcast`), before the version is announced. A failure is answered
+        WeightsLoaded(ok=False) and the version comes by the network once announced."""
+        offer, engine = offered.offer, self.engine
+        if engine is None or self.health.down or not isinstance(engine, BroadcastReceiving):
+            log.warning("weights v%d: not taken from the broadcast: the engine is down", offer.version)
+            return
+        try:
+            engine.load_broadcast(offer)
+        except EngineError as exc:
+            log.error(
+                "weights v%d: broadcast not loaded (v%d serves): %s", offer.version, engine.version, exc
+            )
+            sync_s = time.monotonic() - offer.started_at
+            self._send(protocol.WeightsLoaded(offer.version, False, str(exc)[:500], BROADCAST, sync_s))
+            if isinstance(exc, EngineUnavailable):
+                self._engine_down(exc, exc.partials)
+            return
+        self.tried = max(self.tried, offer.version)
+        if self.ready is not None and self.ready.version <= offer.version:
+            self.ready = None  # older than what the engine serves now
+        self.sync.loaded(offer.version)
+        sync_s = time.monotonic() - offer.started_at
+        log.info("weights v%d loaded in %.3fs (broadcast, checked on the servers)", offer.version, sync_s)
+        self._send(protocol.WeightsLoaded(offer.version, True, "", BROADCAST, sync_s))
 
     def _meter_usage(self) -> None:
         """Account slot usage up to now, and report it when due (cumulative: a lost report loses nothing)."""
@@ -570,6 +608,9 @@ class Worker:
                 back.append((lease_id, interrupted(held.sample, out)))
         self.held.clear()
         was_down = self.health.down
+        self.sync.rejoin_broadcast()  # its servers leave the learner's group until they serve again
+        if isinstance(exc, WeightsLost):
+            self._weights_lost(exc)
         self.health.returned += len(back)
         self.health.failed += len(failed)
         self.health.go_down(str(exc), time.monotonic())
@@ -582,6 +623,17 @@ class Worker:
                 self.health.detail,
                 len(back),
             )
+
+    def _weights_lost(self, exc: WeightsLost) -> None:
+        """The engine answers but holds no whole version (a server restarted, or a broadcast failed, and
+        its version came by broadcast): get that version, or the newest announced, from a file or the
+        network again and load it while the engine is down; the probe then finds it serving."""
+        if not self.weights_lost:
+            log.warning("engine holds no whole version (%s): getting v%d again", exc, exc.version)
+        self.weights_lost = True
+        self.tried = min(self.tried, exc.version - 1)
+        if self.ready is None or self.ready.version < exc.version:
+            self.sync.refetch(exc.version)
 
     def _return_unstarted(self, items: list[tuple[int, Sample]]) -> None:
         """Leases that reached a down engine's worker: back as leased, no credit."""
@@ -609,6 +661,8 @@ class Worker:
         except EngineError as exc:
             if self.engine is None and not isinstance(exc, EngineUnavailable):
                 raise
+            if isinstance(exc, WeightsLost):
+                self._weights_lost(exc)
             self.health.probe_failed(str(exc), now)
             log.warning(
                 "engine still down (probe %d): %s; next probe in %.0fs",
@@ -638,6 +692,7 @@ class Worker:
         self.health.come_up()
         log.info("engine serves again: leasing resumes")
         self._report_health()
+        self.sync.rejoin_broadcast()  # a restarted server joins the learner's group with the others
         if self.ready is not None and self.ready.version >= self.engine.version:
             self._load(self.ready)
         if not self.health.down:

@@ -2,25 +2,14 @@
 
 The learner's `learner.weight_broadcast.BroadcastHub` and a worker's `actors.weight_receive.BroadcastMember`
 meet in a torch.distributed TCPStore that the hub hosts (at the weight service's port + 1,
-`april.weights_uri.WeightsLocation.broadcast_rendezvous`). Everything they say to each other outside the
-collective itself is a key in that store, all under `april/weights/`:
+`april.weights_uri.WeightsLocation.broadcast_rendezvous`). What they say outside the collective is a key
+under `april/weights/`; the keys, the manifest, the group's store prefixes (SGLang's
+`init_custom_process_group`, so that SGLang servers are ranks of the same group) and the verification
+samples are docs/protocol.md section 16's contract.
 
-    joins                     counter; `add(joins, 1)` hands a joining member its ticket t (1, 2, ...)
-    join/<t>                  {"worker": id}: who holds ticket t
-    latest                    the newest generation g the hub called (a group "generation": one membership)
-    g<g>/call                 {"tickets": [...], "upto": T}: the hub invites these tickets to generation g;
-                              tickets <= T that it does not list are not wanted (they must join anew)
-    g<g>/here/<t>             a member's answer to the call
-    g<g>/roster               {"size": n, "ranks": {t: rank}}: who answered in time (the hub is rank 0)
-    g<g>/pg/...               the gloo (or NCCL) group's own rendezvous, under its own PrefixStore
-    g<g>/m<s>                 the manifest of the s-th broadcast in generation g (`Manifest.to_json`)
-    g<g>/m<s>/d<i>            sha256 of bucket i's bytes, set before bucket i is sent
-    g<g>/end                  why the hub ended generation g: "reform" (members stay, a new generation
-                              with newcomers follows: answer its call) or "failed" (join anew)
-
-A version travels as flat buckets: the tensors of one dtype are laid end to end as one stream, and each
-stream is cut into buckets of at most `bucket_bytes` (a tensor may span buckets), so a broadcast is a few
-collective calls rather than one per parameter and the sender's buffer stays bounded by the bucket size.
+A version travels as SGLang's flattened buckets: whole tensors laid back to back as bytes, at most
+`bucket_bytes` a bucket (a larger tensor alone), ordered so each tensor's offset is a multiple of its
+element size; one collective call per bucket.
 
 Owns that protocol, the manifest, forming a group and waiting on one collective call with a deadline.
 Holds no state and runs no thread: the hub and the member do. Imports torch only inside the functions that
@@ -32,10 +21,11 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +39,11 @@ JOINS = "joins"
 LATEST = "latest"
 END_REFORM = "reform"
 END_FAILED = "failed"
+SAMPLE_VALUES = 32  # first values of each bucket's sampled tensor, checked on SGLang servers
+# SGLang's get_weights_by_name turns the whole tensor into a Python list before it truncates (models/
+# llama.py: .tolist()[:truncate_size]): a tensor larger than this is never sampled (seconds and GBs a call)
+SAMPLE_MAX_NUMEL = 1 << 22
+SAMPLE_RTOL = 2.0**-8  # one bfloat16 rounding: a server may hold the weights narrower than they were sent
 
 
 class BroadcastError(Exception):
@@ -85,9 +80,39 @@ def digest_key(generation: int, seq: int, bucket: int) -> str:
     return f"g{generation}/m{seq}/d{bucket}"
 
 
+def group_name(hub: str, generation: int) -> str:
+    """The torch process group name of a hub's generation: unique per hub, so a server that outlived a
+    learner (SGLang keeps its groups by name) never meets a name twice."""
+    return f"april-{hub}-g{generation}"
+
+
+@dataclass(frozen=True, slots=True)
+class Roster:
+    """Who is in generation g: each ticket's first rank (a member may take several: its servers' ranks),
+    the group's size with the hub's rank 0, its torch name and backend."""
+
+    size: int
+    ranks: dict[int, int]
+    group: str
+    backend: str
+
+    def to_json(self) -> str:
+        ranks = {str(t): r for t, r in self.ranks.items()}
+        return json.dumps({"size": self.size, "ranks": ranks, "group": self.group, "backend": self.backend})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Roster:
+        try:
+            raw = json.loads(text)
+            ranks = {int(t): int(r) for t, r in raw["ranks"].items()}
+            return cls(int(raw["size"]), ranks, str(raw["group"]), str(raw["backend"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise BroadcastError(f"broadcast roster: malformed ({exc})") from exc
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One named tensor: `numel(shape)` elements of stream `dtype` from element `offset` on."""
+    """One named tensor: `nbytes(dtype, shape)` bytes of its bucket from byte `offset` on."""
 
     name: str
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
@@ -96,37 +121,59 @@ class Entry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """The first values of one tensor of a bucket (as float, read row-major), to check what a server holds."""
+
+    name: str
+    values: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """Elements [start, start + numel) of stream `dtype`: what one collective call carries."""
+    """What one collective call carries: `entries` back to back, `nbytes` in all."""
 
-    dtype: str
-    start: int
-    numel: int
+    entries: tuple[Entry, ...]
+    sample: Sample | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
 
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """What the s-th broadcast of a generation carries: the tensors, the streams and their buckets."""
+    """What the s-th broadcast of a generation carries: the version's buckets, in send order."""
 
     version: int
-    entries: tuple[Entry, ...]
-    streams: tuple[tuple[str, int], ...]  # (dtype, elements), in send order
     buckets: tuple[Bucket, ...]
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        return tuple(e for b in self.buckets for e in b.entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "version": self.version,
-                "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in self.entries],
-                "streams": [list(s) for s in self.streams],
-                "buckets": [[b.dtype, b.start, b.numel] for b in self.buckets],
+                "buckets": [
+                    {
+                        "entries": [[e.name, e.dtype, list(e.shape), e.offset] for e in b.entries],
+                        "sample": None if b.sample is None else [b.sample.name, list(b.sample.values)],
+                    }
+                    for b in self.buckets
+                ],
             }
         )
 
@@ -135,57 +182,111 @@ class Manifest:
         """The manifest in `text`; BroadcastError naming what is wrong if it is not a consistent one."""
         try:
             raw = json.loads(text)
-            entries = tuple(
-                Entry(str(n), str(d), tuple(int(x) for x in s), int(o)) for n, d, s, o in raw["entries"]
-            )
-            streams = tuple((str(d), int(n)) for d, n in raw["streams"])
-            buckets = tuple(Bucket(str(d), int(s), int(n)) for d, s, n in raw["buckets"])
-            manifest = cls(int(raw["version"]), entries, streams, buckets)
-        except (ValueError, KeyError, TypeError) as exc:
+            buckets = []
+            for b in raw["buckets"]:
+                entries = tuple(
+                    Entry(str(n), str(d), tuple(int(x) for x in s), int(o)) for n, d, s, o in b["entries"]
+                )
+                sample = b["sample"]
+                if sample is not None:
+                    sample = Sample(str(sample[0]), tuple(float(v) for v in sample[1]))
+                buckets.append(Bucket(entries, sample))
+            manifest = cls(int(raw["version"]), tuple(buckets))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise BroadcastError(f"broadcast manifest: malformed ({exc})") from exc
         manifest.check()
         return manifest
 
     def check(self) -> None:
-        """Every entry lies inside its stream and the buckets tile every stream exactly, in order."""
-        sizes = dict(self.streams)
-        for dtype, total in self.streams:
-            if itemsize(dtype) and total < 0:
-                raise BroadcastError(f"broadcast manifest: stream {dtype} has {total} elements")
-        for e in self.entries:
-            if e.dtype not in sizes or e.offset < 0 or min(e.shape, default=0) < 0:
+        """Each bucket's entries lie back to back from byte 0, each at a multiple of its element size (what
+        SGLang's FlattenedTensorBucket.empty computes from names, dtypes and shapes alone)."""
+        for i, bucket in enumerate(self.buckets):
+            offset = 0
+            for e in bucket.entries:
+                if min(e.shape, default=0) < 0:
+                    raise BroadcastError(f"broadcast manifest: entry {e.name!r} has a negative size")
+                if e.offset != offset or offset % itemsize(e.dtype):
+                    raise BroadcastError(
+                        f"broadcast manifest: bucket {i} entry {e.name!r} at byte {e.offset}, expected "
+                        f"{offset} aligned to {itemsize(e.dtype)}"
+                    )
+                offset += e.nbytes
+            names = {e.name for e in bucket.entries}
+            if bucket.sample is not None and bucket.sample.name not in names:
                 raise BroadcastError(
-                    f"broadcast manifest: entry {e.name!r}: no such stream, or a negative size"
+                    f"broadcast manifest: bucket {i} samples {bucket.sample.name!r}, not its own"
                 )
-            if e.offset + e.numel > sizes[e.dtype]:
-                raise BroadcastError(f"broadcast manifest: entry {e.name!r} runs past its {e.dtype} stream")
-        covered = dict.fromkeys(sizes, 0)
-        for b in self.buckets:
-            if b.dtype not in covered or b.start != covered[b.dtype] or b.numel <= 0:
-                raise BroadcastError(f"broadcast manifest: bucket {b} does not continue its stream")
-            covered[b.dtype] += b.numel
-        if covered != sizes:
-            raise BroadcastError("broadcast manifest: the buckets do not cover every stream")
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel * itemsize(b.dtype) for b in self.buckets)
 
 
-def plan(version: int, specs: Sequence[tuple[str, str, tuple[int, ...]]], bucket_bytes: int) -> Manifest:
-    """The manifest for tensors `specs` = (name, dtype, shape): streams by dtype in order of first
-    appearance, each cut into buckets of at most `bucket_bytes` (at least one element each)."""
-    offsets: dict[str, int] = {}
-    entries = []
-    for name, dtype, shape in specs:
-        entry = Entry(name, dtype, tuple(shape), offsets.get(dtype, 0))
-        entries.append(entry)
-        offsets[dtype] = entry.offset + entry.numel
+def plan(
+    version: int,
+    specs: Sequence[tuple[str, str, tuple[int, ...]]],
+    bucket_bytes: int,
+    sample: Callable[[str], tuple[float, ...]] | None = None,
+) -> Manifest:
+    """The manifest for tensors `specs` = (name, dtype, shape): whole tensors in buckets of at most
+    `bucket_bytes` in their order (a larger tensor alone), each bucket's entries ordered by element size,
+    largest first (so every offset is aligned), and, given `sample` (name -> first values), each bucket's
+    sampled tensor (`sample_entry`)."""
+    groups: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
+    used = 0
+    for spec in specs:
+        size = math.prod(spec[2]) * itemsize(spec[1])
+        if groups[-1] and used + size > bucket_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(spec)
+        used += size
     buckets = []
-    for dtype, total in offsets.items():
-        per = max(1, bucket_bytes // itemsize(dtype))
-        buckets += [Bucket(dtype, start, min(per, total - start)) for start in range(0, total, per)]
-    return Manifest(version, tuple(entries), tuple(offsets.items()), tuple(buckets))
+    for group in groups if groups[0] else []:
+        entries, offset = [], 0
+        for name, dtype, shape in sorted(group, key=lambda s: -itemsize(s[1])):  # stable: ties keep order
+            entries.append(Entry(name, dtype, tuple(shape), offset))
+            offset += entries[-1].nbytes
+        chosen = sample_entry(entries) if sample is not None else None
+        sampled = None if chosen is None or sample is None else Sample(chosen.name, sample(chosen.name))
+        buckets.append(Bucket(tuple(entries), sampled))
+    return Manifest(version, tuple(buckets))
+
+
+_FLOATS = ("float64", "float32", "float16", "bfloat16")
+# sglang/srt/models/llama.py: get_weights_by_name maps k_proj / v_proj into qkv_proj at offsets computed
+# with head_dim = hidden_size // num_attention_heads, which is wrong for models whose head_dim differs
+_UNSAMPLED = (".k_proj.", ".v_proj.")
+
+
+def sample_entry(entries: Sequence[Entry]) -> Entry | None:
+    """The tensor of a bucket whose first values are checked on SGLang servers: the smallest (the first of
+    equals) non-empty floating-point one of at most SAMPLE_MAX_NUMEL values that SGLang's
+    `get_weights_by_name` reads right whatever the tensor-parallel size (docs/protocol.md section 16);
+    None when there is none."""
+    fit = [
+        e
+        for e in entries
+        if 0 < e.numel <= SAMPLE_MAX_NUMEL and e.dtype in _FLOATS and not any(p in e.name for p in _UNSAMPLED)
+    ]
+    return min(fit, key=lambda e: e.numel, default=None)
+
+
+def sample_rows(entry_shape: Sequence[int]) -> int:
+    """`truncate_size` for SGLang's get_weights_by_name: it answers the first `truncate_size` rows of a
+    tensor (`tolist()[:truncate_size]`), so enough rows to hold SAMPLE_VALUES values."""
+    if len(entry_shape) <= 1:
+        return SAMPLE_VALUES
+    row = math.prod(entry_shape[1:])
+    return max(1, math.ceil(SAMPLE_VALUES / max(1, row)))
+
+
+def sample_mismatch(expected: Sequence[float], got: Sequence[float]) -> str:
+    """Why `got` (a server's first values of a tensor) is not `expected` within SAMPLE_RTOL; "" when it is."""
+    if len(got) < len(expected):
+        return f"{len(got)} values, expected {len(expected)}"
+    for i, (want, have) in enumerate(zip(expected, got, strict=False)):
+        if math.isnan(want) and math.isnan(have):
+            continue
+        if not abs(have - want) <= SAMPLE_RTOL * abs(want):
+            return f"value {i} is {have!r}, expected {want!r}"
+    return ""
 
 
 _ITEMSIZE = {
@@ -208,6 +309,14 @@ def dtype_name(tensor: torch.Tensor) -> str:
     return name
 
 
+def entry_view(bucket: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """Entry `entry` of a received bucket (uint8): a view of its bytes as its dtype and shape."""
+    import torch
+
+    raw = bucket[entry.offset : entry.offset + entry.nbytes]
+    return raw.view(getattr(torch, entry.dtype)).view(entry.shape)
+
+
 def digest(buffer: torch.Tensor) -> str:
     """sha256 (hex) of a contiguous 1-D tensor's bytes; a device tensor is copied to the host first."""
     import torch
@@ -225,13 +334,14 @@ def check_bucket(buffer: torch.Tensor, expected: str, index: int) -> None:
 
 
 def open_store(host: str, port: int, timeout_s: float, bind: bool = False) -> Store:
-    """The rendezvous store at (host, port) under ROOT: hosted here (`bind`: listening on exactly that
-    address, not on every interface) or reached as a client; waits at most `timeout_s` to connect."""
-    from torch._C._distributed_c10d import PrefixStore, TCPStore
+    """The rendezvous TCPStore at (host, port): hosted here (`bind`: listening on exactly that address,
+    not on every interface) or reached as a client; waits at most `timeout_s` to connect. Its raw keys are
+    the groups' (`open_group`); the protocol's are under ROOT (`protocol_keys`)."""
+    from torch._C._distributed_c10d import TCPStore
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if not bind:
-        return PrefixStore(ROOT, TCPStore(host, port, timeout=timeout))
+        return TCPStore(host, port, timeout=timeout)
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     listener = socket.socket(info[0], socket.SOCK_STREAM)
     try:
@@ -246,37 +356,49 @@ def open_store(host: str, port: int, timeout_s: float, bind: bool = False) -> St
         listener.close()
         raise
     listener.detach()  # the store owns the socket now
-    return PrefixStore(ROOT, master)
+    return master
+
+
+def protocol_keys(store: Store) -> Store:
+    """The store's keys under ROOT: what the hub and its members say to each other."""
+    from torch._C._distributed_c10d import PrefixStore
+
+    return PrefixStore(ROOT, store)
 
 
 def open_group(
-    store: Store, generation: int, rank: int, size: int, address: str, timeout_s: float, backend: str = "gloo"
+    store: Store, group: str, rank: int, size: int, address: str, timeout_s: float, backend: str = "gloo"
 ) -> Backend:
-    """This process's rank in generation `generation`'s group, connected to every other rank.
+    """This process's rank in the process group `group`, connected to every other rank.
 
-    Its own group, never the default one (the learner's DeepSpeed group, if any, is untouched). Blocks
-    until all `size` ranks connected, at most about `timeout_s`; every call on it times out after
-    `timeout_s` too. gloo binds its sockets to `address`. Raises BroadcastError."""
+    Its keys are those SGLang's ranks use (sglang/srt/utils/common.py: init_custom_process_group: the
+    tcp:// rendezvous store, PrefixStore(group_name), then torch's _new_process_group_helper:
+    PrefixStore(f"{group_name}/"), PrefixStore(f"{device}/") before the backend), so SGLang servers that
+    joined with /init_weights_update_group are ranks of the same group. Its own group, never the default
+    one (the learner's DeepSpeed group, if any, is untouched). Blocks until all `size` ranks connected, at
+    most about `timeout_s`; every call on it times out after `timeout_s` too. gloo binds its sockets to
+    `address`. Raises BroadcastError."""
     from torch._C import _distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefix = c10d.PrefixStore(f"g{generation}/pg/", store)
+    device = {"gloo": "cpu", "nccl": "cuda"}.get(backend)
+    if device is None:
+        raise BroadcastError(f"broadcast backend {backend!r}: expected 'gloo' or 'nccl'")
+    prefix = c10d.PrefixStore(f"{device}/", c10d.PrefixStore(f"{group}/", c10d.PrefixStore(group, store)))
     try:
         if backend == "gloo":
             options = c10d.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (no stub)
             options._devices = [c10d.ProcessGroupGloo.create_device(hostname=address)]
             options._timeout = timeout
-            group: Backend = c10d.ProcessGroupGloo(prefix, rank, size, options)
-            return group
-        if backend == "nccl":  # untested here (no GPU in CI); the same store, a device tensor per call
-            nccl = c10d.ProcessGroupNCCL  # absent from CPU builds of torch
-            nccl_options = nccl.Options()
-            nccl_options._timeout = timeout
-            nccl_group: Backend = nccl(prefix, rank, size, nccl_options)
-            return nccl_group
-    except (RuntimeError, ValueError) as exc:
-        raise BroadcastError(f"broadcast group g{generation}: could not form ({_line(exc)})") from exc
-    raise BroadcastError(f"broadcast backend {backend!r}: expected 'gloo' or 'nccl'")
+            gloo: Backend = c10d.ProcessGroupGloo(prefix, rank, size, options)
+            return gloo
+        nccl = c10d.ProcessGroupNCCL  # absent from CPU builds of torch; untested here (no GPU in CI)
+        nccl_options = nccl.Options()
+        nccl_options._timeout = timeout
+        nccl_group: Backend = nccl(prefix, rank, size, nccl_options)
+        return nccl_group
+    except (RuntimeError, ValueError, AttributeError) as exc:
+        raise BroadcastError(f"broadcast group {group}: could not form ({_line(exc)})") from exc
 
 
 def start_broadcast(group: Any, tensor: torch.Tensor) -> Work:

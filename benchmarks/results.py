@@ -230,6 +230,13 @@ STEPS: tuple[Step, ...] = (
         "python benchmarks/weight_sync.py --out {out}/weight_sync.json",
         minutes=8,
     ),
+    Step(
+        "weight-sync-sglang",
+        "results/weight-sync-sglang",
+        "python benchmarks/weight_sync.py --sizes 500M-llama --transports sglang-disk,sglang-broadcast "
+        "--out {out}/weight_sync.json",
+        minutes=6,
+    ),
     Step("sft", "results/sft", "april sft --out {work}/tiny --report {out}/sft.json", minutes=6),
     Step(
         "accuracy",
@@ -640,6 +647,31 @@ def block_weight_sync() -> str:
     if doc["skipped"]:
         notes.append("Not measured: " + "; ".join(f"{t} ({why})" for t, why in doc["skipped"].items()) + ".")
     return "\n".join([*rows, "", " ".join(notes), "", source("weight-sync")])
+
+
+def block_weight_sync_sglang() -> str:
+    doc = load("results/weight-sync-sglang/weight_sync.json")
+    rows = [
+        "| model | path into the server | sync s | publish s | after the publish s | GB/s after it |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {"sglang-disk": "disk: file, link, /update_weights_from_disk",
+             "sglang-broadcast": "collective: gloo broadcast, read back"}  # fmt: skip
+    notes = [f"Medians of {doc['args']['rounds']} rounds after a warm-up."]
+    for size in doc["sizes"]:
+        gb = size["transports"]["sglang-broadcast"]["bytes"] / 1e9
+        model = f"{size['parameters'] / 1e6:.0f}M bf16 ({gb:.2f} GB)"
+        for name, t in size["transports"].items():
+            rows.append(
+                f"| {model} | {names[name]} | {t['sync_s']:.3f} | {t['publish_s']:.3f} | "
+                f"{t['transfer_s']:.3f} | {t['transfer_gbps']:.2f} |"
+            )
+        r = size["sglang_disk_over_broadcast"]
+        notes.append(
+            f"{size['size']}: the disk path takes {x(r['sync_s'])} the collective's sync time, "
+            f"{x(r['transfer_s'])} its time after the publish."
+        )
+    return "\n".join([*rows, "", " ".join(notes), "", source("weight-sync-sglang")])
 
 
 def block_accuracy() -> str:
@@ -1129,6 +1161,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "components": block_components,
     "learner-memory": block_learner_memory,
     "weight-sync": block_weight_sync,
+    "weight-sync-sglang": block_weight_sync_sglang,
     "accuracy": block_accuracy,
     "accuracy-summary": block_accuracy_summary,
     "soak": block_soak,

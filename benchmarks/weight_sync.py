@@ -2,8 +2,9 @@
 the loopback TCP bandwidth measured in the same run.
 
 What runs: for each model size (`--sizes`, one at a time, so at most one model is in memory), a random-init
-Qwen3-shaped model in fp32 (transformers, nothing downloaded; untied embeddings, so the published state
-dict holds each parameter once), whose state dict is the version to sync. The learner's side runs in this
+Qwen3-shaped model in fp32, or for the `-llama` sizes a Llama-shaped one in bf16 (transformers, nothing
+downloaded; untied embeddings, so the published state dict holds each parameter once), whose state dict is
+the version to sync. The learner's side runs in this
 process, the worker's in a child process started once per size (`--child`, commands as JSON lines on its
 stdin), so bytes really cross a process boundary. Each round (`--rounds`, after one warm-up round that is
 recorded but not counted: connections and the broadcast group form there) measures, in turn:
@@ -24,6 +25,16 @@ recorded but not counted: connections and the broadcast group form there) measur
 The load, for every transport, copies the version into the worker's model tensors, as the torch engine's
 load does (the first version allocates them, in the warm-up round).
 
+The SGLang transports (`--transports sglang-disk,sglang-broadcast`, on a Llama-shaped size, bf16: SGLang
+checks a broadcast on Llama-family models only) run the rebuilt SGLang server (tests/sglang_server.py,
+holding the model's tensors under SGLang's names) in the child, driven by `SGLangEngine`, after the same
+publish:
+- `sglang-disk`: the worker's sha256 of the file, a directory holding a hard link to it, and
+  `/update_weights_from_disk`, which reads the safetensors and copies every tensor into the server's;
+- `sglang-broadcast`: the hub's broadcast into the server as a rank of its gloo group (one flattened
+  bucket per `/update_weights_from_distributed`), then the version and one sampled tensor a bucket read back.
+Their transfer is everything after the publish until the server serves the version, checked.
+
 Reported per (size, transport): the median over rounds of the sync seconds (publish + transfer + load),
 of the transfer alone (file: the worker's sha256 of the file; network: the fetch into the cache;
 broadcast: the collective until the member has it) and its GB/s (bytes / transfer seconds; GB = 1e9
@@ -33,6 +44,7 @@ not the seconds). A transport whose modules are not in this tree is reported as 
 nothing is asserted. Writes JSON (`--out`).
 
 Usage: python benchmarks/weight_sync.py [--sizes 10M,100M,500M --rounds 3]
+       python benchmarks/weight_sync.py --sizes 500M-llama --transports sglang-disk,sglang-broadcast
        python benchmarks/weight_sync.py --smoke        # a ~1M-parameter model, one round
 """
 
@@ -65,7 +77,8 @@ TARGET_NETWORK_VS_LOOPBACK = 0.5  # the issue's target, reported (never asserted
 
 @dataclass(frozen=True, slots=True)
 class Size:
-    """A Qwen3-shaped model: vocabulary, hidden width, layers, MLP width, heads (query, kv), head width."""
+    """A model's shape: vocabulary, hidden width, layers, MLP width, heads (query, kv), head width; its
+    architecture (Qwen3 in fp32, or Llama in bf16 for the SGLang transports)."""
 
     vocab: int
     hidden: int
@@ -74,6 +87,7 @@ class Size:
     heads: int
     kv_heads: int
     head_dim: int
+    arch: str = "qwen3"
 
 
 QWEN3_VOCAB = 151_936
@@ -82,13 +96,18 @@ SIZES = {  # parameters with untied embeddings: 2 x vocab x hidden + layers
     "10M": Size(QWEN3_VOCAB, 32, 2, 128, 2, 1, 16),
     "100M": Size(QWEN3_VOCAB, 256, 24, 768, 4, 2, 64),
     "500M": Size(QWEN3_VOCAB, 1024, 12, 3072, 16, 8, 128),  # Qwen3-0.6B's layer shapes, 12 of its 28
+    "1M-llama": Size(4096, 96, 2, 384, 4, 2, 24, "llama"),  # the SGLang transports' smoke size
+    "500M-llama": Size(32_000, 2048, 8, 5632, 32, 4, 64, "llama"),  # TinyLlama-1.1B's shapes, 8 of its 22
 }
-TRANSPORTS = ("file", "network", "broadcast")
+TRANSPORTS = ("file", "network", "broadcast", "sglang-disk", "sglang-broadcast")
+DEFAULT_TRANSPORTS = ("file", "network", "broadcast")
 # the modules each transport needs: one not in this tree is skipped (and said so in the report)
 NEEDS = {
     "file": ("learner.weights",),
     "network": ("learner.weight_service", "actors.weight_fetch"),
     "broadcast": ("learner.weight_broadcast", "actors.weight_receive"),
+    "sglang-disk": ("actors.engines.sglang_engine", "uvicorn"),
+    "sglang-broadcast": ("actors.engines.sglang_broadcast", "learner.weight_broadcast", "uvicorn"),
 }
 SMOKE: dict[str, Any] = {"sizes": "1M", "rounds": 1, "out": Path("bench-out/weight_sync-smoke.json")}
 
@@ -96,7 +115,11 @@ SMOKE: dict[str, Any] = {"sizes": "1M", "rounds": 1, "out": Path("bench-out/weig
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10M,100M,500M", help=f"comma-separated, of {', '.join(SIZES)}")
-    ap.add_argument("--transports", default=",".join(TRANSPORTS), help="comma-separated (loopback: always)")
+    ap.add_argument(
+        "--transports",
+        default=",".join(DEFAULT_TRANSPORTS),
+        help=f"comma-separated, of {', '.join(TRANSPORTS)} (loopback: always)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds per size (after one warm-up)")
     ap.add_argument(
         "--set",
@@ -127,6 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--transports: unknown transport {name!r} (known: {', '.join(TRANSPORTS)})")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: expected >= 1")
+    for name in args.sizes.split(","):
+        for transport in args.transports.split(","):
+            if transport.startswith("sglang") and sglang_supported(SIZES[name]):
+                ap.error(f"--transports {transport} on size {name}: {sglang_supported(SIZES[name])}")
     try:
         weights_config(args.set)
     except (ValueError, ConfigError) as exc:
@@ -145,12 +172,12 @@ def available(transport: str) -> bool:
     return all(importlib.util.find_spec(module) is not None for module in NEEDS[transport])
 
 
-def state_dict(size: Size, seed: int) -> dict[str, Any]:
-    """A random-init Qwen3-shaped model's fp32 state dict (no tensor aliases another)."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def model_config(size: Size) -> Any:
+    """The transformers config of a size (untied embeddings: the state dict holds each parameter once)."""
+    from transformers import LlamaConfig, Qwen3Config
 
-    config = Qwen3Config(
+    config_type = LlamaConfig if size.arch == "llama" else Qwen3Config
+    return config_type(
         vocab_size=size.vocab,
         hidden_size=size.hidden,
         intermediate_size=size.intermediate,
@@ -160,8 +187,25 @@ def state_dict(size: Size, seed: int) -> dict[str, Any]:
         head_dim=size.head_dim,
         tie_word_embeddings=False,
     )
+
+
+def state_dict(size: Size, seed: int) -> dict[str, Any]:
+    """A random-init model's state dict (no tensor aliases another): Qwen3 in fp32, Llama in bf16."""
+    import torch
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+
     torch.manual_seed(seed)
-    return dict(Qwen3ForCausalLM(config).state_dict())
+    model = (LlamaForCausalLM if size.arch == "llama" else Qwen3ForCausalLM)(model_config(size))
+    if size.arch == "llama":
+        model = model.to(torch.bfloat16)
+    return dict(model.state_dict())
+
+
+def sglang_supported(size: Size) -> str:
+    """Why the SGLang transports cannot run on `size` ("" when they can)."""
+    return (
+        "" if size.arch == "llama" else "needs a Llama-shaped size (SGLang checks a broadcast on Llama only)"
+    )
 
 
 # ------------------------------------------------------------------------------------------- the worker
@@ -260,11 +304,64 @@ class Worker:
             time.sleep(0.001)
         raise SystemExit(f"broadcast: v{version} not received in 600 s")
 
+    def sglang_start(self, model_dir: str) -> dict[str, Any]:
+        """The rebuilt SGLang server holding the launch model, and the adapter driving it."""
+        sys.path.insert(0, str(REPO / "tests"))
+        from sglang_server import FakeSGLangServer
+
+        from actors.engines.sglang_engine import SGLangEngine
+
+        self.server = FakeSGLangServer(model_dir=model_dir, health_poll_s=0.01)
+        self.server.start()
+        self.engine = SGLangEngine([self.server.url], slots=1, weights_dir=self.cache / "sglang")
+        return {}
+
+    def sglang_disk(self, path: str, sha256: str, version: int) -> dict[str, Any]:
+        """The worker's sha256 of a file it reads in place, then the adapter's load: a directory linking
+        it, /update_weights_from_disk (the server reads the safetensors), the weight_version checked."""
+        from april.files import sha256_file
+
+        started = time.perf_counter()
+        if sha256_file(Path(path)) != sha256:
+            raise SystemExit(f"sglang-disk: sha256 of {path} is not the announced one")
+        verified = time.perf_counter()
+        self.engine.load_weights(Path(path), version)
+        return {"verify_s": verified - started, "load_s": time.perf_counter() - verified}
+
+    def sglang_join(self, port: int, timeout_s: float) -> dict[str, Any]:
+        from actors.weight_receive import BroadcastMember
+
+        self.sglang_member = BroadcastMember("bench-sglang", timeout_s, servers=self.engine.broadcast_servers)
+        self.sglang_member.join("127.0.0.1", port)
+        return {}
+
+    def sglang_broadcast_wait(self, version: int) -> dict[str, Any]:
+        """Take the offered version and load it as the worker loop does: every bucket posted while the hub
+        sends, then the version and one sampled tensor a bucket read back."""
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            offer = self.sglang_member.offer()
+            if offer is not None and offer.version == version:
+                started = time.perf_counter()
+                self.engine.load_broadcast(offer)  # raises on a failed or mismatched version
+                return {"bytes": offer.manifest.nbytes, "load_s": time.perf_counter() - started}
+            errors = self.sglang_member.errors()
+            if errors:
+                print(f"sglang member: {'; '.join(errors)}", file=sys.stderr, flush=True)
+            time.sleep(0.001)
+        raise SystemExit(f"sglang-broadcast: v{version} not offered in 600 s")
+
     def close(self) -> None:
         if self.fetcher is not None:
             self.fetcher.close()
         if self.member is not None:
             self.member.close()
+        if getattr(self, "sglang_member", None) is not None:
+            self.sglang_member.close()
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
+        if getattr(self, "server", None) is not None:
+            self.server.stop()
 
 
 def child_main(cache_dir: Path | None) -> None:
@@ -359,6 +456,7 @@ class Learner:
     def __init__(
         self,
         state: dict[str, Any],
+        size: Size,
         weights_dir: Path,
         transports: list[str],
         child: Child,
@@ -369,6 +467,7 @@ class Learner:
         self.version = 0
         self.service: Any = None
         self.hub: Any = None
+        self.sglang_hub: Any = None
         if "network" in transports:
             from learner.weight_service import WeightService
 
@@ -379,11 +478,16 @@ class Learner:
 
             self.hub = BroadcastHub.from_config(self.cfg, "127.0.0.1")
             child.ask("broadcast_join", port=self.cfg.port + 1, timeout_s=self.cfg.timeout_s)
-            deadline = time.monotonic() + 60
-            while not (self.hub.waiting() or self.hub.members):  # the member joins on its own thread
-                if time.monotonic() > deadline:
-                    raise SystemExit("broadcast: the worker did not join the rendezvous in 60 s")
-                time.sleep(0.01)
+            wait_joined(self.hub, "broadcast")
+        if "sglang-disk" in transports or "sglang-broadcast" in transports:
+            child.ask("sglang_start", model_dir=str(launch_dir(state, size, weights_dir.parent / "launch")))
+        if "sglang-broadcast" in transports:
+            from learner.weight_broadcast import BroadcastHub
+
+            cfg = weights_config(settings, port=free_port_pair())
+            self.sglang_hub = BroadcastHub.from_config(cfg, "127.0.0.1")
+            child.ask("sglang_join", port=cfg.port + 1, timeout_s=cfg.timeout_s)
+            wait_joined(self.sglang_hub, "sglang-broadcast")
 
     def publish(self) -> tuple[Path, str, float]:
         from learner.weights import publish
@@ -425,17 +529,59 @@ class Learner:
                 "sync_s": publish_s + wall_s, "bytes": got["bytes"],
                 "file_bytes": path.stat().st_size}  # fmt: skip
 
+    def sglang_disk(self) -> dict[str, Any]:
+        path, sha256, publish_s = self.publish()
+        started = time.perf_counter()
+        got = self.child.ask("sglang_disk", path=str(path), sha256=sha256, version=self.version)
+        wall_s = time.perf_counter() - started
+        return {**got, "publish_s": publish_s, "transfer_s": wall_s, "sync_s": publish_s + wall_s,
+                "bytes": path.stat().st_size}  # fmt: skip
+
+    def sglang_broadcast(self) -> dict[str, Any]:
+        path, _, publish_s = self.publish()
+        self.child.send("sglang_broadcast_wait", version=self.version)
+        started = time.perf_counter()
+        report = self.sglang_hub.broadcast(self.state, self.version)
+        if "bench-sglang" not in report.reached:
+            raise SystemExit(f"sglang-broadcast: v{self.version} did not reach the server: {report}")
+        got = self.child.answer()
+        wall_s = time.perf_counter() - started
+        return {"publish_s": publish_s, "transfer_s": wall_s, "sync_s": publish_s + wall_s,
+                "server_s": got["load_s"], "bytes": got["bytes"],
+                "file_bytes": path.stat().st_size, "buckets": report.buckets}  # fmt: skip
+
     def close(self) -> None:
         if self.service is not None:
             self.service.stop()
         if self.hub is not None:
             self.hub.close()
+        if self.sglang_hub is not None:
+            self.sglang_hub.close()
+
+
+def wait_joined(hub: Any, transport: str) -> None:
+    """Until the child's member joined `hub` (it joins on its own thread)."""
+    deadline = time.monotonic() + 60
+    while not (hub.waiting() or hub.members):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{transport}: the worker did not join the rendezvous in 60 s")
+        time.sleep(0.01)
+
+
+def launch_dir(state: dict[str, Any], size: Size, model_dir: Path) -> Path:
+    """A model directory of the launch weights (the state itself, as the server starts from it)."""
+    from safetensors.torch import save_file
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model_config(size).save_pretrained(model_dir)
+    save_file(state, str(model_dir / "model.safetensors"))
+    return model_dir
 
 
 def summarise(rounds: list[dict[str, Any]], loopback_gbps: float | None) -> dict[str, Any]:
     """Medians over the measured rounds; GB/s of the transfer and its ratio to loopback's."""
     out: dict[str, Any] = {"rounds": rounds}
-    for key in ("sync_s", "publish_s", "transfer_s", "load_s"):
+    for key in ("sync_s", "publish_s", "transfer_s", "load_s", "verify_s", "server_s"):
         if key in rounds[0]:
             out[key] = statistics.median(r[key] for r in rounds)
     out["bytes"] = rounds[0]["bytes"]
@@ -456,21 +602,21 @@ def measure_size(name: str, args: argparse.Namespace, transports: list[str]) -> 
     child = Child(args.cache_dir)
     raw: dict[str, list[dict[str, Any]]] = {t: [] for t in ["loopback", *transports]}
     with tempfile.TemporaryDirectory(prefix="april-weight-sync-") as scratch:
-        learner = Learner(state, Path(scratch) / "weights", transports, child, args.set)
+        learner = Learner(state, size, Path(scratch) / "weights", transports, child, args.set)
         try:
             nbytes = 0
             for round_ in range(args.rounds + 1):  # round 0: the warm-up
                 for transport in transports:
-                    raw[transport].append(getattr(learner, transport)())
+                    raw[transport].append(getattr(learner, transport.replace("-", "_"))())
                     nbytes = raw[transport][-1].get("file_bytes", raw[transport][-1]["bytes"])
                 raw["loopback"].append(measure_loopback(child, nbytes, learner.cfg.chunk_bytes))
                 shown = ", ".join(f"{t} {raw[t][-1]['transfer_s']:.3f} s" for t in raw)
                 print(f"{name} round {round_}{' (warm-up)' if round_ == 0 else ''}: {shown}", flush=True)
         finally:
+            child.close()  # first: its members leave before the hubs' stores go away
             learner.close()
-            child.close()
     loopback = summarise(raw["loopback"][1:], None)
-    result = {
+    result: dict[str, Any] = {
         "size": name,
         "model": dataclasses.asdict(size),
         "parameters": parameters,
@@ -479,6 +625,11 @@ def measure_size(name: str, args: argparse.Namespace, transports: list[str]) -> 
             t: {**summarise(raw[t][1:], loopback["transfer_gbps"]), "warmup": raw[t][0]} for t in transports
         },
     }
+    if {"sglang-disk", "sglang-broadcast"} <= set(transports):  # the two paths into one server, as ratios
+        disk, collective = result["transports"]["sglang-disk"], result["transports"]["sglang-broadcast"]
+        result["sglang_disk_over_broadcast"] = {
+            k: disk[k] / collective[k] for k in ("sync_s", "transfer_s") if collective[k] > 0
+        }
     del state
     return result
 
@@ -511,6 +662,11 @@ def main() -> None:
     started = time.perf_counter()
     sizes = [measure_size(name, args, transports) for name in args.sizes.split(",")]
     print_table(sizes)
+    for s in sizes:
+        if "sglang_disk_over_broadcast" in s:
+            ratios = s["sglang_disk_over_broadcast"]
+            print(f"{s['size']}: sglang disk / broadcast: sync {ratios['sync_s']:.2f}x, "
+                  f"after the publish {ratios['transfer_s']:.2f}x", flush=True)  # fmt: skip
     report = {
         "benchmark": "weight_sync",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "child"},

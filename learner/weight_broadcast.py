@@ -14,16 +14,19 @@ its sockets there, the rendezvous store listens on `bind_host`, port + 1. Worker
   - with no member joined it returns at once (one store call);
   - when members joined since the last call (or the last group failed), it ends the current group
     ("reform": its members stay), calls the old members and the newcomers to a new generation, forms a
-    group of those that answered within `timeout_s` (the rest are reported dropped) and only then sends;
-  - it publishes the version's manifest (names, dtypes, shapes, buckets) in the store and broadcasts the
-    tensors as flat buckets of at most `bucket_bytes` per dtype, each bucket's sha256 set in the store
-    before it is sent; it packs and hashes bucket i + 1 while bucket i is on the wire (two buffers);
+    group of those that answered within `timeout_s` with the ranks each asked for (a worker whose SGLang
+    servers receive takes their ranks; the rest are reported dropped) and only then sends;
+  - it publishes the version's manifest (SGLang's flattened buckets, each with the first values of one
+    tensor, `april.broadcast_group.plan`) in the store and broadcasts each bucket's bytes, its sha256 set
+    in the store before it is sent when a member checks them (SGLang servers are read back instead); it
+    packs and hashes bucket i + 1 while bucket i is on the wire;
   - any failure (a member died, was late or slow: an error or no progress within `timeout_s`) ends the
     group: every member of it is reported dropped (gloo does not say which peer failed, and a dropped
     member may even have received the version) and must join anew, which they do by themselves; the
     report carries the error. A member that missed a version catches up through the network transport.
 
-Memory: besides the caller's state dict, at most 2 x min(bucket_bytes, model bytes) of buffers.
+Memory: besides the caller's state dict, two buffers of the largest bucket (at most bucket_bytes, or one
+tensor larger than that).
 
 Security: the store and gloo are plain, unauthenticated TCP (CurveZMQ covers the broker and the weight
 service, not these): anyone who reaches port + 1 can join and receive the weights. Use the broadcast on a
@@ -31,12 +34,12 @@ trusted cluster network, as NCCL is; the store listens on `bind_host` only.
 
 Not thread-safe: one caller (the learner loop) at a time; after `close` it is not used again.
 
-The NCCL path (`backend="nccl"`, `device="cuda"`: buffers on the GPU, each bucket hashed through a host
-copy, an ended group's communicator aborted) is the same code but untested here: CI and this machine
-have no GPU, and NCCL needs a GPU per rank. Before using it: the learner and the members must have picked
-their CUDA device (`torch.cuda.set_device`), and NCCL's watchdog tears the whole process down on a
-timed-out collective unless TORCH_NCCL_ASYNC_ERROR_HANDLING says otherwise (set it so a member's fault
-only ends the group). Only gloo on CPU is tested.
+The NCCL path (`backend="nccl"`, `device="cuda"`: buffers on the GPU, a bucket hashed through a host
+copy when a member checks sha256s, an ended group's communicator aborted) is the same code but untested
+here: CI and this machine have no GPU, and NCCL needs a GPU per rank. Before using it: the learner and
+the members must have picked their CUDA device (`torch.cuda.set_device`), and NCCL's watchdog tears the
+whole process down on a timed-out collective unless TORCH_NCCL_ASYNC_ERROR_HANDLING says otherwise (set it
+so a member's fault only ends the group). Only gloo on CPU is tested.
 Owns the hub's side only; the learner loop decides when to call it, and the file/network transports
 stay the source of truth for every version.
 """
@@ -44,6 +47,7 @@ stay the source of truth for every version.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,21 +61,25 @@ from april.broadcast_group import (
     JOINS,
     LATEST,
     POLL_S,
+    SAMPLE_VALUES,
     BroadcastError,
+    Bucket,
     Manifest,
+    Roster,
     await_work,
     call_key,
     digest,
     digest_key,
     dtype_name,
     end_key,
+    group_name,
     here_key,
-    itemsize,
     join_key,
     manifest_key,
     open_group,
     open_store,
     plan,
+    protocol_keys,
     roster_key,
     start_broadcast,
 )
@@ -120,11 +128,14 @@ class BroadcastHub:
         self.timeout_s = timeout_s
         self.backend = backend
         self.device = torch.device(device)
-        self._store = open_store(bind_host, port, timeout_s, bind=True)
+        self._raw = open_store(bind_host, port, timeout_s, bind=True)  # the groups' keys
+        self._store = protocol_keys(self._raw)
+        self._id = secrets.token_hex(4)  # names this hub's groups
         self._seen = 0  # the highest join ticket taken into account
         self._generation = 0
         self._group: Any = None  # the current generation's ProcessGroup, or None
         self._members: tuple[_Member, ...] = ()
+        self._digests = True  # a member of the current generation checks each bucket's sha256
         self._seq = 0  # broadcasts made in the current generation
 
     @classmethod
@@ -167,7 +178,7 @@ class BroadcastHub:
         """End the group (members join anew, e.g. a restarted learner's hub) and stop the store."""
         if self._group is not None:
             self._end(END_FAILED)
-        self._store = None  # type: ignore[assignment]  # the TCPStore server stops with its last reference
+        self._store = self._raw = None  # type: ignore[assignment]  # the TCPStore server stops with its last reference
 
     # ---- forming a generation ---------------------------------------------------------------------
 
@@ -188,7 +199,8 @@ class BroadcastHub:
         return joiners
 
     def _form(self, joiners: list[_Member]) -> list[_Member]:
-        """A new generation with the current members and `joiners`; returns those that did not answer.
+        """A new generation with the current members and `joiners`; returns those that did not answer (or
+        answered that they take no rank now).
 
         Raises BroadcastError (the group could not connect) with `_members` set to those called in."""
         rejoined = {m.worker for m in joiners}  # a member that left its group and joined anew: one ticket
@@ -201,27 +213,30 @@ class BroadcastHub:
         self._store.set(call_key(g), json.dumps({"tickets": tickets, "upto": self._seen}))
         self._store.set(LATEST, str(g))
         answered = self._answers(g, tickets)
-        roster = tuple(m for m in candidates if m.ticket in answered)
-        late = [m for m in candidates if m.ticket not in answered]
+        roster = tuple(m for m in candidates if answered.get(m.ticket, (0, False))[0] > 0)
+        late = [m for m in candidates if m not in roster]
         if not roster:
             self._store.set(end_key(g), END_FAILED)  # anyone answering after the deadline joins anew
             return late
-        ranks = {str(m.ticket): rank for rank, m in enumerate(roster, start=1)}
-        self._store.set(roster_key(g), json.dumps({"size": len(roster) + 1, "ranks": ranks}))
+        ranks, size = {}, 1
+        for m in roster:
+            ranks[m.ticket], size = size, size + answered[m.ticket][0]
+        self._digests = any(answered[m.ticket][1] for m in roster)
+        name = group_name(self._id, g)
+        self._store.set(roster_key(g), Roster(size, ranks, name, self.backend).to_json())
         self._members, self._seq = roster, 0
-        self._group = open_group(
-            self._store, g, 0, len(roster) + 1, self.address, self.timeout_s, self.backend
-        )
+        self._group = open_group(self._raw, name, 0, size, self.address, self.timeout_s, self.backend)
         return late
 
-    def _answers(self, generation: int, tickets: list[int]) -> set[int]:
-        """Tickets that answered the call within timeout_s (returns as soon as all did)."""
+    def _answers(self, generation: int, tickets: list[int]) -> dict[int, tuple[int, bool]]:
+        """Ticket -> (the ranks it asked for, whether it checks sha256s), of those that answered the call
+        within timeout_s (returns as soon as all did)."""
         deadline = time.monotonic() + self.timeout_s
-        answered: set[int] = set()
+        answered: dict[int, tuple[int, bool]] = {}
         while True:
-            answered |= {
-                t for t in tickets if t not in answered and self._store.check([here_key(generation, t)])
-            }
+            for t in tickets:
+                if t not in answered and self._store.check([here_key(generation, t)]):
+                    answered[t] = _answer(self._store.get(here_key(generation, t)))
             if len(answered) == len(tickets) or time.monotonic() >= deadline:
                 return answered
             time.sleep(POLL_S)
@@ -241,24 +256,21 @@ class BroadcastHub:
 
     def _send(self, state: Mapping[str, torch.Tensor], version: int) -> Manifest:
         """Publish the manifest, then broadcast its buckets, packing bucket i + 1 while i is on the wire."""
-        manifest = plan(
-            version, [(n, dtype_name(t), tuple(t.shape)) for n, t in state.items()], self.bucket_bytes
-        )
+        specs = [(n, dtype_name(t), tuple(t.shape)) for n, t in state.items()]
+        manifest = plan(version, specs, self.bucket_bytes, lambda name: _first_values(state[name]))
         g, seq = self._generation, self._seq
         self._seq += 1
         if seq >= 2:  # every member finished broadcast seq - 2 before broadcast seq - 1 could complete
             self._forget(g, seq - 2)
         self._store.set(manifest_key(g, seq), manifest.to_json())
-        flats: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for entry in manifest.entries:
-            flats.setdefault(entry.dtype, []).append((entry.offset, state[entry.name].detach().reshape(-1)))
-        size = min(self.bucket_bytes, max((b.numel * itemsize(b.dtype) for b in manifest.buckets), default=0))
+        size = max((b.nbytes for b in manifest.buckets), default=0)
         raw = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         pending = None
         for i, bucket in enumerate(manifest.buckets):
-            buffer = raw[i % 2][: bucket.numel * itemsize(bucket.dtype)].view(getattr(torch, bucket.dtype))
-            _pack(buffer, bucket.start, flats[bucket.dtype])
-            self._store.set(digest_key(g, seq, i), digest(buffer))
+            buffer = raw[i % 2][: bucket.nbytes]
+            _pack(buffer, bucket, state)
+            if self._digests:  # SGLang servers are read back instead: no hashing for them
+                self._store.set(digest_key(g, seq, i), digest(buffer))
             if pending is not None:
                 await_work(pending, self.timeout_s, what=f"broadcast v{version} bucket {i - 1}")
             pending = start_broadcast(self._group, buffer)
@@ -272,7 +284,7 @@ class BroadcastHub:
         """Delete broadcast `seq`'s keys: the store holds only the last two manifests of a generation."""
         text = self._store.get(manifest_key(generation, seq))
         for i in range(len(Manifest.from_json(text).buckets)):
-            self._store.delete_key(digest_key(generation, seq, i))
+            self._store.delete_key(digest_key(generation, seq, i))  # False when it was never set
         self._store.delete_key(manifest_key(generation, seq))
 
     def _report(
@@ -305,10 +317,26 @@ def _worker_name(raw: bytes, ticket: int) -> str:
     return str(worker)
 
 
-def _pack(buffer: torch.Tensor, start: int, flats: list[tuple[int, torch.Tensor]]) -> None:
-    """Copy elements [start, start + len(buffer)) of a dtype stream (tensors at their offsets) into buffer."""
-    end = start + buffer.numel()
-    for offset, flat in flats:
-        lo, hi = max(start, offset), min(end, offset + flat.numel())
-        if lo < hi:
-            buffer[lo - start : hi - start].copy_(flat[lo - offset : hi - offset])
+def _answer(raw: bytes) -> tuple[int, bool]:
+    """The ranks a member's answer asks for (0: none now, or a malformed answer), and whether it checks
+    each bucket's sha256."""
+    try:
+        answer = json.loads(raw)
+        ranks, sha256 = answer["ranks"], answer.get("sha256", True)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return 0, False
+    return (ranks if isinstance(ranks, int) and 0 <= ranks <= 4096 else 0), sha256 is not False
+
+
+def _first_values(tensor: torch.Tensor) -> tuple[float, ...]:
+    """A tensor's first SAMPLE_VALUES values (row-major) as floats: what a server must hold afterwards."""
+    flat = tensor.detach().reshape(-1)[:SAMPLE_VALUES]
+    return tuple(float(v) for v in flat.to(device="cpu", dtype=torch.float64).tolist())
+
+
+def _pack(buffer: torch.Tensor, bucket: Bucket, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy the bucket's tensors into `buffer` (uint8) at their offsets, as their own dtypes' bytes."""
+    for entry in bucket.entries:
+        if entry.numel:
+            target = buffer[entry.offset : entry.offset + entry.nbytes].view(getattr(torch, entry.dtype))
+            target.copy_(state[entry.name].detach().reshape(-1))

@@ -91,6 +91,7 @@ def server_config(args: Any, own: argparse.Namespace, version: str) -> dict[str,
     config: dict[str, Any] = {
         "version": version,
         "model_path": args.model_path,
+        "model_dir": args.model_path,  # its tensors held under SGLang's names: what updates replace
         "weight_version": args.weight_version,
         "context_length": context,
         "skip_tokenizer_init": True,

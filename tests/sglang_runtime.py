@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
 import random
 import time
 import uuid
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sglang_contract import Features, RequestError, Sampling, build_sampling, parse_version
+from sglang_weights import HeldModel, WeightGroups, weight_files  # noqa: F401  # weight_files: was here
 
 FORCE_STREAM_INTERVAL = 50  # environ.py: SGLANG_FORCE_STREAM_INTERVAL default
 PAUSE_ABORT_POLL_S = 1.0  # tokenizer_manager.py: pause_generation(mode="abort") re-aborts every 1 s
@@ -180,6 +180,14 @@ class RuntimeConfig:
     health_poll_s: float = 1.0  # http_server.py: health_generate sleeps 1 s before looking
     health_timeout_s: float = 20.0  # HEALTH_CHECK_TIMEOUT
     model: ToyModel = field(default_factory=ToyModel)
+    # a model directory (config.json, *.safetensors): the launch weights the server holds, which its tokens
+    # then depend on (sglang_weights.HeldModel); model_path defaults to it. Empty: it holds no tensors
+    model_dir: str = ""
+    group_timeout_s: float = 1800.0  # a weights group's collective timeout (torch's default_pg_timeout)
+
+    def __post_init__(self) -> None:
+        if self.model_dir and self.model_path == "fake-model":
+            self.model_path = self.model_dir
 
 
 class Runtime:
@@ -200,7 +208,11 @@ class Runtime:
         self.pause_cond = asyncio.Condition()
         self.update_lock = RWLock()
         self.session_open = False  # weight-update session (0.5.21+)
-        self.weight_groups: set[str] = set()
+        self.groups = WeightGroups(cfg.group_timeout_s)  # /init_weights_update_group's
+        self.held = HeldModel.from_dir(cfg.model_dir) if cfg.model_dir else None
+        self.blocked = 0  # weight calls running off the loop: the scheduler process would be busy with them
+        self.faults: list[str] = []  # scripted faults of the next distributed updates ("flip" or "drop")
+        self.weights_reads: list[str] = []  # every get_weights_by_name name, in order
         self.crashed = False  # the scheduler died (an `assert` before 0.5.23): the server must stop
         self.on_crash: Callable[[], None] = lambda: None
         self.loads_snapshot: dict[str, Any] = self._snapshot()
@@ -208,6 +220,7 @@ class Runtime:
         self.injected_aborts: list[InjectedAbort] = []
         self.generate_bodies: list[dict[str, Any]] = []  # every /generate body accepted so far
         self.loaded_weight_files: list[list[str]] = []  # the files of each successful disk update
+        self.distributed_updates: list[list[str]] = []  # the names of each distributed update received
         self.aborts_lost = 0  # abort_request calls that reached the scheduler before their request
         self.aborts_ignored = 0  # dropped by the TokenizerManager (unknown rid, or repeated from 0.5.20)
         self._wakeup = asyncio.Event()
@@ -355,6 +368,21 @@ class Runtime:
         self.crash_reason = reason
         self.on_crash()
 
+    @property
+    def weights_key(self) -> str:
+        """What the toy model's tokens depend on: the held weights' fingerprint, or (holding none) the
+        scheduler's weight version."""
+        return self.held.fingerprint if self.held is not None else self.scheduler_weight_version
+
+    async def off_loop(self, fn: Callable[[], Any]) -> Any:
+        """Run a blocking weights call (a collective, a disk load) in a thread; the scheduler takes no step
+        meanwhile, as SGLang's scheduler process runs it inline."""
+        self.blocked += 1
+        try:
+            return await asyncio.to_thread(fn)
+        finally:
+            self.blocked -= 1
+
     # -- Scheduler ------------------------------------------------------------------------------------
 
     @property
@@ -418,7 +446,7 @@ class Runtime:
     async def _loop(self) -> None:
         while not self.crashed:
             self._wakeup.clear()
-            if not self.engine_paused and (self.waiting or self.running):
+            if not self.engine_paused and not self.blocked and (self.waiting or self.running):
                 self._step()
                 await asyncio.sleep(self.cfg.token_delay_s)
             else:
@@ -498,7 +526,7 @@ class Runtime:
             draw = self.rng.getrandbits(32)
         prev = (req.input_ids + req.output_ids)[-1]
         token, raw = self.model.next_token(
-            self.scheduler_weight_version, prev, req.seq_len(), draw, len(req.output_ids) + 1
+            self.weights_key, prev, req.seq_len(), draw, len(req.output_ids) + 1
         )
         # layers/sampler.py: log_softmax(logits / T) is reported, except for an all-greedy batch and with
         # SGLANG_RETURN_ORIGINAL_LOGPROB, which report log_softmax(logits): the fake divides its raw
@@ -636,27 +664,7 @@ class Runtime:
 
     async def close(self) -> None:
         self.crashed = True
+        self.groups.close()
         self._task.cancel()
         for state in list(self.rid_to_state.values()):
             state.event.set()
-
-
-def weight_files(model_path: str) -> list[str]:
-    """The files /update_weights_from_disk would load from `model_path` (model_loader/loader.py:
-    DefaultModelLoader._prepare_weights): every *.safetensors in the directory (else every *.bin), sorted,
-    all of them (weight_utils.py: filter_duplicate_safetensors_files keeps them all without an index
-    file), so a directory holding several versions loads them all in turn. ValueError with SGLang's
-    message when it cannot: anything os.path.isdir rejects is taken for a Hugging Face repo id and goes to
-    weight_utils.py: download_weights_from_hf, whose HFValidationError text for a local path is given here
-    (checked by running that function with HF_HUB_OFFLINE=1); a directory without weight files is
-    "Cannot find any model weights with `path`"."""
-    if not os.path.isdir(model_path):
-        raise ValueError(
-            f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{model_path}'. "
-            "Use `repo_type` argument if needed."
-        )
-    for suffix in (".safetensors", ".bin"):
-        files = sorted(os.path.join(model_path, n) for n in os.listdir(model_path) if n.endswith(suffix))
-        if files:
-            return files
-    raise ValueError(f"Cannot find any model weights with `{model_path}`")

@@ -14,10 +14,17 @@ Use: `with FakeSGLangServer(version="0.5.23", context_length=512) as server: ...
 `start()` brings it back on the same port with its launch configuration (weight_version included), as a
 restarted server would. Scripted failures: `fail_next` (an HTTP answer or a dropped connection before the
 route runs), `inject_abort` (an abort landing at a chosen token), `ToyModel(eos_at=...)`,
-`kv_capacity` (retraction and OOM aborts), `dispatch_delay_s` (the window in which aborts are lost).
+`kv_capacity` (retraction and OOM aborts), `dispatch_delay_s` (the window in which aborts are lost),
+`fault_next_update` (a distributed update received wrong, or not applied).
+
+Weights (tests/sglang_weights.py): launched with `model_dir`, it holds that model's tensors under SGLang's
+names and its tokens depend on them; /update_weights_from_disk loads the directory's safetensors,
+/init_weights_update_group joins a real gloo group the way SGLang does and /update_weights_from_distributed
+receives real broadcasts on it (flattened buckets or one per tensor), /get_weights_by_name reads them back.
+Without `model_dir` it holds nothing: disk updates only record their files, distributed ones still receive.
 
 Does not model: text prompts (token ids only, like --skip-tokenizer-init), batch requests, n > 1,
-multimodal, LoRA, sessions, OpenAI routes, NCCL (the weights-group endpoints only record calls).
+multimodal, LoRA, sessions, OpenAI routes, NCCL, tensor parallelism.
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import torch
 import uvicorn
 from sglang_contract import Features, RequestError, check_contract, parse_version
-from sglang_runtime import InjectedAbort, ReqState, Runtime, RuntimeConfig, ToyModel, weight_files
+from sglang_runtime import InjectedAbort, ReqState, Runtime, RuntimeConfig, ToyModel
+from sglang_weights import weight_files
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -177,6 +186,7 @@ class FakeSGLangServer:
                 transport.abort()
         if self.runtime is not None:
             self.runtime.crashed = True
+            self.runtime.groups.close()
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Kill the server (idempotent). Its state is lost; `start()` serves again on the same port."""
@@ -201,6 +211,14 @@ class FakeSGLangServer:
         with status None, a connection closed without an answer; the route does not run."""
         raw = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
         self.failures.append(ScriptedFailure(path, status, raw, times))
+
+    def fault_next_update(self, fault: str, times: int = 1) -> None:
+        """The next `times` /update_weights_from_distributed calls receive their broadcast but spoil it:
+        "flip" loads every byte XOR 0x5A (received wrong), "drop" loads nothing (received, not applied);
+        both answer success, as a server that does not notice would."""
+        if fault not in ("flip", "drop"):
+            raise ValueError(f"fault {fault!r}: expected 'flip' or 'drop'")
+        self._in_loop(lambda rt: rt.faults.extend([fault] * times))
 
     def inject_abort(
         self,
@@ -285,6 +303,8 @@ class FakeSGLangServer:
         r["/flush_cache"] = (both, self._flush_cache)
         r["/update_weights_from_disk"] = (post, self._update_weights_from_disk)
         r["/init_weights_update_group"] = (post, self._init_weights_update_group)
+        r["/destroy_weights_update_group"] = (post, self._destroy_weights_update_group)
+        r["/get_weights_by_name"] = (both, self._get_weights_by_name)
         r["/update_weights_from_distributed"] = (post, self._update_weights_from_distributed)
         r["/update_weight_version"] = (post, self._update_weight_version)
         r["/model_info"] = r["/get_model_info"] = (get, self._model_info)
@@ -521,6 +541,15 @@ class FakeSGLangServer:
                 files = weight_files(obj["model_path"])
             except ValueError as e:
                 return _weights_answer(False, f"Failed to get weights iterator: {e}.", paused=True)
+            if rt.held is not None:  # weight_updater.py: update_weights_from_disk loads every file
+                try:
+                    await rt.off_loop(lambda: _load_files(rt, files))
+                except Exception as e:
+                    return _weights_answer(
+                        False,
+                        f"Failed to update weights: {e}.\nRolling back to original weights.",
+                        paused=True,
+                    )
             rt.loaded_weight_files.append(files)
             success, message = True, "Succeeded to update model weights."
             if not paused_056:
@@ -545,6 +574,9 @@ class FakeSGLangServer:
         return await self._with_update_lock(update)
 
     async def _init_weights_update_group(self, body: bytes, **_: Any) -> Answer:
+        """http_server.py: init_weights_update_group (no model_update_lock: the scheduler joins between
+        batches, blocked until every rank connected); sglang_weights.WeightGroups.init."""
+        rt = self.rt
         try:
             obj = parse_struct(
                 body,
@@ -553,8 +585,37 @@ class FakeSGLangServer:
             )
         except RequestError as e:
             return error_answer(e)
-        self.rt.weight_groups.add(obj["group_name"])
-        return _weights_answer(True, "Succeeded to initialize custom process group.")
+        success, message = await rt.off_loop(
+            lambda: rt.groups.init(
+                obj["master_address"], obj["master_port"], obj["rank_offset"], obj["world_size"],
+                obj["group_name"], obj["backend"],
+            )
+        )  # fmt: skip
+        return _weights_answer(success, message)
+
+    async def _destroy_weights_update_group(self, body: bytes, **_: Any) -> Answer:
+        """http_server.py: destroy_weights_update_group."""
+        try:
+            obj = parse_struct(body, {}, {"group_name": (str, "weight_update_group")})
+        except RequestError as e:
+            return error_answer(e)
+        success, message = self.rt.groups.destroy(obj["group_name"])
+        return _weights_answer(success, message)
+
+    async def _get_weights_by_name(self, body: bytes, **_: Any) -> Answer:
+        """http_server.py: get_weights_by_name: the first `truncate_size` rows as floats, or 400 "Get
+        parameter by name failed" (sglang_weights.HeldModel.get_weights_by_name says when)."""
+        rt = self.rt
+        try:
+            obj = parse_struct(body, {"name": str}, {"truncate_size": (int, 100)})
+        except RequestError as e:
+            return error_answer(e)
+        rt.weights_reads.append(obj["name"])
+        held = rt.held
+        values = None if held is None else held.get_weights_by_name(obj["name"], obj["truncate_size"])
+        if values is None:
+            return json_answer(400, {"error": {"message": "Get parameter by name failed"}})
+        return json_answer(200, values)
 
     async def _begin_weight_update(self, body: bytes, **_: Any) -> Answer:
         """weight_updater.py: begin_weight_update: a second begin while a session is open fails (400)."""
@@ -592,8 +653,9 @@ class FakeSGLangServer:
         return await self._with_update_lock(end)
 
     async def _update_weights_from_distributed(self, body: bytes, **_: Any) -> Answer:
-        """weight_updater.py: update_weights_from_distributed (refused outside a session from 0.5.21; the
-        group must have been joined). The fake receives nothing: it records the new version."""
+        """scheduler_components/weight_updater.py: update_weights_from_distributed (refused outside a session
+        from 0.5.21): receive (sglang_weights.WeightGroups.receive) on the group, then load into the held
+        model; a scripted fault (`fault_next_update`) spoils what was received."""
         rt = self.rt
         try:
             obj = parse_struct(
@@ -616,13 +678,26 @@ class FakeSGLangServer:
                     "update_weights_from_distributed must run between begin_weight_update() and "
                     "end_weight_update()",
                 )
-            group = obj["group_name"]
-            if group not in rt.weight_groups:
-                return _weights_answer(
-                    False,
-                    f"Failed to receive weights: Group {group} not in {sorted(rt.weight_groups)}. "
-                    "Please call `init_weights_update_group` first.",
+            try:
+                weights = await rt.off_loop(
+                    lambda: rt.groups.receive(
+                        obj["names"], obj["dtypes"], obj["shapes"], obj["group_name"], obj["load_format"]
+                    )
                 )
+            except Exception as e:
+                return _weights_answer(False, f"Failed to receive weights: {e}")
+            rt.distributed_updates.append([n for n, _ in weights])
+            weights = _apply_fault(rt.faults.pop(0) if rt.faults else "", weights)
+            if rt.held is not None:
+                held = rt.held
+                try:
+                    await rt.off_loop(lambda: held.load_weights(weights))
+                except Exception as e:
+                    return _weights_answer(
+                        False,
+                        f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
+                        "partially updated. Please discard the whole weights.",
+                    )
             rt._record_scheduler_version(obj["weight_version"])
             success, message = True, "Succeeded to update parameter online."
             if obj["flush_cache"] and not rt.flush_cache():
@@ -694,6 +769,7 @@ class FakeSGLangServer:
             "enable_deterministic_inference": c.enable_deterministic_inference, "random_seed": c.random_seed,
             "max_total_num_tokens": c.kv_capacity, "max_req_input_len": rt.max_req_input_len,
             "internal_states": [{"max_total_num_tokens": c.kv_capacity}], "version": c.version,
+            "tp_size": 1, "dp_size": 1,
             "frontend": "python",
         })  # fmt: skip
 
@@ -740,6 +816,32 @@ class FakeSGLangServer:
 
     async def _weight_version(self, **_: Any) -> Answer:
         return json_answer(200, {"weight_version": self.rt.weight_version})
+
+
+def _load_files(rt: Runtime, files: list[str]) -> None:
+    """Every file's tensors into the held model (read first: a file that cannot be read loads nothing)."""
+    from safetensors.torch import load_file
+
+    assert rt.held is not None
+    tensors: dict[str, Any] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    rt.held.load_weights(tensors.items())
+
+
+def _apply_fault(fault: str, weights: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """A scripted fault on what a distributed update received: "flip" (every byte XOR 0x5A: received
+    wrong) or "drop" (nothing loaded: received, not applied); "" leaves it."""
+    if fault == "drop":
+        return []
+    if fault == "flip":
+        spoiled = []
+        for name, tensor in weights:
+            raw = tensor.clone().reshape(-1).view(torch.uint8)
+            raw ^= 0x5A
+            spoiled.append((name, raw.view(tensor.dtype).view(tensor.shape)))
+        return spoiled
+    return weights
 
 
 def _weights_answer(success: bool, message: str, paused: bool = False) -> Answer:

@@ -29,6 +29,8 @@ CONTROL_TYPES = {
     "/continue_generation": "ContinueGenerationReqInput",
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/get_weights_by_name": "GetWeightsByNameReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",

@@ -280,6 +280,26 @@ def check_weight_sync(tmp_path: Path) -> None:
         assert t["vs_loopback"] == pytest.approx(t["transfer_gbps"] / lb["transfer_gbps"]), name
     assert "x loopback" in printed and f"{args['sizes']}      file" in printed
 
+    # the SGLang paths into the rebuilt server, side by side on a Llama-shaped bf16 model
+    out = tmp_path / "weight_sync_sglang.json"
+    transports = ["sglang-disk", "sglang-broadcast"]
+    extra = ["--sizes", "1M-llama", "--transports", ",".join(transports)]
+    printed = run_smoke("weight_sync.py", out, tmp_path, extra=extra)
+    report = json.loads(out.read_text())
+    assert report["transports"] == transports and report["skipped"] == {}
+    (size,) = report["sizes"]
+    assert size["model"]["arch"] == "llama" and size["parameters"] > 0
+    disk, collective = size["transports"]["sglang-disk"], size["transports"]["sglang-broadcast"]
+    assert collective["bytes"] == 2 * size["parameters"] < disk["bytes"]  # bf16; the file has a header
+    assert all(r["buckets"] >= 1 for r in collective["rounds"])
+    for t in (disk, collective):
+        assert len(t["rounds"]) == report["args"]["rounds"]
+        assert t["sync_s"] >= t["publish_s"] + t["transfer_s"] - 1e-9
+    ratios = size["sglang_disk_over_broadcast"]
+    assert ratios["sync_s"] == pytest.approx(disk["sync_s"] / collective["sync_s"])
+    assert ratios["transfer_s"] == pytest.approx(disk["transfer_s"] / collective["transfer_s"])
+    assert "sglang disk / broadcast" in printed
+
 
 def check_calculator_run(tmp_path: Path) -> None:
     out = tmp_path / "calc"

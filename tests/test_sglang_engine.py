@@ -246,32 +246,6 @@ def test_a_failed_weights_load_keeps_the_old_version_and_the_request(
     assert out.token_ids.tolist() == server.model.greedy("default", PROMPT, 200) and np.all(out.versions == 0)
 
 
-@pytest.mark.parametrize(("version", "bracket"), [("0.5.23", True), ("0.5.6", False)])
-def test_nccl_weights_path(make_server: Any, make_engine: Any, version: str, bracket: bool) -> None:
-    server = make_server(version=version)
-    engine = make_engine(server)
-    engine.init_weight_group("10.0.0.1", 29500, world_size=2)
-    engine.load_weights_distributed(["w"], ["bfloat16"], [[4, 4]], version=3)
-    paths = [p for _, p in server.calls if p not in ("/server_info", "/model_info")]
-    middle = ["/update_weights_from_distributed"]
-    expected = ["/begin_weight_update", *middle, "/end_weight_update"] if bracket else middle
-    assert paths == ["/init_weights_update_group", *expected, "/flush_cache"]
-    assert engine.version == 3 and server.rt.weight_version == "3"
-
-
-def test_a_failed_distributed_update_still_closes_the_session(make_server: Any, make_engine: Any) -> None:
-    """0.5.21+: an update that fails inside begin/end must still end the session, or every later begin
-    is a 400 (weight_updater.py)."""
-    server = make_server(version="0.5.23")
-    engine = make_engine(server)
-    with pytest.raises(WeightLoadError, match="init_weights_update_group"):  # the group was never joined
-        engine.load_weights_distributed(["w"], ["bfloat16"], [[2]], version=1)
-    assert server.rt.session_open is False and engine.version == 0
-    engine.init_weight_group("10.0.0.1", 29500, world_size=2)
-    engine.load_weights_distributed(["w"], ["bfloat16"], [[2]], version=1)
-    assert engine.version == 1
-
-
 # -- budgets ----------------------------------------------------------------------------------------------
 
 

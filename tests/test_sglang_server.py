@@ -585,17 +585,58 @@ def test_a_refused_flush_after_a_weight_update(make_server: Any, version: str, t
         wait_for(lambda: not server.running, "the server to die")
 
 
-@pytest.mark.parametrize("version", ["0.5.21", "0.5.23"])
-def test_weight_update_session(make_server: Any, version: str) -> None:
-    server = make_server(version=version)
-    dist = {
-        "names": ["w"],
-        "dtypes": ["bfloat16"],
-        "shapes": [[2]],
-        "group_name": "g",
-        "flush_cache": False,
-        "weight_version": "9",
-    }
+class RankZero:
+    """The trainer's side of a weights-update group (rank 0), formed as april's hub forms it
+    (april.broadcast_group): a TCPStore it hosts, its own rank of the group on a thread."""
+
+    def __init__(self, world_size: int = 2, group: str = "g") -> None:
+        from april.broadcast_group import open_store
+        from april.ports import free_ports
+
+        self.port = free_ports(1)[0]
+        self.world_size, self.group_name = world_size, group
+        self.store = open_store("127.0.0.1", self.port, DEADLINE_S, bind=True)
+        self.group: Any = None
+        self._thread = threading.Thread(target=self._form, daemon=True)
+        self._thread.start()
+
+    def _form(self) -> None:
+        from april.broadcast_group import open_group
+
+        self.group = open_group(self.store, self.group_name, 0, self.world_size, "127.0.0.1", DEADLINE_S)
+
+    def body(self, rank: int = 1) -> dict[str, Any]:
+        """An /init_weights_update_group body joining this group at `rank`."""
+        return {
+            "master_address": "127.0.0.1", "master_port": self.port, "rank_offset": rank,
+            "world_size": self.world_size, "group_name": self.group_name, "backend": "gloo",
+        }  # fmt: skip
+
+    def formed(self) -> None:
+        self._thread.join(DEADLINE_S)
+        assert self.group is not None, "rank 0 did not form its group"
+
+    def send(self, *tensors: Any) -> threading.Thread:
+        """Broadcast `tensors` in turn, on a thread (a receiving server blocks until they come)."""
+        from april.broadcast_group import await_work, start_broadcast
+
+        def run() -> None:
+            for tensor in tensors:
+                await_work(start_broadcast(self.group, tensor), DEADLINE_S)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+
+def test_weight_update_group_session_and_a_real_broadcast(make_server: Any) -> None:
+    """0.5.21+: updates only inside begin/end; the group must have been joined (a real gloo group with the
+    trainer's rank 0); a per-tensor update receives each tensor by its own broadcast."""
+    import torch
+
+    server = make_server(version="0.5.23")
+    dist = {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2]], "group_name": "g",
+            "flush_cache": False, "weight_version": "9"}  # fmt: skip
     status, answer = post(server, "/update_weights_from_distributed", dist)
     assert (
         status == 400
@@ -612,16 +653,19 @@ def test_weight_update_session(make_server: Any, version: str) -> None:
     )
     status, answer = post(server, "/update_weights_from_distributed", dist)
     assert status == 400 and answer["message"].startswith("Failed to receive weights: Group g not in")
-    group = {
-        "master_address": "127.0.0.1",
-        "master_port": 1,
-        "rank_offset": 1,
-        "world_size": 2,
-        "group_name": "g",
-    }
-    assert post(server, "/init_weights_update_group", group)[0] == 200
+
+    root = RankZero()
+    assert post(server, "/init_weights_update_group", root.body()) == (
+        200, {"success": True, "message": "Succeeded to initialize custom process group."}
+    )  # fmt: skip
+    root.formed()
+    status, answer = post(server, "/init_weights_update_group", root.body())
+    assert status == 400 and "already been created" in answer["message"]  # one group per name
+    sending = root.send(torch.tensor([1.5, -2.0], dtype=torch.bfloat16))
     status, answer = post(server, "/update_weights_from_distributed", dist)
+    sending.join(DEADLINE_S)
     assert status == 200 and answer["message"].endswith("Weight version updated to 9.")
+    assert server.rt.distributed_updates == [["w"]]
     assert post(server, "/end_weight_update", {})[0] == 200
     status, answer = post(server, "/end_weight_update", {})
     assert (status, answer["message"]) == (
@@ -629,15 +673,118 @@ def test_weight_update_session(make_server: Any, version: str) -> None:
         "no weight-update session is open; call begin_weight_update() first",
     )
     assert get(server, "/model_info")[1]["weight_version"] == "9"
+    assert post(server, "/destroy_weights_update_group", {"group_name": "g"})[0] == 200
+    status, answer = post(server, "/destroy_weights_update_group", {"group_name": "g"})
+    assert (status, answer["message"]) == (400, "The group to be destroyed does not exist.")
 
 
 def test_no_weight_update_session_before_0_5_21(make_server: Any) -> None:
+    import torch
+
     server = make_server(version="0.5.20")
     assert post(server, "/begin_weight_update", {"selector": "all"}) == (404, {"detail": "Not Found"})
-    group = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
-    assert post(server, "/init_weights_update_group", group)[0] == 200
+    root = RankZero(group="weight_update_group")  # the request's default group name
+    body = {k: v for k, v in root.body().items() if k != "group_name"}
+    assert post(server, "/init_weights_update_group", body)[0] == 200
+    root.formed()
+    sending = root.send(torch.zeros(2, dtype=torch.bfloat16))
     dist = {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2]], "weight_version": "3"}
     assert post(server, "/update_weights_from_distributed", dist)[0] == 200
+    sending.join(DEADLINE_S)
+
+
+def test_a_flattened_bucket_is_one_broadcast_of_aligned_tensors(make_server: Any, tmp_path: Path) -> None:
+    """load_format "flattened_bucket": the tensors back to back as one uint8 broadcast, each at a multiple
+    of its element size (tensor_bucket.py: FlattenedTensorBucket.empty), rebuilt and loaded by name."""
+    import torch
+    from safetensors.torch import load_file
+
+    from april.hf import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", seed=0)
+    server = make_server(model_dir=str(model_dir))
+    root = RankZero()
+    assert post(server, "/init_weights_update_group", root.body())[0] == 200
+    root.formed()
+    launch = load_file(str(model_dir / "model.safetensors"))
+    norm, q = "model.norm.weight", "model.layers.0.self_attn.q_proj.weight"
+    new = {norm: torch.full_like(launch[norm], 0.5), q: torch.full_like(launch[q], -0.25)}
+    flat = torch.cat([new[norm].reshape(-1).view(torch.uint8), new[q].reshape(-1).view(torch.uint8)])
+    names, shapes = [norm, q], [list(new[norm].shape), list(new[q].shape)]
+    dtypes = [str(new[norm].dtype).removeprefix("torch."), str(new[q].dtype).removeprefix("torch.")]
+    bucket = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": "g",
+              "load_format": "flattened_bucket", "flush_cache": False}  # fmt: skip
+    assert post(server, "/begin_weight_update", {"selector": "all"})[0] == 200
+    sending = root.send(flat)
+    status, answer = post(server, "/update_weights_from_distributed", bucket)
+    sending.join(DEADLINE_S)
+    assert status == 200, answer
+    for name in (norm, q):
+        status, got = post(server, "/get_weights_by_name", {"name": name, "truncate_size": 1 << 20})
+        assert status == 200 and torch.equal(torch.tensor(got), new[name].float())
+    unaligned = {**bucket, "names": ["a", "b"], "dtypes": ["bfloat16", "float32"], "shapes": [[3], [2]]}
+    status, answer = post(server, "/update_weights_from_distributed", unaligned)  # refused before receiving
+    assert (
+        status == 400
+        and "Unaligned received tensor b: byte offset 6, dtype torch.float32" in answer["message"]
+    )
+    assert post(server, "/end_weight_update", {})[0] == 200
+
+
+@pytest.mark.parametrize(("architecture", "readable"), [("llama", True), ("qwen2", False), ("qwen3", False)])
+def test_get_weights_by_name_reads_as_sglangs_model_classes_do(
+    make_server: Any, tmp_path: Path, architecture: str, readable: bool
+) -> None:
+    """models/llama.py answers HF names from its stacked parameters (first `truncate_size` rows, k and v at
+    offsets computed from hidden_size // num_attention_heads); qwen2.py and qwen3.py have no
+    get_weights_by_name: "Get parameter by name failed" (http_server.py), as for an unknown name."""
+    import torch
+    from safetensors.torch import load_file
+
+    from april.hf import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", seed=0, kv_heads=2, architecture=architecture)
+    server = make_server(model_dir=str(model_dir))
+    launch = load_file(str(model_dir / "model.safetensors"))
+    for name in (
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "lm_head.weight",
+    ):
+        status, got = post(server, "/get_weights_by_name", {"name": name, "truncate_size": 3})
+        if not readable:
+            assert (status, got) == (400, {"error": {"message": "Get parameter by name failed"}})
+            continue
+        assert status == 200 and torch.equal(torch.tensor(got), launch[name][:3].float()), name
+    status, got = post(server, "/get_weights_by_name", {"name": "model.nothing.weight"})
+    assert (status, got) == (400, {"error": {"message": "Get parameter by name failed"}})
+
+
+def test_disk_updates_load_the_files_and_tokens_follow_the_weights(make_server: Any, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from april.hf import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "m", seed=0)
+    server = make_server(model_dir=str(model_dir))
+    assert get(server, "/model_info")[1]["model_path"] == str(model_dir)  # model_path defaults to it
+    first = post(server, "/generate", gen_body(PROMPT, max_new_tokens=6, top_k=1))[1]["output_ids"]
+    version_dir = tmp_path / "v1"
+    version_dir.mkdir()
+    other = load_file(str(make_tiny_model(tmp_path / "other", seed=1) / "model.safetensors"))
+    save_file(other, str(version_dir / "model.safetensors"))
+    body = {"model_path": str(version_dir), "weight_version": "1", "flush_cache": True}
+    assert post(server, "/update_weights_from_disk", body)[0] == 200
+    name = "model.layers.0.self_attn.o_proj.weight"
+    assert post(server, "/get_weights_by_name", {"name": name, "truncate_size": 1})[1] == [
+        other[name][0].float().tolist()
+    ]
+    second = post(server, "/generate", gen_body(PROMPT, max_new_tokens=6, top_k=1))[1]["output_ids"]
+    assert second != first  # what it holds, not its version label, makes the tokens
+    (version_dir / "model.safetensors").write_bytes(b"not safetensors")
+    status, answer = post(server, "/update_weights_from_disk", {**body, "weight_version": "2"})
+    assert status == 400 and answer["message"].startswith("Failed to update weights:")
+    assert get(server, "/model_info")[1]["weight_version"] == "1"  # the old weights serve
 
 
 def test_a_weight_version_change_mid_request_shows_in_the_spans(make_server: Any) -> None:
@@ -759,12 +906,18 @@ def judge(items: list[dict[str, Any]], vocab_size: int = 1000) -> dict[str, Any]
 def adapter_calls(
     make_server: Callable[..., FakeSGLangServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
-    """Every POST body the adapter (actors/engines/sglang_engine.py) sends in a session that uses each of
-    its calls (generate sampled, greedy, seeded and not, abort by rid, a weights load from a directory
-    with a resubmission, the NCCL path), recorded on the wire; and the /generate bodies the fakes accepted."""
+    """Every POST body the adapter (actors/engines/sglang_engine.py, sglang_broadcast.py) sends in a
+    session that uses each of its calls (generate sampled, greedy, seeded and not, abort by rid, a weights
+    load from a directory with a resubmission, a broadcast version joined, received, read back and left),
+    recorded on the wire; and the /generate bodies the fakes accepted."""
+    import torch
+
     from actors.engine import GenerationRequest, SamplingParams
     from actors.engines import sglang_http
     from actors.engines.sglang_engine import SGLangEngine
+    from actors.weight_receive import Invite, Offer
+    from april.broadcast_group import plan
+    from april.hf import make_tiny_model
 
     sent: list[tuple[str, dict[str, Any]]] = []
     send = sglang_http.Exchange.send
@@ -775,6 +928,7 @@ def adapter_calls(
         return send(self, method, path, body, timeout_s)
 
     monkeypatch.setattr(sglang_http.Exchange, "send", record)
+    model_dir = make_tiny_model(tmp_path / "m", seed=0)
     weights = tmp_path / "v000001.safetensors"
     weights.write_bytes(b"")
     accepted: list[dict[str, Any]] = []
@@ -790,11 +944,26 @@ def adapter_calls(
             wait_for(partial(generating, server, 2), "both requests to generate")
             engine.load_weights(weights, 1)  # parked by rid, loaded from a directory, resubmitted
             assert len(engine.abort()) == 2
-            engine.init_weight_group("127.0.0.1", 1, world_size=2)
-            engine.load_weights_distributed(["w"], ["bfloat16"], [[2]], version=2)
         finally:
             engine.close()
         accepted += server.rt.generate_bodies
+    server = make_server(model_dir=str(model_dir))
+    engine = SGLangEngine([server.url], slots=1)
+    root = RankZero(group="april-test-g1")
+    try:
+        assert engine.broadcast_servers.ranks() == 1
+        engine.broadcast_servers.join(Invite("127.0.0.1", root.port, 1, 2, root.group_name, "gloo"))
+        root.formed()
+        state = {"model.norm.weight": torch.full((64,), 0.5), "lm_head.weight": torch.zeros(320, 64)}
+        specs = [(n, "float32", tuple(t.shape)) for n, t in state.items()]
+        manifest = plan(2, specs, 1 << 20, lambda n: tuple(state[n].reshape(-1)[:32].tolist()))
+        flat = torch.cat([state[e.name].reshape(-1).view(torch.uint8) for e in manifest.buckets[0].entries])
+        sending = root.send(flat)
+        engine.load_broadcast(Offer(manifest, root.group_name, 0.0))
+        sending.join(DEADLINE_S)
+        engine.broadcast_servers.leave(root.group_name)
+    finally:
+        engine.close()
     return sent, accepted
 
 
@@ -802,12 +971,9 @@ CONTROL_BODIES = [
     ("/update_weights_from_disk", {"model_path": "/w", "weight_version": "1", "flush_cache": True}),
     ("/abort_request", {"abort_all": True}),
     ("/begin_weight_update", {"selector": "all"}),
-    ("/init_weights_update_group",
-     {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2, "group_name": "april",
-      "backend": "nccl"}),
     ("/update_weights_from_distributed",
      {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2]], "group_name": "april", "flush_cache": False,
-      "weight_version": "1"}),
+      "load_format": "flattened_bucket", "weight_version": "1"}),
     ("/end_weight_update", {}),
     ("/pause_generation", {"mode": "abort"}),
     ("/continue_generation", {}),
@@ -837,12 +1003,17 @@ def test_bodies_the_fake_accepts_pass_sglangs_own_validation(
     assert any("sampling_seed" in b["sampling_params"] for b in generated)  # seeded where honoured
     assert any(b["sampling_params"]["top_k"] == 1 for b in generated)  # greedy
     assert {p for p, _ in sent} >= {"/abort_request", "/update_weights_from_disk", "/begin_weight_update",
-                                    "/update_weights_from_distributed", "/end_weight_update"}  # fmt: skip
+                                    "/update_weights_from_distributed", "/end_weight_update",
+                                    "/init_weights_update_group", "/get_weights_by_name",
+                                    "/destroy_weights_update_group"}  # fmt: skip
     server = make_server()
     extra = gen_body(PROMPT, temperature=0.0, stop_token_ids=[2], ignore_eos=False)
     assert post(server, "/generate", extra)[0] == 200
     for path, body in CONTROL_BODIES:
-        if path != "/update_weights_from_disk":
+        if path not in (
+            "/update_weights_from_disk",
+            "/update_weights_from_distributed",
+        ):  # need files, a group
             assert post(server, path, body)[0] == 200, path
     items = [{"path": p, "body": b} for p, b in sent if p == "/generate" or p in CONTROL_TYPES]
     items += [{"path": "/generate", "body": extra}] + [{"path": p, "body": b} for p, b in CONTROL_BODIES]

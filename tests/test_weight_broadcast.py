@@ -24,7 +24,20 @@ import actors.weight_receive as weight_receive
 import learner.weight_broadcast as weight_broadcast
 from actors.engine import TensorLoading
 from actors.weight_receive import BroadcastMember, ReceivedWeights
-from april.broadcast_group import BroadcastError, Manifest, check_bucket, digest, plan
+from april.broadcast_group import (
+    SAMPLE_MAX_NUMEL,
+    SAMPLE_VALUES,
+    BroadcastError,
+    Entry,
+    Manifest,
+    Sample,
+    check_bucket,
+    digest,
+    plan,
+    sample_entry,
+    sample_mismatch,
+    sample_rows,
+)
 from april.ports import free_ports
 from learner.weight_broadcast import BroadcastHub, BroadcastReport
 
@@ -32,7 +45,7 @@ HANG_S = 60.0  # "did not hang": generous on a loaded 2-core machine
 HOST = "127.0.0.1"
 
 # A member process: receives versions and saves each one it got as <out>/<worker>-v<version>.safetensors
-# (clones: the received tensors are views of one flat tensor, which safetensors will not save as such).
+# (clones: the received tensors are views of their buckets, which safetensors will not save as such).
 MEMBER = """
 import sys, time
 from pathlib import Path
@@ -59,7 +72,7 @@ def state_dict(seed: int) -> dict[str, torch.Tensor]:
     state = {f"layers.{i}.weight": torch.randn(8, 4, generator=gen) for i in range(22)}
     state["norm.scale"] = torch.randn((), generator=gen)
     state["empty"] = torch.zeros(0)
-    state["embed.weight"] = torch.randn(10, 100, generator=gen).to(torch.bfloat16)  # 2000 B: spans buckets
+    state["embed.weight"] = torch.randn(10, 100, generator=gen).to(torch.bfloat16)  # 2000 B: a bucket alone
     return state
 
 
@@ -123,8 +136,9 @@ def test_two_member_processes_get_every_version_and_a_killed_one_is_dropped(
             state = state_dict(version)
             report = broadcast_within(hub, state, version)
             assert sorted(report.reached) == ["w-a", "w-b"] and report.dropped == () and report.error == ""
-            # bucketed: 2820 B of float32 in three 1 KiB buckets, 2000 B of bfloat16 in two: 5 calls
-            assert report.buckets == 5 < len(state)
+            # whole tensors in buckets of at most 1 KiB: 22 of 128 B (8, 8, 6 with the scalar and the empty
+            # one), then the 2000 B one alone
+            assert report.buckets == 4 < len(state)
             assert report.bytes == sum(t.numel() * t.element_size() for t in state.values())
             for worker in procs:
                 file = tmp_path / f"{worker}-v{version}.safetensors"
@@ -326,33 +340,50 @@ def test_close_returns_while_the_member_is_blocked_in_a_receive(
         hub.close()
 
 
-def test_the_manifest_tiles_each_dtype_stream_into_bounded_buckets() -> None:
+def test_the_manifest_packs_whole_tensors_aligned_into_bounded_buckets() -> None:
     specs = [
-        ("a", "float32", (300,)),
-        ("b", "bfloat16", (5, 100)),
+        ("a", "bfloat16", (3,)),
+        ("b", "float32", (5,)),
         ("c", "float32", (2, 50)),
         ("d", "float32", ()),
+        ("e", "int8", (3,)),
+        ("f", "float32", (100,)),
     ]
-    manifest = plan(7, specs, bucket_bytes=256)
+    manifest = plan(7, specs, bucket_bytes=256, sample=lambda name: (1.0, 2.0))
     assert Manifest.from_json(manifest.to_json()) == manifest
-    assert [(b.dtype, b.start, b.numel) for b in manifest.buckets] == [
-        ("float32", 0, 64),
-        ("float32", 64, 64),
-        ("float32", 128, 64),
-        ("float32", 192, 64),
-        ("float32", 256, 64),
-        ("float32", 320, 64),
-        ("float32", 384, 17),
-        ("bfloat16", 0, 128),
-        ("bfloat16", 128, 128),
-        ("bfloat16", 256, 128),
-        ("bfloat16", 384, 116),
+    layout = [[(e.name, e.offset) for e in b.entries] for b in manifest.buckets]
+    # a bucket closes before the tensor that would overflow it; a 400 B tensor goes alone; within a bucket
+    # the widest dtypes come first, so every offset is a multiple of its element size
+    assert layout == [[("b", 0), ("a", 20)], [("c", 0)], [("d", 0), ("e", 4)], [("f", 0)]]
+    assert [b.nbytes for b in manifest.buckets] == [26, 400, 7, 400]
+    assert [b.sample.name if b.sample else None for b in manifest.buckets] == ["a", "c", "d", "f"]
+    assert manifest.buckets[0].sample == Sample("a", (1.0, 2.0))
+    assert manifest.nbytes == 3 * 2 + 5 * 4 + 100 * 4 + 4 + 3 + 400
+    gap = manifest.to_json().replace('["a", "bfloat16", [3], 20]', '["a", "bfloat16", [3], 22]')
+    with pytest.raises(BroadcastError, match="at byte 22, expected 20"):
+        Manifest.from_json(gap)
+
+
+def test_the_sampled_tensor_is_one_sglang_reads_right() -> None:
+    entries = [
+        Entry("model.layers.0.self_attn.k_proj.weight", "bfloat16", (4, 8), 0),
+        Entry("model.layers.0.self_attn.v_proj.weight", "bfloat16", (4, 8), 64),
+        Entry("empty", "bfloat16", (0,), 128),
+        Entry("mask", "int8", (4,), 128),
+        Entry("model.embed_tokens.weight", "bfloat16", (SAMPLE_MAX_NUMEL + 1,), 132),
+        Entry("model.layers.0.self_attn.q_proj.weight", "bfloat16", (2, 8), 132 + 2 * (SAMPLE_MAX_NUMEL + 1)),
+        Entry("model.layers.0.self_attn.o_proj.weight", "bfloat16", (8, 2), 164 + 2 * (SAMPLE_MAX_NUMEL + 1)),
     ]
-    assert [e.offset for e in manifest.entries] == [0, 0, 300, 400]
-    assert manifest.nbytes == 401 * 4 + 500 * 2
-    broken = manifest.to_json().replace('"float32", 64, 64', '"float32", 65, 64')
-    with pytest.raises(BroadcastError, match="does not continue"):
-        Manifest.from_json(broken)
+    # the smallest, first of equals, not over SAMPLE_MAX_NUMEL (SGLang lists the whole tensor to answer);
+    # never k_proj or v_proj
+    chosen = sample_entry(entries)
+    assert chosen is not None and chosen.name.endswith("q_proj.weight")
+    assert sample_entry(entries[:5]) is None
+    assert sample_rows((4096,)) == SAMPLE_VALUES and sample_rows((10, 8)) == 4 and sample_rows((3, 4096)) == 1
+    assert sample_mismatch([1.0, -2.0], [1.0, -2.0, 7.0]) == ""
+    assert sample_mismatch([1.0, 2.0], [1.0, 2.0 * (1 + 2**-9)]) == ""  # within one bfloat16 rounding
+    assert "value 1" in sample_mismatch([1.0, 2.0], [1.0, 2.1])
+    assert "1 values" in sample_mismatch([1.0, 2.0], [1.0])
 
 
 def test_the_torch_engine_loads_a_broadcast_version_and_refuses_a_wrong_one(

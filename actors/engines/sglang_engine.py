@@ -16,6 +16,13 @@ from the server's behaviour (paths inside the wheel, `sglang/srt/...`):
     under the adapter's cache (`weights_dir`, default a temporary directory), loads that with
     `/update_weights_from_disk`, checks `/model_info`'s `weight_version`, and deletes the older versions'
     directories. The current one is kept: a server that restarted is reloaded from it by `probe`.
+  - With the learner's broadcast (`load_broadcast`, actors/engines/sglang_broadcast.py) the servers are
+    ranks of its group and receive each version's buckets themselves; every server's weight_version and
+    a sampled tensor per bucket are read back before the version serves. A broadcast that fails or does
+    not match leaves a server half-updated (SGLang does not roll a distributed update back), and a
+    version that came by broadcast has no directory: a server in either state is reloaded from the
+    current directory if there is one, else the engine raises WeightsLost (unavailable until the worker
+    loads that version again from a file), so its version never goes back.
   - Budgets are clipped so that input + output stays one token short of the server's `max_req_input_len`
     (from /server_info): inside the tokenizer manager's context check and the scheduler's own cap, and
     every partial can be resumed there. An input too long for that fails its request (NONE).
@@ -31,7 +38,8 @@ from the server's behaviour (paths inside the wheel, `sglang/srt/...`):
     as `input + partial` with the rest of the budget, so a response spans two versions as with an engine
     that swaps between decode steps. Every answer must name the weight_version the adapter expects: one
     that does not (the server restarted with its launch weights, or another client changed them) makes
-    the engine unavailable, and `probe` reloads the adapter's version.
+    the engine unavailable, and `probe` reloads the adapter's version (one that came by broadcast has no
+    directory: WeightsLost).
   - Log-probs are `log_softmax(logits / temperature)` of the full distribution, except in a batch where
     every request is greedy (layers/sampler.py: is_all_greedy), where they are at temperature 1. A
     `greedy` request (an evaluation sample) is sent with top_k 1, SGLang's greedy path, and no seed; when
@@ -58,13 +66,12 @@ import contextlib
 import json
 import logging
 import subprocess
-import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.engine import (
     EngineError,
@@ -73,8 +80,10 @@ from actors.engine import (
     GenerationRequest,
     SamplingParams,
     WeightLoadError,
+    WeightsLost,
 )
 from actors.engines.inflight import Flight, InFlight, Segment
+from actors.engines.sglang_broadcast import ServerGroup, check_version, concurrently, receive_version
 from actors.engines.sglang_http import (
     Exchange,
     HTTPStatusError,
@@ -89,11 +98,15 @@ from actors.engines.sglang_http import (
 from actors.engines.weight_dirs import VersionDirs
 from april.records import FinishReason
 
+if TYPE_CHECKING:
+    from actors.weight_receive import Offer
+
 log = logging.getLogger(__name__)
 
 REACH_TRIES = 3  # /server_info tries before a server counts as unreachable
 REACH_GAP_S = 0.2
 ABORT_RESEND_S = 0.2  # how often an abort by rid is re-sent while its /generate is still out
+UNKNOWN = "?"  # expected weight_version of a server whose weights are not a whole version now
 
 
 class SGLangEngine:
@@ -147,6 +160,7 @@ class SGLangEngine:
         self._next_server = 0
         self.servers = [self._server_info(u) for u in self.urls]
         self._expected = [self._weight_version(u) for u in self.urls]  # what each server's answers name
+        self._group = ServerGroup(self.urls, control_timeout_s, weights_timeout_s)
         self._flights = InFlight(
             "sglang",
             submit=self._submit,
@@ -233,85 +247,56 @@ class SGLangEngine:
                 stop_server(proc)
             self._processes.clear()
 
-    # -- NCCL weights path (one server per replica; the trainer is rank 0) ----------------------
+    # -- the learner's broadcast (actors/engines/sglang_broadcast.py) -----------------------------
 
-    def init_weight_group(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        group_name: str = "april",
-        tp_size: int = 1,
-    ) -> None:
-        """Join every server to the trainer's NCCL group. Blocks until the trainer joins too: call it
-        while the trainer runs its side (rank 0); server i takes ranks 1 + i * tp_size onwards."""
+    @property
+    def broadcast_servers(self) -> ServerGroup:
+        """The servers as ranks of the learner's broadcast group, for the worker's member thread."""
+        return self._group
 
-        def join(i: int, url: str) -> None:
-            body = {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": 1 + i * tp_size,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": "nccl",
-            }
-            self._call(url, "POST", "/init_weights_update_group", body, self.weights_timeout_s)
+    def load_broadcast(self, offer: Offer) -> None:
+        """Receive `offer`'s version on every server while the learner's hub sends it, check what each then
+        holds (its weight_version and each bucket's sampled tensor), and serve it. Requests are parked
+        meanwhile (the update waits for running ones) and resubmitted after.
 
-        errors = self._concurrently(join)
-        if errors:
-            raise EngineError(f"sglang: cannot join the NCCL weights group: {errors[0]}")
-
-    def load_weights_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
-        version: int,
-        group_name: str = "april",
-    ) -> None:
-        """Receive `version` by NCCL broadcast from the trainer, which broadcasts while this runs. From
-        0.5.21 the update sits in a weight-update session, closed whatever happens (an open session makes
-        every later begin a 400)."""
+        A failed or mismatched update leaves a server with some buckets of each version (SGLang does not
+        roll it back): with the current version's directory every server reloads it, then WeightLoadError;
+        with none (it came by broadcast too) WeightsLost, as when a server cannot be reached or reloaded:
+        EngineUnavailable."""
         parked = self._flights.park()
-        body = {
-            "names": list(names),
-            "dtypes": list(dtypes),
-            "shapes": [list(s) for s in shapes],
-            "group_name": group_name,
-            "flush_cache": False,
-            "weight_version": str(version),
-        }
-
-        def update(i: int, url: str) -> None:
-            bracket = self.servers[i].weight_update_bracket
-            if bracket:
-                self._call(url, "POST", "/begin_weight_update", {"selector": "all"})
-            try:
-                self._update(0, url, "/update_weights_from_distributed", body)
-            finally:
-                if bracket:
-                    self._call(url, "POST", "/end_weight_update", {})
-            self._call(url, "POST", "/flush_cache", {})
-
-        errors = self._concurrently(update)
+        errors = concurrently(
+            self.urls, lambda i, url: receive_version(url, self.servers[i], offer, self._post_update)
+        )
         unreachable = [e for e in errors if isinstance(e, ServerUnreachable)]
         if unreachable:
             raise self._flights.unavailable(str(unreachable[0]), parked)
+        wrong = str(errors[0]) if errors else ""
         try:
-            if errors and len(errors) < len(self.urls):  # some replicas switched, some did not
-                raise EngineError(
-                    f"{errors[0]} ({len(self.urls) - len(errors)} servers loaded the new weights)"
-                )
-            if errors:
-                raise WeightLoadError(str(errors[0]))
-            self._check_version(version)
-        except ServerUnreachable as e:
-            raise self._flights.unavailable(str(e), parked) from None
-        except BaseException:
+            for url in self.urls:
+                if wrong:
+                    break
+                wrong = check_version(url, offer, self._call)
+        except EngineError as e:
+            wrong = str(e)
+        if not wrong:
+            self._loaded_version(offer.version, None)  # nothing on disk: see WeightsLost
             self._flights.resubmit(parked, self.version)
-            raise
-        self._loaded_version(version, None)  # nothing on disk: a restarted server cannot be reloaded
+            return
+        wrong = f"broadcast v{offer.version}: {wrong}"
+        self._expected = [UNKNOWN] * len(self.urls)  # until reloaded
+        if self._loaded is None:
+            lost = self._flights.unavailable(f"{wrong}; v{self.version} has no copy on disk", parked)
+            raise WeightsLost(str(lost), lost.partials, self.version)
+        try:
+            for url in self.urls:
+                self._update(0, url, "/update_weights_from_disk", self._disk_body(self._loaded, self.version))
+        except EngineError as e:
+            raise self._flights.unavailable(
+                f"{wrong}; reloading v{self.version} failed: {e}", parked
+            ) from None
+        self._expected = [str(self.version)] * len(self.urls)
         self._flights.resubmit(parked, self.version)
+        raise WeightLoadError(f"{wrong} (v{self.version} reloaded from disk)")
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -452,8 +437,15 @@ class SGLangEngine:
         self._dirs.keep_only(version)
 
     def _restore(self, index: int, url: str, live: str) -> None:
-        """A server that answers with another weight_version than expected (it restarted): reload the
-        current version from its directory, or, with none, take the server's version as it is."""
+        """A server that answers with another weight_version than expected (it restarted, or a failed
+        broadcast left its weights unknown): reload the current version from its directory. With none:
+        WeightsLost when the engine serves a version (it came by broadcast), else (the launch weights)
+        take the server's version as it is."""
+        if self._loaded is None and (self.version > 0 or self._expected[index] == UNKNOWN):
+            self._expected[index] = UNKNOWN
+            why = f"sglang {url} serves weight_version {live}; v{self.version} has no copy on disk to reload"
+            lost = self._flights.unavailable(why)
+            raise WeightsLost(str(lost), lost.partials, self.version)
         if self._loaded is None:
             log.warning(
                 "sglang %s: serves weight_version %s, expected %s, and there is no copy to reload",
@@ -470,7 +462,14 @@ class SGLangEngine:
             raise self._flights.unavailable(
                 f"sglang {url} came back with weight_version {live}; reloading v{self.version} failed: {e}"
             ) from None
+        self._expected[index] = str(self.version)
         log.warning("sglang %s: came back with weight_version %s; reloaded v%d", url, live, self.version)
+
+    def _post_update(self, url: str, path: str, body: dict[str, Any]) -> None:
+        """One weights call of a broadcast: EngineError when it fails or answers success false."""
+        answer = self._call(url, "POST", path, body, self.weights_timeout_s)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise EngineError(f"sglang {url}{path}: {answer.get('message', 'failed')}")
 
     def _update(self, index: int, url: str, path: str, body: dict[str, Any]) -> None:
         try:
@@ -495,24 +494,6 @@ class SGLangEngine:
                 raise WeightLoadError(
                     f"sglang {url}: weight_version is {live} after loading, expected {version}"
                 )
-
-    def _concurrently(self, call: Callable[[int, str], None]) -> list[EngineError]:
-        """Run call(i, url) for every server at once (NCCL calls block until all ranks join); the
-        errors, in server order."""
-        errors: list[EngineError | None] = [None] * len(self.urls)
-
-        def run(i: int, url: str) -> None:
-            try:
-                call(i, url)
-            except EngineError as e:  # re-raised by the caller, in its thread
-                errors[i] = e
-
-        threads = [threading.Thread(target=run, args=(i, u), daemon=True) for i, u in enumerate(self.urls)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return [e for e in errors if e is not None]
 
 
 def http_answer(raw: str) -> Any:

@@ -179,6 +179,7 @@ class ServerInfo:
     version: tuple[int, int, int]
     max_req_input_len: int | None  # an input this long or longer is refused (managers/utils.py)
     deterministic: bool  # --enable-deterministic-inference: sampling_seed is honoured only then
+    tp_size: int = 1  # ranks it takes in a weights-update group (one per tensor-parallel rank)
 
     @property
     def weight_update_bracket(self) -> bool:
@@ -214,10 +215,12 @@ def parse_server_info(url: str, info: Any) -> ServerInfo:
     context = info.get("context_length")
     if not isinstance(limit, int) and isinstance(context, int):
         limit = context - 6  # tp_worker.py: (context_length - 1) - 5 when the KV pool is not smaller
+    tp_size = info.get("tp_size")
     return ServerInfo(
         version=version,
         max_req_input_len=limit if isinstance(limit, int) else None,
         deterministic=info.get("enable_deterministic_inference") is True,
+        tp_size=tp_size if isinstance(tp_size, int) and tp_size >= 1 else 1,
     )
 
 
