@@ -369,12 +369,14 @@ def server_pid(up: int, port: int) -> int:
 def test_a_killed_sglang_server_is_restarted_and_its_worker_serves_again(
     sglang_python: Path, tmp_path: Path
 ) -> None:
-    """One worker: once its server is killed, every later step needs that worker serving again."""
+    """One worker: once its server is killed, every later step needs that worker serving again. Weights
+    go over the broadcast: before the kill and, once the restarted server has rejoined, after it."""
     run_dir, port = tmp_path / "run", free_port_pair()
     proc = subprocess.Popen(
         [sys.executable, "-c", "from cli.main import main; main()", "up", "--headless", "--engine", "sglang",
-         "--workers", "1", "--steps", "4", "--run-dir", str(run_dir), *free_port_set(),
-         f"--set=worker.sglang_port={port}", f"--set=worker.sglang_launch={stand_in(sglang_python)}"],
+         "--workers", "1", "--steps", "6", "--run-dir", str(run_dir), *free_port_set(),
+         f"--set=worker.sglang_port={port}", f"--set=worker.sglang_launch={stand_in(sglang_python)}",
+         "--set=weights.transport=broadcast", f"--set=weights.port={free_port_pair()}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
     )  # fmt: skip
     try:
@@ -397,7 +399,10 @@ def test_a_killed_sglang_server_is_restarted_and_its_worker_serves_again(
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-3000:]
     assert "sglang-0 exited -9: restarted (1/3)" in text and "worker-0 exited" not in text
-    check_run(run_dir, steps=4, samples=64)
+    lines = check_run(run_dir, steps=6, samples=64)
+    # killed after step 0: the restarted server, back on its launch weights, rejoined the group, and the
+    # last versions reached it by the broadcast again, each read back before it served
+    assert [x["workers_synced_broadcast"] for x in lines[-2:]] == [1, 1], lines
     worker_log = (run_dir / "logs" / "worker-0.log").read_text()
     assert "engine down" in worker_log and "engine serves again" in worker_log
     assert (run_dir / "logs" / "sglang-0.log").read_text().count("ready to roll") == 2
