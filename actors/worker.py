@@ -731,7 +731,10 @@ class Worker:
         if self.episodes is not None:
             back, _ = self.episodes.abort()
             self._owe([(e.lease_id, e.sample) for e in back])
-        deadline = time.monotonic() + min(self.cfg.reward_timeout_s, 5.0)
+        wait_s = min(self.cfg.reward_timeout_s, 5.0)
+        if self.episodes is not None:  # a step an abort cannot kill runs once: its result is waited for
+            wait_s = max(wait_s, self.episodes.runner.wait_s())
+        deadline = time.monotonic() + wait_s
         while (self.scoring or self._episodes_held()) and time.monotonic() < deadline:
             time.sleep(0.01)
             self._send_scored()
