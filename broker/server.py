@@ -5,8 +5,11 @@ snapshots (5557). Every poll has a timeout; every received message is decoded st
 dropped, counted (per peer, per reason) and answered with an Error: the broker never exits on a peer's
 message. Owns the transport and the clock: which peer is alive (silence past the liveness window),
 heartbeats, the learner's session, snapshots (a formed batch leaves only once its snapshot is durable),
-the log of settled samples, the status feed and the Prometheus endpoint. Every scheduling decision is
-`broker.core.BrokerCore`'s: the loop hands it each event with the time, and carries out what it decides.
+the log of settled samples and the journal of the books' changes (`broker.journal`, handed to the
+snapshot writer after each turn of the loop), result acknowledgements (a worker's result is acknowledged
+once the journal holding it is durable: in the next Lease it is sent, else a ResultAck), the status feed
+and the Prometheus endpoint. Every scheduling decision is `broker.core.BrokerCore`'s: the loop hands it
+each event with the time, and carries out what it decides.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import gc
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +40,7 @@ from broker.auth import CurveGate
 from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, Send, Settled
 from broker.heldout import open_prompts
+from broker.journal import Journal
 from broker.peers import LearnerPeer, Rejections
 from broker.prometheus import PrometheusExporter
 from broker.snapshot_writer import SnapshotWriter
@@ -59,7 +65,18 @@ LOG_AS_RECEIVED_MIN = 16
 # allocations; a full one stays possible for what cyclic garbage there is.
 GC_THRESHOLDS = (100_000, 50, 20)
 EVAL_LOG = "eval.jsonl"  # one line per finished evaluation, in the run directory
+ACK_TICKS = 1  # an acknowledgement no Lease carried goes alone after this many ticks' silence to the worker
 TOTALS = "broker_totals.json"  # the run's totals, written when the broker stops (april bench reads it)
+
+
+@dataclass(slots=True)
+class ResultAcks:
+    """A worker's results since its hello: (the log write that makes each durable, its seq), the highest
+    seq durable, and the highest sent to it."""
+
+    pending: deque[tuple[int, int]] = field(default_factory=deque)
+    acked: int = 0
+    sent: int = 0
 
 
 class Broker:
@@ -78,15 +95,18 @@ class Broker:
             log.warning("--resume: no snapshot in %s yet; starting the books afresh", run_dir / "broker")
             resume = False
         trusted: set[int] = set()  # complete groups whose log records the books were restored from
-        if resume:
-            state = snapshot.restore(snapshot.read(run_dir / "broker"), config.run.mode, config.algo, source)
+        if resume:  # the last durable state file, and the journal of the changes after it
+            state = snapshot.resume(run_dir / "broker", config.run.mode, config.algo, source)
             trusted = snapshot.restored_groups(state)
             # persist the new epoch at once: a second crash must not reuse this epoch's lease ids
             snapshot.write(snapshot.capture(state), run_dir / "broker", trusted)
         else:
             state = BrokerState(config.run.mode, config.algo, source)
         self.core = BrokerCore(config, state, held_out, now, restored=resume)
+        self.journal = state.journal = Journal()  # every change of the books from now on
         self.snapshots = SnapshotWriter(run_dir / "broker", trusted)
+        self.acks: dict[str, ResultAcks] = {}  # workers with results not yet acknowledged to them
+        self._unlogged: list[tuple[str, int]] = []  # (worker, seq) of results whose journal is not queued
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: LearnerPeer | None = None
         self.learner_identity = b""
@@ -171,7 +191,46 @@ class Broker:
         if self.snapshots.error is not None:
             raise snapshot.SnapshotError(f"cannot write snapshots: {self.snapshots.error}")
         self.last_snapshot = time.monotonic()
+        self._log_journal()  # the state file goes after the changes it holds, before any it does not
         return self.snapshots.submit(snapshot.capture_refs(self.core.state))
+
+    def _log_journal(self) -> None:
+        """Queue the books' changes since the last call; the results handled meanwhile are acknowledged
+        once those writes are durable."""
+        if len(self.journal):
+            self.snapshots.log_journal(self.journal.take())
+        if self._unlogged:
+            log_seq = self.snapshots.log_seq
+            for worker_id, seq in self._unlogged:
+                self.acks.setdefault(worker_id, ResultAcks()).pending.append((log_seq, seq))
+            self._unlogged.clear()
+
+    def _acked(self, worker_id: str) -> int:
+        """The highest seq of `worker_id`'s results that is durable, marked as sent (0: none yet)."""
+        acks = self.acks.get(worker_id)
+        if acks is None:
+            return 0
+        durable = self.snapshots.durable_log
+        while acks.pending and acks.pending[0][0] <= durable:
+            acks.acked = max(acks.acked, acks.pending.popleft()[1])
+        acks.sent = acks.acked
+        if not acks.pending:
+            del self.acks[worker_id]
+        return acks.acked
+
+    def _send_acks(self, now: float) -> None:
+        """A ResultAck to each worker whose results became durable and that no message was sent to for
+        ACK_TICKS ticks (a Lease would have carried it)."""
+        durable = self.snapshots.durable_log
+        quiet = ACK_TICKS * self.cfg.heartbeat_interval_s / 4
+        for worker_id, acks in list(self.acks.items()):
+            peer = self.core.workers.get(worker_id)
+            if peer is None:
+                del self.acks[worker_id]
+                continue
+            ready = acks.acked > acks.sent or (acks.pending and acks.pending[0][0] <= durable)
+            if ready and now - peer.last_sent >= quiet:
+                self._send_worker(worker_id, protocol.ResultAck(self._acked(worker_id)), now)
 
     # ------------------------------------------------------------------ receiving and sending
 
@@ -224,7 +283,7 @@ class Broker:
         for d in decisions:
             match d:
                 case LeaseOut(worker_id=worker_id, work=work, greedy=greedy):
-                    self._send_worker(worker_id, lease_message(work, greedy), now)
+                    self._send_worker(worker_id, lease_message(work, greedy, self._acked(worker_id)), now)
                 case Send(worker_id=worker_id, message=message):
                     self._send_worker(worker_id, message, now)
                 case Settled(samples=samples, whole=whole):
@@ -257,6 +316,8 @@ class Broker:
                     "worker_id must equal the socket identity",
                 )
                 return
+            self.acks.pop(msg.worker_id, None)  # a new session: its results are sent again and acknowledged
+            self._unlogged = [(w, seq) for w, seq in self._unlogged if w != msg.worker_id]
             self._carry_out(core.on_hello(msg, now), now)
             return
         peer = core.workers.get(worker_id)
@@ -278,6 +339,8 @@ class Broker:
             case protocol.SampleResult():
                 peer.samples_returned += len(msg.samples)
                 self._carry_out(core.on_result(worker_id, msg, now), now, msg.samples)
+                if msg.seq:  # acknowledged once its journal is durable
+                    self._unlogged.append((worker_id, msg.seq))
             case protocol.AbortDone():
                 self._carry_out(
                     core.on_abort_done(worker_id, msg.round_id, msg.credit, set(msg.scoring.tolist()), now),
@@ -292,6 +355,7 @@ class Broker:
             case protocol.Disconnect(reason=reason):
                 log.info("worker %s disconnected: %s", worker_id, reason)
                 core.on_worker_lost(worker_id)
+                self.acks.pop(worker_id, None)
             case _:
                 self._reject(self.worker_sock, identity, "unexpected_message", type(msg).__name__)
 
@@ -326,7 +390,13 @@ class Broker:
                         self.learner_sock, identity, "stale_batch_ack", f"no unacked batch {batch_id}"
                     )
             case protocol.WeightsReady(version=version, uri=uri, sha256=sha256):
-                self._carry_out(core.on_weights(version, uri, sha256, now), now)
+                decisions = core.on_weights(version, uri, sha256, now)
+                if decisions and isinstance(decisions[0], Send):
+                    # the version is durable before any worker hears of it: a restarted broker must not
+                    # refuse the tokens of a version its workers generated with (future_version)
+                    self._log_journal()
+                    self.snapshots.wait_log(self.snapshots.log_seq, timeout=60.0)
+                self._carry_out(decisions, now)
             case protocol.LearnerPhaseReport(phase=phase, detail=detail):
                 self.learner.enter(phase, detail, now)
             case protocol.Disconnect():
@@ -371,6 +441,8 @@ class Broker:
         batch = core.owed_batch()
         if batch is not None:
             self._send_batch(batch, now)
+        if self.acks:
+            self._send_acks(now)
         for peer in core.workers.due_heartbeat(now):
             self._send_worker(peer.peer_id, protocol.Heartbeat(), now)
         if self.learner is not None and now - self.learner.last_sent >= self.cfg.heartbeat_interval_s:
@@ -384,6 +456,7 @@ class Broker:
                 self.exporter.update(status)
         if now - self.last_snapshot >= self.cfg.snapshot_interval_s:
             self.save_snapshot()
+        self._log_journal()
         if self.cfg.debug_ledger:
             core.state.check_ledger("in debug tick")
 
@@ -407,12 +480,14 @@ class Broker:
         return build_status(view, now)
 
 
-def lease_message(work: list[tuple[int, int, Sample]], greedy: int) -> protocol.Lease:
-    """One Lease message: the first `greedy` items are evaluation samples (decoded greedily)."""
+def lease_message(work: list[tuple[int, int, Sample]], greedy: int, acked: int = 0) -> protocol.Lease:
+    """One Lease message: the first `greedy` items are evaluation samples (decoded greedily); `acked`: the
+    worker's results acknowledged so far."""
     lease_ids, budgets, samples = zip(*work, strict=True)
     return protocol.Lease(
         lease_ids=np.array(lease_ids, dtype=np.int64),
         budgets=np.array(budgets, dtype=np.int32),
         greedy=(np.arange(len(work)) < greedy).astype(np.uint8),
         samples=SampleBatch.from_samples(samples),
+        acked=acked,
     )
