@@ -202,7 +202,7 @@ class EpisodeDriver:
         """The sample settled by `result`, or None when the episode goes on (READY)."""
         if result.step is None:
             return ep.sample.failed(result.error[:500])
-        if ep.phase is Phase.RESET:
+        if ep.turn is None:  # a reset (its phase may be RETURNING: an abort came after it answered)
             return self._reset_answered(ep, result.step)
         return self._step_answered(ep, result.step)
 
@@ -214,6 +214,8 @@ class EpisodeDriver:
         if ep.state is None:
             ep.state = EpisodeState(step.state)
         ep.sample = s.with_episode(ep.state.to_bytes())
+        if ep.phase is Phase.RETURNING:  # aborted: back with its prompt, a step it owes still owed
+            return _interrupted(ep.sample)
         if ep.state.owed is not None:
             self._step(ep, ep.state.owed)
             return None

@@ -11,9 +11,11 @@ what came after: the state file names where its journal starts). Requests that p
 later snapshot holds everything an earlier one did, so only the newest is written. `durable_seq` is the
 newest snapshot on disk; the server waits for it before handing a batch to the learner, so a crash can
 never forget a batch the learner may have trained, and for `durable_log` before acknowledging a result.
-The thread is woken once `LOG_AHEAD_SAMPLES` samples (or a snapshot) wait, else looks every `LOG_AHEAD_S`:
-each wake-up costs the poll loop a thread switch on a busy machine, and one record and one fsync for
-many results are cheaper than many. While the server waits for a batch's snapshot, the thread also
+The thread writes what waits `LOG_GROUP_S` after the first of it was queued (at once for a snapshot,
+for `LOG_AHEAD_SAMPLES` samples, or for someone waiting on the log): every write is one record and one
+fsync for all that waits (group commit), so results are durable, and acknowledged, within a few
+milliseconds, while the thread wakes at most once a group (each wake-up costs the poll loop a thread
+switch on a busy machine). While the server waits for a batch's snapshot, the thread also
 gathers the unacked batch's samples into the columns its message carries (`batch_columns`), off the poll
 loop: gathering hundreds of samples' tokens stalled every worker's reply for milliseconds at each batch.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -34,8 +37,8 @@ from broker.state import PendingBatch
 
 log = logging.getLogger("april.broker")
 
-LOG_AHEAD_SAMPLES = 128  # settled samples waiting that wake the thread to log them ahead of a snapshot ...
-LOG_AHEAD_S = 0.05  # ... or the longest they wait for it while it is idle (and a result for its ack)
+LOG_AHEAD_SAMPLES = 128  # settled samples waiting that are written at once ...
+LOG_GROUP_S = 0.005  # ... else what waits is written this long after the first of it was queued
 
 
 class SnapshotWriter:
@@ -50,6 +53,7 @@ class SnapshotWriter:
         self._waiting = 0  # samples waiting to be logged
         self._snapshots = 0  # snapshots waiting to be written
         self._urgent = False  # someone waits for the log: write what is queued now
+        self._first_at = 0.0  # when the oldest item waiting was queued
         self._columns: tuple[int, SampleBatch] | None = None  # (batch id, its samples' columns)
         self._cond = threading.Condition()
         self._closed = False
@@ -65,6 +69,8 @@ class SnapshotWriter:
         """Queue a snapshot; returns its sequence number."""
         with self._cond:
             self._seq += 1
+            if not self._items:
+                self._first_at = time.monotonic()
             self._items.append(("snapshot", (self._seq, refs)))
             self._snapshots += 1
             self._cond.notify()
@@ -88,12 +94,15 @@ class SnapshotWriter:
         """Queue one log write of `samples` samples; wake the thread as the samples waiting pass
         LOG_AHEAD_SAMPLES, once."""
         with self._cond:
+            first = not self._items
+            if first:
+                self._first_at = time.monotonic()
             self._items.append((kind, item))
             self._log_seq += 1
             waiting = self._waiting
             self._waiting += samples
-            if waiting < LOG_AHEAD_SAMPLES <= self._waiting:
-                self._cond.notify()
+            if first or waiting < LOG_AHEAD_SAMPLES <= self._waiting:
+                self._cond.notify()  # the thread starts the group's clock, or writes at once
 
     def batch_columns(self, batch_id: int) -> SampleBatch | None:
         """The samples of batch `batch_id` as its message carries them, if gathered by a snapshot that
@@ -125,16 +134,24 @@ class SnapshotWriter:
             self._cond.notify_all()
         self._thread.join()
 
-    def _work(self) -> bool:
-        return self._waiting >= LOG_AHEAD_SAMPLES or self._closed or self._snapshots > 0 or self._urgent
+    def _due_in(self) -> float | None:
+        """Seconds until what waits is to be written (0: now; None: nothing waits). The caller holds the
+        lock."""
+        if self._closed or self._urgent or self._snapshots or self._waiting >= LOG_AHEAD_SAMPLES:
+            return 0.0
+        if not self._items:
+            return None
+        return max(0.0, self._first_at + LOG_GROUP_S - time.monotonic())
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(self._work, LOG_AHEAD_S)  # what is queued is written after the timeout
+                while (due := self._due_in()) != 0.0:
+                    self._cond.wait(due)
                 if not self._items:
                     if self._closed:
-                        return
+                        return  # everything written
+                    self._urgent = False  # someone waited on a log that had nothing left to write
                     continue
                 items, self._items, self._waiting, self._snapshots = self._items, [], 0, 0
                 self._urgent = False

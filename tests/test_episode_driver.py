@@ -356,10 +356,16 @@ class Effects:
 
 
 def answered_in_pipe(driver: EpisodeDriver) -> None:
-    """Wait until the running step has written its answer to its pipe, which nobody has read."""
+    """Wait until a request runs (handed to a child that has started) and has written its answer to its
+    pipe, which nobody has read."""
     import select
 
-    for slot in driver.runner._slots:  # the moment lies inside the runner
+    deadline = time.monotonic() + 60
+    while not driver.runner.running:  # the moment lies inside the runner: hand the request over
+        assert time.monotonic() < deadline, "no request started"
+        driver.runner._pump()
+        time.sleep(0.005)
+    for slot in driver.runner._slots:
         if slot is not None and slot.job is not None:
             assert select.select([slot.child.fileno()], [], [], 60)[0], "the step did not answer"
 
@@ -437,3 +443,30 @@ def wait_for(check: object, what: str, loop: Loop | None = None) -> None:
             for settled in loop.driver.poll():
                 loop.out[settled.lease_id] = settled.sample
         time.sleep(0.005)
+
+
+def test_an_abort_after_a_reset_answered_keeps_it(make_driver, torch_engine) -> None:
+    """A reset that answered (read by the runner, not yet applied) when an abort comes is kept: the
+    episode is waited for and comes back with the prompt the reset made, and resumes to its end."""
+    loop = Loop(make_driver(), torch_engine)
+    loop.lease(1, fresh(1))
+    assert loop.driver.episodes[1].phase is Phase.RESET
+    answered_in_pipe(loop.driver)
+    assert loop.driver.runner.cancel(-1)  # reads the answer (as an abort's first cancel would)
+    assert loop.driver.runner.pending == 1 and loop.driver.runner.running == 0
+    assert loop.abort() == []  # the answered reset is applied before the abort gives it back
+    back = loop.out.pop(1)
+    assert back.status == SampleStatus.INTERRUPTED and back.prompt_ids.shape[0] > 0 and back.episode
+    done = play(make_driver(), torch_engine, {2: resume(back)})[2]
+    assert done.status == SampleStatus.FINISHED and EpisodeState.from_bytes(done.episode).turns == 3
+    # the same when the answer is read during the abort itself (between its poll and its cancel)
+    loop = Loop(make_driver(), torch_engine)
+    loop.lease(3, fresh(3))
+    answered_in_pipe(loop.driver)
+    driver = loop.driver
+    driver.poll = lambda: []  # type: ignore[method-assign]  # the abort's own poll finds nothing yet
+    assert loop.abort() == [3]  # the cancel read it: waited for, delivered by the next poll
+    del driver.poll
+    loop.run()
+    back = loop.out.pop(3)
+    assert back.status == SampleStatus.INTERRUPTED and back.prompt_ids.shape[0] > 0 and back.episode

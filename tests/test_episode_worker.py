@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,10 @@ from harness import Cluster, wait_for
 
 from actors.tokenizer import HFTokenizer
 from april.chat import chat_format
+from april.config import BrokerConfig, load_config
 from april.episode import EpisodeState
+from broker import snapshot
+from broker.heldout import open_prompts
 
 TINY = str(Path(__file__).resolve().parent.parent / "models" / "tiny")
 WORKER = {"model": TINY, "sim_lengths": "lognormal:median=6,sigma=0.5,cap=12"}
@@ -188,59 +192,86 @@ def test_a_worker_whose_engine_fails_mid_episode_loses_nothing(
     assert_trained_once_and_whole(c, 16)
 
 
-def test_broker_killed_mid_episode_resumes_every_transcript_from_its_snapshot(
-    cluster: Callable[..., Cluster], env_on_path: None
+def effects(path: Path) -> list[tuple[str, int]]:
+    """EffectEnv's side-effect log: (step key, pid of the worker whose tool process ran it) per run."""
+    if not path.exists():
+        return []
+    return [(key, int(pid)) for key, pid in (line.split() for line in path.read_text().splitlines() if line)]
+
+
+def durable_steps(c: Cluster) -> set[str]:
+    """The steps of every episode in the books a restart restores from the broker's files now (its last
+    state file and the journal after it): the broker acknowledged no result that is not among them."""
+    config = load_config(c.config_path)
+    source, _ = open_prompts(config)
+    state = snapshot.resume(c.run_dir / "broker", config.run.mode, config.algo, source)
+    keys = set()
+    for group in state.groups.values():
+        for s in group.samples:
+            turns = EpisodeState.from_bytes(s.episode).turns if s.episode else 0
+            keys |= {f"{s.group_id}-{s.index}-{k}" for k in range(turns)}
+    return keys
+
+
+def test_broker_killed_twice_mid_episode_reruns_no_step_it_had(
+    cluster: Callable[..., Cluster], env_on_path: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGKILL the broker while episodes are partial in its buffer (async aborts them at every version)
-    and restart it with --resume: the partials come back from its snapshot and log with their transcripts
-    and episode states, the workers and the learner reconnect, every group is trained once, and every
-    trained episode is whole: each of its turns stepped once, in order, scored from exactly its turns."""
+    """At the default snapshot interval, SIGKILL the broker twice while episodes are partial in its buffer
+    and restart it with --resume: the partials come back from its state file and the journal after it
+    (their transcripts and episode states), the workers send again what was not acknowledged, the
+    counters run on, every group is trained once and every trained episode is whole. EffectEnv's
+    side-effect log counts each step's runs: no step of the books the broker restored (which hold every
+    result it acknowledged) ran twice."""
+    log = tmp_path / "effects"
+    monkeypatch.setenv("APRIL_TEST_EFFECTS", str(log))
     c = cluster(
-        **SLOW_EPISODES,
+        **{**SLOW_EPISODES, "env": {**SLOW_EPISODES["env"], "name": "episode_envs:SlowEffectEnv"}},
         worker=SLOW_WORKER,
-        broker={"snapshot_interval_s": 0.2},  # the partials of the moment are in the snapshot it restores
+        broker={"snapshot_interval_s": BrokerConfig().snapshot_interval_s},  # the default, as users run
     )
     c.start_broker()
     c.start_worker("w0")
     c.start_worker("w1")
-    c.start_learner(steps=6, train_s=0.3)
+    steps = 20
+    c.start_learner(steps=steps, train_s=0.3)
 
     def partials_with_progress() -> bool:
+        assert c.procs["learner"].poll() is None, "the run ended before the broker was killed"
         s = c.status()
         return s.ledger.partial > 0 and s.totals.resumed + s.totals.aborted > 0
 
     # In async, partials are leased again as soon as a worker has a free slot, so the buffer may be empty
-    # by the time of the kill: the broker is killed while it holds partials, and again (at most 4 times
-    # in all) until one restart has restored some from its snapshot.
-    restored = 0
-    for _ in range(4):
+    # by the time of a kill: the broker is killed while it holds partials, twice, and (at most 5 times in
+    # all) until a restart has restored some.
+    kills, restored, durable = 0, 0, set()
+    while kills < 2 or (restored == 0 and kills < 5):
         wait_for(partials_with_progress, 120, "episode partials in the broker's buffer")
-        time.sleep(0.5)  # a snapshot holds them
         before = c.status()
-        if before.ledger.partial == 0:
-            continue
         c.kill("broker")
+        kills += 1
+        durable |= durable_steps(c)
         c.start_broker(resume=True)
         after = c.status()
         assert after.epoch == before.epoch + 1 and after.ledger_balanced, after.ledger
-        assert after.ledger.issued >= before.ledger.issued - 4  # at most the unsaved tail of issues is redone
-        restored = after.ledger.partial
-        if restored > 0:
-            break
+        assert after.round.id >= before.round.id - 1  # abort rounds go on (the last may not be durable)
+        assert after.totals.aborted > 0 and after.totals.resumed > 0  # the run's counters, not this process'
+        restored += after.ledger.partial
     assert restored > 0  # episodes restored unfinished, with their transcripts and states
-    assert c.wait_exit("learner", 180) == 0, (c.tmp / "broker.log").read_text()[-3000:]
+    assert c.wait_exit("learner", 240) == 0, (c.tmp / "broker.log").read_text()[-3000:]
     status = c.status()
-    assert status.ledger_balanced and status.ledger.trained == 6 * 2  # groups
+    assert status.ledger_balanced and status.ledger.trained == steps * 2  # groups
     tokenizer = HFTokenizer(TINY)
-    by_batch = {b["batch"]: b for b in c.batches()}  # a batch sent again after the restart counts once
-    assert len(by_batch) == 6
-    samples = trained(c)
-    keys = [s["key"] for s in samples]
-    firsts = {s["key"]: s for s in samples}
-    assert len(firsts) == 6 * 2 * c.config["algo"]["n_samples_per_prompt"] == len(set(keys))
+    by_batch = {b["batch"]: b for b in c.batches()}  # a batch sent again after a restart counts once
+    assert len(by_batch) == steps
+    firsts = {s["key"]: s for s in trained(c)}
+    assert len(firsts) == steps * 2 * c.config["algo"]["n_samples_per_prompt"]
     assert any(s["resumes"] for s in firsts.values())
     for s in firsts.values():
         assert_whole(s, tokenizer)
+    runs = Counter(key for key, _ in effects(log))
+    assert durable and durable <= set(runs)
+    twice = {key: n for key, n in runs.items() if n > 1 and key in durable}
+    assert twice == {}, f"steps the broker had on disk ran again: {twice}"
 
 
 def test_sglang_worker_runs_episodes_one_request_a_turn(
