@@ -24,7 +24,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from april.records import ABORT_CODE, FINISHED_CODE, INTERRUPTED_CODE, FinishReason, Sample, SampleStatus
+from april.records import (
+    ABORT_CODE,
+    FINISHED_CODE,
+    INTERRUPTED_CODE,
+    SETTLED,
+    FinishReason,
+    Sample,
+    SampleStatus,
+)
 from april.wire_records import SampleBatch
 
 # the statuses a worker may return, and the finish reasons of a finished sample: both checks read these
@@ -91,8 +99,9 @@ def check_continues(before: Sample, after: Sample, max_new_tokens: int, version:
 
 def holds_already(held: Sample, returned: Sample) -> bool:
     """Whether `held`, the books' state of a sample, is `returned` or a later state of it: its response
-    starts with `returned`'s, token and log-prob for token, and, as long as it, it has the same episode
-    state and either `returned` is a partial or both settled alike."""
+    starts with `returned`'s, token and log-prob for token, and, as long as it, it settled where
+    `returned` is a partial, or it has the same episode state and either `returned` is a partial or both
+    settled alike."""
     n = returned.response_len
     if held.key != returned.key or held.response_len < n:
         return False
@@ -103,6 +112,8 @@ def holds_already(held: Sample, returned: Sample) -> bool:
         return False
     if held.response_len > n:
         return True
+    if returned.status == SampleStatus.INTERRUPTED and held.status in SETTLED:
+        return True  # settled since with nothing more generated (a step that ended the episode)
     return held.episode == returned.episode and (
         returned.status == SampleStatus.INTERRUPTED or held.status == returned.status
     )

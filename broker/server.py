@@ -89,19 +89,21 @@ class Broker:
         self.exporter = PrometheusExporter(self.cfg.metrics_port) if self.cfg.metrics_port > 0 else None
         now = time.monotonic()
         if resume and not snapshot.exists(run_dir / "broker"):
-            # Killed before its first snapshot: nothing was persisted, and no batch was handed out (a batch
-            # leaves only once a snapshot holding it is durable), so starting the books afresh loses nothing;
-            # refusing would make `april up`'s restart with --resume fail for good.
+            # Killed before its first state file was written (at its start, below): nothing was leased yet,
+            # so starting the books afresh loses nothing; refusing would make `april up`'s restart with
+            # --resume fail for good.
             log.warning("--resume: no snapshot in %s yet; starting the books afresh", run_dir / "broker")
             resume = False
         trusted: set[int] = set()  # complete groups whose log records the books were restored from
         if resume:  # the last durable state file, and the journal of the changes after it
             state = snapshot.resume(run_dir / "broker", config.run.mode, config.algo, source)
             trusted = snapshot.restored_groups(state)
-            # persist the new epoch at once: a second crash must not reuse this epoch's lease ids
-            snapshot.write(snapshot.capture(state), run_dir / "broker", trusted)
         else:
             state = BrokerState(config.run.mode, config.algo, source)
+        # a state file at once, which the journal follows: a resumed broker's (a second crash must not
+        # reuse this epoch's lease ids), and a new one's (a crash before its first snapshot keeps what
+        # was acknowledged meanwhile)
+        snapshot.write(snapshot.capture(state), run_dir / "broker", trusted)
         self.core = BrokerCore(config, state, held_out, now, restored=resume)
         self.journal = state.journal = Journal()  # every change of the books from now on
         self.snapshots = SnapshotWriter(run_dir / "broker", trusted)

@@ -647,14 +647,15 @@ class BrokerState:
         current = entry.samples[sample.index]
         if holds_already(current, sample):
             raise ResultRejected("duplicate", f"sample {sample.key}: the books hold this result already")
-        earlier = lease_id >> LEASE_EPOCH_SHIFT < self.epoch  # granted by a broker before a restart
-        waiting = current.status in (PENDING_CODE, INTERRUPTED_CODE)
-        if not earlier or not waiting or lease_id in self.leases:
-            raise ResultRejected("not_leased", f"lease {lease_id} is not held by {worker_id}")
+        refused = f"lease {lease_id} is not held by {worker_id}"
+        if lease_id >> LEASE_EPOCH_SHIFT >= self.epoch or lease_id in self.leases:
+            raise ResultRejected("not_leased", refused)
+        if current.status not in (PENDING_CODE, INTERRUPTED_CODE):  # granted before a restart, lost with it
+            raise ResultRejected("not_leased", f"{refused} (sample {sample.key} is {current.status.name})")
         try:  # it must continue the sample as it waits, the same task and prompt
             check_continues(current, sample, self.algo.max_new_tokens, self.version)
-        except ResultRejected:
-            raise ResultRejected("not_leased", f"lease {lease_id} is not held by {worker_id}") from None
+        except ResultRejected as exc:
+            raise ResultRejected("not_leased", f"{refused} ({exc.reason}: {exc})") from None
         self.queue.remove({current.key})
         self._hold(lease_id, worker_id, entry, current)
         return self.leases[lease_id]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -193,10 +192,12 @@ def test_a_worker_whose_engine_fails_mid_episode_loses_nothing(
 
 
 def effects(path: Path) -> list[tuple[str, int]]:
-    """EffectEnv's side-effect log: (step key, pid of the worker whose tool process ran it) per run."""
+    """EffectEnv's side-effect log: (step key, pid of the worker whose tool process ran it) per run, in
+    the order they ran (whole lines: a step may be writing one)."""
     if not path.exists():
         return []
-    return [(key, int(pid)) for key, pid in (line.split() for line in path.read_text().splitlines() if line)]
+    lines = path.read_text().split("\n")[:-1]
+    return [(key, int(pid)) for key, pid in (line.split() for line in lines if line)]
 
 
 def durable_steps(c: Cluster) -> set[str]:
@@ -220,8 +221,10 @@ def test_broker_killed_twice_mid_episode_reruns_no_step_it_had(
     and restart it with --resume: the partials come back from its state file and the journal after it
     (their transcripts and episode states), the workers send again what was not acknowledged, the
     counters run on, every group is trained once and every trained episode is whole. EffectEnv's
-    side-effect log counts each step's runs: no step of the books the broker restored (which hold every
-    result it acknowledged) ran twice."""
+    side-effect log counts each step's runs: no step of the books the broker restores (which hold every
+    result it acknowledged) runs again after its kill. (A lease granted in the last milliseconds before a
+    kill, its journal not yet on disk, may be leased again before its worker's result comes back: the
+    steps made under it run again, with their keys; they were never acknowledged.)"""
     log = tmp_path / "effects"
     monkeypatch.setenv("APRIL_TEST_EFFECTS", str(log))
     c = cluster(
@@ -243,13 +246,14 @@ def test_broker_killed_twice_mid_episode_reruns_no_step_it_had(
     # In async, partials are leased again as soon as a worker has a free slot, so the buffer may be empty
     # by the time of a kill: the broker is killed while it holds partials, twice, and (at most 5 times in
     # all) until a restart has restored some.
-    kills, restored, durable = 0, 0, set()
+    kills, restored = 0, 0
+    durable: list[tuple[set[str], int]] = []  # at each kill: the steps the broker's files held, steps run
     while kills < 2 or (restored == 0 and kills < 5):
         wait_for(partials_with_progress, 120, "episode partials in the broker's buffer")
         before = c.status()
         c.kill("broker")
         kills += 1
-        durable |= durable_steps(c)
+        durable.append((durable_steps(c), len(effects(log))))
         c.start_broker(resume=True)
         after = c.status()
         assert after.epoch == before.epoch + 1 and after.ledger_balanced, after.ledger
@@ -268,10 +272,10 @@ def test_broker_killed_twice_mid_episode_reruns_no_step_it_had(
     assert any(s["resumes"] for s in firsts.values())
     for s in firsts.values():
         assert_whole(s, tokenizer)
-    runs = Counter(key for key, _ in effects(log))
-    assert durable and durable <= set(runs)
-    twice = {key: n for key, n in runs.items() if n > 1 and key in durable}
-    assert twice == {}, f"steps the broker had on disk ran again: {twice}"
+    order = [key for key, _ in effects(log)]
+    rerun = {key for held, ran in durable for key in order[ran:] if key in held}
+    assert rerun == set(), f"steps the broker had on disk ran again after its kill: {rerun}"
+    assert all(held <= set(order) for held, _ in durable) and any(held for held, _ in durable)
 
 
 def test_sglang_worker_runs_episodes_one_request_a_turn(
