@@ -136,27 +136,47 @@ def assert_trained_once_and_whole(c: Cluster, samples: int) -> None:
         assert any(assert_whole(s, tokenizer))
 
 
-def test_worker_killed_mid_tool_call_loses_nothing(
-    cluster: Callable[..., Cluster], env_on_path: None
+def test_worker_killed_mid_tool_call_loses_nothing_and_replays_steps_under_their_keys(
+    cluster: Callable[..., Cluster], env_on_path: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """SIGKILL a worker while its tool steps run: its leases go back as they were leased and another
+    worker plays them on, so every group is trained once and every trained episode is whole. What the
+    dead worker had not returned runs again: at least once, and under the same StepKey. EffectEnv's
+    side-effect log shows it: only steps the victim ran run twice, each at most twice (its run, then the
+    replay), and the keys run are exactly the steps of the episodes played (an environment that applies
+    each key's effect once would have applied every effect once)."""
+    log = tmp_path / "effects"
+    monkeypatch.setenv("APRIL_TEST_EFFECTS", str(log))
     c = cluster(
-        **SLOW_EPISODES,
+        **{**SLOW_EPISODES, "env": {**SLOW_EPISODES["env"], "name": "episode_envs:SlowEffectEnv"}},
         worker=SLOW_WORKER,
     )
     c.start_broker()
-    c.start_worker("victim")
+    victim = c.start_worker("victim")
     # turns take milliseconds, steps 0.3 s: a worker holding episodes is almost always in their steps
     wait_for(lambda: any(w.leases for w in c.status().workers), 60, "the victim to hold leases")
     time.sleep(1.0)  # some episodes are past their first step: their progress is lost with the worker
     held = {w.id: w.leases for w in c.status().workers}["victim"]
+    victim_pid = c.procs["victim"].pid
     c.kill("victim")  # SIGKILL: its tool-runner children die with it
     c.start_worker("w2")
     c.start_learner(steps=4, train_s=0.05)  # async aborts at each version: later batches hold resumes
     assert c.wait_exit("learner", 120) == 0
     status = c.status()
     assert held > 0 and status.ledger_balanced and status.ledger.trained == 8  # groups
-    assert "worker victim silent for" in (c.tmp / "broker.log").read_text()
+    assert "worker victim silent for" in (c.tmp / "broker.log").read_text(), victim.read_text()[-2000:]
     assert_trained_once_and_whole(c, 16)
+    runs = effects(log)
+    by_key: dict[str, list[int]] = {}
+    for key, pid in runs:
+        by_key.setdefault(key, []).append(pid)
+    again = {key: pids for key, pids in by_key.items() if len(pids) > 1}
+    assert again, "no step of the victim ran again (the kill caught none in flight)"
+    assert all(len(pids) == 2 and pids[0] == victim_pid != pids[1] for pids in again.values()), again
+    for s in trained(c):  # every trained episode's steps ran, under their keys
+        g, i = s["key"]
+        assert {f"{g}-{i}-{t}" for t in range(TURNS)} <= set(by_key)
+    assert all(int(key.split("-")[2]) < TURNS for key in by_key)
 
 
 def test_a_worker_whose_engine_fails_mid_episode_loses_nothing(
