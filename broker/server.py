@@ -30,7 +30,7 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import Config, ConfigError
 from april.keys import server_keys
-from april.protocol import Message
+from april.protocol import Message, WeightsReady
 from april.records import Sample
 from april.status import BrokerStatus
 from april.transport import configure
@@ -65,18 +65,17 @@ LOG_AS_RECEIVED_MIN = 16
 # allocations; a full one stays possible for what cyclic garbage there is.
 GC_THRESHOLDS = (100_000, 50, 20)
 EVAL_LOG = "eval.jsonl"  # one line per finished evaluation, in the run directory
-ACK_TICKS = 1  # an acknowledgement no Lease carried goes alone after this many ticks' silence to the worker
+ACK_TICKS = 1  # a result's acknowledgement no Lease carried this many ticks after it came goes alone
 TOTALS = "broker_totals.json"  # the run's totals, written when the broker stops (april bench reads it)
 
 
 @dataclass(slots=True)
 class ResultAcks:
-    """A worker's results since its hello: (the log write that makes each durable, its seq), the highest
-    seq durable, and the highest sent to it."""
+    """A worker's results not yet acknowledged to it: (the log write that makes each durable, its seq, when
+    it came), oldest first; and the highest seq acknowledged."""
 
-    pending: deque[tuple[int, int]] = field(default_factory=deque)
+    pending: deque[tuple[int, int, float]] = field(default_factory=deque)
     acked: int = 0
-    sent: int = 0
 
 
 class Broker:
@@ -108,7 +107,8 @@ class Broker:
         self.journal = state.journal = Journal()  # every change of the books from now on
         self.snapshots = SnapshotWriter(run_dir / "broker", trusted)
         self.acks: dict[str, ResultAcks] = {}  # workers with results not yet acknowledged to them
-        self._unlogged: list[tuple[str, int]] = []  # (worker, seq) of results whose journal is not queued
+        # (worker, seq, when it came) of results whose journal is not queued yet
+        self._unlogged: list[tuple[str, int, float]] = []
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: LearnerPeer | None = None
         self.learner_identity = b""
@@ -203,35 +203,32 @@ class Broker:
             self.snapshots.log_journal(self.journal.take())
         if self._unlogged:
             log_seq = self.snapshots.log_seq
-            for worker_id, seq in self._unlogged:
-                self.acks.setdefault(worker_id, ResultAcks()).pending.append((log_seq, seq))
+            for worker_id, seq, came in self._unlogged:
+                self.acks.setdefault(worker_id, ResultAcks()).pending.append((log_seq, seq, came))
             self._unlogged.clear()
 
     def _acked(self, worker_id: str) -> int:
-        """The highest seq of `worker_id`'s results that is durable, marked as sent (0: none yet)."""
+        """The highest seq of `worker_id`'s results that is durable (0: none yet), about to be sent to it:
+        those results are no longer pending."""
         acks = self.acks.get(worker_id)
         if acks is None:
             return 0
         durable = self.snapshots.durable_log
         while acks.pending and acks.pending[0][0] <= durable:
             acks.acked = max(acks.acked, acks.pending.popleft()[1])
-        acks.sent = acks.acked
         if not acks.pending:
             del self.acks[worker_id]
         return acks.acked
 
     def _send_acks(self, now: float) -> None:
-        """A ResultAck to each worker whose results became durable and that no message was sent to for
-        ACK_TICKS ticks (a Lease would have carried it)."""
+        """A ResultAck to each worker with a durable result that came ACK_TICKS ticks ago or more and that
+        no Lease has acknowledged since (whatever else was sent to it)."""
         durable = self.snapshots.durable_log
-        quiet = ACK_TICKS * self.cfg.heartbeat_interval_s / 4
+        due = now - ACK_TICKS * self.cfg.heartbeat_interval_s / 4
         for worker_id, acks in list(self.acks.items()):
-            peer = self.core.workers.get(worker_id)
-            if peer is None:
+            if worker_id not in self.core.workers:
                 del self.acks[worker_id]
-                continue
-            ready = acks.acked > acks.sent or (acks.pending and acks.pending[0][0] <= durable)
-            if ready and now - peer.last_sent >= quiet:
+            elif acks.pending[0][0] <= durable and acks.pending[0][2] <= due:
                 self._send_worker(worker_id, protocol.ResultAck(self._acked(worker_id)), now)
 
     # ------------------------------------------------------------------ receiving and sending
@@ -319,7 +316,7 @@ class Broker:
                 )
                 return
             self.acks.pop(msg.worker_id, None)  # a new session: its results are sent again and acknowledged
-            self._unlogged = [(w, seq) for w, seq in self._unlogged if w != msg.worker_id]
+            self._unlogged = [item for item in self._unlogged if item[0] != msg.worker_id]
             self._carry_out(core.on_hello(msg, now), now)
             return
         peer = core.workers.get(worker_id)
@@ -342,7 +339,7 @@ class Broker:
                 peer.samples_returned += len(msg.samples)
                 self._carry_out(core.on_result(worker_id, msg, now), now, msg.samples)
                 if msg.seq:  # acknowledged once its journal is durable
-                    self._unlogged.append((worker_id, msg.seq))
+                    self._unlogged.append((worker_id, msg.seq, now))
             case protocol.AbortDone():
                 self._carry_out(
                     core.on_abort_done(worker_id, msg.round_id, msg.credit, set(msg.scoring.tolist()), now),
@@ -393,7 +390,7 @@ class Broker:
                     )
             case protocol.WeightsReady(version=version, uri=uri, sha256=sha256):
                 decisions = core.on_weights(version, uri, sha256, now)
-                if decisions and isinstance(decisions[0], Send):
+                if any(isinstance(d, Send) and isinstance(d.message, WeightsReady) for d in decisions):
                     # the version is durable before any worker hears of it: a restarted broker must not
                     # refuse the tokens of a version its workers generated with (future_version)
                     self._log_journal()
