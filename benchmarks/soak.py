@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 from april.config import load_config, write_config  # noqa: E402
 from april.files import read_jsonl  # noqa: E402
 from april.hf import TINY_MODEL  # noqa: E402
+from april.placement import place  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from april.status import BrokerStatus  # noqa: E402
 from cli.status_cmd import StatusError, fetch_status  # noqa: E402
@@ -83,7 +84,7 @@ class Soak:
         config = wire_addresses(load_config(self.config_path))
         write_config(config, self.config_path)
         self.address = config.learner.broker
-        specs = plan(config, self.config_path, self.run_dir, self.workers, resume=False)
+        specs = plan(config, self.config_path, self.run_dir, place(config, (), self.workers), resume=False)
         self.specs = [dataclasses.replace(s, max_restarts=UNBOUNDED) for s in specs]
 
     def status(self, timeout_s: float = 1.0) -> BrokerStatus | None:

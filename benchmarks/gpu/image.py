@@ -37,6 +37,18 @@ IMAGE_HAS = frozenset(
         "pytest",
     }
 )
+# The image's Python as requirement markers see it (CPython 3.12.3 on x86-64 Linux, no extras)
+IMAGE_MARKERS = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
 # What april imports that the image lacks, carried by `make gpu-wheels` (typing-extensions: pydantic needs
 # a recent one); DeepSpeed, an sdist, is built into a wheel there.
 CARRIED = (
@@ -118,17 +130,7 @@ def image_distributions() -> set[str]:
     ones, and their requirements, transitively (no extras; markers as for CPython 3.12 on x86-64 Linux)."""
     from packaging.requirements import Requirement
 
-    env = {
-        "python_version": "3.12",
-        "python_full_version": "3.12.3",
-        "sys_platform": "linux",
-        "platform_system": "Linux",
-        "platform_machine": "x86_64",
-        "os_name": "posix",
-        "implementation_name": "cpython",
-        "platform_python_implementation": "CPython",
-        "extra": "",
-    }
+    env = dict(IMAGE_MARKERS)
     seen: set[str] = set()
     todo = [*IMAGE_HAS, *CARRIED, BUILT]
     while todo:
