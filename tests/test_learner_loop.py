@@ -31,7 +31,7 @@ from learner.client import BrokerClient
 from learner.loop import run_learner
 from learner.phases import PhaseClock
 from learner.sim_trainer import STATE_FILE, SimTrainer
-from learner.trainer import BroadcastSend, ResumePoint
+from learner.trainer import BroadcastSend, ResumePoint, TrainResult
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 60  # "did not hang", never "was fast"
@@ -96,7 +96,7 @@ class Recording(SimTrainer):
         )
         self.calls.append(("restore", point.step, point.version, point.last_batch_id))
 
-    def train(self, batch: protocol.Batch, version: int) -> dict[str, float]:
+    def train(self, batch: protocol.Batch, version: int) -> TrainResult:
         detail = f"step {batch.step + 1}, {len(batch.samples)} samples"
         wait_for(lambda: self.reported(LearnerPhase.TRAINING, detail), DEADLINE_S, "the training phase")
         self.calls.append(("train", batch.batch_id, version, len(batch.samples)))
