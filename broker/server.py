@@ -89,7 +89,8 @@ class Broker:
             state = BrokerState(config.run.mode, config.algo, source)
         self.core = BrokerCore(config, state, held_out, now, restored=resume)
         self.snapshots = SnapshotWriter(run_dir / "broker", trusted)
-        self.eval_records = EvalRecords(config, run_dir) if config.run.rollout_records else None
+        records = config.run.rollout_records and config.run.eval_every > 0
+        self.eval_records = EvalRecords(config, run_dir) if records else None
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: LearnerPeer | None = None
         self.learner_identity = b""

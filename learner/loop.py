@@ -126,7 +126,11 @@ def run_learner(
                     weights_transport=config.weights.transport.value,
                 )
                 acked = ack_metrics(record)
-                shown = records.submit(step, version, batch, trained.samples) if records is not None else None
+                shown = None
+                if records is not None:
+                    records.submit(step, version, batch, trained.samples)
+                    if metrics.has_sinks:
+                        shown = records.table(version, batch, trained.samples)
                 metrics.append(record, shown)
                 log_step(record)
             step, version, last_batch_id = step + 1, version + 1, batch.batch_id

@@ -161,6 +161,11 @@ class MetricsLog:
             last = self.last_step()
             self._wandb = WandbRun(path.parent, config, next_step=0 if last is None else last + 1)
 
+    @property
+    def has_sinks(self) -> bool:
+        """Whether anything but metrics.jsonl takes the lines (TensorBoard, wandb)."""
+        return self._tensorboard is not None or self._wandb is not None
+
     def append(self, record: dict[str, Any], samples: SamplesTable | None = None) -> None:
         """Append `record`'s line and mirror it to the sinks, with `samples` as the table `rollouts/samples`
         at the same step."""

@@ -71,18 +71,21 @@ class StepRecords:
         kept = {ids[i] for i in rng.choice(len(ids), size=self.groups, replace=False).tolist()}
         return [s for s in samples if s.group_id in kept]
 
-    def submit(
-        self, step: int, version: int, batch: protocol.Batch, figures: SampleFigures | None
-    ) -> SamplesTable:
-        """Queue the file of `step` (trained from weights `version`); the step's few samples, now."""
-        every = batch.samples.to_samples()
-        samples = self.chosen(step, every)
+    def submit(self, step: int, version: int, batch: protocol.Batch, figures: SampleFigures | None) -> None:
+        """Queue the file of `step` (trained from weights `version`)."""
+        samples = self.chosen(step, batch.samples.to_samples())
         context = Context(self.source, version, self.decode)
         by_key = figures.of() if figures is not None else None
         self.writer.submit(
             step_file(step), lambda: train_table(step, version, batch.batch_id, samples, context, by_key)
         )
-        return samples_table(every, context, by_key)
+
+    def table(self, version: int, batch: protocol.Batch, figures: SampleFigures | None) -> SamplesTable:
+        """The step's few samples for the trackers, now (a few decodes)."""
+        context = Context(self.source, version, self.decode)
+        return samples_table(
+            batch.samples.to_samples(), context, figures.of() if figures is not None else None
+        )
 
     def flush(self) -> None:
         self.writer.flush()
