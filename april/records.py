@@ -58,6 +58,7 @@ class FinishReason(enum.IntEnum):
 # enum answers each miss in Python).
 PENDING_CODE, RUNNING_CODE, INTERRUPTED_CODE, FINISHED_CODE, FAILED_CODE = map(int, SampleStatus)
 ABORT_CODE = int(FinishReason.ABORT)
+MAX_WORKER_ID = 128  # characters of a worker id (WorkerHello's bound), as a lease span names it
 
 
 class Segment(NamedTuple):
@@ -313,6 +314,8 @@ class Sample:
             raise ValueError(
                 f"sample {self.key}: lease spans ending at {ends}, expected rising within [0, {n}]"
             )
+        if not all(0 < len(span.worker) <= MAX_WORKER_ID for span in self.leases):
+            raise ValueError(f"sample {self.key}: a lease span's worker is not 1..{MAX_WORKER_ID} characters")
 
     def _check_spans(self) -> int:
         """Walk segments and observations in order of position; return where they stop covering the

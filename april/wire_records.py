@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from april.codec import Float32Array, Float64Array, Int32Array, Int64Array, UInt8Array
-from april.records import FinishReason, LeaseSpan, Sample, SampleStatus, Segment, Span
+from april.records import MAX_WORKER_ID, FinishReason, LeaseSpan, Sample, SampleStatus, Segment, Span
 
 # plain ints, as april.records' codes: numpy compares with an enum member several times slower
 _STATUS_MAX = int(max(SampleStatus))
@@ -52,7 +52,6 @@ _STATUSES = {int(m): m for m in SampleStatus}
 _FINISH_REASONS = {int(m): m for m in FinishReason}
 LOGPROB_TOLERANCE = 1e-3  # engines round; a log-prob above this is not a probability
 _NO_SPANS = np.zeros(0, dtype=np.int64)  # the observations of a batch without any: one shared empty array
-MAX_WORKER_ID = 128  # characters of a lease span's worker id (WorkerHello's bound)
 
 
 @dataclass(frozen=True, slots=True)

@@ -231,6 +231,7 @@ def test_check_accepts_valid_and_rejects_each_broken_invariant() -> None:
         (_with(good, segments=(Segment(0, 0, 3),)), "segments and observations cover 3 of 4"),
         (_with(good, leases=(LeaseSpan("w", 3), LeaseSpan("w", 2))), "lease spans ending at \\[3, 2\\]"),
         (_with(good, leases=(LeaseSpan("w", 5),)), "expected rising within \\[0, 4\\]"),
+        (_with(good, leases=(LeaseSpan("", 4),)), "worker is not 1..128 characters"),
         (_with(good, segments=(Segment(0, 1, 3), Segment(1, 3, 4))), "bad segment"),
         (_with(good, segments=(Segment(0, 0, 2), Segment(1, 3, 4))), "bad segment"),
         (_with(good, segments=(Segment(1, 0, 3), Segment(0, 3, 4))), "bad segment"),
