@@ -147,11 +147,19 @@ class RunConfig:
     steps: int = 20  # learner steps (batches trained) in the run
     mode: Mode = Mode.APRIL  # scheduling: sync baseline, april partial rollouts, async (docs/design.md 4)
     eval_every: int = 0  # steps between evaluations on the held-out prompts (and at the end); 0 = off
+    rollout_records: bool = True  # write <run>/rollouts/: every trained sample per step, every evaluation
+    rollout_records_groups: int = 0  # groups recorded per step: 0 = all; k: k of them, drawn per step
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "run.name", self.name, "must be a non-empty string")
         _positive(self, "run", "steps")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, "must be >= 0 (0 = off)")
+        _check(
+            self.rollout_records_groups >= 0,
+            "run.rollout_records_groups",
+            self.rollout_records_groups,
+            "must be >= 0 (0 = every group)",
+        )
 
     @property
     def partial_rollout(self) -> bool:

@@ -32,7 +32,8 @@ from april.ledger import Ledger
 from april.status import BrokerStatus
 from april.wire_records import SampleBatch
 
-PROTOCOL_VERSION = 3  # 2: small arrays inline in the body (april.codec); 3: episodes (SampleBatch)
+PROTOCOL_VERSION = 4  # 2: small arrays inline in the body (april.codec); 3: episodes (SampleBatch); 4: lease
+# spans (SampleBatch)
 INLINE_BYTES = 64 * 1024  # a message's small arrays travel in its body up to this many bytes in all
 
 

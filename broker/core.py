@@ -202,7 +202,7 @@ class BrokerCore:
         then the freed slots are leased at once (no training work once the round is complete).
         `vouched`: per sample, already checked against its lease (`on_result`); None: none was."""
         peer = self.workers.peers[worker_id]
-        settled: list[Sample] = []
+        settled: list[tuple[int, int]] = []  # keys of the training samples that settled
         checked = [False] * len(samples) if vouched is None else vouched
         for lease_id, sample, ok in zip(lease_ids, samples, checked, strict=True):
             try:
@@ -211,7 +211,7 @@ class BrokerCore:
                 else:
                     accepted = self.state.accept_result(worker_id, lease_id, sample, vouched=ok)
                     if sample.status in SETTLED:  # for good: logged now, not in every snapshot after
-                        settled.append(sample)
+                        settled.append(sample.key)
                 peer.tokens_generated += accepted
             except ResultRejected as exc:
                 log.warning("rejected sample from %s: %s", worker_id, exc)
@@ -219,9 +219,9 @@ class BrokerCore:
                 if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
                     self._reclaim(lease_id)
         if settled:  # those of groups just dropped need no record
-            groups = self.state.groups
-            kept = [s for s in settled if s.group_id in groups]
-            self._out.append(Settled(kept, whole=len(settled) == len(samples)))
+            groups = self.state.groups  # each as the books keep it (with the lease span they added)
+            kept = [groups[g].samples[i] for g, i in settled if g in groups]
+            self._out.append(Settled(kept, whole=len(kept) == len(samples)))
         self.on_credit(worker_id, credit)
         self._dispatch(now, train=not self.state.round_complete())
         return self._take()

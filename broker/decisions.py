@@ -49,8 +49,9 @@ class Refuse:
 @dataclass(frozen=True, slots=True)
 class Settled:
     """Samples of one SampleResult the books took for good (FINISHED or FAILED) and that belong to a
-    group still held: they are logged once (`broker.complete_log`). `whole`: every sample of the result
-    settled (then the result may be logged as it came)."""
+    group still held, as the books keep them: they are logged once (`broker.complete_log`). `whole`:
+    every sample of the result settled and is here, in the result's order (then the result may be logged
+    as it came, with these samples' lease spans)."""
 
     samples: list[Sample]
     whole: bool

@@ -5,8 +5,9 @@ snapshots (5557). Every poll has a timeout; every received message is decoded st
 dropped, counted (per peer, per reason) and answered with an Error: the broker never exits on a peer's
 message. Owns the transport and the clock: which peer is alive (silence past the liveness window),
 heartbeats, the learner's session, snapshots (a formed batch leaves only once its snapshot is durable),
-the log of settled samples, the status feed and the Prometheus endpoint. Every scheduling decision is
-`broker.core.BrokerCore`'s: the loop hands it each event with the time, and carries out what it decides.
+the log of settled samples, eval.jsonl and the evaluations' rollout records, the status feed and the
+Prometheus endpoint. Every scheduling decision is `broker.core.BrokerCore`'s: the loop hands it each
+event with the time, and carries out what it decides.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from broker import snapshot
 from broker.auth import CurveGate
 from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, Send, Settled
+from broker.eval_records import EvalRecords
 from broker.heldout import open_prompts
 from broker.peers import LearnerPeer, Rejections
 from broker.prometheus import PrometheusExporter
@@ -87,6 +89,8 @@ class Broker:
             state = BrokerState(config.run.mode, config.algo, source)
         self.core = BrokerCore(config, state, held_out, now, restored=resume)
         self.snapshots = SnapshotWriter(run_dir / "broker", trusted)
+        records = config.run.rollout_records and config.run.eval_every > 0
+        self.eval_records = EvalRecords(config, run_dir) if records else None
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: LearnerPeer | None = None
         self.learner_identity = b""
@@ -158,6 +162,8 @@ class Broker:
             self.exporter.close()
         self.save_snapshot()
         self.snapshots.close()
+        if self.eval_records is not None:
+            self.eval_records.close()
         totals = {"at_last_step": self.core.last_step_totals, "at_stop": self.core.run_totals()}
         (self.run_dir / TOTALS).write_text(json.dumps(totals, indent=2) + "\n", encoding="utf-8")
         for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
@@ -229,7 +235,8 @@ class Broker:
                     self._send_worker(worker_id, message, now)
                 case Settled(samples=samples, whole=whole):
                     if whole and result is not None and len(result) >= LOG_AS_RECEIVED_MIN:
-                        self.snapshots.log_received(result)  # the arrays as they came, in one record
+                        # the arrays as they came, in one record, with the lease spans the books added
+                        self.snapshots.log_received(result.with_leases(samples))
                     elif samples:
                         self.snapshots.log_groups([(s.group_id, [s]) for s in samples])
                 case Refuse(peer_id=peer_id, reason=reason, detail=detail, reply=reply):
@@ -242,6 +249,8 @@ class Broker:
                     line = json.dumps({"time": time.time(), **finished.to_json()})
                     with open(self.run_dir / EVAL_LOG, "a", encoding="utf-8") as f:
                         f.write(line + "\n")  # the final one lands after the last step
+                    if self.eval_records is not None:
+                        self.eval_records.submit(finished)
 
     # ------------------------------------------------------------------ workers
 

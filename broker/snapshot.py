@@ -16,7 +16,7 @@ length-prefixed frames. The log is appended and fsynced before the state file th
 written to a temporary file, fsynced and renamed over the old one, and a log segment is deleted only
 after a state file that no longer refers to it is durable, so a crash at any point leaves a previous
 consistent pair; a torn record at a segment's tail is cut off on open. Files of earlier formats are read
-(`READABLE_FORMATS`; those before protocol 3 with the episode columns empty).
+(`READABLE_FORMATS`; the columns a later protocol added, episodes and lease spans, empty).
 
 Restoring starts a new lease epoch (see `broker.state`). Does not decide when to snapshot: the server does.
 """
@@ -52,12 +52,12 @@ from broker.complete_log import (
 from broker.length_history import HistoryWire, LengthHistory
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, WaitingPrompt
 
-SNAPSHOT_FORMAT = 5  # the state file's codec version (log records have their own: complete_log); 2: the
+SNAPSHOT_FORMAT = 6  # the state file's codec version (log records have their own: complete_log); 2: the
 # length history and prompt window; 3: settled samples of live groups are in the log, not the state file;
 # 4: a leased sample is only in `leased_at` (as leased it is that sample resumed); 5: samples carry
-# episodes (observation spans, episode state)
-READABLE_FORMATS = (5, 4, 3, 2)  # formats 2 and 3 also hold leased samples in `samples`: read as they are;
-# formats before 5 lack the episode columns: read with them empty
+# episodes (observation spans, episode state); 6: samples carry their lease spans
+READABLE_FORMATS = (6, 5, 4, 3, 2)  # formats 2 and 3 also hold leased samples in `samples`: read as they
+# are; formats before 5 lack the episode columns, before 6 the lease spans: read with them empty
 SNAPSHOT_KIND = 0
 FILE_NAME = "state.snap"
 

@@ -1,10 +1,11 @@
 """The learner process: one loop, top to bottom, whatever trains (docs/learner.md).
 
 For each step: wait for the batch (exactly N samples in complete groups), train on it, publish weights
-version v+1 and announce them, append the metrics line, checkpoint every `checkpoint_every` steps, and ack
-the batch last (so a crash never leaves a batch acked but not in the checkpoint when checkpointing every
-step). What trains is a `learner.trainer.Trainer`: a real model (`learner.model_trainer`) or the cost
-model of `april bench --engine sim` (`learner.sim_trainer`), so both run this same loop.
+version v+1 and announce them, append the metrics line and queue the step's rollout records, checkpoint
+every `checkpoint_every` steps (once the records queued so far are on disk), and ack the batch last (so a
+crash never leaves a batch acked but not in the checkpoint when checkpointing every step). What trains is
+a `learner.trainer.Trainer`: a real model (`learner.model_trainer`) or the cost model of `april bench
+--engine sim` (`learner.sim_trainer`), so both run this same loop.
 
 Under a launcher (torchrun, deepspeed) every rank runs the loop; rank 0 alone talks to the broker and
 writes weights and metrics, and shares each batch. Rank 0 connects before the model loads, so the broker
@@ -33,6 +34,7 @@ from learner.handoff import WeightsHandOff
 from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
 from learner.phases import PhaseClock
 from learner.ranks import share_batch
+from learner.step_records import StepRecords
 from learner.trainer import FRESH, ResumePoint, Trainer
 
 log = logging.getLogger("april.learner")
@@ -73,6 +75,7 @@ def run_learner(
         raise
     phases = PhaseClock(client.report_phase if client is not None else None)
     metrics: MetricsLog | None = None
+    records: StepRecords | None = None
     try:
         trainer.start(phases.enter)
         if saved_point is not None:
@@ -85,6 +88,8 @@ def run_learner(
             # the simulated learner writes no TensorBoard events: its writer would import torch
             events = run_dir / "tensorboard" if lc.tensorboard and lc.backend != "sim" else None
             metrics = MetricsLog(run_dir / "metrics.jsonl", events, config=config)
+            if config.run.rollout_records:
+                records = StepRecords(config, run_dir, point.step, resume)
         step, version, last_batch_id, saved = point.step, point.version, point.last_batch_id, point.step
         while step < config.run.steps:
             started = time.monotonic()
@@ -99,7 +104,7 @@ def run_learner(
             version = catch_up(version, batch.version, step)
             waited = time.monotonic()
             phases.enter(Phase.TRAINING, f"step {step + 1}, {len(batch.samples)} samples")
-            stats = trainer.train(batch, version)
+            trained = trainer.train(batch, version)
             computed = time.monotonic()
             phases.enter(Phase.PUBLISHING_WEIGHTS, f"v{version + 1}")
             broadcast = handoff.broadcast if handoff is not None else None
@@ -117,15 +122,22 @@ def run_learner(
                     step_time_s=announced - started,
                     learner_time_s=computed - waited,
                     weight_sync_s=announced - computed,
-                    train={**stats, **handoff.figures(), "wait_s": waited - started},
+                    train={**trained.metrics, **handoff.figures(), "wait_s": waited - started},
                     weights_transport=config.weights.transport.value,
                 )
                 acked = ack_metrics(record)
-                metrics.append(record)
+                shown = None
+                if records is not None:
+                    records.submit(step, version, batch, trained.samples)
+                    if metrics.has_sinks:
+                        shown = records.table(version, batch, trained.samples)
+                metrics.append(record, shown)
                 log_step(record)
             step, version, last_batch_id = step + 1, version + 1, batch.batch_id
             if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
                 phases.enter(Phase.CHECKPOINTING, f"step {step}")
+                if records is not None:  # a checkpointed step is never trained again: its records stay
+                    records.flush()
                 trainer.save(ResumePoint(step, version, batch.batch_id))
                 saved = step
             if client is not None and acked is not None:
@@ -136,6 +148,8 @@ def run_learner(
         # stopped (or finished) between checkpoints: save one, so --resume loses nothing
         if trainer.checkpoint_every and saved < step:
             phases.enter(Phase.CHECKPOINTING, f"step {step}")
+            if records is not None:
+                records.flush()
             trainer.save(ResumePoint(step, version, last_batch_id))
         trainer.close()  # every rank got here: the last collective is behind them
         if client is not None and handoff is not None and step >= config.run.steps:
@@ -147,6 +161,8 @@ def run_learner(
             handoff.close()
         if metrics is not None:
             metrics.close()
+        if records is not None:
+            records.close()  # what is queued is written: those steps' metrics lines are there
     if leader:
         write_summary(run_dir, run_dir / "metrics.jsonl")
 
