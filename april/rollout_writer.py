@@ -7,7 +7,7 @@ and renamed into place: a reader (pandas, pyarrow, `datasets`: they skip names s
 sees half a file, and a crash leaves at most a temporary file, removed at the next open. A name whose file
 exists is not written again. `flush` waits until everything submitted is on disk (the learner calls it
 before a checkpoint, so a checkpointed step's records are never lost); a failed write is logged with
-its file and the thread goes on.
+its file and the thread goes on. Imports pyarrow only to write (`unavailable` says whether it can).
 
 Knows nothing of what the tables hold (`april.rollouts`) or when to write them (the roles).
 """
@@ -20,16 +20,27 @@ import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING
 
 from april.files import fsync_dir
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 log = logging.getLogger("april.rollouts")
 
-Build = Callable[[], pa.Table]
+Build = Callable[[], "pa.Table"]
 TMP_SUFFIX = ".tmp"
+
+
+def unavailable() -> str:
+    """Why records cannot be written here ("" when they can): pyarrow missing, as on a GPU image that
+    lacks it. A role then runs without them and says so once."""
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError as exc:
+        return f"rollout records off: they need pyarrow, which this Python lacks ({exc})"
+    return ""
 
 
 def remove_partial_files(directory: Path) -> int:
@@ -44,6 +55,8 @@ def remove_partial_files(directory: Path) -> int:
 
 def write_table_atomic(table: pa.Table, path: Path) -> None:
     """`table` as Parquet at `path`: a temporary file beside it, fsynced, renamed into place."""
+    import pyarrow.parquet as pq
+
     tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
     try:
         pq.write_table(table, tmp)

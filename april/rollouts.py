@@ -14,6 +14,7 @@ Knows nothing of sockets, torch or the tokenizer's model: decoding is `tokenizer
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -21,15 +22,16 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from april.byte_tokenizer import ByteTokenizer
 from april.records import SETTLED, FinishReason, Sample, SampleStatus
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger("april.rollouts")
 
@@ -41,59 +43,60 @@ MODEL, OBSERVATION = "model", "observation"  # the kinds of a piece
 
 Decode = Callable[[Sequence[npt.NDArray[np.int32]]], list[str]]  # token ids -> text, many at once
 
-PIECE = pa.struct(
-    [
-        ("kind", pa.string()),  # "model" (generated, trained on) or "observation" (the environment's)
-        ("start", pa.int32()),  # response tokens [start, end)
-        ("end", pa.int32()),
-        ("version", pa.int32()),  # the policy version that generated it; -1 for an observation
-        ("worker", pa.string()),  # the worker whose lease produced it
-        ("text", pa.string()),
+
+@functools.cache
+def schemas() -> tuple[pa.Schema, pa.Schema]:
+    """The train and evaluation files' schemas (built at first use: importing this module needs no
+    pyarrow, so a Python without it runs every role with the records off)."""
+    import pyarrow as pa
+
+    piece = pa.struct(
+        [
+            ("kind", pa.string()),  # "model" (generated, trained on) or "observation" (the environment's)
+            ("start", pa.int32()),  # response tokens [start, end)
+            ("end", pa.int32()),
+            ("version", pa.int32()),  # the policy version that generated it; -1 for an observation
+            ("worker", pa.string()),  # the worker whose lease produced it
+            ("text", pa.string()),
+        ]
+    )
+    sample = [
+        ("group_id", pa.int64()),
+        ("sample_index", pa.int32()),
+        ("source", pa.string()),
+        ("prompt_index", pa.int64()),
+        ("answer", pa.string()),
+        ("metadata", pa.string()),
+        ("prompt_text", pa.string()),
+        ("prompt_rendered", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("response_text", pa.string()),
+        ("response_ids", pa.list_(pa.int32())),
+        ("response_tokens", pa.int32()),
+        ("model_tokens", pa.int32()),
+        ("turns", pa.int32()),
+        ("pieces", pa.list_(piece)),
+        ("abort_cuts", pa.list_(pa.int32())),
+        ("aborts", pa.int32()),
+        ("resumes", pa.int32()),
+        ("staleness", pa.int32()),
+        ("oldest_version", pa.int32()),
+        ("newest_version", pa.int32()),
+        ("status", pa.string()),
+        ("finish_reason", pa.string()),
+        ("reward", pa.float64()),
+        ("behaviour_logprob_mean", pa.float64()),
+        ("error", pa.string()),
     ]
-)
-SAMPLE_FIELDS = [
-    ("group_id", pa.int64()),
-    ("sample_index", pa.int32()),
-    ("source", pa.string()),
-    ("prompt_index", pa.int64()),
-    ("answer", pa.string()),
-    ("metadata", pa.string()),
-    ("prompt_text", pa.string()),
-    ("prompt_rendered", pa.string()),
-    ("prompt_ids", pa.list_(pa.int32())),
-    ("response_text", pa.string()),
-    ("response_ids", pa.list_(pa.int32())),
-    ("response_tokens", pa.int32()),
-    ("model_tokens", pa.int32()),
-    ("turns", pa.int32()),
-    ("pieces", pa.list_(PIECE)),
-    ("abort_cuts", pa.list_(pa.int32())),
-    ("aborts", pa.int32()),
-    ("resumes", pa.int32()),
-    ("staleness", pa.int32()),
-    ("oldest_version", pa.int32()),
-    ("newest_version", pa.int32()),
-    ("status", pa.string()),
-    ("finish_reason", pa.string()),
-    ("reward", pa.float64()),
-    ("behaviour_logprob_mean", pa.float64()),
-    ("error", pa.string()),
-]
-LEARNER_FIELDS = [
-    ("advantage", pa.float64()),
-    ("learner_logprob_mean", pa.float64()),
-    ("ratio_max", pa.float64()),
-]
-TRAIN_SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),
-        ("learner_version", pa.int64()),
-        ("batch_id", pa.int64()),
-        *SAMPLE_FIELDS,
-        *LEARNER_FIELDS,
+    learner = [
+        ("advantage", pa.float64()),
+        ("learner_logprob_mean", pa.float64()),
+        ("ratio_max", pa.float64()),
     ]
-)
-EVAL_SCHEMA = pa.schema([("eval_version", pa.int64()), *SAMPLE_FIELDS])
+    head = [("step", pa.int64()), ("learner_version", pa.int64()), ("batch_id", pa.int64())]
+    return pa.schema([*head, *sample, *learner]), pa.schema([("eval_version", pa.int64()), *sample])
+
+
 NO_FIGURES = (math.nan, math.nan, math.nan)  # (advantage, learner mean log-prob, largest ratio)
 
 
@@ -286,13 +289,17 @@ def train_table(
     found = figures or {}
     made = rows(samples, context, lambda s: found.get(s.key, NO_FIGURES))
     head = {"step": step, "learner_version": learner_version, "batch_id": batch_id}
-    return pa.Table.from_pylist([{**head, **row} for row in made], schema=TRAIN_SCHEMA)
+    import pyarrow as pa
+
+    return pa.Table.from_pylist([{**head, **row} for row in made], schema=schemas()[0])
 
 
 def eval_table(eval_version: int, samples: Sequence[Sample], context: Context) -> pa.Table:
     """The records of one evaluation (`EVAL_SCHEMA`), one row per held-out prompt."""
     made = rows(samples, context)
-    return pa.Table.from_pylist([{"eval_version": eval_version, **row} for row in made], schema=EVAL_SCHEMA)
+    import pyarrow as pa
+
+    return pa.Table.from_pylist([{"eval_version": eval_version, **row} for row in made], schema=schemas()[1])
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -317,5 +324,7 @@ def eval_versions(run_dir: Path) -> dict[int, Path]:
 
 def read_tables(paths: Sequence[Path], columns: Sequence[str] | None = None) -> Iterator[pa.Table]:
     """Each file's table (only `columns` when given), in order."""
+    import pyarrow.parquet as pq
+
     for path in paths:
         yield pq.read_table(path, columns=list(columns) if columns is not None else None)

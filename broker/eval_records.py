@@ -7,17 +7,30 @@ Rows and columns are `april.rollouts`'; eval.jsonl (the summary line of each eva
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+from april import rollout_writer
 from april.config import Config
-from april.rollout_writer import RolloutWriter
 from april.rollouts import Context, eval_dir, eval_file, eval_table, open_decoder
 from broker.evaluation import EvalResult
+
+log = logging.getLogger("april.broker")
+
+
+def open_eval_records(config: Config, run_dir: Path) -> EvalRecords | None:
+    """The evaluation records of this run; None when off, or when pyarrow is missing (said once)."""
+    if not (config.run.rollout_records and config.run.eval_every > 0):
+        return None
+    if why := rollout_writer.unavailable():
+        log.warning("%s", why)
+        return None
+    return EvalRecords(config, run_dir)
 
 
 class EvalRecords:
     def __init__(self, config: Config, run_dir: Path) -> None:
-        self.writer = RolloutWriter(eval_dir(run_dir))
+        self.writer = rollout_writer.RolloutWriter(eval_dir(run_dir))
         self.decode = open_decoder(config.worker.model, config.learner.model)
         self.source = config.data.source
 

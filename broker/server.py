@@ -35,7 +35,7 @@ from broker import snapshot
 from broker.auth import CurveGate
 from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, Send, Settled
-from broker.eval_records import EvalRecords
+from broker.eval_records import open_eval_records
 from broker.heldout import open_prompts
 from broker.peers import LearnerPeer, Rejections
 from broker.prometheus import PrometheusExporter
@@ -89,8 +89,7 @@ class Broker:
             state = BrokerState(config.run.mode, config.algo, source)
         self.core = BrokerCore(config, state, held_out, now, restored=resume)
         self.snapshots = SnapshotWriter(run_dir / "broker", trusted)
-        records = config.run.rollout_records and config.run.eval_every > 0
-        self.eval_records = EvalRecords(config, run_dir) if records else None
+        self.eval_records = open_eval_records(config, run_dir)
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: LearnerPeer | None = None
         self.learner_identity = b""

@@ -34,7 +34,7 @@ from learner.handoff import WeightsHandOff
 from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
 from learner.phases import PhaseClock
 from learner.ranks import share_batch
-from learner.step_records import StepRecords
+from learner.step_records import StepRecords, open_step_records
 from learner.trainer import FRESH, ResumePoint, Trainer
 
 log = logging.getLogger("april.learner")
@@ -88,8 +88,7 @@ def run_learner(
             # the simulated learner writes no TensorBoard events: its writer would import torch
             events = run_dir / "tensorboard" if lc.tensorboard and lc.backend != "sim" else None
             metrics = MetricsLog(run_dir / "metrics.jsonl", events, config=config)
-            if config.run.rollout_records:
-                records = StepRecords(config, run_dir, point.step, resume)
+            records = open_step_records(config, run_dir, point.step, resume)
         step, version, last_batch_id, saved = point.step, point.version, point.last_batch_id, point.step
         while step < config.run.steps:
             started = time.monotonic()

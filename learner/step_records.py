@@ -20,7 +20,7 @@ import numpy as np
 from april import protocol
 from april.config import Config
 from april.records import Sample
-from april.rollout_writer import RolloutWriter
+from april.rollout_writer import RolloutWriter, unavailable
 from april.rollouts import (
     STEP_FILE,
     Context,
@@ -47,6 +47,16 @@ def forget_steps_from(directory: Path, step: int) -> None:
         path.unlink()
     if gone:
         log.info("rollout records: %d step file(s) from step %d removed (trained again)", len(gone), step)
+
+
+def open_step_records(config: Config, run_dir: Path, step: int, resume: bool) -> StepRecords | None:
+    """Rank 0's step records; None when off, or when pyarrow is missing (said once: the learner trains)."""
+    if not config.run.rollout_records:
+        return None
+    if why := unavailable():
+        log.warning("%s", why)
+        return None
+    return StepRecords(config, run_dir, step, resume)
 
 
 class StepRecords:

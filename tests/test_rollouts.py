@@ -26,8 +26,6 @@ from april.config import Config, RunConfig
 from april.records import FinishReason, Sample
 from april.rollout_writer import RolloutWriter
 from april.rollouts import (
-    EVAL_SCHEMA,
-    TRAIN_SCHEMA,
     Context,
     Piece,
     abort_cuts,
@@ -36,6 +34,7 @@ from april.rollouts import (
     eval_table,
     open_decoder,
     pieces,
+    schemas,
     step_file,
     train_dir,
     train_steps,
@@ -89,7 +88,7 @@ def test_pieces_split_where_a_lease_ended_and_name_the_worker() -> None:
 def test_a_row_holds_the_sample_its_text_and_its_figures() -> None:
     s = episode()
     table = train_table(5, 2, 9, [s], context(), {s.key: (0.5, -0.75, 1.25)})
-    assert table.schema == TRAIN_SCHEMA
+    assert table.schema == schemas()[0]
     (row,) = table.to_pylist()
     assert (row["step"], row["learner_version"], row["batch_id"], row["group_id"], row["sample_index"]) == (
         5, 2, 9, 7, 1,
@@ -116,7 +115,7 @@ def test_a_row_holds_the_sample_its_text_and_its_figures() -> None:
 def test_an_evaluation_row_keeps_a_failed_samples_error() -> None:
     failed = Sample(3, 0, np.array(ids("x"), np.int32)).resumed().failed("environment raised ValueError: no")
     table = eval_table(4, [episode(), failed.returned_by("w0", ())], context(4))
-    assert table.schema == EVAL_SCHEMA
+    assert table.schema == schemas()[1]
     rows = table.to_pylist()
     assert [(r["eval_version"], r["status"], r["error"]) for r in rows] == [
         (4, "finished", ""), (4, "failed", "environment raised ValueError: no"),
