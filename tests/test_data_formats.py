@@ -439,7 +439,8 @@ def test_gsm8k_as_verl_preprocesses_it(tmp_path: Path) -> None:
     record = source.get(1)
     assert record.text == GSM8K_ROWS[1]["question"] + " " + GSM8K_INSTRUCTION
     assert record.metadata["answer"] == "1000" and record.metadata["data_source"] == "openai/gsm8k"
-    assert exact_reward("...\n#### 1000\nAnswer: 1000", record.metadata["answer"], record.metadata) == 1.0
+    # its prompts ask for the answer after "####": the default reward reads it there (found scoring 0)
+    assert exact_reward("250 * 4 = 1,000\n#### 1,000", record.metadata["answer"], record.metadata) == 1.0
 
 
 def test_math_as_verl_reads_it_scores_the_boxed_answer_of_the_solution(tmp_path: Path) -> None:
@@ -515,3 +516,50 @@ def test_without_a_chat_template_the_last_user_message_is_given_and_said_once(
             ids = tokenizer.encode_prompt(record.text, record.metadata)
             assert ids.tolist() == tokenizer.tok(record.text, add_special_tokens=True)["input_ids"]
     assert [r.getMessage() for r in caplog.records] == [no_chat_template(TINY)]
+
+
+# --- chat prompts a template would mangle, or that hold their own answer ---------------------------------
+
+
+def test_a_chat_message_with_an_unknown_role_is_one_line_naming_the_record(tmp_path: Path) -> None:
+    """Found by a user: a `narrator` message was accepted, and Qwen2.5's chat template (as shipped,
+    tests/chat_templates) dropped it silently and put its default system prompt in its place."""
+    rows = [
+        {"prompt": [{"role": "user", "content": "Hi"}], "answer": "1"},
+        {
+            "prompt": [{"role": "narrator", "content": "Once"}, {"role": "user", "content": "Go"}],
+            "answer": "2",
+        },
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(DatasetError) as info:
+        FilePromptSource(path)
+    assert str(info.value) == (
+        f"{path}:2: chat prompt 'prompt' message 0: role 'narrator' is not one of system, user, "
+        "assistant, tool"
+    )
+    template = (REPO / "tests" / "chat_templates" / "qwen2_5_instruct.jinja").read_text()
+    tok = HFTokenizer(TINY).tok
+    shown = tok.apply_chat_template(rows[1]["prompt"], chat_template=template, tokenize=False)
+    assert "Once" not in shown and "You are Qwen" in shown  # what the check keeps from happening
+
+
+def test_a_prompt_ending_with_the_assistants_answer_is_refused_unless_it_is_to_be_continued(
+    tmp_path: Path, chat_model: Path
+) -> None:
+    """Found by a user: OpenR1-Math's `messages` column ends with the reference solution, so a run on it
+    had the answer in every prompt. Refused; `data.continue_final_message` makes it a prefill the model
+    continues (HF's continue_final_message: no new assistant turn is opened)."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is"}]
+    path = write_jsonl(tmp_path / "openr1.jsonl", [{"messages": messages, "answer": "4"}])
+    with pytest.raises(DatasetError) as info:
+        open_source(DataConfig(source=str(path), prompt_key="messages"), seed=0)
+    assert str(info.value) == (
+        f"{path}:1: chat prompt 'messages' ends with an assistant message (its answer would be in the "
+        "prompt): drop it, or set data.continue_final_message = true to have the model continue it"
+    )
+    config = DataConfig(source=str(path), prompt_key="messages", continue_final_message=True)
+    record = open_source(config, seed=0).get(0)
+    tokenizer = HFTokenizer(chat_model)
+    ids = tokenizer.encode_prompt(record.text, record.metadata)
+    assert tokenizer.render(ids) == "<|user|>What is 2 + 2?\n<|assistant|>It is"

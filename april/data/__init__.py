@@ -71,4 +71,5 @@ def open_source(data_config: DataConfig, seed: int) -> PromptSource:
         answer_format=data_config.answer_format,
         seed=seed,
         shuffle=data_config.shuffle,
+        continue_final_message=data_config.continue_final_message,
     )
