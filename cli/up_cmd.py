@@ -11,7 +11,7 @@ everything) and D is left resumable. Crashed children are restarted within a bou
 with --resume); a child that exits with a user error (exit 2) or could not start (`STARTUP_EXIT`) would
 fail alike again: it is not restarted, and its one error line is reported once (several workers failing
 alike included). The process plumbing is `cli.supervisor`; the view is `cli.dashboard` /
-`cli.dashboard_feed`.
+`cli.dashboard_feed` (its headless lines with --headless, and whenever stdout is not a terminal).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -45,7 +46,7 @@ import pytest
 
 from actors.rewards import exact_reward, math_reward
 from actors.tokenizer import HFTokenizer, no_chat_template
-from april.config import AnswerFormat, DataConfig
+from april.config import AnswerFormat, DataConfig, load_config
 from april.data import DatasetError, FilePromptSource, PromptRecord, open_source, records
 from broker.heldout import split_held_out
 
@@ -58,6 +59,7 @@ DAPO_INSTRUCTION = (
 )
 DAPO_REMINDER = '\n\nRemember to put your answer on its own line after "Answer:".'
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
 def dapo_rows(n: int = 3) -> list[dict[str, Any]]:
@@ -441,6 +443,37 @@ def test_gsm8k_as_verl_preprocesses_it(tmp_path: Path) -> None:
     assert record.metadata["answer"] == "1000" and record.metadata["data_source"] == "openai/gsm8k"
     # its prompts ask for the answer after "####": the default reward reads it there (found scoring 0)
     assert exact_reward("250 * 4 = 1,000\n#### 1,000", record.metadata["answer"], record.metadata) == 1.0
+
+
+def test_math_as_verl_preprocesses_it(tmp_path: Path) -> None:
+    """MATH as verl's examples/data_preprocess/math_dataset.py writes it: the problem and an instruction
+    to box the answer as one user message, the boxed answer alone as the ground truth; scored by `math`."""
+    rows = [
+        {
+            "data_source": "DigitalLearningGmbH/MATH-lighteval",
+            "prompt": [{"role": "user", "content": MATH_ROWS[0]["problem"] + " " + MATH_INSTRUCTION}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "\\frac{1}{2}"},
+            "extra_info": {"split": "train", "index": 0},
+        }
+    ]
+    record = FilePromptSource(
+        write_parquet(tmp_path / "train.parquet", rows), answer_key="reward_model.ground_truth"
+    ).get(0)
+    assert record.metadata["answer"] == "\\frac{1}{2}" and record.text.endswith(MATH_INSTRUCTION)
+    assert math_reward("so it is \\boxed{0.5}", record.metadata["answer"], record.metadata) == 1.0
+    assert exact_reward("so it is \\boxed{0.5}", record.metadata["answer"], record.metadata) == 0.0
+
+
+def test_every_recipe_in_docs_data_md_is_a_config(tmp_path: Path) -> None:
+    text = (REPO / "docs" / "data.md").read_text()
+    recipes = re.findall(r"```toml\n(.*?)```", text, re.DOTALL)
+    assert len(recipes) >= 6
+    for i, recipe in enumerate(recipes):
+        path = tmp_path / f"recipe{i}.toml"
+        path.write_text(recipe)
+        config = load_config(path)
+        assert config.data.source != DataConfig().source, recipe
 
 
 def test_math_as_verl_reads_it_scores_the_boxed_answer_of_the_solution(tmp_path: Path) -> None:
