@@ -282,15 +282,21 @@ def env_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
 
 
-@pytest.mark.parametrize("env", ["EmptyResetEnv", "NotJsonStateEnv"])
+@pytest.mark.parametrize("env", ["EmptyResetEnv", "NotJsonStateEnv", "BrokenEnv"])
 def test_a_run_on_a_broken_environment_stops_by_itself_with_one_line(
     cluster: Callable[..., Cluster], env_on_path: None, env: str
 ) -> None:
-    """A reset that answers no messages (found: the run never finished) and a step that answers a state
-    that is not JSON (found: accepted, the next step failed): the learner exits 2 with one line naming
-    the reason, the broker's status says why it stopped and counts the samples, and nothing more is
-    leased."""
-    reason = {"EmptyResetEnv": "env_empty_reset", "NotJsonStateEnv": "env_bad_state"}[env]
+    """A reset that answers no messages (found: the run never finished, the torch engine refusing every
+    prompt of no tokens; the sim engine here, which generates from none, trained on them before),
+    a step that answers a state that is not JSON (found: accepted, the next step failed) and a step that
+    raises (found: the message only inside failed samples in the broker's binary log): the learner
+    exits 2 with one line naming the reason, the broker's status says why it stopped and counts the
+    samples, and nothing more is leased."""
+    reason = {
+        "EmptyResetEnv": "env_empty_reset",
+        "NotJsonStateEnv": "env_bad_state",
+        "BrokenEnv": "env_error",
+    }[env]
     c = cluster(
         run={"mode": "april"},
         algo={"max_new_tokens": 64},
