@@ -389,6 +389,25 @@ def test_piped_april_up_prints_progress_and_a_normal_start_says_no_warning(tmp_p
     assert not wait_all_exited(children)
 
 
+def test_a_run_whose_samples_all_fail_ends_by_itself_with_the_reason_said_once(tmp_path: Path) -> None:
+    """Found by a user: a reset that answered no messages kept `april up` running for good (105,000
+    warnings in 154 s). The broker stops such a run, the learner exits with the line, and `april up`
+    reports it once and ends."""
+    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
+    args = ["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3", "--set", "learner.backend=sim"]
+    args += ["--set", "env.name=episode_envs:EmptyResetEnv", "--set", "env.max_turn_tokens=8"]
+    code, out, children = run_up(args, timeout=300, env=env)
+    assert code == 1, out
+    said = [line for line in out.splitlines() if line.startswith("april: error: ")]
+    assert len(said) == 1, out
+    assert said[0].startswith("april: error: the run stopped: 64 samples in a row failed alike"), out
+    assert said[0].endswith("env_empty_reset: environment reset answered no messages: there is no prompt")
+    assert "learner exited 2: not restarted" in out and "restarted (1/" not in out
+    assert not wait_all_exited(children)
+
+
 def test_the_default_run_on_the_tiny_model(tmp_path: Path) -> None:
     """`april up --headless --steps 3` with no config: the built-in task, the shipped tiny model, two torch
     workers and the DeepSpeed learner, in april mode."""
