@@ -377,9 +377,11 @@ def test_a_headless_run_in_each_mode(tmp_path: Path, mode: str) -> None:
 def test_piped_april_up_prints_progress_and_a_normal_start_says_no_warning(tmp_path: Path) -> None:
     """Found by a user: `april up | tee run.log` printed nothing for the whole run (the dashboard needs a
     terminal, and nothing took its place), and every run began with "engine down, leasing it nothing:
-    starting" warnings in the broker's log (each worker starts so, until its engine is built)."""
+    starting" warnings in the broker's log (each worker starts so, until its engine is built), and the
+    learner's DeepSpeed "Setting accelerator to CPU" on a machine without a GPU."""
     cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
-    args = ["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3", "--set", "learner.backend=sim"]
+    args = ["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"]
+    args += ["--set", "learner.backend=deepspeed"]  # the default learner
     code, out, children = run_up(args, timeout=300, headless=False)
     assert code == 0, out
     assert [x for x in out.splitlines() if x.startswith("step ")][-1].startswith("step 3/3 v3"), out
