@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from april.config import Config, ConfigError
-from april.data import PromptRecord, PromptSource, open_source
+from april.data import GENERATED_SOURCES, PromptRecord, PromptSource, open_source
 
 AUTO_EVAL_MAX = 64  # data.eval_size = -1 holds out a tenth of the source's prompts, at most this many
 
@@ -96,6 +96,11 @@ def open_prompts(config: Config) -> tuple[PromptSource, tuple[PromptRecord, ...]
     if config.run.eval_every == 0 or data.eval_size == 0:
         return source, ()
     if data.eval_source:  # a dataset of its own: training keeps every prompt of `source`
+        if data.eval_source in GENERATED_SOURCES:
+            raise ConfigError(
+                f"data.eval_source = {data.eval_source!r}: expected a dataset path (a generated source draws "
+                "the training prompts again under the run's seed; leave it empty to hold prompts out)"
+            )
         held = open_source(dataclasses.replace(data, source=data.eval_source, shuffle=False), config.run.seed)
         size = len(held) if data.eval_size == -1 else data.eval_size
         if size > len(held):

@@ -121,6 +121,9 @@ def test_eval_source_is_a_dataset_of_its_own(tmp_path: Path) -> None:
         ConfigError, match=r"data.eval_size = 6: must be in 1..5, the prompts of data.eval_source"
     ):
         open_prompts(six)
+    task = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_source="task"))
+    with pytest.raises(ConfigError, match=r"data.eval_source = 'task': expected a dataset path"):
+        open_prompts(task)
 
 
 # ------------------------------------------------------------------------------------------ evaluation books
