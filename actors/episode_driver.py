@@ -29,6 +29,7 @@ from april.chat import ChatFormat, chat_format
 from april.config import EnvConfig
 from april.data import PromptRecord
 from april.episode import EnvStep, EpisodeError, EpisodeState, Message, ResetRequest, StepRequest
+from april.failures import Reason, failure
 from april.records import FinishReason, Sample
 
 CUT_OFF_REWARD = 0.0  # an episode the driver ends (budget, max_turns) before the environment does
@@ -139,7 +140,7 @@ class EpisodeDriver:
             try:
                 done = self._answer(ep, result)
             except EpisodeError as exc:  # a state the driver cannot read: the sample is broken
-                done = ep.sample.failed(f"episode: {exc}"[:500])
+                done = ep.sample.failed(failure(Reason.EPISODE_STATE, f"episode: {exc}"))
             if done is not None:
                 unused = not ep.started and ep.phase is not Phase.RETURNING  # (an abort reset the credit)
                 settled.append(self._settle(ep, done, credit=int(unused)))
@@ -188,6 +189,8 @@ class EpisodeDriver:
         """The sample settled by `result`, or None when the episode goes on (READY)."""
         if result.step is None:
             return ep.sample.failed(result.error[:500])
+        if result.timed_out:  # the model is told; the sample carries it, so that it is counted
+            ep.sample = ep.sample.noted(result.error)
         if ep.phase is Phase.RESET:
             return self._reset_answered(ep, result.step)
         return self._step_answered(ep, result.step)

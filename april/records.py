@@ -116,7 +116,7 @@ class Sample:
     reward: float = float("nan")  # NaN until scored
     prompt_text: str = ""
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. {"answer": "42"}
-    error: str = ""
+    error: str = ""  # "reason: message" (april.failures): why it FAILED, or what it met without failing
     observations: tuple[Span, ...] = ()  # spans of observation tokens, in order
     episode: bytes = b""  # the episode driver's state (environment's and its own); b"": single-turn
     leases: tuple[LeaseSpan, ...] = ()  # the leases that returned it changed, in order (the broker's)
@@ -287,6 +287,11 @@ class Sample:
 
     def failed(self, error: str) -> Sample:
         return dataclasses.replace(self, status=SampleStatus.FAILED, error=error)
+
+    def noted(self, error: str) -> Sample:
+        """The sample carrying `error` without failing (a tool call that timed out: `april.failures`);
+        the first such error is kept, a later one is not."""
+        return self if self.error else dataclasses.replace(self, error=error)
 
     def check(self) -> None:
         """Raise ValueError naming the first broken invariant."""

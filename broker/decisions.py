@@ -72,4 +72,12 @@ class EvalFinished:
     result: EvalResult
 
 
-Decision = LeaseOut | Send | Refuse | Settled | BatchFormed | EvalFinished
+@dataclass(frozen=True, slots=True)
+class RunStopped:
+    """The run is stopped (every recent sample failed alike: `broker.failures`): the learner, waiting for
+    a batch, is told `line` (Error run_failed) instead; nothing more is leased."""
+
+    line: str
+
+
+Decision = LeaseOut | Send | Refuse | Settled | BatchFormed | EvalFinished | RunStopped

@@ -32,7 +32,7 @@ class EvalRecords:
     def __init__(self, config: Config, run_dir: Path) -> None:
         self.writer = rollout_writer.RolloutWriter(eval_dir(run_dir))
         self.decode = open_decoder(config.worker.model, config.learner.model)
-        self.source = config.data.source
+        self.source = config.data.eval_source or config.data.source  # where the held-out prompts came from
 
     def submit(self, result: EvalResult) -> None:
         """Queue the file of this evaluation (not written again if a restarted broker repeats it)."""

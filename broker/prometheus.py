@@ -110,6 +110,14 @@ def status_metrics(status: BrokerStatus | None) -> Iterator[Metric]:
     for reason, n in sorted(status.rejected.by_reason.items()):
         rejections.add_metric([reason], float(n))
     yield rejections
+    errors = CounterMetricFamily(
+        PREFIX + "sample_errors",
+        "samples settled with an error, by reason (april.failures)",
+        labels=["reason"],
+    )
+    for reason, n in sorted(status.errors.items()):
+        errors.add_metric([reason], float(n))
+    yield errors
 
 
 class PrometheusExporter:

@@ -25,6 +25,7 @@ import zmq
 from april import protocol
 from april.codec import ProtocolError
 from april.config import Config, ConfigError
+from april.failures import RUN_FAILED
 from april.keys import server_keys
 from april.protocol import Message
 from april.records import Sample
@@ -34,7 +35,7 @@ from april.wire_records import SampleBatch
 from broker import snapshot
 from broker.auth import CurveGate
 from broker.core import BrokerCore
-from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, Send, Settled
+from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, RunStopped, Send, Settled
 from broker.eval_records import open_eval_records
 from broker.heldout import open_prompts
 from broker.peers import LearnerPeer, Rejections
@@ -250,6 +251,10 @@ class Broker:
                         f.write(line + "\n")  # the final one lands after the last step
                     if self.eval_records is not None:
                         self.eval_records.submit(finished)
+                case RunStopped(line=line) if self.learner is not None:  # its learner exits with the line
+                    self._send(
+                        self.learner_sock, self.learner_identity, protocol.Error(RUN_FAILED, line[:500])
+                    )
 
     # ------------------------------------------------------------------ workers
 
@@ -411,6 +416,7 @@ class Broker:
             batches_acked=core.batches_acked,
             eval=core.evals.status(),
             rejections=self.rejections,
+            failures=core.failures,
         )
         return build_status(view, now)
 

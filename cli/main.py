@@ -192,7 +192,11 @@ def up(
         Path | None, typer.Option("--resume", help="Continue the run in this directory.", file_okay=False)
     ] = None,
     headless: Annotated[
-        bool, typer.Option("--headless", help="One progress line per step instead of the dashboard.")
+        bool,
+        typer.Option(
+            "--headless",
+            help="One progress line per step instead of the dashboard (so too when stdout is no terminal).",
+        ),
     ] = False,
     set_: SetOpt = None,
     screenshot: Annotated[

@@ -28,6 +28,7 @@ from typing import Any
 
 from april import protocol
 from april.config import AlgoConfig, Config
+from april.failures import RunFailed
 from april.keys import configured_client_keys
 from learner.client import BatchError, BrokerClient, check_batch
 from learner.handoff import WeightsHandOff
@@ -177,18 +178,20 @@ def receive_batch(
 ) -> protocol.Batch | None:
     """Rank 0: the next batch, checked against the exactly-N contract; None when stopping.
 
-    A broken batch is reported and not trained: the other ranks are told to stop before the error
-    propagates, so no rank waits forever for a batch that will not come.
+    A broken batch is reported and not trained, and a run the broker stopped (`RunFailed`: its samples
+    all failed alike) ends here: either way the other ranks are told to stop before the error propagates,
+    so no rank waits forever for a batch that will not come.
     """
     if should_stop():
         return None
-    batch = client.next_batch(step, should_stop)
-    if batch is None:
-        return None
     try:
+        batch = client.next_batch(step, should_stop)
+        if batch is None:
+            return None
         check_batch(batch, algo.samples_per_batch, algo.n_samples_per_prompt, trainer.vocab_size)
-    except BatchError as exc:
-        log.error("the broker broke the batch contract; not training it: %s", exc)
+    except (BatchError, RunFailed) as exc:
+        if isinstance(exc, BatchError):
+            log.error("the broker broke the batch contract; not training it: %s", exc)
         if trainer.world_size > 1:
             share_batch(None, 0)
         raise

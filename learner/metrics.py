@@ -28,6 +28,7 @@ import numpy as np
 
 from april import protocol
 from april.config import Config
+from april.failures import STATS_PREFIX
 from april.files import read_jsonl, write_text_atomic
 from april.weights_uri import WORKER_SYNC_STATS
 from learner.wandb_sink import WandbRun  # wandb itself is imported only when a WandbRun is opened
@@ -39,7 +40,7 @@ REQUIRED = (
     "tokens_trained", "samples_per_s", "tokens_per_s", "aborted", "resumed", "partial_buffer", "in_flight",
     "offpolicy_token_frac", "staleness_max", "staleness_mean", "reward_mean", "accuracy",
     "response_len_mean", "response_len_p99", "response_len_max", "slot_utilization", "learner_time_s",
-    "weight_sync_s", "loss", "ledger", "eval_accuracy", "eval_version",
+    "weight_sync_s", "loss", "ledger", "errors", "eval_accuracy", "eval_version",
 )  # fmt: skip
 
 SAMPLES_TAG = "rollouts/samples"  # the step's few samples, on TensorBoard (text) and wandb (a table)
@@ -126,6 +127,10 @@ def step_record(
         **{k: float(stats.get(k, 0.0)) for k in WORKER_SYNC_STATS},
         "loss": float(train.get("loss", float("nan"))),
         "ledger": batch.ledger.to_json(),
+        # samples that settled with an error since the previous batch, by reason (april.failures)
+        "errors": {
+            k.removeprefix(STATS_PREFIX): int(v) for k, v in stats.items() if k.startswith(STATS_PREFIX)
+        },
         # the broker's latest evaluation on the held-out prompts (greedy, at eval_version); none yet: NaN, -1
         "eval_accuracy": float(stats.get("eval_accuracy", float("nan"))),
         "eval_reward_mean": float(stats.get("eval_reward_mean", float("nan"))),

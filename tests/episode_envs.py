@@ -6,6 +6,9 @@ the episode after `TURNS` turns with a reward computed from every turn's length,
 lost or repeated anything scores differently. The model need not call a tool: any turn is answered.
 `SlowCountingEnv` takes `STEP_S` seconds per step (an abort catches it running). Its `commit` tool is not
 repeatable: a turn that calls it cannot be killed by an abort (the tests inject such a turn).
+The broken ones fail as users' environments were found to: a step that raises (`BrokenEnv`), a step
+that answers a state that is not JSON (`NotJsonStateEnv`), a reset that answers no messages
+(`EmptyResetEnv`), a tool that hangs past its timeout (`HangingToolEnv`'s `wait`).
 """
 
 from __future__ import annotations
@@ -49,3 +52,25 @@ class SlowCountingEnv(CountingEnv):
 class BrokenEnv(CountingEnv):
     def step(self, state: str, turn: Message) -> EnvStep:
         raise ValueError("the environment broke")
+
+
+class NotJsonStateEnv(CountingEnv):
+    def step(self, state: str, turn: Message) -> EnvStep:
+        return EnvStep((Message(Role.TOOL, "ok", tool_call_id="call_0", name="note"),), "k=1")
+
+
+class EmptyResetEnv(CountingEnv):
+    def reset(self, prompt: PromptRecord) -> EnvStep:
+        return EnvStep((), json.dumps({"k": 0, "chars": 0}))
+
+
+HANG_TOOL_S = 0.2
+
+
+class HangingToolEnv(CountingEnv):
+    tools = (*CountingEnv.tools, Tool("wait", "Wait.", _ARGS, timeout_s=HANG_TOOL_S))
+
+    def step(self, state: str, turn: Message) -> EnvStep:
+        if any(call.name == "wait" for call in turn.tool_calls):
+            time.sleep(3600)
+        return super().step(state, turn)
