@@ -5,10 +5,11 @@
 required by those, nor carried there by `make gpu-wheels`). Its PYTHONPATH starts with a folder holding a
 `sitecustomize` that wraps every import finder so that a blocked top-level name is not found, as on the
 image: `import uvicorn` raises ModuleNotFoundError("No module named 'uvicorn'") and
-`importlib.util.find_spec` returns None; a copy vendored inside a package the image has (setuptools'
-`_vendor` folder, on sys.path once setuptools is imported) is still found there. pytest's plugin autoload is off (the image's pytest has no
-plugins; the ones here would be found by their entry points and then fail to import). Package metadata
-is not hidden, and Python and torch stay this machine's: only what is importable is imitated.
+`importlib.util.find_spec` returns None. A copy vendored inside a package the image has (setuptools'
+`_vendor` folder, on sys.path once setuptools is imported) is still found there. pytest's plugin
+autoload is off (the image's pytest has no plugins; the ones here would be found by their entry points and
+then fail to import). Package metadata is not hidden, and Python and torch stay this machine's: only what
+is importable is imitated.
 """
 
 from __future__ import annotations

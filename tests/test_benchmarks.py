@@ -574,7 +574,9 @@ def test_a_collection_error_is_a_skip_only_for_a_package_the_image_lacks() -> No
     assert rows[0]["message"] == "not collected: it imports uvicorn, absent on the GPU image" and not not_run
 
 
-def test_the_image_imitation_keeps_what_setuptools_vendors_once_this_process_imported_it(tmp_path: Path) -> None:
+def test_the_image_imitation_keeps_what_setuptools_vendors_once_this_process_imported_it(
+    tmp_path: Path,
+) -> None:
     """setuptools puts its `_vendor` folder (jaraco, more_itertools, ...) on sys.path when imported; those
     copies go with setuptools, which the image has, so a child under the imitation that imports setuptools
     (DeepSpeed does) finds them, while a blocked package stays unimportable."""
@@ -587,7 +589,11 @@ def test_the_image_imitation_keeps_what_setuptools_vendors_once_this_process_imp
         "try:\n    import uvicorn\nexcept ModuleNotFoundError as e:\n    print('blocked', e.name)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", child], env=image_env(tmp_path / "image"), capture_output=True, text=True, check=False
+        [sys.executable, "-c", child],
+        env=image_env(tmp_path / "image"),
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "blocked uvicorn", proc.stderr[-2000:]
 

@@ -159,8 +159,12 @@ def absent_modules(own: str = "april-rl") -> list[str]:
     for dist in installed_distributions():
         if canonical(dist.metadata["Name"]) not in keep:
             absent.update(name for name in top_level_names(dist) if name.isidentifier())
-    present = {name for dist in installed_distributions() if canonical(dist.metadata["Name"]) in keep
-               for name in top_level_names(dist)}
+    present = {
+        name
+        for dist in installed_distributions()
+        if canonical(dist.metadata["Name"]) in keep
+        for name in top_level_names(dist)
+    }
     return sorted(absent - present)
 
 
