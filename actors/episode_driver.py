@@ -39,6 +39,7 @@ from april.episode import (
     StepKey,
     StepRequest,
 )
+from april.failures import Reason, failure
 from april.records import FinishReason, Sample
 
 CUT_OFF_REWARD = 0.0  # an episode the driver ends (budget, max_turns) before the environment does
@@ -149,7 +150,7 @@ class EpisodeDriver:
             try:
                 done = self._answer(ep, result)
             except EpisodeError as exc:  # a state the driver cannot read: the sample is broken
-                done = ep.sample.failed(f"episode: {exc}"[:500])
+                done = ep.sample.failed(failure(Reason.EPISODE_STATE, f"episode: {exc}"))
             if done is not None:
                 unused = not ep.started and ep.phase is not Phase.RETURNING  # (an abort reset the credit)
                 settled.append(self._settle(ep, done, credit=int(unused)))
@@ -202,6 +203,8 @@ class EpisodeDriver:
         """The sample settled by `result`, or None when the episode goes on (READY)."""
         if result.step is None:
             return ep.sample.failed(result.error[:500])
+        if result.timed_out:  # the model is told; the sample carries it, so that it is counted
+            ep.sample = ep.sample.noted(result.error)
         if ep.turn is None:  # a reset (its phase may be RETURNING: an abort came after it answered)
             return self._reset_answered(ep, result.step)
         return self._step_answered(ep, result.step)

@@ -3,8 +3,9 @@
 The worker-side API is non-blocking: `submit` queues a sample, `poll` returns the results ready so far,
 `cancel_all` (on abort) drops everything at once, `close` stops the child. Every submitted key gets
 exactly one `RewardResult` unless it is cancelled: a reward is either a finite float or `None` with a
-one-line error ("reward timed out after 5s", "reward raised ValueError: ...", "reward process died ...").
-Nothing is ever silently scored 0.
+one-line error that starts with its reason (`april.failures`): "reward_timeout: reward timed out after 5s",
+"reward_error: reward raised ValueError: ...", "reward_crashed: reward process died ...". Nothing is ever
+silently scored 0.
 
 Why a child process: a Python thread running a hung user function cannot be stopped; a process can be
 killed. The child is `python -m actors.reward_runner SPEC`; it scores one sample at a time, in submission
@@ -48,6 +49,7 @@ from typing import Any
 
 from actors.child_process import JsonLinesChild, Reaper, child_protocol, encode_line, wait_readable
 from actors.rewards import RewardError, check_reward_value, load_reward, one_line_error
+from april.failures import Reason, failure
 
 PROTOCOL_VERSION = 1
 
@@ -198,7 +200,7 @@ class RewardRunner:
         lines, eof = child.receive()
         for line in lines:
             if not self._handle(line):
-                self._fail_running("reward process broke the protocol: " + repr(line[:80]))
+                self._fail_running(f"reward process broke the protocol: {line[:80]!r}")
             if self._child is not child:
                 return  # killed or restarted while handling: its remaining output is moot
         if eof:
@@ -216,7 +218,9 @@ class RewardRunner:
         if kind == "ready":
             self._ready = True
         elif kind == "fatal":
-            self._broken = f"reward process could not load {self.spec!r}: {msg.get('error', '?')}"
+            self._broken = failure(
+                Reason.REWARD_CRASHED, f"reward process could not load {self.spec!r}: {msg.get('error', '?')}"
+            )
             self._fail_all(self._broken)
         elif kind == "start" and isinstance(msg.get("at"), float) and msg.get("key") in self._pending:
             self._pending[msg["key"]].started_at = min(msg["at"], time.monotonic())
@@ -248,7 +252,9 @@ class RewardRunner:
             and running.started_at is not None
             and now > running.started_at + self.timeout_s
         ):
-            self._fail(running.key, f"reward timed out after {self.timeout_s:g}s")
+            self._fail(
+                running.key, failure(Reason.REWARD_TIMEOUT, f"reward timed out after {self.timeout_s:g}s")
+            )
             self._restart()
         elif (
             not self._ready
@@ -256,7 +262,11 @@ class RewardRunner:
             and self._child is not None
             and now > self._child.spawned_at + self.startup_timeout_s
         ):
-            self._fail_all(f"reward process did not start within {self.startup_timeout_s:g}s")
+            self._fail_all(
+                failure(
+                    Reason.REWARD_CRASHED, f"reward process did not start within {self.startup_timeout_s:g}s"
+                )
+            )
 
     def _on_crash(self) -> None:
         assert self._child is not None
@@ -275,7 +285,7 @@ class RewardRunner:
         """Blame the running (else the oldest) pending sample, restart the child for the rest."""
         first = next(iter(self._pending), None)
         if first is not None:
-            self._fail(first, error)
+            self._fail(first, failure(Reason.REWARD_CRASHED, error))
         self._restart()
 
     def _fail(self, key: int, error: str) -> None:
@@ -314,11 +324,11 @@ def _score_one(reward: Any, msg: dict[str, Any]) -> tuple[float | None, str]:
     try:
         value = reward.fn(msg["response"], msg["answer"], msg["metadata"])
     except BaseException as exc:  # SystemExit/KeyboardInterrupt in a reward are its errors too
-        return None, f"reward raised {one_line_error(exc)}"
+        return None, failure(Reason.REWARD_ERROR, f"reward raised {one_line_error(exc)}")
     try:
         return check_reward_value(value), ""
     except (TypeError, ValueError) as exc:
-        return None, str(exc)
+        return None, failure(Reason.REWARD_ERROR, str(exc))
 
 
 def child_main(argv: list[str]) -> int:

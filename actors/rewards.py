@@ -30,12 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from april.data.fields import GSM8K_MARK
+
 RewardFn = Callable[[str, str, dict[str, str]], float | bool]
 
 BUILTIN_REWARDS = ("exact", "math")
 
 _BOXED = "\\boxed"
 _ANSWER_LINE = re.compile(r"answer\s*:\s*(.*)", re.IGNORECASE)
+_GSM8K_FINAL = re.compile(re.escape(GSM8K_MARK) + r"\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 
 
 class RewardError(Exception):
@@ -93,19 +96,23 @@ def extract_final_answer(response_text: str) -> str:
     1. the content of the last `\\boxed{...}` anywhere in the response;
     2. else the text after the last `answer:` (case-insensitive, any spacing before the colon), up to the
        end of that line, if that text is non-empty;
-    3. else the last non-empty line;
+    3. else the last non-empty line, or, when it holds GSM8K's mark `####` followed by a number (what
+       verl's GSM8K prompts ask for; a `$` between allowed), that number with its commas dropped, as
+       GSM8K's and verl's answers are written;
     4. else the empty string.
     """
     boxed = last_boxed(response_text)
     if boxed is not None:
         return boxed
-    for line in reversed(response_text.splitlines()):
+    lines = response_text.splitlines()
+    for line in reversed(lines):
         matches = _ANSWER_LINE.findall(line)
         if matches and matches[-1].strip():
             return str(matches[-1])
-    for line in reversed(response_text.splitlines()):
+    for line in reversed(lines):
         if line.strip():
-            return line
+            numbers = _GSM8K_FINAL.findall(line)
+            return str(numbers[-1]).replace(",", "") if numbers else line
     return ""
 
 

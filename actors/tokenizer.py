@@ -54,8 +54,14 @@ class HFTokenizer:
     def encode_prompt(self, text: str, metadata: dict[str, str]) -> npt.NDArray[np.int32]:
         messages = metadata.get("messages")
         if messages and self.has_chat_template:
+            chat = json.loads(messages)
+            # a prompt that ends with the assistant's message (data.continue_final_message) is continued
+            ends_with_answer = bool(chat) and chat[-1].get("role") == "assistant"
             ids = self.tok.apply_chat_template(
-                json.loads(messages), add_generation_prompt=True, tokenize=True
+                chat,
+                add_generation_prompt=not ends_with_answer,
+                continue_final_message=ends_with_answer,
+                tokenize=True,
             )
             if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a UserDict)
                 ids = ids["input_ids"]

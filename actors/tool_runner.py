@@ -15,8 +15,10 @@ queue and hands the oldest request to the first idle child. A child is `python -
 Time limits, counted from the request's hand-over to a ready child: a reset or a step without tool calls
 gets `settings.step_timeout_s`; a step with tool calls that much plus the called tools' `timeout_s`. A step
 with tool calls that overruns is answered with an error observation ("error: tool timed out after 5 s")
-and the environment's state unchanged; a reset or call-less step that overruns, env code that raises and
-a child that dies fail the request. The child is then killed and restarted; one failure per restart.
+and the environment's state unchanged; a reset or call-less step that overruns, env code that raises, an
+answer `april.episode.answer_problem` refuses (a reset without messages, a state that is not JSON) and a
+child that dies fail the request. The child is then killed and restarted; one failure per restart. Every
+error starts with its reason (`april.failures`).
 
 `cancel(key)`: a queued request is dropped; a result already read (or answered in the pipe) is kept and
 delivered, never dropped; a running one is killed if running it again is harmless (every tool it calls is
@@ -50,6 +52,7 @@ from april.episode import (
     Role,
     StepRequest,
     Tool,
+    answer_problem,
     final_step_repeatable,
     load_environment,
     one_line,
@@ -59,6 +62,7 @@ from april.episode import (
     step_timeout_s,
     takes_key,
 )
+from april.failures import Reason, failure
 
 PROTOCOL_VERSION = 1
 
@@ -87,7 +91,7 @@ class ToolRunnerSettings:
 @dataclass(frozen=True, slots=True)
 class ToolResult:
     """The outcome of one request: `step`, or None and `error` (one line). `timed_out`: the step's tools
-    ran out of time and `step` is the timeout observation."""
+    ran out of time, `step` is the timeout observation and `error` says which (a tool_timeout)."""
 
     key: int
     step: EnvStep | None
@@ -277,21 +281,32 @@ class ToolRunner:
         if kind == "ready" and not slot.ready:
             slot.ready = True
         elif kind == "fatal":
-            self._broken = f"environment process could not load {self.spec!r}: {msg.get('error', '?')}"
+            self._broken = failure(
+                Reason.ENV_CRASHED,
+                f"environment process could not load {self.spec!r}: {msg.get('error', '?')}",
+            )
             self._fail_everything(self._broken)
         elif kind == "done" and job is not None and msg.get("key") == job.key:
             slot.job = None
             self._results.append(self._result(job, msg))
         else:
-            self._fail_running(i, f"environment process broke the protocol: {line[:80]!r}")
+            self._fail_running(
+                i, failure(Reason.ENV_CRASHED, f"environment process broke the protocol: {line[:80]!r}")
+            )
 
     def _result(self, job: _Job, msg: dict[str, Any]) -> ToolResult:
         if "step" not in msg:
-            return ToolResult(job.key, None, str(msg.get("error") or "environment process gave no step"))
+            return ToolResult(
+                job.key,
+                None,
+                str(msg.get("error") or failure(Reason.ENV_CRASHED, "environment process gave no step")),
+            )
         try:
             return ToolResult(job.key, EnvStep.from_json(msg["step"]))
         except EpisodeError as exc:
-            return ToolResult(job.key, None, f"environment {job.what} returned a bad step: {exc}")
+            return ToolResult(
+                job.key, None, failure(Reason.ENV_ERROR, f"environment {job.what} returned a bad step: {exc}")
+            )
 
     def _dispatch(self) -> None:
         for i, slot in enumerate(self._slots):
@@ -335,26 +350,35 @@ class ToolRunner:
                 and now > slot.child.spawned_at + self.settings.startup_timeout_s
             ):
                 self._fail_queued(
-                    f"environment process did not start within {self.settings.startup_timeout_s:g}s"
+                    failure(
+                        Reason.ENV_CRASHED,
+                        f"environment process did not start within {self.settings.startup_timeout_s:g}s",
+                    )
                 )
                 self._kill(i)
 
     def _timed_out(self, job: _Job) -> ToolResult:
         if not isinstance(job.request, StepRequest) or not job.tools_s:
             return ToolResult(
-                job.key, None, f"environment {job.what} timed out after {self._limit_s(job):g}s"
+                job.key,
+                None,
+                failure(
+                    Reason.ENV_TIMEOUT, f"environment {job.what} timed out after {self._limit_s(job):g}s"
+                ),
             )
         text = f"error: tool timed out after {job.tools_s:g} s"
-        observation = tuple(
-            Message(Role.TOOL, text, tool_call_id=call.id, name=call.name)
-            for call in job.request.turn.tool_calls
-        )
-        return ToolResult(job.key, EnvStep(observation, job.request.state), timed_out=True)
+        calls = job.request.turn.tool_calls
+        observation = tuple(Message(Role.TOOL, text, tool_call_id=call.id, name=call.name) for call in calls)
+        names = ", ".join(sorted({call.name for call in calls}))
+        note = failure(Reason.TOOL_TIMEOUT, f"tool call of {names} timed out after {job.tools_s:g} s")
+        return ToolResult(job.key, EnvStep(observation, job.request.state), note, timed_out=True)
 
     def _on_exit(self, i: int, slot: _Slot) -> None:
         how = slot.child.exit_description()
         if slot.job is not None:
-            self._fail_running(i, f"environment process died ({how}) during a {slot.job.what}")
+            self._fail_running(
+                i, failure(Reason.ENV_CRASHED, f"environment process died ({how}) during a {slot.job.what}")
+            )
         else:
             self._kill(i)  # an idle child died: another starts when there is work
 
@@ -390,10 +414,15 @@ def _run(env: Environment, request: EnvRequest, with_key: bool) -> dict[str, Any
             else run_step(env, request, with_key)
         )
     except BaseException as exc:  # SystemExit/KeyboardInterrupt in an environment are its errors too
-        return {"error": f"environment {what} raised {one_line(exc)}"}
+        return {"error": failure(Reason.ENV_ERROR, f"environment {what} raised {one_line(exc)}")}
     if not isinstance(step, EnvStep):
-        return {"error": f"environment {what} returned {type(step).__name__}, expected an EnvStep"}
-    return {"step": step.to_json()}
+        return {
+            "error": failure(
+                Reason.ENV_ERROR, f"environment {what} returned {type(step).__name__}, expected an EnvStep"
+            )
+        }
+    problem = answer_problem(request, step)
+    return {"error": problem} if problem else {"step": step.to_json()}
 
 
 def child_main(argv: list[str]) -> int:
@@ -414,7 +443,7 @@ def child_main(argv: list[str]) -> int:
         try:
             request = request_from_json(msg["request"])
         except EpisodeError as exc:
-            send(t="done", key=msg["key"], error=f"bad request: {exc}")
+            send(t="done", key=msg["key"], error=failure(Reason.ENV_CRASHED, f"bad request: {exc}"))
             continue
         send(t="done", key=msg["key"], **_run(env, request, with_key))
     return 0

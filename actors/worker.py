@@ -77,6 +77,7 @@ from april import protocol
 from april.config import WeightsConfig, WorkerConfig
 from april.devices import visible_gpus
 from april.episode import EpisodeError
+from april.failures import Reason, failure
 from april.files import sha256_file
 from april.keys import ClientKeys
 from april.peer_link import PeerLink
@@ -121,7 +122,7 @@ def interrupted(sample: Sample, out: GenerationOutput | None) -> Sample:
 
 def failed_by_engine(sample: Sample, error: str) -> Sample:
     """The sample FAILED because the engine failed its request (the request itself was at fault)."""
-    return sample.failed(f"engine failed the request: {one_line(error)}"[:500])
+    return sample.failed(failure(Reason.ENGINE_FAILED, f"engine failed the request: {one_line(error)}"))
 
 
 class Worker:
@@ -290,7 +291,12 @@ class Worker:
                 log.warning("sample %s cannot be generated: %s", sample.key, exc)
                 if isinstance(exc, EngineError):  # (a ValueError is the tokenizer's)
                     self.health.failed += 1
-                failed.append((lease_id, sample.failed(f"engine rejected the request: {exc}"[:500])))
+                failed.append(
+                    (
+                        lease_id,
+                        sample.failed(failure(Reason.ENGINE_REJECTED, f"engine rejected the request: {exc}")),
+                    )
+                )
         if failed:
             self._owe(failed, credit=0 if self.health.down else len(failed))
 
@@ -395,7 +401,7 @@ class Worker:
             self.episodes.lease(lease_id, budget, greedy, sample)
         except EpisodeError as exc:  # a state this worker cannot read: the sample, not the worker, fails
             log.warning("sample %s cannot be resumed: %s", sample.key, exc)
-            self._owe([(lease_id, sample.failed(f"episode: {exc}"[:500]))], credit=1)
+            self._owe([(lease_id, sample.failed(failure(Reason.EPISODE_STATE, f"episode: {exc}")))], credit=1)
 
     def _turn_ended(self, lease_id: int, sample: Sample, out: GenerationOutput) -> list[tuple[int, Sample]]:
         """An episode's turn finished (STOP or LENGTH): its step starts, or it settles (returned)."""
@@ -444,7 +450,7 @@ class Worker:
                 self.held.pop(request.request_id, None)
                 self.health.failed += 1
                 log.warning("sample %s cannot be generated: %s", sample.key, exc)
-                failed = sample.failed(f"engine rejected the request: {exc}"[:500])
+                failed = sample.failed(failure(Reason.ENGINE_REJECTED, f"engine rejected the request: {exc}"))
                 self._owe([(request.request_id, failed)], credit=1)
         return started
 

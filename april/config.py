@@ -147,11 +147,19 @@ class RunConfig:
     steps: int = 20  # learner steps (batches trained) in the run
     mode: Mode = Mode.APRIL  # scheduling: sync baseline, april partial rollouts, async (docs/design.md 4)
     eval_every: int = 0  # steps between evaluations on the held-out prompts (and at the end); 0 = off
+    rollout_records: bool = True  # write <run>/rollouts/: every trained sample per step, every evaluation
+    rollout_records_groups: int = 0  # groups recorded per step: 0 = all; k: k of them, drawn per step
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "run.name", self.name, "must be a non-empty string")
         _positive(self, "run", "steps")
         _check(self.eval_every >= 0, "run.eval_every", self.eval_every, "must be >= 0 (0 = off)")
+        _check(
+            self.rollout_records_groups >= 0,
+            "run.rollout_records_groups",
+            self.rollout_records_groups,
+            "must be >= 0 (0 = every group)",
+        )
 
     @property
     def partial_rollout(self) -> bool:
@@ -252,11 +260,13 @@ class DataConfig:
     synthetic_prompt_len_max: int = 64  # synthetic source: longest prompt, in tokens
     synthetic_vocab_size: int = 1000  # synthetic source: prompt token ids are drawn below this
     synthetic_size: int = 10000  # synthetic source: prompts in the dataset (an epoch)
-    eval_size: int = 32  # held-out prompts per evaluation (never issued for training)
+    continue_final_message: bool = False  # a chat prompt may end with an assistant turn the model continues
+    eval_size: int = -1  # held-out prompts per evaluation, never trained on; -1: auto (docs/data.md)
+    eval_source: str = ""  # a dataset of its own for the held-out prompts (verl's val_files); "": source
 
     def __post_init__(self) -> None:
         _positive(self, "data", "synthetic_prompt_len_min", "synthetic_vocab_size", "synthetic_size")
-        _check(self.eval_size >= 0, "data.eval_size", self.eval_size, "must be >= 0")
+        _check(self.eval_size >= -1, "data.eval_size", self.eval_size, "must be >= 0, or -1 (auto)")
         _check(
             self.synthetic_prompt_len_max >= self.synthetic_prompt_len_min,
             "data.synthetic_prompt_len_max",
@@ -282,12 +292,19 @@ class BrokerConfig:
     debug_ledger: bool = False  # check the ledger balances after every state change (slow; for tests)
     metrics_port: int = 0  # Prometheus endpoint on bind_host:metrics_port; 0 = off
     min_workers: int = 0  # lease nothing until this many workers registered (equal starts in benchmarks)
+    stop_after_failures: int = 64  # stop the run once this many samples in a row failed alike; 0: never
 
     def __post_init__(self) -> None:
         _positive(self, "broker", "heartbeat_interval_s", "liveness", "abort_timeout_s")
         _positive(self, "broker", "max_message_bytes", "max_buffered_samples", "snapshot_interval_s")
         _check(self.abort_retries >= 0, "broker.abort_retries", self.abort_retries, "must be >= 0")
         _check(self.min_workers >= 0, "broker.min_workers", self.min_workers, "must be >= 0")
+        _check(
+            self.stop_after_failures >= 0,
+            "broker.stop_after_failures",
+            self.stop_after_failures,
+            "must be >= 0",
+        )
         seen: dict[int, str] = {}
         for n in ("worker_port", "learner_port", "pub_port"):
             port = getattr(self, n)

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from april.data import PromptRecord
+from april.failures import Reason, failure
 
 EPISODE_VERSION = 1  # of `EpisodeState.to_bytes`
 
@@ -375,6 +376,22 @@ def call_tools(turn: Message, handlers: Mapping[str, ToolHandler]) -> tuple[Mess
                 text = f"error: {exc}"
         out.append(Message(Role.TOOL, text, tool_call_id=call.id, name=call.name))
     return tuple(out)
+
+
+def answer_problem(request: EnvRequest, step: EnvStep) -> str:
+    """What makes `step` no answer to `request`, as a sample's error (`april.failures`), or "": a reset
+    that answers no messages (the episode's prompt is made of them), a state that is not JSON text (the
+    next step could not read it)."""
+    what = "reset" if isinstance(request, ResetRequest) else "step"
+    if what == "reset" and not step.observation:
+        return failure(Reason.ENV_EMPTY_RESET, "environment reset answered no messages: there is no prompt")
+    try:
+        json.loads(step.state)
+    except ValueError:
+        return failure(
+            Reason.ENV_BAD_STATE, f"environment {what} answered state {_short(step.state)}: not JSON"
+        )
+    return ""
 
 
 def step_timeout_s(tools: Sequence[Tool], turn: Message) -> float:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from april import protocol
+from april import failures, protocol
 from april.codec import DEFAULT_MAX_BYTES, ProtocolError
 from april.config import BrokerConfig
 from april.keys import ClientKeys
@@ -100,6 +100,8 @@ class PeerLink:
                 case protocol.Error(code="not_registered"):
                     self._on_not_registered()
                     continue
+                case protocol.Error(code=failures.RUN_FAILED):
+                    pass  # the owner's: the broker stopped the run
                 case protocol.Error(code=code, detail=detail):
                     log.warning("broker error %s: %s", code, detail)
                     continue

@@ -32,8 +32,9 @@ from april.ledger import Ledger
 from april.status import BrokerStatus
 from april.wire_records import SampleBatch
 
-PROTOCOL_VERSION = 4  # 2: small arrays inline in the body (april.codec); 3: episodes (SampleBatch); 4: result
-# acks (SampleResult.seq, Lease.acked, ResultAck) and the worker's credit in its hello
+PROTOCOL_VERSION = 5  # 2: small arrays inline in the body (april.codec); 3: episodes (SampleBatch); 4: lease
+# spans (SampleBatch); 5: result acks (SampleResult.seq, Lease.acked, ResultAck), the worker's credit in its
+# hello
 INLINE_BYTES = 64 * 1024  # a message's small arrays travel in its body up to this many bytes in all
 
 

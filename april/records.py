@@ -2,8 +2,9 @@
 
 Owns the in-memory `Sample` record (docs/design.md section 3) and the rules that act on one sample: how a
 resumed generation extends it (a new segment tagged with the policy version that produced it), how an
-episode appends an observation (a span of tokens no policy generated), what its remaining budget is, and
-how stale it is at a given learner version. Also owns `Group` (one prompt and its n samples) and the
+episode appends an observation (a span of tokens no policy generated), which worker each lease's tokens
+came from (the broker's `returned_by`), what its remaining budget is, and how stale it is at a given
+learner version. Also owns `Group` (one prompt and its n samples) and the
 checks that make a group trainable. The episode's own state is opaque bytes here.
 
 Knows nothing about sockets or encodings: the flat ragged wire form lives in `april.wire_records`.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -56,6 +58,7 @@ class FinishReason(enum.IntEnum):
 # enum answers each miss in Python).
 PENDING_CODE, RUNNING_CODE, INTERRUPTED_CODE, FINISHED_CODE, FAILED_CODE = map(int, SampleStatus)
 ABORT_CODE = int(FinishReason.ABORT)
+MAX_WORKER_ID = 128  # characters of a worker id (WorkerHello's bound), as a lease span names it
 
 
 class Segment(NamedTuple):
@@ -64,6 +67,16 @@ class Segment(NamedTuple):
 
     version: int
     start: int
+    end: int
+
+
+class LeaseSpan(NamedTuple):
+    """One lease that came back with the sample changed: the response up to `end` was there when `worker`
+    returned it, so tokens [the previous span's end, end) came from that lease. Every span but a settled
+    sample's last ended in an interruption (an abort, or an engine failure handing it back): its `end` is
+    where that cut fell."""
+
+    worker: str
     end: int
 
 
@@ -83,7 +96,8 @@ class Sample:
     `segments` cover the model's tokens, `observations` the others. Invariants (checked by `check`):
     `len(response_logprobs) == len(response_ids)`; segments and observations are non-empty, in order, and
     together tile `[0, len(response_ids))`; segments carry non-decreasing versions; an observation token's
-    log-prob is 0.0. A single-turn sample has no observations and an empty `episode`.
+    log-prob is 0.0. A single-turn sample has no observations and an empty `episode`. `leases` is the
+    broker's record of the leases that returned it changed (`returned_by`); workers return it as leased.
     A Sample is a value: no field is ever reassigned and no array written to; every change returns a new
     Sample. The class is not `frozen` only because a frozen dataclass sets each of its fields through
     `object.__setattr__`, which tripled the cost of constructing one (1.3 against 0.4 us), and the broker
@@ -102,9 +116,10 @@ class Sample:
     reward: float = float("nan")  # NaN until scored
     prompt_text: str = ""
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. {"answer": "42"}
-    error: str = ""
+    error: str = ""  # "reason: message" (april.failures): why it FAILED, or what it met without failing
     observations: tuple[Span, ...] = ()  # spans of observation tokens, in order
     episode: bytes = b""  # the episode driver's state (environment's and its own); b"": single-turn
+    leases: tuple[LeaseSpan, ...] = ()  # the leases that returned it changed, in order (the broker's)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -240,6 +255,31 @@ class Sample:
             self.error,
             self.observations,
             self.episode,
+            self.leases,
+        )
+
+    def returned_by(self, worker: str, leases: tuple[LeaseSpan, ...]) -> Sample:
+        """The sample as the broker keeps it once `worker` returned it changed: `leases` (the history it
+        was leased with: what a worker returns there is not read) and one more span, ending at its
+        response's end."""
+        # positional, as `resumed`: the broker takes every returned sample through here
+        return Sample(
+            self.group_id,
+            self.index,
+            self.prompt_ids,
+            self.response_ids,
+            self.response_logprobs,
+            self.segments,
+            self.status,
+            self.finish_reason,
+            self.resumes,
+            self.reward,
+            self.prompt_text,
+            self.metadata,
+            self.error,
+            self.observations,
+            self.episode,
+            (*leases, LeaseSpan(worker, int(self.response_ids.shape[0]))),
         )
 
     def scored(self, reward: float) -> Sample:
@@ -247,6 +287,11 @@ class Sample:
 
     def failed(self, error: str) -> Sample:
         return dataclasses.replace(self, status=SampleStatus.FAILED, error=error)
+
+    def noted(self, error: str) -> Sample:
+        """The sample carrying `error` without failing (a tool call that timed out: `april.failures`);
+        the first such error is kept, a later one is not."""
+        return self if self.error else dataclasses.replace(self, error=error)
 
     def check(self) -> None:
         """Raise ValueError naming the first broken invariant."""
@@ -269,6 +314,13 @@ class Sample:
             raise ValueError(f"sample {self.key}: non-finite log-prob")
         if n and float(self.response_logprobs.max()) > 1e-3:
             raise ValueError(f"sample {self.key}: positive log-prob {float(self.response_logprobs.max())}")
+        ends = [span.end for span in self.leases]
+        if ends and (ends[0] < 0 or ends[-1] > n or any(b < a for a, b in itertools.pairwise(ends))):
+            raise ValueError(
+                f"sample {self.key}: lease spans ending at {ends}, expected rising within [0, {n}]"
+            )
+        if not all(0 < len(span.worker) <= MAX_WORKER_ID for span in self.leases):
+            raise ValueError(f"sample {self.key}: a lease span's worker is not 1..{MAX_WORKER_ID} characters")
 
     def _check_spans(self) -> int:
         """Walk segments and observations in order of position; return where they stop covering the
@@ -315,6 +367,7 @@ def new_group_samples(
             "",
             (),
             b"",
+            (),
         )
         for i in range(n)
     ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from april.codec import decode_map, encode_map
@@ -161,6 +161,17 @@ class Rejected:
 
 
 @dataclass(frozen=True, slots=True)
+class ErrorLine:
+    """The first line of one distinct sample error (`april.failures`: it starts with its reason) and how
+    many samples settled with it since the broker kept it."""
+
+    EVOLVABLE: ClassVar[bool] = True
+    reason: str
+    text: str
+    samples: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepFigures:
     """The learner's figures of one step, typed: read from a status's `learner_metrics` (the relayed
     metrics of the last acked step) or from a metrics.jsonl line. A figure the source lacks, or that is not
@@ -250,6 +261,11 @@ class BrokerStatus:
     totals: Totals
     eval: EvalStatus | None  # None when evaluation is off
     rejected: Rejected
+    # samples that settled with an error since this broker started, by reason (april.failures): failed
+    # ones, and finished ones that met a non-fatal error (a tool call that timed out)
+    errors: dict[str, int] = field(default_factory=dict)
+    error_lines: list[ErrorLine] = field(default_factory=list)  # distinct errors' first lines, newest last
+    stopped: str = ""  # why the broker stopped the run ("" while it runs): every recent sample failed alike
 
     @property
     def ledger_balanced(self) -> bool:

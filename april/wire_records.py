@@ -3,9 +3,10 @@
 `SampleBatch` carries S samples as a handful of 1-D arrays: one entry per sample for the scalars, and
 concatenated token / log-prob / segment arrays with `*_offsets` of length S+1 (sample i owns
 `x[offsets[i]:offsets[i+1]]`). Segments travel as int64 triples `(version, start, end)`, offsets counted in
-segments, an episode's observation spans as int64 pairs `(start, end)`, and its state as one bytes value
-per sample (b"" for a single-turn one). This keeps a 2k-token sample at two arrays of bytes on the wire
-instead of 4k msgpack items, and lets the receiver slice views without copying.
+segments, an episode's observation spans as int64 pairs `(start, end)`, its state as one bytes value
+per sample (b"" for a single-turn one), and the broker's lease spans as their ends (int64) and workers.
+This keeps a 2k-token sample at two arrays of bytes on the wire instead of 4k msgpack items, and lets the
+receiver slice views without copying.
 
 `validate()` is called by the codec after decoding, so a malformed batch is a ProtocolError before any role
 sees it. Owns the conversion to and from `april.records.Sample`; knows nothing about sockets.
@@ -13,6 +14,7 @@ sees it. Owns the conversion to and from `april.records.Sample`; knows nothing a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from april.codec import Float32Array, Float64Array, Int32Array, Int64Array, UInt8Array
-from april.records import FinishReason, Sample, SampleStatus, Segment, Span
+from april.records import MAX_WORKER_ID, FinishReason, LeaseSpan, Sample, SampleStatus, Segment, Span
 
 # plain ints, as april.records' codes: numpy compares with an enum member several times slower
 _STATUS_MAX = int(max(SampleStatus))
@@ -43,6 +45,7 @@ _SAMPLE_FIELDS = attrgetter(
     "error",
     "observations",
     "episode",
+    "leases",
 )
 _SEGMENT_FIELDS = attrgetter("version", "start", "end")
 _STATUSES = {int(m): m for m in SampleStatus}
@@ -72,6 +75,9 @@ class SampleBatch:
     metadata: list[dict[str, str]]  # [S]
     error: list[str]  # [S]
     episode: list[bytes]  # [S], b"" for a single-turn sample
+    lease_offsets: Int64Array  # [S+1], in lease spans
+    lease_ends: Int64Array  # [L]: the response's length when that lease came back
+    lease_workers: list[str]  # [L]: the worker that returned it
 
     def __len__(self) -> int:
         return int(self.group_id.shape[0])
@@ -134,6 +140,26 @@ class SampleBatch:
             self._validate_episodes()
         else:  # no episode in the batch: the segments alone tile each response
             self._validate_segments()
+        self._validate_leases()
+
+    def _validate_leases(self) -> None:
+        """Per sample: lease ends rise within [0, response length]; one worker id per end."""
+        ends, s = self.lease_ends, len(self)
+        if len(self.lease_workers) != ends.shape[0]:
+            raise ValueError(f"lease_workers has {len(self.lease_workers)} entries for {ends.shape[0]} ends")
+        _check_offsets("lease_offsets", self.lease_offsets, s, ends.shape[0])
+        if not ends.shape[0]:
+            return
+        if not all(0 < len(w) <= MAX_WORKER_ID for w in self.lease_workers):
+            raise ValueError(f"lease_workers must be 1..{MAX_WORKER_ID} characters")
+        owner = np.repeat(np.arange(s), self.lease_offsets[1:] - self.lease_offsets[:-1])
+        lengths = self.response_offsets[1:] - self.response_offsets[:-1]
+        bad = (ends < 0) | (ends > lengths[owner])
+        inner = owner[1:] == owner[:-1]
+        bad[1:] |= inner & (ends[1:] < ends[:-1])
+        if bad.any():
+            i = int(owner[np.argmax(bad)])
+            raise ValueError(f"sample {i}: lease ends must rise within [0, {int(lengths[i])}]")
 
     def _validate_segments(self) -> None:
         """Per sample: segments tile [0, n) contiguously with non-decreasing versions (vectorised)."""
@@ -226,13 +252,17 @@ class SampleBatch:
             error,
             obs,
             episode,
-        ) = zip(*map(_SAMPLE_FIELDS, samples), strict=True) if n else ((),) * 15
+            leases,
+        ) = zip(*map(_SAMPLE_FIELDS, samples), strict=True) if n else ((),) * 16
         prompt_offsets = _offsets(map(len, prompts), n)
         response_offsets = _offsets(map(len, ids), n)
         segment_offsets = _offsets(map(len, segs), n)
         # a batch without an episode (every single-turn one) skips the spans' pass
         observation_offsets = _offsets(map(len, obs), n) if any(obs) else np.zeros(n + 1, dtype=np.int64)
         flat = list(map(_SEGMENT_FIELDS, chain.from_iterable(segs)))
+        # a batch whose samples never came back (fresh leases) skips the spans' pass
+        lease_offsets = _offsets(map(len, leases), n) if any(leases) else np.zeros(n + 1, dtype=np.int64)
+        spans: list[LeaseSpan] = list(chain.from_iterable(leases)) if lease_offsets[-1] else []
         return cls(
             group_id=np.array(gid, dtype=np.int64),
             index=np.array(idx, dtype=np.int32),
@@ -260,6 +290,22 @@ class SampleBatch:
             metadata=[dict(m) for m in meta],
             error=list(error),
             episode=list(episode),
+            lease_offsets=lease_offsets,
+            lease_ends=np.fromiter((span.end for span in spans), dtype=np.int64, count=len(spans)),
+            lease_workers=[span.worker for span in spans],
+        )
+
+    def with_leases(self, samples: Sequence[Sample]) -> SampleBatch:
+        """This batch with the lease spans of `samples` (the same samples, in order: as the broker keeps
+        them once returned) in place of its own; the other columns are shared, not copied."""
+        if len(samples) != len(self):
+            raise ValueError(f"with_leases: {len(samples)} samples for a batch of {len(self)}")
+        spans = [span for s in samples for span in s.leases]
+        return dataclasses.replace(
+            self,
+            lease_offsets=_offsets((len(s.leases) for s in samples), len(samples)),
+            lease_ends=np.fromiter((span.end for span in spans), dtype=np.int64, count=len(spans)),
+            lease_workers=[span.worker for span in spans],
         )
 
     def to_samples(self) -> list[Sample]:
@@ -276,6 +322,8 @@ class SampleBatch:
             else []
         )
         oo = self.observation_offsets.tolist() if spans else []
+        leases = [LeaseSpan(w, e) for w, e in zip(self.lease_workers, self.lease_ends.tolist(), strict=True)]
+        lo = self.lease_offsets.tolist() if leases else []
         gids, idx = self.group_id.tolist(), self.index.tolist()
         # codes were checked by validate: index the members (an enum call per code costs more)
         status = [_STATUSES[c] for c in self.status.tolist()]
@@ -300,6 +348,7 @@ class SampleBatch:
                 error,
                 tuple(spans[oo[i] : oo[i + 1]]) if spans else (),
                 episode,
+                tuple(leases[lo[i] : lo[i + 1]]) if leases else (),
             )
             for i, text, meta, error, episode in zip(
                 range(len(self)), self.prompt_text, self.metadata, self.error, self.episode, strict=True
@@ -308,13 +357,15 @@ class SampleBatch:
 
 
 EPISODE_COLUMNS = ("observation_offsets", "observations", "episode")  # added by protocol 3
+LEASE_COLUMNS = ("lease_offsets", "lease_ends", "lease_workers")  # added by protocol 4
 
 
-def add_episode_columns(raw: Any, frames: Sequence[bytes | memoryview]) -> Any:
-    """The msgpack map of a `SampleBatch` encoded before protocol 3 (a file of an older format) with the
-    columns it lacks, empty: no observations, no episode state. `frames` are the record's frames (its
-    arrays' data). Anything that is not such a map is returned as it is, for the decoder to reject."""
-    if not isinstance(raw, dict) or any(name in raw for name in EPISODE_COLUMNS):
+def add_missing_columns(raw: Any, frames: Sequence[bytes | memoryview]) -> Any:
+    """The msgpack map of a `SampleBatch` encoded by an earlier protocol (a file of an older format) with
+    the columns it lacks, empty: before protocol 3 no observations and no episode state, before 4 no lease
+    spans. `frames` are the record's frames (its arrays' data). Anything that is not such a map is
+    returned as it is, for the decoder to reject."""
+    if not isinstance(raw, dict):
         return raw
     ref = raw.get("group_id")
     if not (isinstance(ref, list) and len(ref) == 3 and type(ref[2]) is int and ref[2] >= 0):
@@ -324,12 +375,13 @@ def add_episode_columns(raw: Any, frames: Sequence[bytes | memoryview]) -> Any:
         where = frames[where]
     if not isinstance(where, bytes | memoryview) or len(where) != 8 * count:  # not S samples' group ids
         return raw
-    return {
-        **raw,
-        "observation_offsets": [bytes(8 * (count + 1)), "<i8", count + 1],
-        "observations": [b"", "<i8", 0],
-        "episode": [b""] * count,
-    }
+    out = dict(raw)
+    no_offsets = [bytes(8 * (count + 1)), "<i8", count + 1]
+    if not any(name in raw for name in EPISODE_COLUMNS):
+        out.update(observation_offsets=no_offsets, observations=[b"", "<i8", 0], episode=[b""] * count)
+    if not any(name in raw for name in LEASE_COLUMNS):
+        out.update(lease_offsets=no_offsets, lease_ends=[b"", "<i8", 0], lease_workers=[])
+    return out
 
 
 def _check_offsets(name: str, offsets: np.ndarray, count: int, total: int) -> None:

@@ -225,6 +225,10 @@ def finished_batch(lease: protocol.Lease, tokens: int, version: int, pool: Token
         metadata=src.metadata,
         error=src.error,
         episode=src.episode,
+        # fresh leases came back with no lease spans; a worker returns them as leased
+        lease_offsets=src.lease_offsets,
+        lease_ends=src.lease_ends,
+        lease_workers=src.lease_workers,
     )
 
 

@@ -18,11 +18,12 @@ only, so copying always frees disk) and is deleted, which bounds the disk the lo
 
 A record is a little-endian u64 frame count, then for each frame a u64 length and the bytes; the frames
 are codec frames with header `[LOG_FORMAT, LOG_KIND]` and body `LoggedGroups`. Records of earlier formats
-(before protocol 3's episode columns; format 1 holds one group each, body `LoggedGroup`) are still read,
-their samples given the columns empty (`decode_upgraded`). A torn record at the end of
-a segment (a crash while appending) is cut off when the log is opened; when a sample has records in
-several places (copied, or appended again after a crash) the newest wins. A `complete.log` written by
-earlier versions (one file, compacted by rewriting) is read as the oldest segment.
+(before protocol 3's episode columns or protocol 4's lease spans; format 1 holds one group each, body
+`LoggedGroup`) are still read, their samples given the columns they lack, empty (`decode_upgraded`). A
+torn record at the end of a segment (a crash while appending) is cut off when the log is opened; when a
+sample has records in several places (copied, or appended again after a crash) the newest wins. A
+`complete.log` written by earlier versions (one file, compacted by rewriting) is read as the oldest
+segment.
 
 The same segments carry the journal's records (`broker.journal`, header kind `JOURNAL_KIND`), appended in
 order with the samples: a state file names the position (segment, byte) after which its journal starts
@@ -50,10 +51,11 @@ import numpy as np
 from april.codec import Frame, Int64Array, ProtocolError, decode_body, decode_file_version, encode_frames
 from april.files import fsync_dir
 from april.records import Sample
-from april.wire_records import SampleBatch, add_episode_columns
+from april.wire_records import SampleBatch, add_missing_columns
 
-LOG_FORMAT = 3  # the log record's codec version (the state file has its own: broker.snapshot); 2: a
-# record holds several groups; 3: samples carry episodes (observation spans, episode state)
+LOG_FORMAT = 4  # the log record's codec version (the state file has its own: broker.snapshot); 2: a
+# record holds several groups; 3: samples carry episodes (observation spans, episode state); 4: lease spans
+EPISODE_FORMAT = 3  # records without the lease spans: still read
 MULTI_GROUP_FORMAT = 2  # records of several groups without the episode columns: still read
 SINGLE_GROUP_FORMAT = 1  # records of one group each, written by earlier versions: still read
 LOG_KIND = 1
@@ -179,11 +181,12 @@ def _record(ids: list[int], samples: SampleBatch) -> Record:
 
 def decode_record(frames: Sequence[Frame], max_bytes: int) -> tuple[list[int], SampleBatch]:
     """The group ids and samples of a record of any readable format; ProtocolError if it is not one."""
-    version = decode_file_version(frames, (LOG_FORMAT, MULTI_GROUP_FORMAT, SINGLE_GROUP_FORMAT))
+    readable = (LOG_FORMAT, EPISODE_FORMAT, MULTI_GROUP_FORMAT, SINGLE_GROUP_FORMAT)
+    version = decode_file_version(frames, readable)
     if version == SINGLE_GROUP_FORMAT:
         old: LoggedGroup = decode_upgraded(LoggedGroup, frames, ("samples",), max_bytes)
         return [old.group_id], old.samples
-    if version == MULTI_GROUP_FORMAT:
+    if version != LOG_FORMAT:
         record: LoggedGroups = decode_upgraded(LoggedGroups, frames, ("samples",), max_bytes)
     else:
         record = decode_body(LoggedGroups, frames, max_bytes=max_bytes)
@@ -197,11 +200,10 @@ def decode_upgraded(
     max_bytes: int,
     added: Mapping[str, Any] | None = None,
 ) -> Any:
-    """Decode a body of `cls` written by an earlier version: each `SampleBatch` field named in `batches`
-    (written before protocol 3) is given the episode columns it lacks, empty
-    (`april.wire_records.add_episode_columns`), each field of `added` it lacks is given that value, and the
-    body is then decoded as strictly as a current one. A body that is not such a map is decoded as it is,
-    for the decoder to name what is wrong."""
+    """Decode a body of `cls` written by an earlier version: each `SampleBatch` field named in `batches` is
+    given the columns it lacks, empty (`april.wire_records.add_missing_columns`), each field of `added` it
+    lacks is given that value, and the body is then decoded as strictly as a current one. A body that is
+    not such a map is decoded as it is, for the decoder to name what is wrong."""
     try:
         body = msgpack.unpackb(frames[1], raw=False)
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException):
@@ -210,7 +212,7 @@ def decode_upgraded(
         return decode_body(cls, frames, max_bytes=max_bytes)
     for name in batches:
         if name in body:
-            body[name] = add_episode_columns(body[name], frames)
+            body[name] = add_missing_columns(body[name], frames)
     for name, value in (added or {}).items():
         body.setdefault(name, value)
     upgraded = [frames[0], msgpack.packb(body, use_bin_type=True), *frames[2:]]

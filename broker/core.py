@@ -1,10 +1,12 @@
 """The broker core: every scheduling decision, once. Events in, with their time; decisions out.
 
 `BrokerCore` holds the books (`broker.state`), the worker registry (`broker.peers`), the evaluations, the
-abort round, the learner's pending request and the slot-usage integrals, and has one method per event: a
-worker's hello, credit, results, abort confirmation, engine health, weights loaded, usage report or loss;
-the learner's hello, batch request, ack, weights or departure; and the tick. Each returns the decisions
-it took (`broker.decisions`): leases, aborts, relayed weights, refusals, settled samples, a formed batch.
+abort round, the learner's pending request, the slot-usage integrals and the sample errors
+(`broker.failures`, with the rule that stops a run whose samples all fail alike), and has one method per
+event: a worker's hello, credit, results, abort confirmation, engine health, weights loaded, usage report
+or loss; the learner's hello, batch request, ack, weights or departure; and the tick. Each returns the
+decisions it took (`broker.decisions`): leases, aborts, relayed weights, refusals, settled samples, a
+formed batch, a stopped run.
 
 No sockets, no clock, no files: `broker.server` drives it from its sockets and the monotonic clock,
 `broker.sim.model` from simulated engines and a simulated learner in virtual time, so the real broker
@@ -32,11 +34,13 @@ from broker.decisions import (
     EvalFinished,
     LeaseOut,
     Refuse,
+    RunStopped,
     Send,
     Settled,
 )
 from broker.dispatch import assign
 from broker.evaluation import EvalResult, Evaluations
+from broker.failures import FailureBook
 from broker.peers import Workers
 from broker.result_check import ResultRejected
 from broker.state import BooksView, BrokerState, PendingBatch
@@ -102,6 +106,7 @@ class BrokerCore:
         self.round_started = now  # the last ack (a batch's rollout_s counts from it)
         self.first_lease: float | None = None  # when generation started: batches' run_s count from it
         self.usage = SlotUsage(now)  # the workers' slot usage, per batch (rollout phases) and in total
+        self.failures = FailureBook(self.cfg.stop_after_failures)  # sample errors; the stop rule
         self.last_step_totals: dict[str, Any] | None = None  # run_totals when the last step was acked
         self.behind_warned = 0  # the last version no worker with free slots served (warned once each)
         self.behind_since: float | None = None  # since when no worker with free slots may be leased work
@@ -211,7 +216,7 @@ class BrokerCore:
         then the freed slots are leased at once (no training work once the round is complete).
         `vouched`: per sample, already checked against its lease (`on_result`); None: none was."""
         peer = self.workers.peers[worker_id]
-        settled: list[Sample] = []
+        settled: list[tuple[int, int]] = []  # keys of the training samples that settled
         checked = [False] * len(samples) if vouched is None else vouched
         for lease_id, sample, ok in zip(lease_ids, samples, checked, strict=True):
             try:
@@ -220,7 +225,9 @@ class BrokerCore:
                 else:
                     accepted = self.state.accept_result(worker_id, lease_id, sample, vouched=ok)
                     if sample.status in SETTLED:  # for good: logged now, not in every snapshot after
-                        settled.append(sample)
+                        settled.append(sample.key)
+                if sample.status in SETTLED:
+                    self.failures.settled(sample, now)
                 peer.tokens_generated += accepted
             except ResultRejected as exc:
                 if exc.reason == "duplicate":  # sent again: the books have it, nothing to answer
@@ -231,9 +238,9 @@ class BrokerCore:
                 if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
                     self._reclaim(lease_id)
         if settled:  # those of groups just dropped need no record
-            groups = self.state.groups
-            kept = [s for s in settled if s.group_id in groups]
-            self._out.append(Settled(kept, whole=len(settled) == len(samples)))
+            groups = self.state.groups  # each as the books keep it (with the lease span they added)
+            kept = [groups[g].samples[i] for g, i in settled if g in groups]
+            self._out.append(Settled(kept, whole=len(kept) == len(samples)))
         self.on_credit(worker_id, credit)
         self._dispatch(now, train=not self.state.round_complete())
         return self._take()
@@ -260,7 +267,10 @@ class BrokerCore:
         peer = self.workers.peers[worker_id]
         if msg.ok != peer.engine_ok:
             if msg.ok:
-                log.info("worker %s: engine serves again", worker_id)
+                came = "is up" if peer.engine_detail == protocol.ENGINE_STARTING else "serves again"
+                log.info("worker %s: engine %s", worker_id, came)
+            elif msg.detail == protocol.ENGINE_STARTING:  # every worker starts so: no news
+                log.info("worker %s: engine starting, leasing it nothing until it is up", worker_id)
             else:
                 log.warning("worker %s: engine down, leasing it nothing: %s", worker_id, msg.detail)
         peer.engine_ok, peer.engine_detail = msg.ok, msg.detail
@@ -308,8 +318,9 @@ class BrokerCore:
 
     def _dispatch(self, now: float, train: bool = True) -> None:
         """Lease work to every worker with credit, one Lease each (`broker.dispatch.assign`: who gets
-        what); `train` False: evaluation samples only (the round is complete)."""
-        if self.abort is not None or len(self.workers) < self.cfg.min_workers:
+        what); `train` False: evaluation samples only (the round is complete). Nothing once the run is
+        stopped."""
+        if self.abort is not None or len(self.workers) < self.cfg.min_workers or self.failures.stopped:
             return
         if not self.evals.queued and not (train and self.state.leasable_samples()):
             return  # nothing to lease: most results free a slot while admission holds new groups back
@@ -453,7 +464,7 @@ class BrokerCore:
         self.learner_waiting = None
 
     def _form_batch(self, now: float) -> None:
-        if self.learner_waiting is None or self.state.batch is not None:
+        if self.learner_waiting is None or self.state.batch is not None or self.failures.stopped:
             return
         batch = self.state.form_batch(self.learner_waiting)
         if batch is None:
@@ -462,6 +473,7 @@ class BrokerCore:
         batch.stats.update(self.evals.batch_stats())  # the latest evaluation, if any
         batch.stats.update(self.usage.take_window())
         batch.stats.update(self._weights_sync_stats(now))
+        batch.stats.update(self.failures.take_window())  # the samples that settled with an error
         batch.stats["run_s"] = now - (self.first_lease if self.first_lease is not None else self.started)
         if policy.is_round_based(self.state.mode):
             self.usage.set_phase(now, False)  # the rollout phase ends with its batch
@@ -501,6 +513,9 @@ class BrokerCore:
                 self.state.park_queued_samples()
         self._dispatch(now)
         self._form_batch(now)
+        if self.failures.stopped and self.learner_waiting is not None:  # told once each time it asks
+            self._out.append(RunStopped(self.failures.stopped))
+            self.learner_waiting = None
         return self._take()
 
     # ------------------------------------------------------------------ what it shows

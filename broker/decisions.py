@@ -49,8 +49,9 @@ class Refuse:
 @dataclass(frozen=True, slots=True)
 class Settled:
     """Samples of one SampleResult the books took for good (FINISHED or FAILED) and that belong to a
-    group still held: they are logged once (`broker.complete_log`). `whole`: every sample of the result
-    settled (then the result may be logged as it came)."""
+    group still held, as the books keep them: they are logged once (`broker.complete_log`). `whole`:
+    every sample of the result settled and is here, in the result's order (then the result may be logged
+    as it came, with these samples' lease spans)."""
 
     samples: list[Sample]
     whole: bool
@@ -71,4 +72,12 @@ class EvalFinished:
     result: EvalResult
 
 
-Decision = LeaseOut | Send | Refuse | Settled | BatchFormed | EvalFinished
+@dataclass(frozen=True, slots=True)
+class RunStopped:
+    """The run is stopped (every recent sample failed alike: `broker.failures`): the learner, waiting for
+    a batch, is told `line` (Error run_failed) instead; nothing more is leased."""
+
+    line: str
+
+
+Decision = LeaseOut | Send | Refuse | Settled | BatchFormed | EvalFinished | RunStopped

@@ -50,6 +50,7 @@ class EvalResult:
     failed: int  # samples that FAILED (counted as wrong)
     oldest_version: int  # oldest weights version among its response tokens (< version: a load failed)
     newest_version: int  # newest weights version among its response tokens (> version: one was published)
+    samples: tuple[Sample, ...] = field(default=(), repr=False, compare=False)  # held-out prompt i's is i-th
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -181,6 +182,9 @@ class Evaluations:
         before = held[1]
         check_continues(before, sample, self.max_new_tokens, broker_version)
         del run.leases[lease_id]
+        unchanged = sample.response_len == before.response_len and sample.episode == before.episode
+        if not (sample.status == SampleStatus.INTERRUPTED and unchanged):  # as the books count aborts
+            sample = sample.returned_by(worker_id, before.leases)
         position = sample.group_id - EVAL_GROUP_BASE
         run.samples[position] = sample
         new_tokens = sample.model_tokens - before.model_tokens
@@ -204,6 +208,7 @@ class Evaluations:
             failed=len(run.samples) - len(scored),
             oldest_version=min(versions, default=run.version),
             newest_version=max(versions, default=run.version),
+            samples=tuple(run.samples),
         )
         self.completed += 1
         self.run = None

@@ -1,4 +1,5 @@
-"""The held-out evaluation prompts: a fixed set split off any prompt source, never issued for training.
+"""The held-out evaluation prompts: a fixed set, never issued for training, split off the prompt source
+or read from a dataset of its own (`data.eval_source`, as verl's `val_files`).
 
 One rule for every `PromptSource` (synthetic, JSONL, the built-in task), through the protocol alone: the
 held-out set is the first `size` distinct records the source yields (cursors 0, 1, ... of its first
@@ -6,6 +7,8 @@ epoch, so a seeded random subset when the source shuffles, the first `size` entr
 identified by `PromptRecord.prompt_index`. `TrainingView` is the same source with those entries taken out
 of every epoch: training cursor t is the t-th record, in the source's own order, that is not held out.
 The split is a pure function of the source (its seed and data), so a resumed run finds the same set.
+`data.eval_size = -1` (the default) sizes it to the source (`auto_eval_size`), so a small dataset
+still leaves prompts to train on; an `eval_source` is read in its own order, all of it by default.
 
 It relies on the source's contract that each epoch (cursors `e * len .. (e + 1) * len - 1`) yields
 every `prompt_index` exactly once. Owns no cursor and no I/O.
@@ -13,8 +16,12 @@ every `prompt_index` exactly once. Owns no cursor and no I/O.
 
 from __future__ import annotations
 
+import dataclasses
+
 from april.config import Config, ConfigError
-from april.data import PromptRecord, PromptSource, open_source
+from april.data import GENERATED_SOURCES, PromptRecord, PromptSource, open_source
+
+AUTO_EVAL_MAX = 64  # data.eval_size = -1 holds out a tenth of the source's prompts, at most this many
 
 
 class TrainingView:
@@ -63,7 +70,8 @@ def split_held_out(source: PromptSource, size: int) -> tuple[TrainingView, tuple
     if not 0 < size < len(source):
         raise ConfigError(
             f"data.eval_size = {size}: must be in 1..{len(source) - 1} to hold prompts out of "
-            f"{source.describe()} and keep some for training"
+            f"{source.describe()} and keep some for training (-1 sizes it to the data; data.eval_source "
+            "names a dataset of held-out prompts)"
         )
     held: dict[int, PromptRecord] = {}
     for cursor in range(len(source)):
@@ -74,10 +82,34 @@ def split_held_out(source: PromptSource, size: int) -> tuple[TrainingView, tuple
     return TrainingView(source, frozenset(held)), tuple(held.values())
 
 
+def auto_eval_size(prompts: int) -> int:
+    """`data.eval_size = -1` for a source of `prompts`: a tenth of them, at least 1 and at most
+    `AUTO_EVAL_MAX`, so that most stay for training; 0 for a source of one prompt (nothing to spare)."""
+    return 0 if prompts < 2 else min(AUTO_EVAL_MAX, max(1, prompts // 10))
+
+
 def open_prompts(config: Config) -> tuple[PromptSource, tuple[PromptRecord, ...]]:
     """The run's training prompts and its held-out ones (none when it does not evaluate); a bad dataset
     or held-out size raises DatasetError / ConfigError (`april up` calls this before starting anything)."""
-    source = open_source(config.data, config.run.seed)
-    if config.run.eval_every > 0 and config.data.eval_size > 0:
-        return split_held_out(source, config.data.eval_size)  # training never sees them
-    return source, ()
+    data = config.data
+    source = open_source(data, config.run.seed)
+    if config.run.eval_every == 0 or data.eval_size == 0:
+        return source, ()
+    if data.eval_source:  # a dataset of its own: training keeps every prompt of `source`
+        if data.eval_source in GENERATED_SOURCES:
+            raise ConfigError(
+                f"data.eval_source = {data.eval_source!r}: expected a dataset path (a generated source draws "
+                "the training prompts again under the run's seed; leave it empty to hold prompts out)"
+            )
+        held = open_source(dataclasses.replace(data, source=data.eval_source, shuffle=False), config.run.seed)
+        size = len(held) if data.eval_size == -1 else data.eval_size
+        if size > len(held):
+            raise ConfigError(
+                f"data.eval_size = {size}: must be in 1..{len(held)}, the prompts of data.eval_source "
+                f"{held.describe()}"
+            )
+        return source, tuple(held.get(i) for i in range(size))
+    size = auto_eval_size(len(source)) if data.eval_size == -1 else data.eval_size
+    if size == 0:
+        return source, ()
+    return split_held_out(source, size)  # training never sees them

@@ -4,9 +4,9 @@ Off unless `broker.metrics_port` > 0. The figures are those of the status record
 built by `broker.status`): the poll loop hands each status it builds (once a second) to `update`, and a
 scrape, served on prometheus-client's HTTP thread, reads only that latest frozen record; it never touches
 the broker's books, so there is nothing to lock. Counters count what the status `totals` do: over the
-run, across broker restarts (`batches_acked` since this process started; Prometheus handles its reset). prometheus-client is imported here
-only, when the endpoint is configured; without it the broker refuses to start with one line saying what to
-install.
+run, across broker restarts (`batches_acked` since this process started; Prometheus handles its reset).
+prometheus-client is imported here only, when the endpoint is configured; without it the broker refuses
+to start with one line saying what to install.
 """
 
 from __future__ import annotations
@@ -110,6 +110,14 @@ def status_metrics(status: BrokerStatus | None) -> Iterator[Metric]:
     for reason, n in sorted(status.rejected.by_reason.items()):
         rejections.add_metric([reason], float(n))
     yield rejections
+    errors = CounterMetricFamily(
+        PREFIX + "sample_errors",
+        "samples settled with an error, by reason (april.failures)",
+        labels=["reason"],
+    )
+    for reason, n in sorted(status.errors.items()):
+        errors.add_metric([reason], float(n))
+    yield errors
 
 
 class PrometheusExporter:

@@ -7,9 +7,9 @@ message. Owns the transport and the clock: which peer is alive (silence past the
 heartbeats, the learner's session, snapshots (a formed batch leaves only once its snapshot is durable),
 the log of settled samples and the journal of the books' changes (`broker.journal`, handed to the
 snapshot writer after each turn of the loop), result acknowledgements (a worker's result is acknowledged
-once the journal holding it is durable: in the next Lease it is sent, else a ResultAck), the status feed
-and the Prometheus endpoint. Every scheduling decision is `broker.core.BrokerCore`'s: the loop hands it
-each event with the time, and carries out what it decides.
+once the journal holding it is durable: in the next Lease it is sent, else a ResultAck), eval.jsonl and
+the evaluations' rollout records, the status feed and the Prometheus endpoint. Every scheduling decision
+is `broker.core.BrokerCore`'s: the loop hands it each event with the time, and carries out what it decides.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import zmq
 from april import protocol
 from april.codec import ProtocolError
 from april.config import Config, ConfigError
+from april.failures import RUN_FAILED
 from april.keys import server_keys
 from april.protocol import Message, WeightsReady
 from april.records import Sample
@@ -38,7 +39,8 @@ from april.wire_records import SampleBatch
 from broker import snapshot
 from broker.auth import CurveGate
 from broker.core import BrokerCore
-from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, Send, Settled
+from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, RunStopped, Send, Settled
+from broker.eval_records import open_eval_records
 from broker.heldout import open_prompts
 from broker.journal import Journal
 from broker.peers import LearnerPeer, Rejections
@@ -109,6 +111,7 @@ class Broker:
         self.acks: dict[str, ResultAcks] = {}  # workers with results not yet acknowledged to them
         # (worker, seq, when it came) of results whose journal is not queued yet
         self._unlogged: list[tuple[str, int, float]] = []
+        self.eval_records = open_eval_records(config, run_dir)
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: LearnerPeer | None = None
         self.learner_identity = b""
@@ -180,6 +183,8 @@ class Broker:
             self.exporter.close()
         self.save_snapshot()
         self.snapshots.close()
+        if self.eval_records is not None:
+            self.eval_records.close()
         totals = {"at_last_step": self.core.last_step_totals, "at_stop": self.core.run_totals()}
         (self.run_dir / TOTALS).write_text(json.dumps(totals, indent=2) + "\n", encoding="utf-8")
         for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
@@ -287,7 +292,8 @@ class Broker:
                     self._send_worker(worker_id, message, now)
                 case Settled(samples=samples, whole=whole):
                     if whole and result is not None and len(result) >= LOG_AS_RECEIVED_MIN:
-                        self.snapshots.log_received(result)  # the arrays as they came, in one record
+                        # the arrays as they came, in one record, with the lease spans the books added
+                        self.snapshots.log_received(result.with_leases(samples))
                     elif samples:
                         self.snapshots.log_groups([(s.group_id, [s]) for s in samples])
                 case Refuse(peer_id=peer_id, reason=reason, detail=detail, reply=reply):
@@ -300,6 +306,12 @@ class Broker:
                     line = json.dumps({"time": time.time(), **finished.to_json()})
                     with open(self.run_dir / EVAL_LOG, "a", encoding="utf-8") as f:
                         f.write(line + "\n")  # the final one lands after the last step
+                    if self.eval_records is not None:
+                        self.eval_records.submit(finished)
+                case RunStopped(line=line) if self.learner is not None:  # its learner exits with the line
+                    self._send(
+                        self.learner_sock, self.learner_identity, protocol.Error(RUN_FAILED, line[:500])
+                    )
 
     # ------------------------------------------------------------------ workers
 
@@ -475,6 +487,7 @@ class Broker:
             batches_acked=core.batches_acked,
             eval=core.evals.status(),
             rejections=self.rejections,
+            failures=core.failures,
         )
         return build_status(view, now)
 

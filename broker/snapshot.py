@@ -17,7 +17,7 @@ length-prefixed frames. The log is appended and fsynced before the state file th
 written to a temporary file, fsynced and renamed over the old one, and a log segment is deleted only
 after a state file that no longer refers to it is durable, so a crash at any point leaves a previous
 consistent pair; a torn record at a segment's tail is cut off on open. Files of earlier formats are read
-(`READABLE_FORMATS`; those before protocol 3 with the episode columns empty).
+(`READABLE_FORMATS`; the columns a later protocol added, episodes and lease spans, empty).
 
 Restoring starts a new lease epoch (see `broker.state`). Does not decide when to snapshot: the server does.
 """
@@ -55,14 +55,16 @@ from broker.complete_log import (
 from broker.length_history import HistoryWire, LengthHistory
 from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, RoundCounters, WaitingPrompt
 
-SNAPSHOT_FORMAT = 6  # the state file's codec version (log records have their own: complete_log); 2: the
+SNAPSHOT_FORMAT = 7  # the state file's codec version (log records have their own: complete_log); 2: the
 # length history and prompt window; 3: settled samples of live groups are in the log, not the state file;
 # 4: a leased sample is only in `leased_at` (as leased it is that sample resumed); 5: samples carry
-# episodes (observation spans, episode state); 6: the journal's position and the run's counters
-READABLE_FORMATS = (6, 5, 4, 3, 2)  # formats 2 and 3 also hold leased samples in `samples`: read as they
-# are; formats before 5 lack the episode columns: read with them empty; before 6, no journal and no counters
-NO_JOURNAL = -1  # journal_segment of a state file no journal follows (written before format 6)
-BEFORE_6 = {"counters": {}, "journal_segment": NO_JOURNAL, "journal_offset": 0}  # what earlier formats lack
+# episodes (observation spans, episode state); 6: samples carry their lease spans; 7: the journal's position
+# and the run's counters
+READABLE_FORMATS = (7, 6, 5, 4, 3, 2)  # formats 2 and 3 also hold leased samples in `samples`: read as they
+# are; formats before 5 lack the episode columns, before 6 the lease spans: read with them empty; before 7,
+# no journal and no counters
+NO_JOURNAL = -1  # journal_segment of a state file no journal follows (written before format 7)
+BEFORE_7 = {"counters": {}, "journal_segment": NO_JOURNAL, "journal_offset": 0}  # what earlier formats lack
 SNAPSHOT_KIND = 0
 FILE_NAME = "state.snap"
 
@@ -318,12 +320,11 @@ class SnapshotStore:
             raise SnapshotError(f"no broker snapshot at {self.state_path} (nothing to resume)") from None
         try:
             frames, _ = read_record(data, 0)
-            version = decode_file_version(frames, READABLE_FORMATS)
-            if version == SNAPSHOT_FORMAT:
+            if decode_file_version(frames, READABLE_FORMATS) == SNAPSHOT_FORMAT:
                 live: BrokerSnapshot = decode_body(BrokerSnapshot, frames, max_bytes=len(data) + 1)
             else:
-                batches = ("samples", "leased_at") if version < 5 else ()
-                live = decode_upgraded(BrokerSnapshot, frames, batches, len(data) + 1, BEFORE_6)
+                batches = ("samples", "leased_at")
+                live = decode_upgraded(BrokerSnapshot, frames, batches, len(data) + 1, BEFORE_7)
         except (struct.error, ProtocolError) as exc:
             raise SnapshotError(f"broker snapshot {self.state_path} is unreadable: {exc}") from exc
         unsettled = live.samples.to_samples()

@@ -617,6 +617,7 @@ class BrokerState:
             if at_lease.response_len:  # a partial: its prefix (if cached anywhere) is on that worker
                 self.holders[sample.key] = worker_id
             return 0
+        sample = sample.returned_by(worker_id, at_lease.leases)  # which worker, and where an abort cut
         new_tokens = sample.model_tokens - at_lease.model_tokens
         self.round.tokens_generated += new_tokens
         self.totals.tokens_generated += new_tokens

@@ -22,6 +22,7 @@ from april.status import (
     WorkerStatus,
 )
 from broker.core import RoundView
+from broker.failures import FailureBook
 from broker.peers import LearnerPeer, Rejections, WorkerPeer
 from broker.state import BooksView
 
@@ -43,10 +44,12 @@ class StatusView:
     batches_acked: int
     eval: EvalStatus | None
     rejections: Rejections
+    failures: FailureBook | None = None  # the sample errors (None: none counted)
 
 
 def build_status(view: StatusView, now: float) -> BrokerStatus:
     books, learner, batch, rejections = view.books, view.learner, view.books.unacked, view.rejections
+    failures = view.failures
     return BrokerStatus(
         run=view.run,
         steps=view.steps,
@@ -97,6 +100,9 @@ def build_status(view: StatusView, now: float) -> BrokerStatus:
             by_reason=dict(rejections.by_reason),
             by_peer={peer: dict(counts) for peer, counts in rejections.by_peer.items()},
         ),
+        errors={} if failures is None else dict(sorted(failures.counts.items())),
+        error_lines=[] if failures is None else list(failures.lines.values()),
+        stopped="" if failures is None else failures.stopped,
     )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from april import protocol
+from april.failures import NOTE_REASONS
 from april.status import BrokerStatus
 
 DASH = "\u2013"  # en dash: a figure the feed lacks
@@ -133,6 +134,7 @@ def apply_status(state: DashboardState, status: BrokerStatus, now: float) -> Non
             f"v{status.version}, {len(status.workers)} workers",
             "bold",
         )
+        _error_events(state, None, status, now)
     elif status.uptime_s < prev.uptime_s:
         add_event(state, now, "broker restarted", "bold yellow")
         state.worker_tokens.clear()
@@ -189,6 +191,18 @@ def _diff_events(state: DashboardState, prev: BrokerStatus, new: BrokerStatus, n
     rejected = new.rejected.total
     if rejected > prev.rejected.total:
         add_event(state, now, f"{rejected} messages rejected so far (see `april status`)", "yellow")
+    _error_events(state, prev, new, now)
+
+
+def _error_events(state: DashboardState, prev: BrokerStatus | None, new: BrokerStatus, now: float) -> None:
+    """An event for each sample error line the broker kept since `prev` (the first line of each distinct
+    error; the broker keeps a new one of a reason at most every few seconds), and for a stopped run."""
+    seen = set() if prev is None else {line.text for line in prev.error_lines}
+    for line in new.error_lines:
+        if line.text not in seen:
+            add_event(state, now, line.text, "yellow" if line.reason in NOTE_REASONS else "red")
+    if new.stopped and (prev is None or not prev.stopped):
+        add_event(state, now, new.stopped, "bold red")
 
 
 def _abort_event(prev: BrokerStatus, new: BrokerStatus) -> str:

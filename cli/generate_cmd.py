@@ -37,6 +37,7 @@ def generate(config: Config, prompts: Path, n: int, as_json: bool) -> None:
         answer_format=config.data.answer_format,
         shuffle=False,
         require_answer=False,  # generating needs no answer; a prompt without one is not scored
+        continue_final_message=config.data.continue_final_message,
     )
     records = [source.get(i) for i in range(len(source))]
     inputs: dict[int, tuple[np.ndarray[Any, Any], str]] = {}

@@ -17,6 +17,7 @@ from cli.broker_cmd import run_broker
 from cli.data_cmd import SAMPLE, data_app
 from cli.keys_cmd import keys_app
 from cli.options import AprilGroup, ConfigOpt, SetOpt, resolve_config
+from cli.rollouts_cmd import rollouts_command
 from cli.sft_cmd import sft_command, task_app
 from cli.simulate_cmd import simulate_command
 from cli.status_cmd import status_command
@@ -141,6 +142,7 @@ def generate(
 
 
 app.command("status")(status_command)
+app.command("rollouts")(rollouts_command)
 app.command("simulate")(simulate_command)
 app.command("bench")(bench_command)
 app.command("sft")(sft_command)
@@ -190,7 +192,11 @@ def up(
         Path | None, typer.Option("--resume", help="Continue the run in this directory.", file_okay=False)
     ] = None,
     headless: Annotated[
-        bool, typer.Option("--headless", help="One progress line per step instead of the dashboard.")
+        bool,
+        typer.Option(
+            "--headless",
+            help="One progress line per step instead of the dashboard (so too when stdout is no terminal).",
+        ),
     ] = False,
     set_: SetOpt = None,
     screenshot: Annotated[

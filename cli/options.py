@@ -6,7 +6,8 @@ defaults < TOML file < APRIL_* environment < options. Only the slime-compatible 
 
 User errors are the one place that decides what a user sees when a command cannot do what was asked:
 `USER_ERRORS` (the domain's error types: a bad config, dataset, model directory, key directory, engine,
-length spec, a file that cannot be read or written, or a command's own `UserError`) and the command
+length spec, a file that cannot be read or written, a run the broker stopped because its samples all
+failed alike, or a command's own `UserError`) and the command
 line's usage errors (typer's: a bad option value, a missing option, an unknown command) both become
 `april: error: <one line>` on stderr with exit code 2, never a traceback or a usage box; a role that
 cannot start on this machine (`april.startup.StartupError`) says so the same way with its own exit code
@@ -33,6 +34,7 @@ from april.chat import ChatError
 from april.config import Config, ConfigError, load_config, parse_override
 from april.data import DatasetError
 from april.episode import EpisodeError
+from april.failures import RunFailed
 from april.hf import ModelError
 from april.startup import STARTUP_EXIT, StartupError
 from broker.sim.model import SimulationError
@@ -62,6 +64,7 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     ChatError,  # a chat template the episode driver cannot split into turns
     LengthSpecError,
     SimulationError,
+    RunFailed,  # the broker stopped the run: every recent sample failed alike (its learner says why)
     OSError,  # a file that cannot be read or written (one with a filename; see `user_errors`)
 )
 

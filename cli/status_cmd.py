@@ -22,6 +22,7 @@ from rich.text import Text
 from april import protocol
 from april.codec import ProtocolError
 from april.config import BrokerConfig
+from april.failures import NOTE_REASONS
 from april.keys import ClientKeys, configured_client_keys
 from april.ports import endpoint_problem
 from april.status import BrokerStatus, WorkerStatus
@@ -132,7 +133,19 @@ def render_status(status: BrokerStatus) -> Group:
         + ("-" if per_sample is None else f"{per_sample:.2f}")
         + " (worker.result_hold_ms and worker.usage_report_s lower it)"
     )
-    return Group(head, ledger_line, learner_line, workers, cost, *down, staleness)
+    return Group(head, ledger_line, *_errors(status), learner_line, workers, cost, *down, staleness)
+
+
+def _errors(status: BrokerStatus) -> list[Text]:
+    """The sample errors by reason, the first line of each distinct one, and why the run stopped."""
+    counts = ", ".join(f"{reason} {n}" for reason, n in status.errors.items()) or "none"
+    out = [Text(f"sample errors (since the broker started): {counts}")]
+    for line in status.error_lines:
+        style = "yellow" if line.reason in NOTE_REASONS else "red"
+        out.append(Text.assemble("  ", (line.text, style), f"  ({line.samples} samples)"))
+    if status.stopped:
+        out.append(Text(status.stopped, "bold red"))
+    return out
 
 
 def print_status(status: BrokerStatus, as_json: bool) -> None:

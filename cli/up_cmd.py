@@ -11,7 +11,7 @@ everything) and D is left resumable. Crashed children are restarted within a bou
 with --resume); a child that exits with a user error (exit 2) or could not start (`STARTUP_EXIT`) would
 fail alike again: it is not restarted, and its one error line is reported once (several workers failing
 alike included). The process plumbing is `cli.supervisor`; the view is `cli.dashboard` /
-`cli.dashboard_feed`.
+`cli.dashboard_feed` (its headless lines with --headless, and whenever stdout is not a terminal).
 """
 
 from __future__ import annotations
@@ -99,7 +99,9 @@ def builtin_config() -> Config:
             temperature=1.0,
             max_staleness=1,
         ),
-        data=DataConfig(source="task", eval_size=64),
+        data=DataConfig(
+            source="task"
+        ),  # eval_size auto: 64 of the task's prompts, a tenth of a small dataset
         worker=WorkerConfig(engine="torch", slots=32, model=model, reward="exact", torch_threads=1),
         learner=LearnerConfig(
             model=model, backend="deepspeed", lr=1e-4, torch_threads=2, checkpoint_every=10
@@ -347,7 +349,7 @@ class Run:
 
     @property
     def evaluating(self) -> bool:
-        return self.config.run.eval_every > 0 and self.config.data.eval_size > 0
+        return self.config.run.eval_every > 0 and self.config.data.eval_size != 0
 
     def final_eval(self) -> dict[str, Any] | None:
         """The evaluation at the final version, once the broker has logged it."""
@@ -458,7 +460,8 @@ def run_up(opts: UpOptions) -> int:
     try:
         with StatusFeed(run.pub, configured_client_keys(config.broker.curve_keys_dir)) as feed:
             run.start(feed)
-            if not run.outcome and opts.headless:
+            # the dashboard needs a terminal: piped (`april up | tee run.log`) the progress lines go instead
+            if not run.outcome and (opts.headless or not sys.stdout.isatty()):
                 run_headless(feed, run.state, run.tick, metrics=run_dir / "metrics.jsonl")
             elif not run.outcome:
                 watch(feed, run.state, run.tick)

@@ -112,9 +112,23 @@ def build_train_batch(
             raise ValueError(
                 f"build_train_batch: group {gid} has sample indices {indices}, expected 0..{n - 1}"
             )
+    ordered, group_of = _rows(groups)
+    return _pad(ordered, group_of, pad_id)
+
+
+def row_keys(samples: Sequence[Sample]) -> list[tuple[int, int]]:
+    """The (group id, index) of each row `build_train_batch` makes of `samples`, in row order."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return [s.key for s in _rows(groups)[0]]
+
+
+def _rows(groups: dict[int, list[Sample]]) -> tuple[list[Sample], list[int]]:
+    """Rows group by group (groups in order of first appearance, samples by `index`), each row's group."""
     ordered = [s for members in groups.values() for s in sorted(members, key=lambda m: m.index)]
     group_of = [g for g, members in enumerate(groups.values()) for _ in members]
-    return _pad(ordered, group_of, pad_id)
+    return ordered, group_of
 
 
 def _pad(ordered: Sequence[Sample], group_of: Sequence[int], pad_id: int) -> TrainBatch:

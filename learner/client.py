@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from april import protocol
+from april import failures, protocol
 from april.keys import ClientKeys
 from april.peer_link import PeerLink
 from april.records import SampleStatus
@@ -60,7 +60,8 @@ class BrokerClient:
         return hello
 
     def next_batch(self, step: int, should_stop: Callable[[], bool]) -> protocol.Batch | None:
-        """Block (with heartbeats and reconnects) until the batch for `step` arrives; None if stopped."""
+        """Block (with heartbeats and reconnects) until the batch for `step` arrives; None if stopped.
+        Raises `april.failures.RunFailed` (one line) when the broker stopped the run instead."""
         self.waiting = protocol.BatchRequest(step, self.last_batch_id)
         self.link.send(self.waiting)
         try:
@@ -71,6 +72,8 @@ class BrokerClient:
                         self.link.send(protocol.BatchAck(batch_id, {}))
                     case protocol.Batch() as batch:
                         return batch
+                    case protocol.Error(code=failures.RUN_FAILED, detail=detail):
+                        raise failures.RunFailed(detail)  # every recent sample failed alike
                     case None | protocol.Welcome():
                         pass
                     case msg:

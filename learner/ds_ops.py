@@ -3,8 +3,9 @@
 DeepSpeed builds its C++/CUDA ops with torch's JIT the first time they are used. The learner needs at
 most one: FusedAdam, on CUDA with `learner.adam_impl = "deepspeed"` (the default, torch's fused AdamW,
 needs none; the ops of ZeRO++'s quantizer and of the CPU and NVMe offloads are not on the learner's
-path). Owns keeping DeepSpeed from building the shared-memory op training never uses, the build
-directory per Python environment, the architecture list a build is given, and building FusedAdam up
+path). Owns keeping DeepSpeed from building the shared-memory op training never uses, naming its CPU
+accelerator where torch sees no GPU (else it warns at every start), the build directory per Python
+environment, the architecture list a build is given, and building FusedAdam up
 front so that a failure is one `StartupError` line with its fix, not a traceback from inside
 `deepspeed.initialize` that `april up` would restart three times.
 
@@ -63,6 +64,17 @@ def extensions_dir(prefix: str, cache_root: Path) -> Path:
     """
     digest = hashlib.sha256(os.path.realpath(prefix).encode()).hexdigest()[:12]
     return cache_root / f"{Path(prefix).name.lstrip('.') or 'env'}-{digest}"
+
+
+def name_a_cpu_accelerator() -> None:
+    """On a machine where torch sees no GPU, name DeepSpeed's accelerator (`DS_ACCELERATOR=cpu`) before
+    DeepSpeed is imported: it would pick the CPU one anyway, and say "Setting accelerator to CPU. If you
+    have GPU or other accelerator, we were unable to detect it." as a warning at every start. A name
+    already given is kept; a machine with a GPU is left to DeepSpeed's own choice."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def use_environment_extensions_dir() -> None:

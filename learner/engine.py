@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from april.ports import free_ports
 from learner.ds_config import ZERO_STAGES, AdamImpl, deepspeed_config
-from learner.ds_ops import build_fused_adam, skip_shared_memory_comm_op, use_environment_extensions_dir
+from learner.ds_ops import (
+    build_fused_adam,
+    name_a_cpu_accelerator,
+    skip_shared_memory_comm_op,
+    use_environment_extensions_dir,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +113,7 @@ def init_process_group(device: str) -> None:
     A launcher (torchrun, deepspeed) sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT; a lone process gets
     rank 0 of 1 on a free loopback port. A group that already exists is reused.
     """
+    name_a_cpu_accelerator()  # before DeepSpeed is imported
     import deepspeed  # type: ignore[import-untyped]
     import torch.distributed as dist
 

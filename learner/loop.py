@@ -1,10 +1,11 @@
 """The learner process: one loop, top to bottom, whatever trains (docs/learner.md).
 
 For each step: wait for the batch (exactly N samples in complete groups), train on it, publish weights
-version v+1 and announce them, append the metrics line, checkpoint every `checkpoint_every` steps, and ack
-the batch last (so a crash never leaves a batch acked but not in the checkpoint when checkpointing every
-step). What trains is a `learner.trainer.Trainer`: a real model (`learner.model_trainer`) or the cost
-model of `april bench --engine sim` (`learner.sim_trainer`), so both run this same loop.
+version v+1 and announce them, append the metrics line and queue the step's rollout records, checkpoint
+every `checkpoint_every` steps (once the records queued so far are on disk), and ack the batch last (so a
+crash never leaves a batch acked but not in the checkpoint when checkpointing every step). What trains is
+a `learner.trainer.Trainer`: a real model (`learner.model_trainer`) or the cost model of `april bench
+--engine sim` (`learner.sim_trainer`), so both run this same loop.
 
 Under a launcher (torchrun, deepspeed) every rank runs the loop; rank 0 alone talks to the broker and
 writes weights and metrics, and shares each batch. Rank 0 connects before the model loads, so the broker
@@ -27,12 +28,14 @@ from typing import Any
 
 from april import protocol
 from april.config import AlgoConfig, Config
+from april.failures import RunFailed
 from april.keys import configured_client_keys
 from learner.client import BatchError, BrokerClient, check_batch
 from learner.handoff import WeightsHandOff
 from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
 from learner.phases import PhaseClock
 from learner.ranks import share_batch
+from learner.step_records import StepRecords, open_step_records
 from learner.trainer import FRESH, ResumePoint, Trainer
 
 log = logging.getLogger("april.learner")
@@ -73,6 +76,7 @@ def run_learner(
         raise
     phases = PhaseClock(client.report_phase if client is not None else None)
     metrics: MetricsLog | None = None
+    records: StepRecords | None = None
     try:
         trainer.start(phases.enter)
         if saved_point is not None:
@@ -85,6 +89,7 @@ def run_learner(
             # the simulated learner writes no TensorBoard events: its writer would import torch
             events = run_dir / "tensorboard" if lc.tensorboard and lc.backend != "sim" else None
             metrics = MetricsLog(run_dir / "metrics.jsonl", events, config=config)
+            records = open_step_records(config, run_dir, point.step, resume)
         step, version, last_batch_id, saved = point.step, point.version, point.last_batch_id, point.step
         while step < config.run.steps:
             started = time.monotonic()
@@ -99,7 +104,7 @@ def run_learner(
             version = catch_up(version, batch.version, step)
             waited = time.monotonic()
             phases.enter(Phase.TRAINING, f"step {step + 1}, {len(batch.samples)} samples")
-            stats = trainer.train(batch, version)
+            trained = trainer.train(batch, version)
             computed = time.monotonic()
             phases.enter(Phase.PUBLISHING_WEIGHTS, f"v{version + 1}")
             broadcast = handoff.broadcast if handoff is not None else None
@@ -117,15 +122,22 @@ def run_learner(
                     step_time_s=announced - started,
                     learner_time_s=computed - waited,
                     weight_sync_s=announced - computed,
-                    train={**stats, **handoff.figures(), "wait_s": waited - started},
+                    train={**trained.metrics, **handoff.figures(), "wait_s": waited - started},
                     weights_transport=config.weights.transport.value,
                 )
                 acked = ack_metrics(record)
-                metrics.append(record)
+                shown = None
+                if records is not None:
+                    records.submit(step, version, batch, trained.samples)
+                    if metrics.has_sinks:
+                        shown = records.table(version, batch, trained.samples)
+                metrics.append(record, shown)
                 log_step(record)
             step, version, last_batch_id = step + 1, version + 1, batch.batch_id
             if trainer.checkpoint_every and step % trainer.checkpoint_every == 0:
                 phases.enter(Phase.CHECKPOINTING, f"step {step}")
+                if records is not None:  # a checkpointed step is never trained again: its records stay
+                    records.flush()
                 trainer.save(ResumePoint(step, version, batch.batch_id))
                 saved = step
             if client is not None and acked is not None:
@@ -136,6 +148,8 @@ def run_learner(
         # stopped (or finished) between checkpoints: save one, so --resume loses nothing
         if trainer.checkpoint_every and saved < step:
             phases.enter(Phase.CHECKPOINTING, f"step {step}")
+            if records is not None:
+                records.flush()
             trainer.save(ResumePoint(step, version, last_batch_id))
         trainer.close()  # every rank got here: the last collective is behind them
         if client is not None and handoff is not None and step >= config.run.steps:
@@ -147,6 +161,8 @@ def run_learner(
             handoff.close()
         if metrics is not None:
             metrics.close()
+        if records is not None:
+            records.close()  # what is queued is written: those steps' metrics lines are there
     if leader:
         write_summary(run_dir, run_dir / "metrics.jsonl")
 
@@ -162,18 +178,20 @@ def receive_batch(
 ) -> protocol.Batch | None:
     """Rank 0: the next batch, checked against the exactly-N contract; None when stopping.
 
-    A broken batch is reported and not trained: the other ranks are told to stop before the error
-    propagates, so no rank waits forever for a batch that will not come.
+    A broken batch is reported and not trained, and a run the broker stopped (`RunFailed`: its samples
+    all failed alike) ends here: either way the other ranks are told to stop before the error propagates,
+    so no rank waits forever for a batch that will not come.
     """
     if should_stop():
         return None
-    batch = client.next_batch(step, should_stop)
-    if batch is None:
-        return None
     try:
+        batch = client.next_batch(step, should_stop)
+        if batch is None:
+            return None
         check_batch(batch, algo.samples_per_batch, algo.n_samples_per_prompt, trainer.vocab_size)
-    except BatchError as exc:
-        log.error("the broker broke the batch contract; not training it: %s", exc)
+    except (BatchError, RunFailed) as exc:
+        if isinstance(exc, BatchError):
+            log.error("the broker broke the batch contract; not training it: %s", exc)
         if trainer.world_size > 1:
             share_batch(None, 0)
         raise

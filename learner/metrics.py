@@ -5,7 +5,8 @@ staleness, tokens), the broker's figures that came with it (`Batch.stats`, `Batc
 latest evaluation on the held-out prompts) and the learner's own (loss and its statistics, timings).
 `MetricsLog` appends the lines and is the only writer of the file; given a directory it also writes every
 numeric field as a TensorBoard scalar, when `tensorboard` is installed, and given a config with
-`learner.wandb_project` it logs them to wandb (`learner.wandb_sink`). The learner hands in plain
+`learner.wandb_project` it logs them to wandb (`learner.wandb_sink`), each with the step's few samples
+as a table when given one (`SamplesTable`, made by `learner.step_records`). The learner hands in plain
 numbers; torch is imported only for TensorBoard's writer and wandb only for its run, inside `MetricsLog`.
 `ack_metrics` (the figures relayed with a BatchAck) and `write_summary` (summary.json) serve both
 learners, real and simulated.
@@ -19,6 +20,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import numpy as np
 
 from april import protocol
 from april.config import Config
+from april.failures import STATS_PREFIX
 from april.files import read_jsonl, write_text_atomic
 from april.weights_uri import WORKER_SYNC_STATS
 from learner.wandb_sink import WandbRun  # wandb itself is imported only when a WandbRun is opened
@@ -37,13 +40,34 @@ REQUIRED = (
     "tokens_trained", "samples_per_s", "tokens_per_s", "aborted", "resumed", "partial_buffer", "in_flight",
     "offpolicy_token_frac", "staleness_max", "staleness_mean", "reward_mean", "accuracy",
     "response_len_mean", "response_len_p99", "response_len_max", "slot_utilization", "learner_time_s",
-    "weight_sync_s", "loss", "ledger", "eval_accuracy", "eval_version",
+    "weight_sync_s", "loss", "ledger", "errors", "eval_accuracy", "eval_version",
 )  # fmt: skip
+
+SAMPLES_TAG = "rollouts/samples"  # the step's few samples, on TensorBoard (text) and wandb (a table)
 
 USAGE_INTEGRALS = (
     "busy_phase_slot_s", "phase_slot_s", "free_engine_s", "engine_s", "model_busy_s", "reprefill_s",
     "stale_kv_tokens",
 )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class SamplesTable:
+    """A few of a step's samples, for the trackers: column names and one list of values per sample."""
+
+    columns: list[str]
+    rows: list[list[Any]]
+
+    def markdown(self) -> str:
+        """The table as Markdown (TensorBoard's text tab renders it), cells on one line each."""
+
+        def cell(value: Any) -> str:
+            text = f"{value:.4g}" if isinstance(value, float) else str(value)
+            return text.replace("|", "\\|").replace("\n", " ")
+
+        lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in self.rows]
+        return "\n".join(lines)
 
 
 def step_record(
@@ -103,6 +127,10 @@ def step_record(
         **{k: float(stats.get(k, 0.0)) for k in WORKER_SYNC_STATS},
         "loss": float(train.get("loss", float("nan"))),
         "ledger": batch.ledger.to_json(),
+        # samples that settled with an error since the previous batch, by reason (april.failures)
+        "errors": {
+            k.removeprefix(STATS_PREFIX): int(v) for k, v in stats.items() if k.startswith(STATS_PREFIX)
+        },
         # the broker's latest evaluation on the held-out prompts (greedy, at eval_version); none yet: NaN, -1
         "eval_accuracy": float(stats.get("eval_accuracy", float("nan"))),
         "eval_reward_mean": float(stats.get("eval_reward_mean", float("nan"))),
@@ -138,7 +166,14 @@ class MetricsLog:
             last = self.last_step()
             self._wandb = WandbRun(path.parent, config, next_step=0 if last is None else last + 1)
 
-    def append(self, record: dict[str, Any]) -> None:
+    @property
+    def has_sinks(self) -> bool:
+        """Whether anything but metrics.jsonl takes the lines (TensorBoard, wandb)."""
+        return self._tensorboard is not None or self._wandb is not None
+
+    def append(self, record: dict[str, Any], samples: SamplesTable | None = None) -> None:
+        """Append `record`'s line and mirror it to the sinks, with `samples` as the table `rollouts/samples`
+        at the same step."""
         missing = [k for k in REQUIRED if k not in record]
         if missing:
             raise ValueError(f"metrics record lacks {missing}")
@@ -151,9 +186,12 @@ class MetricsLog:
         if self._tensorboard is not None:
             for name, value in scalars(record):
                 self._tensorboard.add_scalar(name, value, step)
+            if samples is not None and samples.rows:
+                self._tensorboard.add_text(SAMPLES_TAG, samples.markdown(), step)
             self._tensorboard.flush()  # a step's events are on disk with its line
         if self._wandb is not None:
-            self._wandb.log(step, dict(numeric_fields(record)))
+            tables = {SAMPLES_TAG: samples} if samples is not None and samples.rows else {}
+            self._wandb.log(step, dict(numeric_fields(record)), tables)
 
     def close(self) -> None:
         if self._tensorboard is not None:

@@ -19,7 +19,15 @@ from april import protocol
 from april.config import Config
 from learner import checkpoint, weights
 from learner.losses import LossConfig
-from learner.trainer import BroadcastSend, PhaseReport, ResumePoint, launched_rank, launched_world_size
+from learner.trainer import (
+    BroadcastSend,
+    PhaseReport,
+    ResumePoint,
+    SampleFigures,
+    TrainResult,
+    launched_rank,
+    launched_world_size,
+)
 
 if TYPE_CHECKING:
     from learner.engine import TrainEngine, TrainSettings
@@ -149,15 +157,18 @@ class ModelTrainer:
     def restore(self, point: ResumePoint) -> None:
         checkpoint.load(self.engine, checkpoint.step_dir(self.checkpoints, point.step))
 
-    def train(self, batch: protocol.Batch, version: int) -> dict[str, float]:
-        from learner.batching import build_train_batch
+    def train(self, batch: protocol.Batch, version: int) -> TrainResult:
+        from learner.batching import build_train_batch, row_keys
         from learner.overlong import apply_overlong, truncated_rows
+        from learner.sample_stats import SampleStats
         from learner.step import Layout, train_step
 
         algo, lc = self.config.algo, self.config.learner
         samples = batch.samples.to_samples()
         built = build_train_batch(samples, n_samples_per_prompt=algo.n_samples_per_prompt)
         shaped, overlong = apply_overlong(built, truncated_rows(samples, built), algo)
+        device = next(self.engine.module.parameters()).device
+        per_sample = SampleStats(built.size, device, lc.log_ratio_clamp)
         metrics = train_step(
             self.engine,
             shaped,
@@ -173,8 +184,12 @@ class ModelTrainer:
                 chunk_tokens=lc.logprob_chunk_tokens,
                 packed=lc.pack_sequences,
             ),
+            per_sample=per_sample,
         )
-        return {**metrics, **overlong.metrics()}
+        figures = SampleFigures(
+            row_keys(samples), per_sample.advantage, per_sample.logprob_mean, per_sample.ratio_max
+        )
+        return TrainResult({**metrics, **overlong.metrics()}, figures if self.engine.rank == 0 else None)
 
     def publish(
         self, weights_dir: Path, version: int, broadcast: BroadcastSend | None = None

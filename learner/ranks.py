@@ -1,5 +1,5 @@
-"""What several learner ranks share each step: the batch (rank 0 receives it, the others get a copy) and
-the step's statistics (summed over ranks).
+"""What several learner ranks share each step: the batch (rank 0 receives it, the others get a copy), the
+step's statistics and each sample's figures (summed over ranks).
 
 Only rank 0 talks to the broker. It sends every other rank the batch message in april's own wire
 encoding (`april.protocol`: a msgpack header plus raw numpy frames), never pickle: the bytes came from
@@ -82,6 +82,18 @@ def share_batch(batch: protocol.Batch | None, max_bytes: int) -> protocol.Batch 
     if not isinstance(msg, protocol.Batch):
         raise ValueError(f"rank {rank}: rank 0 shared a {type(msg).__name__}, expected a Batch")
     return msg
+
+
+def sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over all ranks (a copy on the collectives' device; `values` itself with one)."""
+    import torch.distributed as dist
+
+    _, world = _world()
+    if world == 1:
+        return values
+    summed = values.to(_device(), copy=True)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return summed
 
 
 def reduce_stats(stats: DeviceStats) -> DeviceStats:

@@ -26,7 +26,7 @@ import numpy as np
 from april import protocol
 from april.config import Config
 from april.files import sha256_file, write_text_atomic
-from learner.trainer import BroadcastSend, PhaseReport, ResumePoint
+from learner.trainer import BroadcastSend, PhaseReport, ResumePoint, TrainResult
 
 KEEP_WEIGHTS = 3  # simulated weight files kept (the announced one and its predecessors)
 STATE_FILE = "sim_learner.json"  # the simulated learner's checkpoint: step, version, last_batch_id
@@ -62,9 +62,9 @@ class SimTrainer:
     def restore(self, point: ResumePoint) -> None:
         """The resume point is the whole state."""
 
-    def train(self, batch: protocol.Batch, version: int) -> dict[str, float]:
+    def train(self, batch: protocol.Batch, version: int) -> TrainResult:
         time.sleep(sim_step_s(self.config, batch))
-        return {"loss": 0.0}
+        return TrainResult({"loss": 0.0})  # no model: no sample has a learner log-prob or advantage
 
     def publish(
         self, weights_dir: Path, version: int, broadcast: BroadcastSend | None = None

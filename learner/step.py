@@ -12,6 +12,8 @@ Owns the order of operations and the batch bookkeeping between `learner.batching
   gradient: the engine's 1/accumulation and DeepSpeed's 1/world averaging are undone.
 - the entropy's graph is built only when the loss has an entropy term; otherwise it is a metric.
 - the proximal policy (`decoupled`) is the weights before the first update, for every mini-batch.
+- given a `learner.sample_stats.SampleStats`, each sample's own figures are kept as its part is
+  forwarded, and read back with the step's statistics, in the step's one read.
 Every rank must call `train_step` with the same batch (`learner.ranks.share_batch`).
 """
 
@@ -36,7 +38,8 @@ from learner.batching import (
 )
 from learner.engine import TrainEngine
 from learner.losses import DeviceStats, LossConfig, merge_stats, needs_proximal, policy_loss
-from learner.ranks import reduce_stats
+from learner.ranks import reduce_stats, sum_over_ranks
+from learner.sample_stats import SampleStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,14 +119,18 @@ def train_step(
     updates: int = 1,
     reference: Any = None,
     layout: Layout | None = None,
+    per_sample: SampleStats | None = None,
 ) -> dict[str, float]:
     """Train on one exactly-N batch with the weights of `version` (`updates` optimizer steps); returns
-    the step's statistics over all ranks."""
+    the step's statistics over all ranks, and fills `per_sample` (sized for the batch) when given."""
     module = engine.module  # the bare model: forwards without gradients
     device = next(module.parameters()).device
     layout = layout or Layout()
     least = layout.micro_batches or engine.settings.grad_accum_steps
-    batch = with_advantages(batch, group_advantages(batch.group_rewards(), cfg.algorithm).reshape(-1))
+    advantages = group_advantages(batch.group_rewards(), cfg.algorithm).reshape(-1)
+    batch = with_advantages(batch, advantages)
+    if per_sample is not None:
+        per_sample.advantage = advantages.to(torch.float64).cpu().numpy()  # computed on the host
     rank, world = engine.rank, engine.world_size
     plan = []  # (mini-batch, micro-batches per rank, this rank's parts)
     for mb in mini_batches(batch, updates, group_size):
@@ -138,20 +145,33 @@ def train_step(
     for (mb, accum, parts), prox in zip(plan, proximal, strict=True):
         engine.set_accumulation(accum)
         for part, part_prox in zip(parts, prox, strict=True):
-            loss_stats = _backward_part(engine, part, part_prox, cfg, version, temperature, reference, layout)
+            loss_stats = _backward_part(
+                engine, part, part_prox, cfg, version, temperature, reference, layout, per_sample
+            )
             stats.append(loss_stats)
         filler = parts[-1] if parts else select(mb, [0]).to(device)
         for _ in range(accum - len(parts)):  # fewer parts than micro-batches on this rank: zero-weighted
             # forwards keep the engine's micro-batch count and every rank's collectives in step
             engine.backward(_logprobs(engine.model, filler, temperature, layout).sum() * 0.0)
         grad_norms.append(engine.step())
-    metrics = reduce_stats(merge_stats(stats)).metrics()  # the step's one read of its statistics
+    metrics = _read_back(reduce_stats(merge_stats(stats)), per_sample)
     for name in ("loss", "pg_loss", "kl_loss", "entropy_loss"):  # mean over the updates, not their sum
         metrics[name] = metrics[name] / len(plan)
     metrics["grad_norm"] = max(grad_norms)
     metrics["lr"] = engine.lr
     metrics["updates"] = float(len(plan))
     return metrics
+
+
+def _read_back(stats: DeviceStats, per_sample: SampleStats | None) -> dict[str, float]:
+    """The step's one read of its statistics (and of each sample's figures, summed over ranks)."""
+    if per_sample is None:
+        return stats.metrics()
+    figures = sum_over_ranks(per_sample.values).to(stats.values.device).reshape(-1)
+    host = torch.cat([stats.values, figures]).cpu()
+    fields = stats.values.shape[0]
+    per_sample.read(host[fields:])
+    return DeviceStats(host[:fields]).metrics()
 
 
 def _logprobs(model: Any, part: TrainBatch, temperature: float, layout: Layout) -> torch.Tensor:
@@ -167,6 +187,7 @@ def _backward_part(
     temperature: float,
     reference: Any,
     layout: Layout,
+    per_sample: SampleStats | None,
 ) -> DeviceStats:
     """Loss and backward of one part; its loss is scaled so the engine's averaging gives the sum."""
     logp, entropy = response_logprobs_and_entropy(
@@ -195,5 +216,7 @@ def _backward_part(
         logp_ref=ref,
         entropy=entropy,
     )
+    if per_sample is not None:
+        per_sample.add(part, logp)
     engine.backward(loss * engine.accumulation * engine.world_size)
     return stats

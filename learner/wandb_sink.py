@@ -4,7 +4,8 @@ directory, continued across learner restarts.
 Owns: checking that wandb can be used (`check_wandb`, one ConfigError line naming the install command),
 opening or continuing the run (its id and the last step it holds are kept in RUN_DIR/wandb.json; wandb's
 own files go to RUN_DIR/wandb/), the resolved config as the run's config, and logging a line's
-`learner.metrics.numeric_fields` under their metrics.jsonl names at `step`.
+`learner.metrics.numeric_fields` under their metrics.jsonl names at `step`, with the step's few samples
+as a `wandb.Table` in the same call.
 
 Does not own: which fields a line has or the metrics.jsonl file (`learner.metrics.MetricsLog`, which calls
 this), online/offline (wandb's own `WANDB_MODE`; offline runs are uploaded later with
@@ -24,11 +25,15 @@ import json
 import logging
 import secrets
 import string
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from april.config import Config, ConfigError, LearnerConfig, config_to_dict
 from april.files import write_text_atomic
+
+if TYPE_CHECKING:
+    from learner.metrics import SamplesTable  # it imports this module
 
 log = logging.getLogger("april.learner")
 
@@ -113,11 +118,17 @@ class WandbRun:
         state = {"id": run_id, "logged_through": self._logged_through}
         write_text_atomic(self._state_path, json.dumps(state) + "\n")
 
-    def log(self, step: int, fields: dict[str, int | float]) -> None:
-        """Log one metrics line's fields at `step` (skipped when this wandb run already holds it)."""
+    def log(
+        self, step: int, fields: dict[str, int | float], tables: Mapping[str, SamplesTable] | None = None
+    ) -> None:
+        """Log one metrics line's fields, and `tables` (name -> a few samples) as wandb tables, at `step`
+        (skipped when this wandb run already holds it)."""
         if step <= self._logged_through:
             return
-        self._run.log(fields, step=step)
+        logged: dict[str, Any] = dict(fields)
+        for name, table in (tables or {}).items():
+            logged[name] = self._wandb.Table(columns=table.columns, data=table.rows)
+        self._run.log(logged, step=step)
         self._logged_through = step
         self._save_state(self._run.id)
 

@@ -13,6 +13,9 @@ ran it; its call-less steps are declared not repeatable. With `$APRIL_TEST_GATES
 two gates in that folder: while `hold-before` exists before its effect (having written `at-before-KEY`),
 while `hold-after` exists after it (having written `at-after-KEY`). `SlowEffectEnv` takes `STEP_S` per
 step; `RepeatableEffectEnv` declares its call-less steps repeatable (an abort may kill and re-run them).
+The broken ones fail as users' environments were found to: a step that raises (`BrokenEnv`), a step
+that answers a state that is not JSON (`NotJsonStateEnv`), a reset that answers no messages
+(`EmptyResetEnv`), a tool that hangs past its timeout (`HangingToolEnv`'s `wait`).
 """
 
 from __future__ import annotations
@@ -87,3 +90,25 @@ class SlowEffectEnv(EffectEnv):
 
 class RepeatableEffectEnv(EffectEnv):
     final_step_repeatable = True
+
+
+class NotJsonStateEnv(CountingEnv):
+    def step(self, state: str, turn: Message) -> EnvStep:
+        return EnvStep((Message(Role.TOOL, "ok", tool_call_id="call_0", name="note"),), "k=1")
+
+
+class EmptyResetEnv(CountingEnv):
+    def reset(self, prompt: PromptRecord) -> EnvStep:
+        return EnvStep((), json.dumps({"k": 0, "chars": 0}))
+
+
+HANG_TOOL_S = 0.2
+
+
+class HangingToolEnv(CountingEnv):
+    tools = (*CountingEnv.tools, Tool("wait", "Wait.", _ARGS, timeout_s=HANG_TOOL_S))
+
+    def step(self, state: str, turn: Message) -> EnvStep:
+        if any(call.name == "wait" for call in turn.tool_calls):
+            time.sleep(3600)
+        return super().step(state, turn)

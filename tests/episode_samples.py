@@ -1,9 +1,10 @@
 """Hypothesis strategies for samples of episodes: model turns and observations in random order.
 
-Samples are built only through the records API (`extend`, `observed`, `with_episode`, `resumed`), as a
-worker's episode driver builds them, so every drawn sample is one the system can produce: several
-observation spans, turns under rising policy versions, aborts and resumes between any two steps, and
-single-turn samples (no observation, empty episode state) among them.
+Samples are built only through the records API (`extend`, `observed`, `with_episode`, `resumed`, and the
+broker's `returned_by` at an abort), as a worker's episode driver and the broker build them, so every
+drawn sample is one the system can produce: several observation spans, turns under rising policy
+versions, aborts and resumes between any two steps, and single-turn samples (no observation, empty
+episode state) among them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def turns(draw: st.DrawFn, sample: Sample, steps: int) -> Sample:
         elif step == "observation":
             sample = sample.observed(draw(st.lists(TOKENS, max_size=5), label="observation"))
         elif step == "abort":
-            sample = sample.extend([], [], version, FinishReason.ABORT).resumed()
+            worker = draw(st.sampled_from(["w0", "w1"]), label="worker")
+            sample = sample.extend([], [], version, FinishReason.ABORT).returned_by(worker, sample.leases)
+            sample = sample.resumed()
         else:
             sample = sample.with_episode(draw(st.binary(max_size=24), label="episode state"))
     return sample

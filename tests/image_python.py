@@ -5,9 +5,11 @@
 required by those, nor carried there by `make gpu-wheels`). Its PYTHONPATH starts with a folder holding a
 `sitecustomize` that wraps every import finder so that a blocked top-level name is not found, as on the
 image: `import uvicorn` raises ModuleNotFoundError("No module named 'uvicorn'") and
-`importlib.util.find_spec` returns None. pytest's plugin autoload is off (the image's pytest has no
-plugins; the ones here would be found by their entry points and then fail to import). Package metadata
-is not hidden, and Python and torch stay this machine's: only what is importable is imitated.
+`importlib.util.find_spec` returns None. A copy vendored inside a package the image has (setuptools'
+`_vendor` folder, on sys.path once setuptools is imported) is still found there. pytest's plugin
+autoload is off (the image's pytest has no plugins; the ones here would be found by their entry points and
+then fail to import). Package metadata is not hidden, and Python and torch stay this machine's: only what
+is importable is imitated.
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ class _OnImage:
         self._finder = finder
 
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
-            return None
-        return self._finder.find_spec(name, path, target)
+        if name.partition(".")[0] not in BLOCKED:
+            return self._finder.find_spec(name, path, target)
+        if path is None:  # a package's vendored copy (setuptools' _vendor) goes where the package goes
+            vendored = [p for p in sys.path if p.rstrip("/").endswith("/_vendor")]
+            if vendored and getattr(self._finder, "__name__", "") == "PathFinder":
+                return self._finder.find_spec(name, vendored, target)
+        return None
 
     def __getattr__(self, attr):  # invalidate_caches, find_distributions, ...
         return getattr(self._finder, attr)

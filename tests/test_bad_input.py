@@ -114,6 +114,8 @@ def test_a_reward_that_raises_or_hangs_fails_its_sample_and_the_run_goes_on(
     assert status.ledger_balanced and status.ledger.trained == 3 * 4
     assert status.ledger.dropped.get("failed", 0) > 0, status.ledger
     log = (c.tmp / "w0.log").read_text()
-    assert "failed its reward: reward timed out after 0.5s" in log
-    assert "failed its reward: reward raised ValueError: no score for this one" in log
+    assert "failed its reward: reward_timeout: reward timed out after 0.5s" in log
+    assert "failed its reward: reward_error: reward raised ValueError: no score for this one" in log
+    assert status.errors.get("reward_timeout", 0) > 0 and status.errors.get("reward_error", 0) > 0
+    assert not status.stopped  # most samples score: the run goes on
     assert [w.id for w in status.workers] == ["w0"] and status.workers[0].alive

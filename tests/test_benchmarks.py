@@ -583,6 +583,30 @@ def test_a_collection_error_is_a_skip_only_for_a_package_the_image_lacks() -> No
     assert rows[0]["message"] == "not collected: it imports uvicorn, absent on the GPU image" and not not_run
 
 
+def test_the_image_imitation_keeps_what_setuptools_vendors_once_this_process_imported_it(
+    tmp_path: Path,
+) -> None:
+    """setuptools puts its `_vendor` folder (jaraco, more_itertools, ...) on sys.path when imported; those
+    copies go with setuptools, which the image has, so a child under the imitation that imports setuptools
+    (DeepSpeed does) finds them, while a blocked package stays unimportable."""
+    import setuptools
+    from image_python import image_env
+
+    assert any(p.endswith("_vendor") for p in sys.path), setuptools.__file__
+    child = (
+        "import setuptools, jaraco.functools, more_itertools\n"
+        "try:\n    import uvicorn\nexcept ModuleNotFoundError as e:\n    print('blocked', e.name)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", child],
+        env=image_env(tmp_path / "image"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "blocked uvicorn", proc.stderr[-2000:]
+
+
 def test_the_packages_preflight_says_what_each_phase_lacks_and_a_phase_without_gpus_is_skipped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

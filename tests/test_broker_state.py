@@ -22,7 +22,7 @@ import pytest
 from april import codec
 from april.config import AlgoConfig, Mode
 from april.data import SyntheticPromptSource
-from april.records import FinishReason, Sample, SampleStatus, Segment, new_group_samples
+from april.records import FinishReason, LeaseSpan, Sample, SampleStatus, Segment, new_group_samples
 from april.wire_records import SampleBatch
 from broker import complete_log, policy, snapshot
 from broker.snapshot import SnapshotError
@@ -607,6 +607,27 @@ def test_a_lease_returned_with_nothing_generated_is_requeued_as_leased_and_is_no
         (again,) = [lid for lid, _, s in d.take() if s.key == before.key]
         d.interrupt(again, tokens=1)  # with a token generated, an interruption is an abort
         assert d.state.totals.aborted == totals + 1
+
+
+def test_the_books_record_which_worker_returned_each_lease_and_where_it_ended() -> None:
+    """Each lease that comes back changed adds a span (the worker, the response's length then), whatever
+    the worker sent in that column; one that comes back as leased adds none. The spans travel with the
+    sample: in its next lease, and in the batch."""
+    d = Driver(make_state(Mode.APRIL, b=1, over=1, n=1))
+    ((lease_id, _, _),) = d.take(worker="w0")
+    d.interrupt(lease_id, tokens=3)
+    ((lease_id, _, leased),) = d.take(worker="w1")
+    assert leased.leases == (LeaseSpan("w0", 3),)
+    d.interrupt(lease_id, tokens=0)  # nothing generated: as leased, no span
+    ((lease_id, _, leased),) = d.take(worker="w1")
+    _, held, _ = d.held.pop(lease_id)
+    out = held.extend([5, 6], [-0.5, -0.5], d.state.version, FinishReason.STOP).scored(1.0)
+    d.state.accept_result("w1", lease_id, dataclasses.replace(out, leases=(LeaseSpan("liar", 99),)))
+    kept = d.state.groups[out.group_id].samples[0]
+    assert kept.leases == (LeaseSpan("w0", 3), LeaseSpan("w1", 5))
+    batch = d.train()
+    assert batch is not None and batch.samples[0].leases == kept.leases
+    assert SampleBatch.from_samples(batch.samples).to_samples()[0].leases == kept.leases
 
 
 def test_second_result_for_a_lease_is_not_counted_twice() -> None:

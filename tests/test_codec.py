@@ -84,7 +84,7 @@ def _samples() -> list[Sample]:
     resumed = Sample(group_id=5, index=0, prompt_ids=np.array([101, 9], np.int32))
     resumed = resumed.extend([3, 4], [-0.5, -1.25], 1, FinishReason.NONE).observed([70, 71])
     resumed = resumed.with_episode(b'{"env": {"x": 1}, "turns": 1}')
-    resumed = resumed.extend([], [], 1, FinishReason.ABORT).resumed()
+    resumed = resumed.extend([], [], 1, FinishReason.ABORT).returned_by("worker-1", ()).resumed()
     resumed = resumed.extend([5, 6], [-0.1, 0.0], 2, FinishReason.NONE).observed([72])
     resumed = resumed.extend([2], [-3.0], 2, FinishReason.STOP).scored(1.0)
     failed = Sample(group_id=6, index=3, prompt_ids=np.array([1], np.int32)).failed("reward timeout")
@@ -399,8 +399,10 @@ def test_array_frames_layout() -> None:
     assert body["samples"]["segments"][1:] == ["<i8", 9]
     assert body["samples"]["observations"][1:] == ["<i8", 4]
     assert body["samples"]["episode"] == [b"", b"", b'{"env": {"x": 1}, "turns": 1}', b""]
+    assert body["samples"]["lease_workers"] == ["worker-1"]  # the one sample that came back aborted
+    assert body["samples"]["lease_ends"][1:] == ["<i8", 1]
     assert frames[2] == np.array([100, 101, 102, 103], "<i8").tobytes()
-    assert len(frames) == 2 + 3 + 15  # header, body, lease_ids, budgets, greedy, 15 SampleBatch arrays
+    assert len(frames) == 2 + 3 + 17  # header, body, lease_ids, budgets, greedy, 17 SampleBatch arrays
 
 
 def test_small_arrays_travel_inline_and_large_ones_in_frames() -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -45,7 +46,7 @@ import pytest
 
 from actors.rewards import exact_reward, math_reward
 from actors.tokenizer import HFTokenizer, no_chat_template
-from april.config import AnswerFormat, DataConfig
+from april.config import AnswerFormat, DataConfig, load_config
 from april.data import DatasetError, FilePromptSource, PromptRecord, open_source, records
 from broker.heldout import split_held_out
 
@@ -58,6 +59,7 @@ DAPO_INSTRUCTION = (
 )
 DAPO_REMINDER = '\n\nRemember to put your answer on its own line after "Answer:".'
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 
 
 def dapo_rows(n: int = 3) -> list[dict[str, Any]]:
@@ -439,7 +441,39 @@ def test_gsm8k_as_verl_preprocesses_it(tmp_path: Path) -> None:
     record = source.get(1)
     assert record.text == GSM8K_ROWS[1]["question"] + " " + GSM8K_INSTRUCTION
     assert record.metadata["answer"] == "1000" and record.metadata["data_source"] == "openai/gsm8k"
-    assert exact_reward("...\n#### 1000\nAnswer: 1000", record.metadata["answer"], record.metadata) == 1.0
+    # its prompts ask for the answer after "####": the default reward reads it there (found scoring 0)
+    assert exact_reward("250 * 4 = 1,000\n#### 1,000", record.metadata["answer"], record.metadata) == 1.0
+
+
+def test_math_as_verl_preprocesses_it(tmp_path: Path) -> None:
+    """MATH as verl's examples/data_preprocess/math_dataset.py writes it: the problem and an instruction
+    to box the answer as one user message, the boxed answer alone as the ground truth; scored by `math`."""
+    rows = [
+        {
+            "data_source": "DigitalLearningGmbH/MATH-lighteval",
+            "prompt": [{"role": "user", "content": MATH_ROWS[0]["problem"] + " " + MATH_INSTRUCTION}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "\\frac{1}{2}"},
+            "extra_info": {"split": "train", "index": 0},
+        }
+    ]
+    record = FilePromptSource(
+        write_parquet(tmp_path / "train.parquet", rows), answer_key="reward_model.ground_truth"
+    ).get(0)
+    assert record.metadata["answer"] == "\\frac{1}{2}" and record.text.endswith(MATH_INSTRUCTION)
+    assert math_reward("so it is \\boxed{0.5}", record.metadata["answer"], record.metadata) == 1.0
+    assert exact_reward("so it is \\boxed{0.5}", record.metadata["answer"], record.metadata) == 0.0
+
+
+def test_every_recipe_in_docs_data_md_is_a_config(tmp_path: Path) -> None:
+    text = (REPO / "docs" / "data.md").read_text()
+    recipes = re.findall(r"```toml\n(.*?)```", text, re.DOTALL)
+    assert len(recipes) >= 6
+    for i, recipe in enumerate(recipes):
+        path = tmp_path / f"recipe{i}.toml"
+        path.write_text(recipe)
+        config = load_config(path)
+        assert config.data.source != DataConfig().source, recipe
 
 
 def test_math_as_verl_reads_it_scores_the_boxed_answer_of_the_solution(tmp_path: Path) -> None:
@@ -515,3 +549,50 @@ def test_without_a_chat_template_the_last_user_message_is_given_and_said_once(
             ids = tokenizer.encode_prompt(record.text, record.metadata)
             assert ids.tolist() == tokenizer.tok(record.text, add_special_tokens=True)["input_ids"]
     assert [r.getMessage() for r in caplog.records] == [no_chat_template(TINY)]
+
+
+# --- chat prompts a template would mangle, or that hold their own answer ---------------------------------
+
+
+def test_a_chat_message_with_an_unknown_role_is_one_line_naming_the_record(tmp_path: Path) -> None:
+    """Found by a user: a `narrator` message was accepted, and Qwen2.5's chat template (as shipped,
+    tests/chat_templates) dropped it silently and put its default system prompt in its place."""
+    rows = [
+        {"prompt": [{"role": "user", "content": "Hi"}], "answer": "1"},
+        {
+            "prompt": [{"role": "narrator", "content": "Once"}, {"role": "user", "content": "Go"}],
+            "answer": "2",
+        },
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    with pytest.raises(DatasetError) as info:
+        FilePromptSource(path)
+    assert str(info.value) == (
+        f"{path}:2: chat prompt 'prompt' message 0: role 'narrator' is not one of system, user, "
+        "assistant, tool"
+    )
+    template = (REPO / "tests" / "chat_templates" / "qwen2_5_instruct.jinja").read_text()
+    tok = HFTokenizer(TINY).tok
+    shown = tok.apply_chat_template(rows[1]["prompt"], chat_template=template, tokenize=False)
+    assert "Once" not in shown and "You are Qwen" in shown  # what the check keeps from happening
+
+
+def test_a_prompt_ending_with_the_assistants_answer_is_refused_unless_it_is_to_be_continued(
+    tmp_path: Path, chat_model: Path
+) -> None:
+    """Found by a user: OpenR1-Math's `messages` column ends with the reference solution, so a run on it
+    had the answer in every prompt. Refused; `data.continue_final_message` makes it a prefill the model
+    continues (HF's continue_final_message: no new assistant turn is opened)."""
+    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is"}]
+    path = write_jsonl(tmp_path / "openr1.jsonl", [{"messages": messages, "answer": "4"}])
+    with pytest.raises(DatasetError) as info:
+        open_source(DataConfig(source=str(path), prompt_key="messages"), seed=0)
+    assert str(info.value) == (
+        f"{path}:1: chat prompt 'messages' ends with an assistant message (its answer would be in the "
+        "prompt): drop it, or set data.continue_final_message = true to have the model continue it"
+    )
+    config = DataConfig(source=str(path), prompt_key="messages", continue_final_message=True)
+    record = open_source(config, seed=0).get(0)
+    tokenizer = HFTokenizer(chat_model)
+    ids = tokenizer.encode_prompt(record.text, record.metadata)
+    assert tokenizer.render(ids) == "<|user|>What is 2 + 2?\n<|assistant|>It is"

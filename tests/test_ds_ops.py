@@ -122,3 +122,37 @@ def test_a_failed_build_is_one_startup_line_with_the_fix(
     monkeypatch.setenv(ARCH_LIST, "sm_90")  # a list the learner cannot make parseable: DeepSpeed's error
     with pytest.raises(StartupError, match=r"TORCH_CUDA_ARCH_LIST='sm_90': invalid literal .*adam_impl"):
         build_fused_adam(FusedAdamBuilder())
+
+
+# the accelerator where torch sees no GPU: named, so that a normal start says no warning
+
+
+FIRST_IMPORT = (
+    "import logging, sys\n"
+    "logging.basicConfig(stream=sys.stdout, level=logging.INFO)\n"
+    "from learner.ds_ops import name_a_cpu_accelerator\n"
+    "if sys.argv[1] == 'named': name_a_cpu_accelerator()\n"
+    "import deepspeed\n"
+    "from deepspeed.accelerator import get_accelerator\n"
+    "print('accelerator', get_accelerator()._name)\n"
+)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU is DeepSpeed's to name")
+def test_on_a_machine_without_a_gpu_deepspeed_picks_the_cpu_without_a_warning() -> None:
+    """Found by a user: the learner's log of every start said "Setting accelerator to CPU. If you have GPU
+    or other accelerator, we were unable to detect it." (DeepSpeed's warning, on a machine with none)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    said = {}
+    for how in ("named", "not named"):
+        done = subprocess.run(
+            [sys.executable, "-c", FIRST_IMPORT, how], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        said[how] = done.stdout + done.stderr
+    assert "accelerator cpu" in said["named"] and "accelerator cpu" in said["not named"]
+    assert "Setting accelerator to CPU" in said["not named"]  # what it said before
+    assert "Setting accelerator to CPU" not in said["named"]

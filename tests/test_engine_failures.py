@@ -259,8 +259,8 @@ def test_a_failed_request_fails_its_sample_and_a_transient_error_returns_a_parti
                 raise AssertionError(f"unexpected {msg}")
         failed, credit = back[1]
         assert failed.status == SampleStatus.FAILED and credit == 1  # its slot is free again
-        assert (
-            failed.error == "engine failed the request: scripted: the prompt is longer than the context (400)"
+        assert failed.error == (
+            "engine_failed: engine failed the request: scripted: the prompt is longer than the context (400)"
         )
         partial, credit = back[100]
         assert partial.status == SampleStatus.INTERRUPTED and partial.finish_reason == FinishReason.ABORT

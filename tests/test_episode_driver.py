@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from episode_envs import HANG_TOOL_S, TURNS
 
 from actors.engine import Engine, GenerationOutput, SamplingParams
 from actors.episode_driver import EpisodeDriver, Phase, open_episode_driver
@@ -228,7 +229,27 @@ def test_a_failing_environment_fails_the_sample(make_driver, engine) -> None:
     env = dataclasses.replace(ENV, name="episode_envs:BrokenEnv")
     s = play(make_driver(env), engine, {1: fresh(1)})[1]
     assert s.status == SampleStatus.FAILED
-    assert s.error == "environment step raised ValueError: the environment broke"
+    assert s.error == "env_error: environment step raised ValueError: the environment broke"
+
+
+def test_a_tool_past_its_timeout_is_carried_by_the_sample(engine, tokenizer) -> None:
+    """Found by a user: a tool past its timeout was seen by the model alone ("error: tool timed out").
+    The episode goes on, and the sample carries the time-out (a tool_timeout) for the broker to count."""
+    turn = Message(Role.ASSISTANT, "wait", (ToolCall("call_0", "wait", {}),))
+    chat = chat_format(tokenizer.tok)
+    ids = chat.turn_ids(turn)
+    s = dataclasses.replace(fresh(5), prompt_ids=np.asarray(chat.prompt_ids((Message(Role.USER, "x"),))))
+    s = s.extend(ids, np.full(len(ids), -0.5, np.float32), 0, FinishReason.ABORT)
+    owing = s.with_episode(EpisodeState('{"k": 0, "chars": 0}', 0, turn).to_bytes())
+    env = dataclasses.replace(ENV, name="episode_envs:HangingToolEnv")
+    driver = open_episode_driver(env, tokenizer, ToolRunnerSettings(processes=1, step_timeout_s=0.5))
+    assert driver is not None
+    try:
+        done = play(driver, engine, {1: resume(owing)})[1]
+    finally:
+        driver.close()
+    assert done.status == SampleStatus.FINISHED and EpisodeState.from_bytes(done.episode).turns == TURNS
+    assert done.error == f"tool_timeout: tool call of wait timed out after {HANG_TOOL_S:g} s"
 
 
 def resume(partial: Sample) -> Sample:

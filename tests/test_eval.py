@@ -5,6 +5,7 @@ and the exactly-N contract untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -17,13 +18,14 @@ import pytest
 from harness import Cluster, wait_for
 from sglang_server import FakeSGLangServer
 
-from april.config import ConfigError
+from april.config import ConfigError, load_config
 from april.data import FilePromptSource, PromptSource, SyntheticPromptSource
 from april.records import FinishReason, Sample
 from april.status import BrokerStatus
 from broker.evaluation import EVAL_GROUP_BASE, Evaluations
-from broker.heldout import split_held_out
+from broker.heldout import auto_eval_size, open_prompts, split_held_out
 from broker.state import ResultRejected
+from cli.up_cmd import UpOptions, resolve
 
 # ------------------------------------------------------------------------------------------ held-out split
 
@@ -76,6 +78,52 @@ def test_task_source_gets_the_same_split() -> None:
 def test_eval_size_must_leave_training_prompts(size: int) -> None:
     with pytest.raises(ConfigError, match=rf"data.eval_size = {size}: must be in 1..49"):
         split_held_out(SyntheticPromptSource(size=50), size)
+
+
+def _prompts_file(path: Path, n: int, stem: str = "q") -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"{stem}{i}", "answer": str(i)}) + "\n" for i in range(n)))
+    return path
+
+
+@pytest.mark.parametrize(("prompts", "held"), [(1, 0), (2, 1), (64, 6), (639, 63), (5000, 64)])
+def test_the_default_eval_size_leaves_most_prompts_for_training(prompts: int, held: int) -> None:
+    assert auto_eval_size(prompts) == held
+
+
+def test_april_up_on_a_64_prompt_dataset_holds_a_tenth_out(tmp_path: Path) -> None:
+    """Found by a user: the built-in run (`april up` without --config) held 64 prompts out whatever the
+    dataset, so a 64-prompt file stopped it with "data.eval_size = 64: must be in 1..63"."""
+    data = _prompts_file(tmp_path / "small.jsonl", 64)
+    config, _, _ = resolve(UpOptions(sets=(f"data.source={data}",), run_dir=tmp_path / "run"))
+    train, held = open_prompts(config)
+    assert config.run.eval_every > 0 and (len(train), len(held)) == (58, 6)
+    builtin = resolve(UpOptions(run_dir=tmp_path / "run"))[0]
+    assert len(open_prompts(builtin)[1]) == 64  # the built-in task keeps its 64 held-out prompts
+    named = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_size=64))
+    with pytest.raises(ConfigError, match=r"data.eval_size = 64: must be in 1..63 .*data.eval_source"):
+        open_prompts(named)  # asked for in so many words: refused, with the ways out
+
+
+def test_eval_source_is_a_dataset_of_its_own(tmp_path: Path) -> None:
+    train_path, eval_path = (
+        _prompts_file(tmp_path / "t.jsonl", 20),
+        _prompts_file(tmp_path / "e.jsonl", 5, "e"),
+    )
+    config = load_config(
+        overrides={"run.eval_every": 1, "data.source": str(train_path), "data.eval_source": str(eval_path)}
+    )
+    train, held = open_prompts(config)
+    assert len(train) == 20 and [r.text for r in held] == [f"e{i}" for i in range(5)]  # all, in order
+    three = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_size=3))
+    assert [r.text for r in open_prompts(three)[1]] == ["e0", "e1", "e2"]
+    six = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_size=6))
+    with pytest.raises(
+        ConfigError, match=r"data.eval_size = 6: must be in 1..5, the prompts of data.eval_source"
+    ):
+        open_prompts(six)
+    task = dataclasses.replace(config, data=dataclasses.replace(config.data, eval_source="task"))
+    with pytest.raises(ConfigError, match=r"data.eval_source = 'task': expected a dataset path"):
+        open_prompts(task)
 
 
 # ------------------------------------------------------------------------------------------ evaluation books

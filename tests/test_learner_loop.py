@@ -4,9 +4,11 @@ real sim-engine worker process.
 
 From inside each trainer call the test checks what the broker sees at that moment: the phase the learner
 reported (training, publishing, checkpointing, restoring) and that the batch is still unacked when the
-state is saved (the loop acks last). Also: resuming continues steps and versions, a resume behind the
-broker's version never publishes a version twice, the simulated learner imports no torch, the real
-trainer reports its start-up phases, and a restarted broker hears the learner's phase again."""
+state is saved (the loop acks last) and that every step's rollout records are on disk by then. Also:
+resuming continues steps and versions, a crash before the ack writes that step's records once again (from
+the same batch), a resume behind the broker's version never publishes a version twice, the simulated
+learner imports no torch, the real trainer reports its start-up phases, and a restarted broker hears the
+learner's phase again."""
 
 from __future__ import annotations
 
@@ -20,18 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 from harness import Cluster, wait_for
 
 from april import protocol
 from april.config import Config, load_config
 from april.protocol import LearnerPhase
+from april.rollouts import train_steps
 from broker.server import Broker
 from learner.client import BrokerClient
 from learner.loop import run_learner
 from learner.phases import PhaseClock
 from learner.sim_trainer import STATE_FILE, SimTrainer
-from learner.trainer import BroadcastSend, ResumePoint
+from learner.trainer import BroadcastSend, ResumePoint, TrainResult
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 60  # "did not hang", never "was fast"
@@ -83,6 +87,7 @@ class Recording(SimTrainer):
 
     def __init__(self, config: Config, run_dir: Path, broker: Broker) -> None:
         super().__init__(config, run_dir)
+        self.run_dir = run_dir
         self.broker = broker
         self.calls: list[tuple[Any, ...]] = []
 
@@ -96,7 +101,7 @@ class Recording(SimTrainer):
         )
         self.calls.append(("restore", point.step, point.version, point.last_batch_id))
 
-    def train(self, batch: protocol.Batch, version: int) -> dict[str, float]:
+    def train(self, batch: protocol.Batch, version: int) -> TrainResult:
         detail = f"step {batch.step + 1}, {len(batch.samples)} samples"
         wait_for(lambda: self.reported(LearnerPhase.TRAINING, detail), DEADLINE_S, "the training phase")
         self.calls.append(("train", batch.batch_id, version, len(batch.samples)))
@@ -122,10 +127,35 @@ class Recording(SimTrainer):
         super().save(point)
 
 
-def train(c: Cluster, served: Served, steps: int, resume: bool = False) -> Recording:
+class Crashed(Exception):
+    pass
+
+
+class CrashingAtSave(Recording):
+    """Checks, at each checkpoint, that the records of every step trained so far are on disk; and crashes
+    while checkpointing after `crash_at` steps (its records written, its batch unacked)."""
+
+    def __init__(self, config: Config, run_dir: Path, broker: Broker, crash_at: int) -> None:
+        super().__init__(config, run_dir, broker)
+        self.crash_at = crash_at
+
+    def save(self, point: ResumePoint) -> None:
+        assert list(train_steps(self.run_dir)) == list(range(point.step))
+        if point.step == self.crash_at:
+            raise Crashed(f"killed while checkpointing step {point.step}")
+        super().save(point)
+
+
+def train(
+    c: Cluster,
+    served: Served,
+    steps: int,
+    resume: bool = False,
+    make: Callable[[Config, Path, Broker], Recording] = Recording,
+) -> Recording:
     """Run the loop (in a thread: a hang fails the test instead of blocking it) for `steps` steps."""
     config = learner_config(c, steps)
-    trainer = Recording(config, c.run_dir, served.broker)
+    trainer = make(config, c.run_dir, served.broker)
     failed: list[BaseException] = []
 
     def learner() -> None:
@@ -180,6 +210,30 @@ def test_a_resumed_loop_restores_the_saved_point_and_continues(run: tuple[Cluste
     trains = [call for call in second.calls if call[0] == "train"]
     assert [v for _, _, v, _ in trains] == [2, 3] and all(b > last_batch for _, b, _, _ in trains)
     assert [(x["step"], x["version"]) for x in metrics(c)] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_a_crash_before_the_ack_writes_that_steps_records_once_again_from_its_batch(
+    run: tuple[Cluster, Served],
+) -> None:
+    """Killed after a step's records were written but before its checkpoint and ack: the resumed loop
+    removes that step's file, trains the same batch again (the broker re-sends it) and writes it once;
+    every step's records are on disk before its checkpoint."""
+    c, served = run
+    with pytest.raises(Crashed):
+        train(c, served, steps=3, make=lambda *args: CrashingAtSave(*args, crash_at=2))
+    assert list(train_steps(c.run_dir)) == [0, 1]  # step 1's records were written before the crash
+    crashed = pq.read_table(train_steps(c.run_dir)[1]).column("batch_id").to_pylist()
+    train(c, served, steps=3, resume=True, make=lambda *args: CrashingAtSave(*args, crash_at=-1))
+    files = train_steps(c.run_dir)
+    assert list(files) == [0, 1, 2]
+    rows = [pq.read_table(files[s]).to_pylist() for s in range(3)]
+    assert [len(r) for r in rows] == [N, N, N]
+    assert {x["batch_id"] for x in rows[1]} == set(crashed)  # the very batch, trained again
+    keys = [(x["group_id"], x["sample_index"]) for r in rows for x in r]
+    assert len(set(keys)) == len(keys)  # no sample twice
+    lines = metrics(c)
+    assert [x["step"] for x in lines] == [0, 1, 2]
+    assert [sum(x["reward"] for x in r) / N for r in rows] == pytest.approx([x["reward_mean"] for x in lines])
 
 
 def test_a_resume_behind_the_broker_never_publishes_a_version_twice(run: tuple[Cluster, Served]) -> None:

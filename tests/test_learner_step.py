@@ -39,6 +39,7 @@ from learner.batching import build_train_batch  # noqa: E402
 from learner.engine import TrainEngine, TrainSettings  # noqa: E402
 from learner.losses import LossConfig  # noqa: E402
 from learner.ranks import share_batch  # noqa: E402
+from learner.sample_stats import SampleStats  # noqa: E402
 from learner.step import mini_batches, rank_parts, train_step  # noqa: E402
 
 GROUP = 4
@@ -97,26 +98,36 @@ def child(spec: dict[str, Any]) -> None:
     batch = share_batch(mine, 1 << 26)
     assert batch is not None
     train = build_train_batch(batch.samples.to_samples(), n_samples_per_prompt=GROUP)
+    per_sample = SampleStats(train.size, "cpu")
     stats = train_step(
-        engine, train, loss_cfg(), version=VERSION, temperature=1.0, group_size=GROUP, updates=spec["updates"]
+        engine,
+        train,
+        loss_cfg(),
+        version=VERSION,
+        temperature=1.0,
+        group_size=GROUP,
+        updates=spec["updates"],
+        per_sample=per_sample,
     )
     published = engine.state_dict_for_publish()
     if engine.rank == 0:
         path, sha = weights.publish(published, Path(spec["out"]), 1)
+        figures = [per_sample.logprob_mean.tolist(), per_sample.ratio_max.tolist()]
         Path(spec["out"], "result.json").write_text(
-            json.dumps({"stats": stats, "path": str(path), "sha": sha})
+            json.dumps({"stats": stats, "path": str(path), "sha": sha, "figures": figures})
         )
     engine.close()  # as the learner does: no rank tears the group down under another's last collective
 
 
-def run_ranks(spec: dict[str, Any], world: int, tmp: Path) -> tuple[dict[str, Any], dict[str, float]]:
+def run_ranks(spec: dict[str, Any], world: int, tmp: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The published weights, and the step's statistics with each sample's figures under "figures"."""
     out = tmp / f"out-{world}"
     out.mkdir()
     spec_file = tmp / f"spec-{world}.json"
     spec_file.write_text(json.dumps({**spec, "out": str(out)}))
     launch_ranks(__file__, [spec_file] * world, [tmp / f"rank{world}-{r}.log" for r in range(world)])
     res = json.loads((out / "result.json").read_text())
-    return weights.load_published(Path(res["path"]), res["sha"]), res["stats"]
+    return weights.load_published(Path(res["path"]), res["sha"]), {**res["stats"], "figures": res["figures"]}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +152,8 @@ def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path, zero_stage: i
     for key in ("loss", "clip_frac", "approx_kl", "is_weight_mean", "is_weight_max", "offpolicy_token_frac"):
         assert one_stats[key] == pytest.approx(two_stats[key], rel=1e-5, abs=1e-7), key
     assert one_stats["updates"] == two_stats["updates"] == 2
+    # each sample's figures come from the one rank that trained it, summed over ranks to rank 0
+    assert np.allclose(one_stats["figures"], two_stats["figures"], rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------------- one process, plain torch
@@ -170,6 +183,46 @@ def test_two_updates_are_two_steps_on_the_halves(model_dir: Path) -> None:
     assert max_diff(a.module.state_dict(), b.module.state_dict()) < 1e-5
     assert stats["loss"] == pytest.approx((first["loss"] + second["loss"]) / 2, rel=1e-6)
     assert stats["updates"] == 2
+
+
+def reference_figures(model: Any, samples: list[Sample]) -> tuple[list[float], list[float]]:
+    """Each sample on its own, full logits: the mean log-prob of its model tokens and the largest
+    exp(log-prob - behaviour log-prob) over them (NaN without model tokens)."""
+    means, ratios = [], []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor(np.concatenate([s.prompt_ids, s.response_ids]), dtype=torch.int64)[None]
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
+            p = s.prompt_ids.shape[0]
+            lp = [
+                float(logp[p + j - 1, int(s.response_ids[j])]) for seg in s.segments for j in range(*seg[1:])
+            ]
+            beh = [float(s.response_logprobs[j]) for seg in s.segments for j in range(*seg[1:])]
+            means.append(sum(lp) / len(lp) if lp else math.nan)
+            ratios.append(max(math.exp(a - b) for a, b in zip(lp, beh, strict=True)) if lp else math.nan)
+    return means, ratios
+
+
+def test_each_samples_figures_equal_a_plain_forward_of_it_alone(model_dir: Path) -> None:
+    """Per-sample learner log-prob and largest ratio (`SampleStats`), gathered part by part over
+    token-balanced micro-batches, against each sample forwarded alone before the update; the advantages
+    are the batch's group advantages. An episode's observations are not model tokens."""
+    samples = rl_samples(3, groups=2)
+    episode = samples[0].resumed().observed([70, 71]).extend([9], [-0.5], VERSION, FinishReason.STOP)
+    samples[0] = episode.scored(samples[0].reward)
+    engine = torch_engine(model_dir, accum=3)
+    means, ratios = reference_figures(engine.module, samples)
+    batch = build_train_batch(samples, n_samples_per_prompt=GROUP)
+    per_sample = SampleStats(batch.size, "cpu")
+    train_step(
+        engine, batch, loss_cfg(), version=VERSION, temperature=1.0, group_size=GROUP, per_sample=per_sample
+    )
+    assert np.allclose(per_sample.logprob_mean, means, rtol=1e-5, atol=1e-5)
+    assert np.allclose(per_sample.ratio_max, ratios, rtol=1e-4)
+    rewards = np.array([s.reward for s in samples]).reshape(-1, GROUP)
+    spread = rewards.std(axis=1, ddof=1, keepdims=True)
+    expected = np.where(spread > 0, (rewards - rewards.mean(axis=1, keepdims=True)) / (spread + 1e-6), 0.0)
+    assert np.allclose(per_sample.advantage, expected.reshape(-1), atol=1e-5)
 
 
 def test_mini_batches_keep_groups_whole_and_normalise_on_their_own() -> None:

@@ -122,7 +122,7 @@ def train_once(model_dir: Path, tmp_path: Path, algo: AlgoConfig) -> dict[str, f
     trainer.start(lambda phase, detail: None)
     given = samples(1)
     message = protocol.Batch(3, 0, 2, SampleBatch.from_samples(given), {}, Ledger())
-    return trainer.train(message, 2)
+    return trainer.train(message, 2).metrics
 
 
 def test_the_trainer_applies_dapo_overlong_shaping_and_filtering(model_dir: Path, tmp_path: Path) -> None:

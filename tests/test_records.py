@@ -24,13 +24,14 @@ from april import codec, protocol
 from april.records import (
     FinishReason,
     Group,
+    LeaseSpan,
     Sample,
     SampleStatus,
     Segment,
     Span,
     new_group_samples,
 )
-from april.wire_records import EPISODE_COLUMNS, SampleBatch, add_episode_columns
+from april.wire_records import EPISODE_COLUMNS, LEASE_COLUMNS, SampleBatch, add_missing_columns
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
@@ -228,6 +229,9 @@ def test_check_accepts_valid_and_rejects_each_broken_invariant() -> None:
     bad: list[tuple[Sample, str]] = [
         (_with(good, response_logprobs=np.zeros(3, np.float32)), "3 log-probs for 4"),
         (_with(good, segments=(Segment(0, 0, 3),)), "segments and observations cover 3 of 4"),
+        (_with(good, leases=(LeaseSpan("w", 3), LeaseSpan("w", 2))), "lease spans ending at \\[3, 2\\]"),
+        (_with(good, leases=(LeaseSpan("w", 5),)), "expected rising within \\[0, 4\\]"),
+        (_with(good, leases=(LeaseSpan("", 4),)), "worker is not 1..128 characters"),
         (_with(good, segments=(Segment(0, 1, 3), Segment(1, 3, 4))), "bad segment"),
         (_with(good, segments=(Segment(0, 0, 2), Segment(1, 3, 4))), "bad segment"),
         (_with(good, segments=(Segment(1, 0, 3), Segment(0, 3, 4))), "bad segment"),
@@ -406,12 +410,17 @@ def _span_layouts(draw: st.DrawFn) -> Sample:
     for span in observations:
         if edit != "logprob":
             lps[max(span.start, 0) : max(span.end, 0)] = 0.0
+    # lease spans ending anywhere from -1 to n + 1, in any order: valid ones rise within [0, n]
+    ends = draw(st.lists(st.integers(-1, n + 1), max_size=3), label="lease ends")
+    if draw(st.booleans(), label="rising ends"):
+        ends.sort()
     return _with(
         fresh(),
         response_ids=np.arange(n, dtype=np.int32),
         response_logprobs=lps,
         segments=tuple(segments),
         observations=tuple(observations),
+        leases=tuple(LeaseSpan(f"w{i}", e) for i, e in enumerate(ends)),
     )
 
 
@@ -494,10 +503,11 @@ def _mixed_samples() -> list[Sample]:
     """Fresh, empty-prompt (text only), interrupted, multi-segment finished, failed."""
     a = fresh(group_id=1, index=0)
     b = Sample(group_id=1, index=1, prompt_ids=ids(), prompt_text="What is 6 x 7?", metadata={})
-    c = fresh(group_id=2, index=0).extend([5, 6], [-0.25, -1.5], 0, FinishReason.ABORT)
-    d = fresh(group_id=2, index=1).extend([5, 6], [-0.25, -1.5], 0, FinishReason.ABORT)
+    c = fresh(group_id=2, index=0).extend([5, 6], [-0.25, -1.5], 0, FinishReason.ABORT).returned_by("w0", ())
+    d = fresh(group_id=2, index=1).extend([5, 6], [-0.25, -1.5], 0, FinishReason.ABORT).returned_by("w0", ())
     d = d.resumed().extend([7, 8, 9], [-0.1, -0.2, -0.3], 1, FinishReason.ABORT)
-    d = d.resumed().extend([10], [0.0], 3, FinishReason.STOP).scored(1.0)
+    d = d.returned_by("wörker-1", d.leases).resumed().extend([10], [0.0], 3, FinishReason.STOP).scored(1.0)
+    d = d.returned_by("w0", d.leases)
     e = fresh(group_id=3, index=2).resumed().extend([], [], 0, FinishReason.ABORT).failed("engine crashed")
     f = _with(fresh(group_id=2**40, index=3), metadata={"answer": "é", "k": ""}, resumes=7)
     return [a, b, c, d, e, f]
@@ -652,6 +662,31 @@ REJECTIONS: dict[str, tuple[Mutation, str]] = {
         "observation_offsets has 2 entries, expected 3",
     ),
     "episode_long": (lambda b: _with(b, episode=[b"", b"", b""]), "episode has 3 entries for 2"),
+    # lease spans: none in `_two`; sample 0 has 5 response tokens, sample 1 has 2
+    "lease_ends_past_the_response": (
+        lambda b: _with(b, lease_offsets=_i64(0, 1, 2), lease_ends=_i64(3, 3), lease_workers=["w", "w"]),
+        "sample 1: lease ends must rise within [0, 2]",
+    ),
+    "lease_ends_falling": (
+        lambda b: _with(b, lease_offsets=_i64(0, 2, 2), lease_ends=_i64(3, 1), lease_workers=["w", "w"]),
+        "sample 0: lease ends must rise",
+    ),
+    "lease_end_negative": (
+        lambda b: _with(b, lease_offsets=_i64(0, 1, 1), lease_ends=_i64(-1), lease_workers=["w"]),
+        "sample 0: lease ends",
+    ),
+    "lease_workers_short": (
+        lambda b: _with(b, lease_offsets=_i64(0, 1, 1), lease_ends=_i64(3), lease_workers=[]),
+        "lease_workers has 0 entries for 1 ends",
+    ),
+    "lease_worker_empty": (
+        lambda b: _with(b, lease_offsets=_i64(0, 1, 1), lease_ends=_i64(3), lease_workers=[""]),
+        "lease_workers must be 1..128 characters",
+    ),
+    "lease_offsets_end": (
+        lambda b: _with(b, lease_offsets=_i64(0, 1, 1), lease_ends=_i64(3, 4), lease_workers=["w", "w"]),
+        "lease_offsets must rise from 0 to 2",
+    ),
     "tokens_without_segment": (
         lambda b: _with(b, segments=_i64(0, 0, 3, 1, 3, 5), segment_offsets=_i64(0, 2, 2)),
         "sample 1: 2 response tokens but no segment",
@@ -763,35 +798,52 @@ def test_validate_rejects_offsets_that_overflow_int64() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# SampleBatch records written before protocol 3 (files of older formats)
+# SampleBatch records written before protocol 3 or 4 (files of older formats)
+
+
+def _without(columns: tuple[str, ...], inline: int) -> tuple[SampleBatch, list[bytes], dict[str, Any]]:
+    """A batch whose samples have neither episodes nor lease spans, and its frames and body as an earlier
+    version wrote them: without `columns` (the new arrays' frames come last: dropped too)."""
+    batch = SampleBatch.from_samples([dataclasses.replace(s, leases=()) for s in _mixed_samples()])
+    frames = [bytes(f) for f in codec.encode_frames(2, 0, batch, inline)]
+    old = msgpack.unpackb(frames[1], raw=False)
+    refs = [old.pop(name) for name in columns]
+    gone = sorted(ref[0] for ref in refs if isinstance(ref, list) and len(ref) == 3 and type(ref[0]) is int)
+    assert gone == list(range(len(frames) - len(gone), len(frames)))
+    return (
+        batch,
+        [frames[0], msgpack.packb(old, use_bin_type=True), *frames[2 : len(frames) - len(gone)]],
+        old,
+    )
 
 
 @pytest.mark.parametrize("inline", [0, 1 << 16], ids=["frames", "inline"])
-def test_a_batch_encoded_before_episodes_reads_with_empty_episode_columns(inline: int) -> None:
-    batch = _good_batch()
-    frames = [bytes(f) for f in codec.encode_frames(2, 0, batch, inline)]
-    old = msgpack.unpackb(frames[1], raw=False)
-    refs = [old.pop(name) for name in EPISODE_COLUMNS]  # the map an earlier version wrote, and its frames:
-    gone = sorted(ref[0] for ref in refs[:2] if type(ref[0]) is int)  # the new arrays' come last
-    assert gone == list(range(len(frames) - len(gone), len(frames)))
-    frames = [frames[0], msgpack.packb(old, use_bin_type=True), *frames[2 : len(frames) - len(gone)]]
-    with pytest.raises(
-        codec.ProtocolError, match="missing field\\(s\\) observation_offsets, observations, episode"
-    ):
+@pytest.mark.parametrize(
+    ("columns", "missing"),
+    [
+        (EPISODE_COLUMNS + LEASE_COLUMNS, "observation_offsets, observations, episode, lease_offsets"),
+        (LEASE_COLUMNS, "lease_offsets, lease_ends, lease_workers"),
+    ],
+    ids=["before protocol 3", "protocol 3"],
+)
+def test_a_batch_encoded_by_an_earlier_protocol_reads_with_the_new_columns_empty(
+    inline: int, columns: tuple[str, ...], missing: str
+) -> None:
+    batch, frames, old = _without(columns, inline)
+    with pytest.raises(codec.ProtocolError, match=re.escape(f"missing field(s) {missing}")):
         codec.decode_body(SampleBatch, frames)
-    upgraded = add_episode_columns(old, frames)
+    upgraded = add_missing_columns(old, frames)
     assert_batches_equal(
         codec.decode_body(SampleBatch, [frames[0], msgpack.packb(upgraded), *frames[2:]]), batch
     )
-    assert add_episode_columns(upgraded, frames) is upgraded  # a map with the columns is left alone
+    assert add_missing_columns(upgraded, frames) == upgraded  # a map with the columns is left alone
 
 
-def test_add_episode_columns_leaves_what_it_cannot_count_to_the_decoder() -> None:
-    frames = [bytes(f) for f in codec.encode_frames(2, 0, _good_batch())]  # 6 samples, arrays in frames
-    old = {k: v for k, v in msgpack.unpackb(frames[1], raw=False).items() if k not in EPISODE_COLUMNS}
+def test_add_missing_columns_leaves_what_it_cannot_count_to_the_decoder() -> None:
+    _, frames, old = _without(EPISODE_COLUMNS + LEASE_COLUMNS, 0)  # 6 samples, arrays in frames
     for ref in ([old["group_id"][0], "<i8", 7], [99, "<i8", 6], [b"\x00" * 8, "<i8", 6], "x", None):
-        assert add_episode_columns({**old, "group_id": ref}, frames) == {**old, "group_id": ref}
-    assert add_episode_columns([1, 2], frames) == [1, 2]
+        assert add_missing_columns({**old, "group_id": ref}, frames) == {**old, "group_id": ref}
+    assert add_missing_columns([1, 2], frames) == [1, 2]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -863,6 +915,9 @@ def field_by_field(samples: list[Sample]) -> SampleBatch:
         metadata=[dict(s.metadata) for s in samples],
         error=[s.error for s in samples],
         episode=[s.episode for s in samples],
+        lease_offsets=offsets([len(s.leases) for s in samples]),
+        lease_ends=np.array([span.end for s in samples for span in s.leases], np.int64),
+        lease_workers=[span.worker for s in samples for span in s.leases],
     )
 
 
@@ -885,3 +940,13 @@ def test_lease_frames_from_samples_are_those_of_the_field_by_field_batch(case: s
         return [bytes(f) for f in protocol.encode(protocol.Lease(lease_ids, budgets, greedy, batch))]
 
     assert frames(SampleBatch.from_samples(samples)) == frames(field_by_field(samples))
+
+
+def test_with_leases_puts_the_given_samples_spans_in_place_of_the_batchs_own() -> None:
+    returned = _mixed_samples()  # as a worker sends them: their spans as leased
+    kept = [s.returned_by("w9", s.leases) for s in returned]  # as the books keep them
+    batch = SampleBatch.from_samples(returned).with_leases(kept)
+    batch.validate()
+    assert_batches_equal(batch, field_by_field(kept))
+    with pytest.raises(ValueError, match="2 samples for a batch of 6"):
+        SampleBatch.from_samples(returned).with_leases(kept[:2])

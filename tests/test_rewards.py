@@ -171,6 +171,11 @@ def wait_exited(pid: int, within_s: float = 60.0) -> None:
         ("41", "42", 0.0),
         ("", "42", 0.0),
         ("the answer is 42", "42", 0.0),  # no box, no "answer:", so the whole last line is compared
+        # verl's GSM8K prompts ask for the answer after "####"; its ground truth is the number alone
+        ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72", 1.0),
+        ("so the total is $1,080\n#### $1,080", "1080", 1.0),  # commas and "$" dropped, as verl does
+        ("#### 72\n", "71", 0.0),
+        ("#### 1. Setup\n3 + 4\nso 7", "so 7", 1.0),  # a numbered heading earlier is not an answer
     ],
 )
 def test_exact(response: str, answer: str, expected: float) -> None:
@@ -197,6 +202,7 @@ def test_extract_and_normalise_rules() -> None:
         ("the answer:\n2.0", "2", 1.0),
         ("\\boxed{3}", "2", 0.0),
         ("no number here", "2", 0.0),
+        ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72", 1.0),  # verl's GSM8K
     ],
 )
 def test_math(response: str, answer: str, expected: float) -> None:
@@ -289,7 +295,7 @@ def test_raising_reward_is_an_error_not_zero(runner: RewardRunner) -> None:
     runner.submit(1, "raise", "0", {})
     runner.submit(2, "ok", "0.75", {})
     results = collect(runner, 2)
-    assert results[1] == RewardResult(1, None, "reward raised ValueError: bad thing")
+    assert results[1] == RewardResult(1, None, "reward_error: reward raised ValueError: bad thing")
     assert results[2].reward == 0.75  # the child survives a raising reward
 
 
@@ -297,7 +303,8 @@ def test_raising_reward_is_an_error_not_zero(runner: RewardRunner) -> None:
 def test_bad_reward_values_are_errors(runner: RewardRunner, text: str, message: str) -> None:
     runner.submit(1, text, "0", {})
     result = collect(runner, 1)[1]
-    assert result.reward is None and "reward returned" in result.error and message in result.error
+    assert result.reward is None and result.error.startswith("reward_error: reward returned")
+    assert message in result.error
 
 
 def test_stdout_noise_does_not_corrupt_the_protocol(runner: RewardRunner) -> None:
@@ -311,7 +318,7 @@ def test_hanging_reward_times_out_and_runner_recovers(user_module: str) -> None:
         runner.submit(1, "hang", "0", {})
         runner.submit(2, "ok", "0.5", {})  # queued behind the hung one: re-submitted to the new child
         results = collect(runner, 2)  # well before the hour the hang would take
-        assert results[1] == RewardResult(1, None, "reward timed out after 2s")
+        assert results[1] == RewardResult(1, None, "reward_timeout: reward timed out after 2s")
         assert results[2].reward == 0.5
         assert child_pid(runner) != hung  # a new child scores now ...
         wait_exited(hung)  # ... and the hung one was killed
@@ -339,7 +346,10 @@ def test_child_crash_fails_the_running_sample_and_recovers(runner: RewardRunner)
     runner.submit(3, "ok", "0.25", {})
     results = collect(runner, 3)
     assert results[1].reward == 0.5
-    assert results[2].reward is None and results[2].error == "reward process died (exit code 3) while scoring"
+    assert (
+        results[2].reward is None
+        and results[2].error == "reward_crashed: reward process died (exit code 3) while scoring"
+    )
     assert results[3].reward == 0.25  # re-submitted to the restarted child
     runner.submit(4, "ok", "1", {})
     assert collect(runner, 1)[4].reward == 1.0
@@ -349,7 +359,8 @@ def test_child_that_cannot_load_fails_samples_clearly(user_module: str) -> None:
     with RewardRunner(f"{user_module}_child_only:fn", timeout_s=1.0) as r:
         r.submit(1, "ok", "0", {})
         error = collect(r, 1)[1].error
-        assert error.startswith("reward process could not load") and "only the child fails" in error
+        assert error.startswith("reward_crashed: reward process could not load")
+        assert "only the child fails" in error
         r.submit(2, "ok", "0", {})  # later submissions fail at once with the same error
         assert r.poll() == [RewardResult(2, None, error)]
 

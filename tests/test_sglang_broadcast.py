@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from sglang_server import FakeSGLangServer
+from test_weight_broadcast import receive
 
 import learner.weight_broadcast as weight_broadcast
 from actors.engine import (
@@ -34,7 +35,7 @@ from actors.engine import (
     run_to_completion,
 )
 from actors.engines.sglang_engine import SGLangEngine
-from actors.weight_receive import BroadcastMember, Invite, Offer, ReceivedWeights
+from actors.weight_receive import BroadcastMember, Invite, Offer
 from april.broadcast_group import BroadcastError
 from april.hf import make_tiny_model
 from april.ports import free_ports
@@ -123,19 +124,6 @@ def greedy(engine: SGLangEngine) -> list[int]:
     return [int(t) for t in out.token_ids]
 
 
-def received(member: BroadcastMember, version: int) -> ReceivedWeights:
-    got: list[ReceivedWeights] = []
-
-    def arrived() -> bool:
-        item = member.poll()
-        if item is not None:
-            got.append(item)
-        return any(g.version == version for g in got)
-
-    wait_for(f"{member.worker_id} receives v{version}", arrived)
-    return next(g for g in got if g.version == version)
-
-
 @pytest.fixture
 def setup(tmp_path: Path) -> Iterator[Callable[..., Setup]]:
     made: list[Setup] = []
@@ -204,7 +192,7 @@ def test_versions_reach_sglang_servers_and_a_torch_member_in_one_group(
                 [e.name for e in b.entries] for b in offer.manifest.buckets
             ]
             assert fake.rt.weights_reads[n:] == samples
-        got = received(s.others[0], version)
+        got = receive(s.others[0], version)
         assert sorted(got.tensors) == sorted(state)
         assert all(torch.equal(got.tensors[k], v) for k, v in state.items())
     assert greedy(s.engine) != before  # the toy model's tokens follow the weights the servers hold
@@ -463,7 +451,7 @@ def test_sglangs_own_receive_code_joins_the_group_and_rebuilds_every_tensor() ->
                 n: [str(t.dtype).removeprefix("torch."), list(t.shape), sha256(t)] for n, t in state.items()
             }
             assert got == want
-            tensors = received(members[1], version).tensors
+            tensors = receive(members[1], version).tensors
             assert all(torch.equal(tensors[n], t) for n, t in state.items())
     finally:
         for m in members:

@@ -117,7 +117,9 @@ def test_episodes_survive_snapshots_restarts_and_log_compaction(mode: Mode, data
             elif op in ("finish", "interrupt") and lease_id is not None:
                 out = d.finish(lease_id) if op == "finish" else d.interrupt(lease_id)
                 if out.status in SETTLED and out.group_id in state.groups and data.draw(st.booleans()):
-                    store.log_received([SampleBatch.from_samples([out])])  # as the server logs results
+                    kept = state.groups[out.group_id].samples[out.index]  # with the books' lease span
+                    # as the server logs results: the arrays as they came, the books' lease spans
+                    store.log_received([SampleBatch.from_samples([out]).with_leases([kept])])
             elif op == "fail" and lease_id is not None and data.draw(st.integers(0, 3)) == 0:
                 d.fail(lease_id)  # it drops its group: rarely, or little would be trained
             elif op == "reclaim" and lease_id is not None:

@@ -1,12 +1,12 @@
 """Run directories written by earlier versions of april restore exactly (broker/snapshot.py, complete_log.py).
 
-`tests/fixtures/books/v2`, `v3` and `v4` are the `broker/` files that the versions writing state file
-formats 2, 3 and 4 (log record formats 1, 2 and 2; commits 3e645d2, d14677c and c3753dc) wrote for one
-april run mid-abort (partials, leases on two workers, a surplus complete group, an unacked batch, a
-dropped group, a settled sample of a group still running), with `books.json`: those books as that version
-held them in memory. `fixtures/books/make_books.py` made them. Their samples have no episode columns
-(protocol 3 added them): each must come back exactly as it was, with no observations and no episode state,
-and the books must go on from there.
+`tests/fixtures/books/v2`, `v3`, `v4` and `v5` are the `broker/` files that the versions writing state
+file formats 2, 3, 4 and 5 (log record formats 1, 2, 2 and 3; commits 3e645d2, d14677c, c3753dc and
+3ab086a) wrote for one april run mid-abort (partials, leases on two workers, a surplus complete group, an
+unacked batch, a dropped group, a settled sample of a group still running), with `books.json`: those books
+as that version held them in memory. `fixtures/books/make_books.py` made them. Their samples have no lease
+spans (protocol 4 added them), and before v5 no episode columns (protocol 3): each must come back exactly
+as it was, with no observations, no episode state and no lease spans, and the books must go on from there.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from broker import complete_log, snapshot
 from broker.state import BrokerState
 
 FIXTURES = Path(__file__).parent / "fixtures" / "books"
-WRITTEN = ["v2", "v3", "v4"]
+WRITTEN = ["v2", "v3", "v4", "v5"]
 
 
 def encoded(samples: list[Sample]) -> bytes:
@@ -107,7 +107,11 @@ def test_books_an_earlier_version_wrote_restore_exactly(tmp_path: Path, written:
     assert sorted(state.groups) == sorted(map(int, books["groups"]))
     for gid, samples in books["groups"].items():
         assert_identical(state.groups[int(gid)].samples, [sample_of(s) for s in samples])
-    assert all(s.observations == () and s.episode == b"" for g in state.groups.values() for s in g.samples)
+    assert all(
+        s.observations == () and s.episode == b"" and s.leases == ()
+        for g in state.groups.values()
+        for s in g.samples
+    )
     assert sorted(state.leases) == [lease["lease_id"] for lease in books["leases"]]
     for lease in books["leases"]:
         entry = state.leases[lease["lease_id"]]
@@ -165,13 +169,13 @@ def test_books_an_earlier_version_wrote_are_written_anew_and_the_run_goes_on(
     assert ledger.trained >= state.trained + 4 and ledger.in_flight == ledger.partial == 0
 
 
-@pytest.mark.parametrize("written", ["v3", "v4"])
+@pytest.mark.parametrize("written", ["v3", "v4", "v5"])
 def test_an_earlier_log_record_partly_dead_is_copied_out_in_the_current_format(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str
 ) -> None:
     """The earlier version logged groups 2, 4 and 5 in one record; once only group 5 is live and the
-    log holds too many dead samples, its sample is encoded again, now with the episode columns, and the
-    earlier segment is deleted."""
+    log holds too many dead samples, its sample is encoded again, now with the columns its format lacked,
+    and the earlier segment is deleted."""
     monkeypatch.setattr(complete_log, "SEGMENT_MIN_SAMPLES", 1)
     shutil.copy(FIXTURES / written / "broker" / "complete.00000000.log", tmp_path)
     books = json.loads((FIXTURES / written / "books.json").read_text(encoding="utf-8"))
@@ -186,13 +190,15 @@ def test_an_earlier_log_record_partly_dead_is_copied_out_in_the_current_format(
 
 @pytest.mark.parametrize("written", WRITTEN)
 def test_the_size_limit_of_an_earlier_state_file_is_on_the_bytes_read(written: str) -> None:
-    """Its samples gain the episode columns in decoding, which makes the body longer than the bytes
-    read: a file exactly at the limit still decodes, one byte over it does not."""
+    """Its samples gain the columns of later protocols in decoding, which makes the body longer than the
+    bytes read: a file exactly at the limit still decodes, one byte over it does not."""
     frames, _ = complete_log.read_record((FIXTURES / written / "broker" / snapshot.FILE_NAME).read_bytes(), 0)
     size = sum(len(frame) for frame in frames)
     fields = ("samples", "leased_at")
-    live = complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size, snapshot.BEFORE_6)
-    assert all(s.observations == () and s.episode == b"" for s in live.samples.to_samples())
+    live = complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size, snapshot.BEFORE_7)
+    assert all(
+        s.observations == () and s.episode == b"" and s.leases == () for s in live.samples.to_samples()
+    )
     with pytest.raises(codec.ProtocolError) as exc:
-        complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size - 1, snapshot.BEFORE_6)
+        complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size - 1, snapshot.BEFORE_7)
     assert exc.value.reason == "oversize"

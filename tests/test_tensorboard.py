@@ -94,3 +94,22 @@ def test_without_tensorboard_only_the_jsonl_is_written(
     log.close()
     assert not (tmp_path / "tensorboard").exists()
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["step"] == 0
+
+
+def test_each_steps_few_samples_are_a_text_table_in_tensorboard(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("torch")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from learner.metrics import SAMPLES_TAG, SamplesTable
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard_dir=tmp_path / "tensorboard")
+    for step in range(2):
+        log.append(record(step, {}), SamplesTable(["group", "response"], [[step, "a | b\nc"]]))
+    log.close()
+    reader = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    reader.Reload()
+    tag = f"{SAMPLES_TAG}/text_summary"
+    assert tag in reader.Tags()["tensors"]
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in reader.Tensors(tag)]
+    assert texts == [(s, f"| group | response |\n|---|---|\n| {s} | a \\| b c |") for s in (0, 1)]

@@ -76,6 +76,8 @@ class Scripted:
     def reset(self, prompt):
         if prompt.text == "hang":
             time.sleep(3600)
+        if prompt.text == "empty":
+            return EnvStep((), json.dumps({"n": 0}))
         return EnvStep(prompt_messages(prompt), json.dumps({"n": 0}))
 
     def step(self, state, turn, key=None):
@@ -92,6 +94,8 @@ class Scripted:
             os._exit(3)
         if turn.content == "wrong":
             return "not a step"
+        if turn.content == "not json":
+            return EnvStep(call_tools(turn, HANDLERS), "n=1")
         if turn.content == "print":
             print("noise on stdout")
             print('{"v": 1, "t": "done", "key": 999, "step": {}}', flush=True)
@@ -208,6 +212,7 @@ def test_a_tool_that_hangs_is_answered_with_a_timeout_observation(env_spec: str)
         runner.submit(2, step(("echo", {"x": 2})))  # queued behind it: runs in the next child
         got = collect(runner, 2)
         assert got[1].timed_out and got[1].step is not None
+        assert got[1].error == f"tool_timeout: tool call of echo, hang timed out after {5 + SHORT_S:g} s"
         # the calls' time was echo's 5 s (the default) and hang's 1 s
         assert observed(got[1]) == [f"error: tool timed out after {5 + SHORT_S:g} s"] * 2
         assert got[1].step.state == '{"n": 5}' and not got[1].step.done  # the state did not advance
@@ -221,9 +226,9 @@ def test_a_tool_that_hangs_is_answered_with_a_timeout_observation(env_spec: str)
     [
         (
             ResetRequest(PromptRecord(0, np.zeros(0, dtype=np.int32), "hang", {})),
-            "environment reset timed out after 1s",
+            "env_timeout: environment reset timed out after 1s",
         ),
-        (said("hang"), "environment step timed out after 1s"),
+        (said("hang"), "env_timeout: environment step timed out after 1s"),
     ],
 )
 def test_env_code_that_hangs_fails_the_request(
@@ -240,9 +245,11 @@ def test_env_code_that_hangs_fails_the_request(
 @pytest.mark.parametrize(
     ("text", "error"),
     [
-        ("raise", "environment step raised ValueError: bad step"),
-        ("wrong", "environment step returned str, expected an EnvStep"),
-        ("crash", "environment process died (exit code 3) during a step"),
+        ("raise", "env_error: environment step raised ValueError: bad step"),
+        ("wrong", "env_error: environment step returned str, expected an EnvStep"),
+        ("crash", "env_crashed: environment process died (exit code 3) during a step"),
+        # found by a user: accepted, and the next step failed reading it (JSONDecodeError)
+        ("not json", "env_bad_state: environment step answered state 'n=1': not JSON"),
     ],
 )
 def test_env_failures_fail_one_request_and_the_runner_recovers(
@@ -254,6 +261,17 @@ def test_env_failures_fail_one_request_and_the_runner_recovers(
     got = collect(runner, 3)
     assert (got[1].step, got[1].error) == (None, error)
     assert observed(got[2]) == ['{"x": 1}'] and observed(got[3]) == ['{"x": 2}']
+
+
+def test_a_reset_without_messages_fails_with_a_reason_of_its_own(runner: ToolRunner) -> None:
+    """Found by a user: a reset that answered no messages gave a prompt of no tokens, which every engine
+    refused, sample after sample ("got 0 ids"), and nothing named the reset."""
+    runner.submit(1, ResetRequest(PromptRecord(0, np.zeros(0, dtype=np.int32), "empty", {})))
+    got = collect(runner, 1)[1]
+    assert (got.step, got.error) == (
+        None,
+        "env_empty_reset: environment reset answered no messages: there is no prompt",
+    )
 
 
 def test_stdout_noise_does_not_corrupt_the_protocol(runner: ToolRunner) -> None:
@@ -361,7 +379,7 @@ def test_a_child_that_cannot_load_fails_every_request(env_spec: str, monkeypatch
     with ToolRunner(env_spec, ToolRunnerSettings(processes=2, step_timeout_s=LONG_S)) as runner:
         runner.submit(1, step(("echo", {})))
         error = collect(runner, 1)[1].error
-        assert error.startswith(f"environment process could not load {env_spec!r}: ")
+        assert error.startswith(f"env_crashed: environment process could not load {env_spec!r}: ")
         assert "RuntimeError: only the child fails" in error and "\n" not in error
         runner.submit(2, step(("echo", {})))
         assert collect(runner, 1, within_s=1.0)[2].error == error

@@ -264,15 +264,18 @@ def free_port_set() -> list[str]:
     return [f"--set=broker.{n}={p}" for n, p in zip(names, free_ports(3), strict=True)]
 
 
-def run_up(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, list[int]]:
-    """`april up ARGS` as a real process; returns its exit code, output and the pids of its children."""
+def run_up(
+    args: list[str], timeout: float, env: dict[str, str] | None = None, headless: bool = True
+) -> tuple[int, str, list[int]]:
+    """`april up ARGS` as a real process (its output piped: no terminal); returns its exit code, output and
+    the pids of its children."""
     proc = subprocess.Popen(
         [
             sys.executable,
             "-c",
             "from cli.main import main; main()",
             "up",
-            "--headless",
+            *(["--headless"] if headless else []),
             *args,
             *free_port_set(),
         ],
@@ -369,6 +372,42 @@ def test_a_headless_run_in_each_mode(tmp_path: Path, mode: str) -> None:
     if mode == "sync":
         assert all(x["aborted"] == 0 and x["resumed"] == 0 for x in lines)
     assert len(children) == 4 and not wait_all_exited(children)
+
+
+def test_piped_april_up_prints_progress_and_a_normal_start_says_no_warning(tmp_path: Path) -> None:
+    """Found by a user: `april up | tee run.log` printed nothing for the whole run (the dashboard needs a
+    terminal, and nothing took its place), and every run began with "engine down, leasing it nothing:
+    starting" warnings in the broker's log (each worker starts so, until its engine is built), and the
+    learner's DeepSpeed "Setting accelerator to CPU" on a machine without a GPU."""
+    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+    args = ["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"]
+    args += ["--set", "learner.backend=deepspeed"]  # the default learner
+    code, out, children = run_up(args, timeout=300, headless=False)
+    assert code == 0, out
+    assert [x for x in out.splitlines() if x.startswith("step ")][-1].startswith("step 3/3 v3"), out
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        warned = [line for line in log.read_text().splitlines() if " WARNING " in line]
+        assert not warned, (log.name, warned)
+    assert not wait_all_exited(children)
+
+
+def test_a_run_whose_samples_all_fail_ends_by_itself_with_the_reason_said_once(tmp_path: Path) -> None:
+    """Found by a user: a reset that answered no messages kept `april up` running for good (105,000
+    warnings in 154 s). The broker stops such a run, the learner exits with the line, and `april up`
+    reports it once and ends."""
+    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
+    args = ["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3", "--set", "learner.backend=sim"]
+    args += ["--set", "env.name=episode_envs:EmptyResetEnv", "--set", "env.max_turn_tokens=8"]
+    code, out, children = run_up(args, timeout=300, env=env)
+    assert code == 1, out
+    said = [line for line in out.splitlines() if line.startswith("april: error: ")]
+    assert len(said) == 1, out
+    assert said[0].startswith("april: error: the run stopped: 64 samples in a row failed alike"), out
+    assert said[0].endswith("env_empty_reset: environment reset answered no messages: there is no prompt")
+    assert "learner exited 2: not restarted" in out and "restarted (1/" not in out
+    assert not wait_all_exited(children)
 
 
 def test_the_default_run_on_the_tiny_model(tmp_path: Path) -> None:

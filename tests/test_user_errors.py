@@ -13,10 +13,10 @@ for paths that need a directory there), {keys} (a generated CurveZMQ key directo
 prompt file), {tiny} (the shipped tiny model).
 
 What does not apply, and why:
-  - a model directory without a tokenizer: `simulate`, `status`, `keys`, `task` and `broker` take no model;
-    `sft` builds its model from scratch; the learner trains on token ids and needs no tokenizer (a model
-    directory without one is valid for it; it is given one missing entirely instead).
-  - a missing config file: `status`, `sft`, `keys` and `task` read no config file.
+  - a model directory without a tokenizer: `simulate`, `status`, `keys`, `task`, `rollouts` and `broker`
+    take no model; `sft` builds its model from scratch; the learner trains on token ids and needs no
+    tokenizer (a model directory without one is valid for it; it is given one missing entirely instead).
+  - a missing config file: `status`, `sft`, `keys`, `task` and `rollouts` read no config file.
   - a malformed --set / an unknown config key / a device of a bad form: only the commands that take
     `--set` (up, simulate, bench, generate, broker, worker, learner, data inspect).
   - a device torch does not see (this machine has no GPU: "cuda", "cuda:N"): only the commands that run
@@ -194,6 +194,15 @@ CASES = [
     case("status", "malformed address", "status --watch --broker localhost", "--broker", "'localhost'"),
     case("status", "malformed address, one status", "status --broker nowhere", "--broker", "'nowhere'"),
     case("status", "port out of range", "status --broker tcp://127.0.0.1:70000", "--broker", "1..65535"),
+
+    case("rollouts", "missing run dir", f"rollouts {M}/run", f"{M}/run", NOT_FOUND),
+    case("rollouts", "no records", "rollouts {tmp}", "{tmp}/rollouts/train", "run.rollout_records"),
+    case("rollouts", "malformed --sample", "rollouts {tmp} --sample 3-1", "--sample", "'3-1'", "GROUP/INDEX"),
+    case("rollouts", "unknown --sort", "rollouts {tmp} --sort best", "--sort", "'best'", "most-aborted"),
+    case("rollouts", "both --step and --eval", "rollouts {tmp} --step 1 --eval 1", "--step", "--eval"),
+    case("rollouts", "negative step", "rollouts {tmp} --step -1", "--step", "-1"),
+    case("rollouts", "zero limit", "rollouts {tmp} --limit 0", "--limit", "0"),
+    case("rollouts", "missing argument", "rollouts", "run_dir"),
 
     case("sft", "unwritable --out", "sft --out {file}/model --steps 1 --eval-prompts 0", "{file}/model"),
     case("sft", "negative count", "sft --steps -1 --out {out}", "--steps", "-1"),

@@ -64,9 +64,8 @@ def server_command(
     With `deterministic`, sampling_seed is honoured (--enable-deterministic-inference), so a run's seed
     makes sampling reproducible. `tp_size`: the GPUs the server spans; `mem_fraction`: its share of each
     GPU's memory (None: SGLang's own choice, for a GPU it has to itself); `seed`: its --random-seed (None:
-SGLang's). `extra` comes last, so a flag
-    given there wins over april's (argparse keeps the last value). EngineError if this environment would
-    spoil the server's log-probs."""
+    SGLang's). `extra` comes last, so a flag given there wins over april's (argparse keeps the last
+    value). EngineError if this environment would spoil the server's log-probs."""
     check_server_env(os.environ)
     flags = ["--enable-deterministic-inference"] if deterministic else []
     if mem_fraction is not None:

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from april.config import DataConfig
 
 __all__ = [
+    "GENERATED_SOURCES",
     "KEPT_PROMPT_BYTES",
     "DatasetError",
     "FilePromptSource",
@@ -42,6 +43,9 @@ __all__ = [
     "export_jsonl",
     "open_source",
 ]
+
+
+GENERATED_SOURCES = ("synthetic", "task", "calculator")  # `data.source` names that are not dataset paths
 
 
 def open_source(data_config: DataConfig, seed: int) -> PromptSource:
@@ -71,4 +75,5 @@ def open_source(data_config: DataConfig, seed: int) -> PromptSource:
         answer_format=data_config.answer_format,
         seed=seed,
         shuffle=data_config.shuffle,
+        continue_final_message=data_config.continue_final_message,
     )

@@ -2,7 +2,8 @@
 that reads `data.prompt_key`, `data.answer_key` and `data.answer_format`, for every file format alike.
 
 The prompt field holds text, chat messages (a list of {role, content}: kept whole, as JSON, in the
-record's "messages" metadata for the worker's chat template; the record's text is the last user message)
+record's "messages" metadata for the worker's chat template; the record's text is the last user message;
+every role one of `CHAT_ROLES`, the last message not the assistant's unless `continue_final_message`)
 or token ids. The answer field's value (a string or number) becomes the "answer" given to the reward, as
 it is or, with answer_format gsm8k, the text after its last "####". Other top-level scalar fields become
 metadata. A row that does not fit raises `RecordError` naming the field; where the row is, its source says.
@@ -22,6 +23,7 @@ from april.config import AnswerFormat
 from april.data.records import INT32_MAX, PromptRecord, RecordError
 
 GSM8K_MARK = "####"  # GSM8K's answers end "...\n#### 72"
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # april.episode.Role's values: what chat templates take
 
 
 def lookup(obj: dict[str, Any], dotted_key: str) -> tuple[bool, Any, str]:
@@ -66,6 +68,7 @@ class RecordFields:
     answer_key: str = "answer"  # empty: no answers
     answer_format: AnswerFormat = AnswerFormat.RAW
     require_answer: bool = True
+    continue_final_message: bool = False  # a chat prompt may end with an assistant message
 
     @property
     def top_keys(self) -> frozenset[str]:
@@ -125,6 +128,7 @@ class RecordFields:
             text = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]  # Arrow's nulls
+            self._check_roles(messages)
             users = [m.get("content") for m in messages if m.get("role") == "user"]
             if not users or not isinstance(users[-1], str) or not users[-1].strip():
                 raise RecordError(f"chat prompt {key!r} has no non-empty user message content")
@@ -142,6 +146,23 @@ class RecordFields:
             raise RecordError(f"prompt {key!r} must be a string or a list, got {type(prompt).__name__}")
         ids.flags.writeable = False
         return ids, text
+
+    def _check_roles(self, messages: list[dict[str, Any]]) -> None:
+        """Every message has a role chat templates know (Qwen2.5's drops any other silently, and then adds
+        its default system prompt), and the last is not the assistant's unless it is to be continued (a
+        reference solution at the end puts the answer in the prompt)."""
+        key = self.prompt_key
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise RecordError(
+                    f"chat prompt {key!r} message {i}: role {_short(m.get('role'))} is not one of "
+                    f"{', '.join(CHAT_ROLES)}"
+                )
+        if messages[-1]["role"] == "assistant" and not self.continue_final_message:
+            raise RecordError(
+                f"chat prompt {key!r} ends with an assistant message (its answer would be in the prompt): "
+                "drop it, or set data.continue_final_message = true to have the model continue it"
+            )
 
     def _answer(self, obj: dict[str, Any]) -> str | None:
         key = self.answer_key

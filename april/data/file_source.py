@@ -28,7 +28,8 @@ class FilePromptSource:
     """The dataset at `path` as prompt records, in its own order or shuffled anew each epoch.
 
     Every row needs its answer field when `require_answer` is set (training: the reward needs it);
-    otherwise (`april generate`) a row without one gives a record without "answer" in its metadata."""
+    otherwise (`april generate`) a row without one gives a record without "answer" in its metadata. A chat
+    prompt may end with an assistant message only with `continue_final_message` (`data.` of that name)."""
 
     def __init__(
         self,
@@ -40,9 +41,12 @@ class FilePromptSource:
         seed: int = 0,
         shuffle: bool = True,
         require_answer: bool = True,
+        continue_final_message: bool = False,
     ) -> None:
         self.path = Path(path)
-        self.fields = RecordFields(prompt_key, answer_key, answer_format, require_answer)
+        self.fields = RecordFields(
+            prompt_key, answer_key, answer_format, require_answer, continue_final_message
+        )
         self.rows: Rows = open_rows(self.path, self.fields)
         self._kept = KeptRecords(records.KEPT_PROMPT_BYTES, record_bytes)
         self._check_every_row()

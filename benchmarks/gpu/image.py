@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 # The image's Python packages (distribution names), besides the standard library.
 IMAGE_HAS = frozenset(
@@ -37,6 +39,18 @@ IMAGE_HAS = frozenset(
         "pytest",
     }
 )
+# The image's Python as requirement markers see it (CPython 3.12.3 on x86-64 Linux, no extras)
+IMAGE_MARKERS = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
 # What april imports that the image lacks, carried by `make gpu-wheels` (typing-extensions: pydantic needs
 # a recent one); DeepSpeed, an sdist, is built into a wheel there.
 CARRIED = (
@@ -118,17 +132,7 @@ def image_distributions() -> set[str]:
     ones, and their requirements, transitively (no extras; markers as for CPython 3.12 on x86-64 Linux)."""
     from packaging.requirements import Requirement
 
-    env = {
-        "python_version": "3.12",
-        "python_full_version": "3.12.3",
-        "sys_platform": "linux",
-        "platform_system": "Linux",
-        "platform_machine": "x86_64",
-        "os_name": "posix",
-        "implementation_name": "cpython",
-        "platform_python_implementation": "CPython",
-        "extra": "",
-    }
+    env = dict(IMAGE_MARKERS)
     seen: set[str] = set()
     todo = [*IMAGE_HAS, *CARRIED, BUILT]
     while todo:
@@ -151,8 +155,34 @@ def absent_modules(own: str = "april-rl") -> list[str]:
     """Top-level import names of this environment's distributions that the image lacks (`own`, this
     project's distribution, and the installers that every Python has are not counted)."""
     keep = image_distributions() | {canonical(own), "pip", "setuptools", "wheel"}
-    absent = []
-    for module, dists in metadata.packages_distributions().items():
-        if module.isidentifier() and not any(canonical(d) in keep for d in dists):
-            absent.append(module)
-    return sorted(absent)
+    absent = set()
+    for dist in installed_distributions():
+        if canonical(dist.metadata["Name"]) not in keep:
+            absent.update(name for name in top_level_names(dist) if name.isidentifier())
+    present = {
+        name
+        for dist in installed_distributions()
+        if canonical(dist.metadata["Name"]) in keep
+        for name in top_level_names(dist)
+    }
+    return sorted(absent - present)
+
+
+def installed_distributions() -> list[metadata.Distribution]:
+    """The distributions on this interpreter's path, without the copies a package vendors for itself
+    (setuptools puts its `_vendor` folder on sys.path once imported; those go wherever setuptools goes)."""
+    paths = [p for p in sys.path if "_vendor" not in Path(p).parts]
+    return list(metadata.distributions(path=paths))
+
+
+def top_level_names(dist: metadata.Distribution) -> set[str]:
+    """The top-level import names a distribution installs: its top_level.txt, else its files' first parts."""
+    declared = (dist.read_text("top_level.txt") or "").split()
+    if declared:
+        return set(declared)
+    names = set()
+    for file in dist.files or ():
+        first = file.parts[0] if len(file.parts) > 1 else file.name.removesuffix(".py")
+        if not first.endswith((".dist-info", ".egg-info", ".data")) and first not in ("..", "__pycache__"):
+            names.add(first.removesuffix(".py"))
+    return names

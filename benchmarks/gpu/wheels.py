@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 
-from gpu.image import BUILT, CARRIED, IMAGE_HAS  # noqa: E402
+from gpu.image import BUILT, CARRIED, IMAGE_HAS, IMAGE_MARKERS  # noqa: E402
 
 MAX_BYTES = 60 * 2**20
 PLATFORMS = (
@@ -138,17 +138,7 @@ def requirement_gaps(folder: Path) -> list[str]:
     nor the image provides."""
     from packaging.requirements import Requirement
 
-    env = {
-        "python_version": "3.12",
-        "python_full_version": "3.12.3",
-        "sys_platform": "linux",
-        "platform_system": "Linux",
-        "platform_machine": "x86_64",
-        "os_name": "posix",
-        "implementation_name": "cpython",
-        "platform_python_implementation": "CPython",
-        "extra": "",
-    }
+    env = dict(IMAGE_MARKERS)
     have = set(held(folder)) | IMAGE_HAS
     gaps = []
     for wheel in sorted(folder.glob("*.whl")):
