@@ -103,11 +103,12 @@ class Run:
 
     def flush(self) -> None:
         settled = [s for s in self.settled if s.group_id in self.state.groups]
+        kept = [self.state.groups[s.group_id].samples[s.index] for s in settled]  # with their lease spans
         if settled and self.data.draw(st.booleans(), label="settled logged as data"):
-            if self.data.draw(st.booleans(), label="as received"):
-                self.store.log_received([SampleBatch.from_samples(settled)])
+            if self.data.draw(st.booleans(), label="as received"):  # as broker.server logs a whole result
+                self.store.log_received([SampleBatch.from_samples(settled).with_leases(kept)])
             else:
-                self.store.log_groups([(s.group_id, [s]) for s in settled])
+                self.store.log_groups([(s.group_id, [s]) for s in kept])
         self.settled = []
         assert self.state.journal is not None
         self.store.log_journal(self.state.journal.take())
