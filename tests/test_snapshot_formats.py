@@ -195,10 +195,10 @@ def test_the_size_limit_of_an_earlier_state_file_is_on_the_bytes_read(written: s
     frames, _ = complete_log.read_record((FIXTURES / written / "broker" / snapshot.FILE_NAME).read_bytes(), 0)
     size = sum(len(frame) for frame in frames)
     fields = ("samples", "leased_at")
-    live = complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size)
+    live = complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size, snapshot.BEFORE_7)
     assert all(
         s.observations == () and s.episode == b"" and s.leases == () for s in live.samples.to_samples()
     )
     with pytest.raises(codec.ProtocolError) as exc:
-        complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size - 1)
+        complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size - 1, snapshot.BEFORE_7)
     assert exc.value.reason == "oversize"
