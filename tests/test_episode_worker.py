@@ -7,8 +7,10 @@ the turns; the tiny model's tokenizer renders the conversation."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,10 +23,8 @@ from harness import Cluster, wait_for
 
 from actors.tokenizer import HFTokenizer
 from april.chat import chat_format
-from april.config import BrokerConfig, load_config
+from april.config import BrokerConfig
 from april.episode import EpisodeState
-from broker import snapshot
-from broker.heldout import open_prompts
 
 TINY = str(Path(__file__).resolve().parent.parent / "models" / "tiny")
 WORKER = {"model": TINY, "sim_lengths": "lognormal:median=6,sigma=0.5,cap=12"}
@@ -222,16 +222,13 @@ def effects(path: Path) -> list[tuple[str, int]]:
 
 def durable_steps(c: Cluster) -> set[str]:
     """The steps of every episode in the books a restart restores from the broker's files now (its last
-    state file and the journal after it): the broker acknowledged no result that is not among them."""
-    config = load_config(c.config_path)
-    source, _ = open_prompts(config)
-    state = snapshot.resume(c.run_dir / "broker", config.run.mode, config.algo, source)
-    keys = set()
-    for group in state.groups.values():
-        for s in group.samples:
-            turns = EpisodeState.from_bytes(s.episode).turns if s.episode else 0
-            keys |= {f"{s.group_id}-{s.index}-{k}" for k in range(turns)}
-    return keys
+    state file and the journal after it): the broker acknowledged no result that is not among them.
+    benchmarks/soak.py counts them the same way, with the same function."""
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    steps: set[str] = importlib.import_module("soak").durable_steps(c.run_dir, c.config_path)
+    return steps
 
 
 def test_broker_killed_twice_mid_episode_reruns_no_step_it_had(
