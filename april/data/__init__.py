@@ -41,16 +41,29 @@ __all__ = [
     "SeededPromptSource",
     "SyntheticPromptSource",
     "export_jsonl",
+    "is_generated",
     "open_source",
 ]
 
 
 GENERATED_SOURCES = ("synthetic", "task", "calculator")  # `data.source` names that are not dataset paths
+GENERATED_PREFIXES = ("reasoning_gym:",)  # nor are these: a generator and its arguments
+
+
+def is_generated(source: str) -> bool:
+    """`source` names a generator, not a dataset path."""
+    return source in GENERATED_SOURCES or source.startswith(GENERATED_PREFIXES)
 
 
 def open_source(data_config: DataConfig, seed: int) -> PromptSource:
     """The source named by `[data] source`: "synthetic", "task" (the built-in task), "calculator" (the
-    built-in multi-turn task, `april.envs.calculator`) or a dataset path."""
+    built-in multi-turn task, `april.envs.calculator`), "reasoning_gym:TASK[,TASK...]" (the package's
+    generators, `april.envs.reasoning_gym`, seeded by `data.seed` or else the run's) or a dataset path."""
+    if data_config.source.startswith("reasoning_gym:"):
+        from april.envs.reasoning_gym import ReasoningGymSource
+
+        data_seed = seed if data_config.seed == -1 else data_config.seed
+        return ReasoningGymSource(data_config.source, data_config.size, data_seed, data_config.options)
     if data_config.source == "calculator":
         from april.envs.calculator import CalculatorPromptSource  # it imports this package
 
