@@ -552,7 +552,8 @@ class WeightsConfig:
 
 @dataclass(frozen=True, slots=True)
 class EnvConfig:
-    name: str = ""  # multi-turn episodes' environment: a built-in name or module:Class; empty: single-turn
+    name: str = ""  # episodes' environment: a built-in, module:Class or verifiers:MODULE; empty: single-turn
+    args: str = ""  # verifiers:MODULE: JSON object of load_environment's keyword arguments
     max_turns: int = 16  # model turns an episode may take at most
     max_turn_tokens: int = 4096  # tokens one model turn may generate at most (within algo.max_new_tokens)
     tool_processes: int = 4  # per worker: child processes running resets and tool steps, one at a time each

@@ -95,7 +95,7 @@ def open_prompts(config: Config) -> tuple[PromptSource, tuple[PromptRecord, ...]
     """The run's training prompts and its held-out ones (none when it does not evaluate); a bad dataset
     or held-out size raises DatasetError / ConfigError (`april up` calls this before starting anything)."""
     data = config.data
-    source = open_source(data, config.run.seed)
+    source = open_source(data, config.run.seed, config.env)
     if config.run.eval_every == 0 or data.eval_size == 0:
         return source, ()
     if data.eval_source:  # a dataset of its own: training keeps every prompt of `source`

@@ -286,6 +286,10 @@ class Run:
     def start(self, feed: StatusFeed) -> None:
         """SGLang servers (minutes on a GPU) and the broker first, the others once it publishes (so none of
         them starts in a backoff); a worker with a server of its own once that answers (`_check_servers`)."""
+        from actors.episode_driver import resume_note
+
+        if note := resume_note(self.config.env):
+            add_event(self.state, time.time(), note)
         for spec in self.specs:
             if is_server(spec.name) or spec.name == BROKER:
                 self._start(spec)
