@@ -124,8 +124,8 @@ def test_april_up_trains_reasoning_gym_questions_through_aborts(tmp_path: Path) 
         "[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 8\nn_samples_per_prompt = 4\n"
         f'max_new_tokens = 64\n[data]\nsource = "{TASKS}"\nsize = 50\neval_size = 4\n'
         f'[worker]\nengine = "sim"\nslots = 4\nmodel = "{model}"\nreward = "reasoning_gym"\n'
-        'sim_lengths = "lognormal:median=16,sigma=1.2,cap=64"\nsim_time_scale = 1.0\nsim_decode_ms = 15.0\n'
-        f'[learner]\nmodel = "{model}"\nbackend = "torch"\nlr = 1e-3\n'
+        'sim_lengths = "lognormal:median=40,sigma=0.8,cap=64"\nsim_time_scale = 1.0\nsim_decode_ms = 15.0\n'
+        '[learner]\nbackend = "sim"\nsim_step_s = 0.2\n'
     )
     code, out, children = run_up(
         ["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "4"], timeout=300

@@ -200,6 +200,7 @@ def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> No
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
     code, out, children = run_up(["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], 300, env)
     assert code == 0, out
+    assert "env verifiers:verifiers_envs: its state travels as JSON in the sample" in out  # the dashboard's
     check_run(run_dir, 3, samples=8)  # the books balance at every step
     rows = [
         r
