@@ -5,8 +5,10 @@ Owns every leased episode that is not in the engine: its reset or tool step runn
 It builds each turn's engine request (prompt + response so far, budget the least of the turn's and the
 episode's tokens left), reads a turn that ended (parse, step), appends the observation (`Sample.observed`)
 and the new state (`Sample.episode`), and settles an episode that is done (the environment's reward), cut
-off (LENGTH, reward 0) or broken (FAILED). On an abort it gives back what it holds, killing a repeatable
-step (owed on resume) and waiting for any other. The rules are docs/episodes.md's "The episode driver".
+off (LENGTH, reward 0) or broken (FAILED). Each step runs under its `StepKey` (the sample's identity, the
+step's index). On an abort it gives back what it holds, applying first every step result already in (a
+result read is never dropped), killing a repeatable step that runs (owed on resume) and waiting for any
+other. The rules are docs/episodes.md's "The episode driver".
 
 Knows nothing of sockets, credit or the engine's API: the worker (actors/worker.py) adds the requests,
 feeds back the turns that ended, and sends what is settled.
@@ -29,7 +31,15 @@ from april.chat import ChatFormat, chat_format
 from april.config import EnvConfig
 from april.data import PromptRecord
 from april.envs.verifiers_adapter import is_verifiers
-from april.episode import EnvStep, EpisodeError, EpisodeState, Message, ResetRequest, StepRequest
+from april.episode import (
+    EnvStep,
+    EpisodeError,
+    EpisodeState,
+    Message,
+    ResetRequest,
+    StepKey,
+    StepRequest,
+)
 from april.failures import Reason, failure
 from april.records import FinishReason, Sample
 
@@ -148,10 +158,13 @@ class EpisodeDriver:
         return settled
 
     def abort(self) -> tuple[list[Settled], list[int]]:
-        """Give back every episode outside the engine: waiting ones as they are, resets and repeatable
-        steps killed (a killed step is owed), others waited for. Returns (back now, leases waited for);
-        a waited-for one settles from `poll` once its step answers."""
-        back, waited = [], []
+        """Give back every episode outside the engine: first the resets and steps that answered are
+        applied (their results are kept, never run again), then waiting ones go back as they are, resets
+        and repeatable steps still running are killed (a killed step is owed), others are waited for.
+        Returns (back now, leases waited for); a waited-for one settles from `poll` once it answers. The
+        credit of what goes back is 0: the AbortDone that follows sets the worker's credit."""
+        back = [dataclasses.replace(s, credit=0) for s in self.poll()]
+        waited = []
         for ep in list(self.episodes.values()):
             if ep.phase is Phase.ENGINE:
                 continue
@@ -180,11 +193,12 @@ class EpisodeDriver:
     # ------------------------------------------------------------------ steps
 
     def _step(self, ep: Episode, turn: Message) -> None:
-        """Run `turn`'s step; the state's `turns` counts it once the step is applied."""
+        """Run `turn`'s step under its key; the state's `turns` counts it once the step is applied."""
         assert ep.state is not None
         ep.phase, ep.turn = Phase.STEP, turn
         ep.state = dataclasses.replace(ep.state, owed=None)
-        self.runner.submit(ep.lease_id, StepRequest(ep.state.env_state, turn))
+        key = StepKey(ep.sample.group_id, ep.sample.index, ep.state.turns)
+        self.runner.submit(ep.lease_id, StepRequest(ep.state.env_state, turn, key))
 
     def _answer(self, ep: Episode, result: ToolResult) -> Sample | None:
         """The sample settled by `result`, or None when the episode goes on (READY)."""
@@ -192,7 +206,7 @@ class EpisodeDriver:
             return ep.sample.failed(result.error[:500])
         if result.timed_out:  # the model is told; the sample carries it, so that it is counted
             ep.sample = ep.sample.noted(result.error)
-        if ep.phase is Phase.RESET:
+        if ep.turn is None:  # a reset (its phase may be RETURNING: an abort came after it answered)
             return self._reset_answered(ep, result.step)
         return self._step_answered(ep, result.step)
 
@@ -204,6 +218,8 @@ class EpisodeDriver:
         if ep.state is None:
             ep.state = EpisodeState(step.state)
         ep.sample = s.with_episode(ep.state.to_bytes())
+        if ep.phase is Phase.RETURNING:  # aborted: back with its prompt, a step it owes still owed
+            return _interrupted(ep.sample)
         if ep.state.owed is not None:
             self._step(ep, ep.state.owed)
             return None

@@ -17,7 +17,8 @@ make holding safe:
   (`EngineUsage`): cumulative, it commutes with results, and sent every `worker.usage_report_s` while
   the engine runs it would otherwise cut every longer hold short;
 - nothing held is forgotten: a hello after a reconnect names the held leases (`lease_ids`) as leases the
-  worker still holds, so a broker that lost the worker keeps them and accepts their results when sent.
+  worker still holds, so a broker that lost the worker keeps them and accepts their results when sent;
+  the hello tells the broker the worker's free slots, so the credit held is dropped (`drop_credit`).
 
 `hold_s` 0 (the default) sends every result and credit at once, exactly as a worker without an outbox.
 A full engine's worth of held samples (`max_samples`) is sent without waiting out the hold.
@@ -75,6 +76,12 @@ class Outbox:
         if self._since is None:
             return None
         return 0.0 if self.due(now) else self._since + self.hold_s - now
+
+    def drop_credit(self) -> None:
+        """Forget the credit held: a hello has just told the broker the free slots it stood for."""
+        self._credit = 0
+        if not self._items:
+            self._since = None
 
     def lease_ids(self) -> list[int]:
         """The leases whose results are held: still the worker's until they are sent."""

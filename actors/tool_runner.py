@@ -20,10 +20,12 @@ answer `april.episode.answer_problem` refuses (a reset without messages, a state
 child that dies fail the request. The child is then killed and restarted; one failure per restart. Every
 error starts with its reason (`april.failures`).
 
-`cancel(key)`: a queued request is dropped; a running one is killed if running it again is harmless (every
-tool it calls is `repeatable`, see `april.episode.repeatable`), else left to finish and delivered. An
-environment spec that cannot be loaded is a one-line EpisodeError at construction; a child that reports
-"fatal" fails every request from then on. Not thread-safe: one worker loop owns a runner.
+`cancel(key)`: a queued request is dropped; a result already read (or answered in the pipe) is kept and
+delivered, never dropped; a running one is killed if running it again is harmless (every tool it calls is
+`repeatable`, or, calling none, the environment's `final_step_repeatable`: `april.episode.repeatable`),
+else left to finish and delivered. A step's `StepKey` reaches an environment whose `step` takes a `key`.
+An environment spec that cannot be loaded is a one-line EpisodeError at construction; a child that
+reports "fatal" fails every request from then on. Not thread-safe: one worker loop owns a runner.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ from april.episode import (
     Tool,
     answer_problem,
     check_environment,
+    final_step_repeatable,
     load_environment,
     one_line,
     repeatable,
     request_from_json,
+    run_step,
     step_timeout_s,
+    takes_key,
 )
 from april.failures import Reason, failure
 
@@ -132,7 +137,9 @@ class ToolRunner:
     def __init__(
         self, spec: str, settings: ToolRunnerSettings = ToolRunnerSettings(), args: str = ""
     ) -> None:
-        self.tools: tuple[Tool, ...] = load_env(spec, args).tools  # validate here: a bad spec raises at once
+        env = load_env(spec, args)  # validate here: a bad spec raises at once
+        self.tools: tuple[Tool, ...] = env.tools
+        self.final_step_repeatable = final_step_repeatable(env)
         self.spec, self.args = spec, args
         self.settings = settings
         self._queue: dict[int, _Job] = {}  # waiting for a child, oldest first
@@ -165,7 +172,8 @@ class ToolRunner:
             return
         tools_s = step_timeout_s(self.tools, request.turn) if isinstance(request, StepRequest) else 0.0
         line = encode_line({"v": PROTOCOL_VERSION, "t": "run", "key": key, "request": request.to_json()})
-        self._queue[key] = _Job(key, request, line, tools_s, repeatable(self.tools, request))
+        again = repeatable(self.tools, request, self.final_step_repeatable)
+        self._queue[key] = _Job(key, request, line, tools_s, again)
         self._pump()
 
     def poll(self, wait_s: float = 0.0) -> list[ToolResult]:
@@ -180,10 +188,15 @@ class ToolRunner:
         return out
 
     def cancel(self, key: int) -> bool:
-        """Withdraw request `key`. True: no result will come (it was queued, undelivered or killed, or is
-        unknown). False: it is running and not repeatable; its result will come."""
-        self._results = [r for r in self._results if r.key != key]
-        self._queue.pop(key, None)
+        """Withdraw request `key`. True: no result will come (it was queued, or running and repeatable and
+        is killed, or is unknown). False: its result will come from `poll`: it has been answered (a result
+        read is never dropped: the step ran, and running it again could repeat its effects), or it is
+        running and not repeatable."""
+        self._read()  # an answer waiting in a pipe is a result too, not a step to kill
+        if any(r.key == key for r in self._results):
+            return False
+        if self._queue.pop(key, None) is not None:
+            return True
         for i, slot in enumerate(self._slots):
             if slot is not None and slot.job is not None and slot.job.key == key:
                 if not slot.job.repeatable:
@@ -191,6 +204,16 @@ class ToolRunner:
                 slot.job = None
                 self._replace(i)
         return True
+
+    def wait_s(self) -> float:
+        """The longest any running request may still take (its time limit left; 0 when none runs)."""
+        now = time.monotonic()
+        left = [
+            slot.job.started_at + self._limit_s(slot.job) - now
+            for slot in self._slots
+            if slot is not None and slot.job is not None
+        ]
+        return max([0.0, *left])
 
     def close(self) -> None:
         """Stop the children (busy ones killed, idle ones asked to exit) and drop pending work."""
@@ -238,6 +261,12 @@ class ToolRunner:
 
     def _pump(self) -> None:
         """Read what has arrived, apply time limits, hand queued requests to idle children. Never blocks."""
+        self._read()
+        self._check_deadlines()
+        self._dispatch()
+
+    def _read(self) -> None:
+        """Take in what the children have written (answers, exits). Never blocks."""
         self._reaper.reap()
         for i, slot in enumerate(self._slots):
             if slot is None:
@@ -250,8 +279,6 @@ class ToolRunner:
             else:
                 if eof:
                     self._on_exit(i, slot)
-        self._check_deadlines()
-        self._dispatch()
 
     def _handle(self, i: int, slot: _Slot, line: bytes) -> None:
         try:
@@ -387,13 +414,13 @@ class ToolRunner:
 # the child process
 
 
-def _run(env: Environment, request: EnvRequest) -> dict[str, Any]:
+def _run(env: Environment, request: EnvRequest, with_key: bool) -> dict[str, Any]:
     what = "reset" if isinstance(request, ResetRequest) else "step"
     try:
         step = (
             env.reset(request.prompt)
             if isinstance(request, ResetRequest)
-            else env.step(request.state, request.turn)
+            else run_step(env, request, with_key)
         )
     except BaseException as exc:  # SystemExit/KeyboardInterrupt in an environment are its errors too
         return {"error": failure(Reason.ENV_ERROR, f"environment {what} raised {one_line(exc)}")}
@@ -419,6 +446,7 @@ def child_main(argv: list[str]) -> int:
         send(t="fatal", error=str(exc))
         return 1
     send(t="ready")
+    with_key = takes_key(env)
     for line in lines:
         msg = json.loads(line)
         try:
@@ -426,7 +454,7 @@ def child_main(argv: list[str]) -> int:
         except EpisodeError as exc:
             send(t="done", key=msg["key"], error=failure(Reason.ENV_CRASHED, f"bad request: {exc}"))
             continue
-        send(t="done", key=msg["key"], **_run(env, request))
+        send(t="done", key=msg["key"], **_run(env, request, with_key))
     return 0
 
 

@@ -17,9 +17,12 @@ where this host sees it, else fetched from the learner's weight service on a bac
 loop never waits on the network: a version is loaded between engine steps once its bytes are local and
 verified, each WeightsLoaded says how the bytes came (`transport`) and the seconds from first hearing of
 the version to the engine serving it (`sync_s`), a version that cannot be had is answered
-WeightsLoaded(ok=False) once, and a worker that missed versions gets only the newest; after every
-(re)connect and whenever the broker says it does not know this worker, the WorkerHello
-names the leases still held. Heartbeats, liveness and reconnecting with backoff are `april.peer_link`'s.
+WeightsLoaded(ok=False) once, and a worker that missed versions gets only the newest; every result is
+numbered (`seq`) and kept until the broker acknowledges it (Lease.acked, ResultAck: what it took is on
+its disk); after every (re)connect and whenever the broker says it does not know this worker, the
+WorkerHello names the leases still held (those of unacknowledged results too) and its free slots, and
+the unacknowledged results follow it again, in order and without credit, so a broker that restarted or
+lost them takes them once. Heartbeats, liveness and reconnecting with backoff are `april.peer_link`'s.
 
 The engine may fail (actors/engine.py says how) and the worker outlives it. A request the engine failed
 fails its sample (with the reason) or, when the failure was transient, returns it as a partial; either
@@ -148,6 +151,8 @@ class Worker:
         self.scoring: dict[int, Sample] = {}  # lease id -> finished sample waiting for its reward
         # results and credit owed to the broker, held up to result_hold_ms and sent as one message
         self.outbox = Outbox(cfg.result_hold_ms / 1e3, max_samples=cfg.slots)
+        self.seq = 0  # SampleResults sent (each numbered)
+        self.unacked: dict[int, protocol.SampleResult] = {}  # by seq: sent, not yet acknowledged
         # the engine is built on a thread after the first Welcome (a vLLM or SGLang start can outlast the
         # broker's liveness window): until then it is "starting", and the broker leases it nothing
         self.health = EngineHealth(down=True, detail=protocol.ENGINE_STARTING)
@@ -204,7 +209,10 @@ class Worker:
             case protocol.Welcome():
                 self._on_welcome(msg)
             case protocol.Lease():
+                self._on_acked(msg.acked)
                 self._on_lease(msg)
+            case protocol.ResultAck(acked=acked):
+                self._on_acked(acked)
             case protocol.Abort(round_id=round_id):
                 self._on_abort(round_id)
             case protocol.WeightsReady():
@@ -213,6 +221,11 @@ class Worker:
                 log.warning("unexpected %s from the broker", type(msg).__name__)
 
     # ------------------------------------------------------------------ broker messages
+
+    def _on_acked(self, acked: int) -> None:
+        """The broker has what it took of results up to `acked` on its disk: forget them."""
+        while self.unacked and next(iter(self.unacked)) <= acked:
+            del self.unacked[next(iter(self.unacked))]
 
     def _on_welcome(self, msg: protocol.Welcome) -> None:
         if self.sampling is None:  # the first Welcome: the run's sampling settings; build the engine now
@@ -373,6 +386,10 @@ class Worker:
 
     def _send_outbox(self) -> None:
         msg = self.outbox.take()
+        if isinstance(msg, protocol.SampleResult):  # kept until acknowledged
+            self.seq += 1
+            msg = dataclasses.replace(msg, seq=self.seq)
+            self.unacked[self.seq] = msg
         if msg is not None:
             self.link.send(msg)
 
@@ -712,18 +729,31 @@ class Worker:
     # ------------------------------------------------------------------ connection
 
     def _hello(self) -> list[protocol.Message]:
-        """What introduces this worker to a broker that may have lost it: the leases it still holds, and
-        its engine's health when that is not the broker's default (up, nothing lost)."""
+        """What introduces this worker to a broker that may have lost it: the leases it still holds (its
+        unacknowledged results' too) and its free slots, its engine's health when that is not the broker's
+        default (up, nothing lost), then its unacknowledged results again, in order, without credit (the
+        hello's counts the slots they freed)."""
         episodes = self.episodes.lease_ids() if self.episodes is not None else []
+        resent = [i for r in self.unacked.values() for i in r.lease_ids.tolist()]
         held = np.array(
-            sorted([*self.held, *self.scoring, *self.outbox.lease_ids(), *episodes]), dtype=np.int64
+            sorted({*self.held, *self.scoring, *self.outbox.lease_ids(), *episodes, *resent}), dtype=np.int64
         )
         version = self.engine.version if self.engine is not None else 0
+        free = 0 if self.health.down or self.engine is None else max(0, self.cfg.slots - len(self.held))
+        self.outbox.drop_credit()
         hello = protocol.WorkerHello(
-            self.worker_id, self.cfg.engine, self.cfg.slots, version, os.getpid(), socket.gethostname(), held
+            self.worker_id,
+            self.cfg.engine,
+            self.cfg.slots,
+            version,
+            os.getpid(),
+            socket.gethostname(),
+            held,
+            free,
         )
         self.health.sent = self.health.report()  # what the broker knows once it read the hello
-        return [hello] if self.health.pristine else [hello, self.health.sent]
+        intro: list[protocol.Message] = [hello] if self.health.pristine else [hello, self.health.sent]
+        return intro + [dataclasses.replace(r, credit=0) for r in self.unacked.values()]
 
     def _send(self, msg: protocol.Message) -> None:
         """Send `msg` after everything the outbox holds, so that no held result is overtaken (only the
@@ -737,7 +767,10 @@ class Worker:
         if self.episodes is not None:
             back, _ = self.episodes.abort()
             self._owe([(e.lease_id, e.sample) for e in back])
-        deadline = time.monotonic() + min(self.cfg.reward_timeout_s, 5.0)
+        wait_s = min(self.cfg.reward_timeout_s, 5.0)
+        if self.episodes is not None:  # a step an abort cannot kill runs once: its result is waited for
+            wait_s = max(wait_s, self.episodes.runner.wait_s())
+        deadline = time.monotonic() + wait_s
         while (self.scoring or self._episodes_held()) and time.monotonic() < deadline:
             time.sleep(0.01)
             self._send_scored()

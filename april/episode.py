@@ -6,6 +6,8 @@ episode from the sample alone. Messages and tool calls are OpenAI-style (`to_ope
 form chat templates take); the same JSON crosses the tool runner's pipe and fills a sample's `episode`
 bytes (`EpisodeState`). `load_environment` resolves an env spec (a built-in name or `module:Class`) with
 one-line errors; `call_tools` answers a turn's tool calls, malformed and unknown ones with an error message.
+Each step has a `StepKey` (the sample's identity and the step's index), the same for every run of it, which
+`run_step` hands to an environment whose `step` takes a `key`: side effects can be deduplicated by it.
 
 Does not tokenize (`april.chat`), run anything in a child process (`actors.tool_runner`) nor hold the
 built-in environments (`april.envs`, `actors.python_env`). No torch, no transformers.
@@ -14,6 +16,7 @@ built-in environments (`april.envs`, `actors.python_env`). No torch, no transfor
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -215,7 +218,10 @@ class EnvStep:
 
 class Environment(Protocol):
     """A multi-turn task. `reset` is deterministic in the record (all samples of a group share it); `step`
-    depends only on (state, turn), where `turn` is the parsed model turn (`april.chat.parse_turn`)."""
+    depends only on (state, turn), where `turn` is the parsed model turn (`april.chat.parse_turn`). A `step`
+    may also take a keyword `key: StepKey` (`run_step` passes it then). An environment may set
+    `final_step_repeatable = False`: a step whose turn calls no tool (the final, scoring one) then has
+    effects, and an abort waits for it as for a non-repeatable tool (absent: True)."""
 
     tools: tuple[Tool, ...]
 
@@ -238,12 +244,39 @@ class ResetRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class StepKey:
+    """Which step this is: the sample's identity (`group_id`, `index` in its group) and the step's index
+    (`step`: the model turns of the episode stepped before it, 0 for the first). Every run of one step has
+    the same key: one run only across aborts (docs/episodes.md), and a replay after a worker crash
+    carries the key of the run it repeats, so an environment with side effects can recognise it. Unique
+    within a run (group ids are never reused); `str(key)` is `"group-index-step"`."""
+
+    group_id: int
+    index: int
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.group_id}-{self.index}-{self.step}"
+
+    def to_json(self) -> list[int]:
+        return [self.group_id, self.index, self.step]
+
+    @classmethod
+    def from_json(cls, obj: object) -> StepKey:
+        if not (isinstance(obj, list) and len(obj) == 3 and all(type(x) is int and x >= 0 for x in obj)):
+            raise EpisodeError(f"step key: got {_short(obj)}, expected [group_id, index, step] (ints >= 0)")
+        return cls(obj[0], obj[1], obj[2])
+
+
+@dataclass(frozen=True, slots=True)
 class StepRequest:
     state: str
     turn: Message
+    key: StepKey | None = None  # None: a step no sample owns (a demonstration's, a test's)
 
     def to_json(self) -> dict[str, Any]:
-        return {"t": "step", "state": self.state, "turn": self.turn.to_openai()}
+        key = None if self.key is None else self.key.to_json()
+        return {"t": "step", "state": self.state, "turn": self.turn.to_openai(), "key": key}
 
 
 EnvRequest = ResetRequest | StepRequest
@@ -262,7 +295,8 @@ def request_from_json(obj: object) -> EnvRequest:
             PromptRecord(obj["index"], ids, _str(obj, "text"), {str(k): str(v) for k, v in metadata.items()})
         )
     if obj.get("t") == "step" and isinstance(obj.get("state"), str):
-        return StepRequest(obj["state"], Message.from_openai(obj.get("turn")))
+        key = None if obj.get("key") is None else StepKey.from_json(obj["key"])
+        return StepRequest(obj["state"], Message.from_openai(obj.get("turn")), key)
     raise EpisodeError(f"environment request: got {_short(obj)}, expected a reset or a step")
 
 
@@ -367,14 +401,39 @@ def step_timeout_s(tools: Sequence[Tool], turn: Message) -> float:
     return sum(by_name[c.name].timeout_s for c in turn.tool_calls if not c.error and c.name in by_name)
 
 
-def repeatable(tools: Sequence[Tool], request: EnvRequest) -> bool:
-    """Whether running `request` twice is harmless: a reset always; a step if every tool it calls is."""
+def repeatable(tools: Sequence[Tool], request: EnvRequest, final_step_repeatable: bool = True) -> bool:
+    """Whether running `request` twice is harmless: a reset always; a step that runs tools if every tool
+    it calls is; a step that runs none (its turn calls no tool, or none it has) if the environment says
+    so (`final_step_repeatable`)."""
     if isinstance(request, ResetRequest):
         return True
     by_name = {t.name: t for t in tools}
-    return all(
-        by_name[c.name].repeatable for c in request.turn.tool_calls if not c.error and c.name in by_name
-    )
+    called = [by_name[c.name] for c in request.turn.tool_calls if not c.error and c.name in by_name]
+    if not called:
+        return final_step_repeatable
+    return all(tool.repeatable for tool in called)
+
+
+def final_step_repeatable(env: object) -> bool:
+    """The environment's `final_step_repeatable` (checked by `check_environment`), True when absent."""
+    value = getattr(env, "final_step_repeatable", True)
+    return value is True
+
+
+def takes_key(env: object) -> bool:
+    """Whether the environment's `step` takes a `key` keyword (or any keyword)."""
+    try:
+        params = inspect.signature(env.step).parameters  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: called without it
+        return False
+    return "key" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def run_step(env: Environment, request: StepRequest, with_key: bool) -> EnvStep:
+    """The environment's answer to `request`, its key passed when `with_key` (`takes_key(env)`)."""
+    if with_key and request.key is not None:
+        return env.step(request.state, request.turn, key=request.key)  # type: ignore[call-arg]
+    return env.step(request.state, request.turn)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -413,6 +472,9 @@ def check_environment(spec: str, env: object) -> None:
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise EpisodeError(f"env {spec!r}: tool names {names} repeat")
+    final = getattr(env, "final_step_repeatable", True)
+    if not isinstance(final, bool):
+        raise EpisodeError(f"env {spec!r}: final_step_repeatable is {_short(final)}, expected True or False")
 
 
 def _resolve(spec: str, module_name: str, attr: str) -> Callable[[], Environment]:

@@ -32,8 +32,9 @@ from april.ledger import Ledger
 from april.status import BrokerStatus
 from april.wire_records import SampleBatch
 
-PROTOCOL_VERSION = 4  # 2: small arrays inline in the body (april.codec); 3: episodes (SampleBatch); 4: lease
-# spans (SampleBatch)
+PROTOCOL_VERSION = 5  # 2: small arrays inline in the body (april.codec); 3: episodes (SampleBatch); 4: lease
+# spans (SampleBatch); 5: result acks (SampleResult.seq, Lease.acked, ResultAck), the worker's credit in its
+# hello
 INLINE_BYTES = 64 * 1024  # a message's small arrays travel in its body up to this many bytes in all
 
 
@@ -63,7 +64,8 @@ class Error:
 @dataclass(frozen=True, slots=True)
 class WorkerHello:
     """W->B. Register (or re-register). Resets the broker's view of this worker: leases it holds that are
-    not in `held_leases` are reclaimed, and its credit becomes `slots` minus the leases it kept."""
+    not in `held_leases` are reclaimed, and its credit becomes `credit` (-1: `slots` minus the leases it
+    kept)."""
 
     worker_id: str
     engine: str
@@ -71,12 +73,15 @@ class WorkerHello:
     version: int  # weights version the engine has loaded
     pid: int
     host: str
-    held_leases: Int64Array  # leases still being generated (reconnecting after a broker restart)
+    held_leases: Int64Array  # leases still held: generated, scored, stepped, or results not yet acked
+    credit: int = -1  # its free slots now (the results it sends again after the hello carry none)
 
     def validate(self) -> None:
         _check_non_negative(self, "version", "pid")
         if not 1 <= self.slots <= 65536:
             raise ValueError(f"slots = {self.slots}, must be in 1..65536")
+        if not -1 <= self.credit <= 65536:
+            raise ValueError(f"credit = {self.credit}, must be in -1..65536")
         if not 1 <= len(self.worker_id) <= 128:
             raise ValueError("worker_id must be 1..128 characters")
 
@@ -124,8 +129,10 @@ class Lease:
     budgets: Int32Array  # [S]
     greedy: UInt8Array  # [S], 0 or 1
     samples: SampleBatch
+    acked: int = 0  # the worker's SampleResults up to this `seq` are acknowledged (see ResultAck)
 
     def validate(self) -> None:
+        _check_non_negative(self, "acked")
         n = len(self.samples)
         if self.lease_ids.shape[0] != n or self.budgets.shape[0] != n or self.greedy.shape[0] != n:
             raise ValueError("lease_ids, budgets, greedy and samples differ in length")
@@ -136,17 +143,33 @@ class Lease:
 @dataclass(frozen=True, slots=True)
 class SampleResult:
     """W->B. Samples that left the engine: FINISHED (scored), FAILED, or INTERRUPTED (after an Abort, or
-    an engine failure), streamed as they leave. `credit` adds free slots, like a LeaseRequest."""
+    an engine failure), streamed as they leave. `credit` adds free slots, like a LeaseRequest. `seq`
+    numbers the worker's results (1, 2, ...; 0: no acknowledgement wanted); the worker keeps a result
+    until the broker acknowledges its `seq` (Lease.acked, ResultAck) and sends it again after a hello."""
 
     lease_ids: Int64Array  # [S], as received in the Lease
     samples: SampleBatch
     credit: int
+    seq: int = 0
 
     def validate(self) -> None:
         if self.lease_ids.shape[0] != len(self.samples):
             raise ValueError(f"{self.lease_ids.shape[0]} lease_ids for {len(self.samples)} samples")
         if not 0 <= self.credit <= 65536:
             raise ValueError(f"credit = {self.credit}, must be in 0..65536")
+        _check_non_negative(self, "seq")
+
+
+@dataclass(frozen=True, slots=True)
+class ResultAck:
+    """B->W. The worker's SampleResults up to `seq` = `acked` are acknowledged: what the broker took of
+    them is on its disk (a broker crash keeps it), so the worker forgets them. Sent when an acknowledgement
+    is due and no Lease carried it."""
+
+    acked: int
+
+    def validate(self) -> None:
+        _check_non_negative(self, "acked")
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,6 +477,7 @@ KIND_OF: dict[type, int] = {
     Disconnect: 19,
     EngineUsage: 20,
     EngineHealth: 21,
+    ResultAck: 22,
     LearnerHello: 30,
     BatchRequest: 31,
     Batch: 32,
@@ -483,6 +507,7 @@ Message = (
     | Disconnect
     | EngineUsage
     | EngineHealth
+    | ResultAck
     | LearnerHello
     | BatchRequest
     | Batch

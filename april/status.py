@@ -105,7 +105,8 @@ class UnackedBatch:
 
 @dataclass(frozen=True, slots=True)
 class Totals:
-    """Counted since this broker process started (training samples only; not persisted)."""
+    """Counted over the run, across broker restarts (the books keep them), but `batches_acked`, since this
+    broker process started (training samples only)."""
 
     EVOLVABLE: ClassVar[bool] = True
     aborted: int  # samples returned INTERRUPTED by an abort

@@ -284,6 +284,7 @@ class ScriptedWorker:
         self.awaiting: deque[float] = deque()  # streamed: when each credit not yet answered was owed
         self.outbox = Outbox(args.result_hold_ms / 1e3, max_samples=args.slots)
         self.other: dict[str, int] = {}
+        self.seq = 0  # results sent, numbered as a real worker numbers them (the broker acknowledges them)
 
     def send(self, msg: protocol.Message) -> int:
         nbytes = send_counted(self.sock, msg)
@@ -291,7 +292,8 @@ class ScriptedWorker:
         return nbytes
 
     def give_back(self, lease: protocol.Lease, samples: SampleBatch, credit: int) -> None:
-        nbytes = self.send(protocol.SampleResult(lease.lease_ids, samples, credit))
+        self.seq += 1
+        nbytes = self.send(protocol.SampleResult(lease.lease_ids, samples, credit, self.seq))
         self.pending_since = self.last_sent
         self.sends.append((self.last_sent, len(samples), nbytes))
 
@@ -340,6 +342,9 @@ class ScriptedWorker:
 
     def send_outbox(self) -> None:
         msg = self.outbox.take()
+        if isinstance(msg, protocol.SampleResult):
+            self.seq += 1
+            msg = replace(msg, seq=self.seq)
         if msg is not None:
             nbytes = self.send(msg)
             if isinstance(msg, protocol.SampleResult):

@@ -8,19 +8,29 @@ trained step, a random worker is SIGKILLed every `--worker-every` seconds, the l
 `--learner-every`, the broker every `--broker-every` (the learner and broker schedules are offset by half a
 period so they do not coincide).
 
+With `--episodes` every sample is an episode of `benchmarks/envs/step_ledger.py`'s `StepLedger`, whose steps
+(non-repeatable, tens to hundreds of milliseconds each) log their StepKey to a side-effect file; at each
+broker kill the soak reads what the broker's files hold (`broker.snapshot.resume`: its last state file
+and the journal after it, everything it ever acknowledged), and counts each step's runs.
+
 At the end the kills stop, the run is given time to recover (every child up, one more step trained),
 the learner is stopped with SIGTERM (it finishes its step, as `april up` stops it), and then:
 - the broker's ledger balances (`issued == trained + complete_waiting + in_flight + partial + dropped`);
 - metrics.jsonl holds steps 0..S-1 once each, every line exactly N = B x n samples;
-- the broker counted exactly S x B groups trained (S x N samples): no batch trained twice, none lost.
-Prints a summary (kills survived per role, steps, trained samples, samples lost) and writes it as JSON.
-Exit code 0 when every check holds, 1 otherwise.
+- the broker counted exactly S x B groups trained (S x N samples): no batch trained twice, none lost;
+- the run's counters went on across broker restarts: the steps' `aborted` sum to at most the broker's
+  total;
+- with `--episodes`, no step the broker's files held when it was killed ran again after (the steps a
+  killed worker had not returned run again, with their key, and are counted).
+Prints a summary (kills survived per role, steps, trained samples, samples lost, steps run twice) and
+writes it as JSON. Exit code 0 when every check holds, 1 otherwise.
 
 Usage:
     .venv/bin/python benchmarks/soak.py --duration-s 1800                     # the 30-minute soak
     .venv/bin/python benchmarks/soak.py --duration-s 150 --worker-every 15 --learner-every 50 \
         --broker-every 60                                                     # a few minutes
     .venv/bin/python benchmarks/soak.py --smoke      # 8 s, each role killed once (the suite runs it)
+    .venv/bin/python benchmarks/soak.py --smoke --episodes --broker-every 3    # episodes, broker kills
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +52,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from april.config import load_config, write_config  # noqa: E402
+from april.episode import EpisodeState  # noqa: E402
 from april.files import read_jsonl  # noqa: E402
 from april.hf import TINY_MODEL  # noqa: E402
 from april.placement import place  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from april.status import BrokerStatus  # noqa: E402
+from broker import snapshot  # noqa: E402
+from broker.heldout import open_prompts  # noqa: E402
 from cli.status_cmd import StatusError, fetch_status  # noqa: E402
 from cli.supervisor import Supervisor  # noqa: E402
 from cli.up_cmd import BROKER, LEARNER, plan, wire_addresses  # noqa: E402
@@ -68,6 +82,10 @@ def write_soak_config(path: Path, args: argparse.Namespace) -> None:
         f'[learner]\nmodel = "{model}"\nbackend = "torch"\nlr = 1e-3\ncheckpoint_every = 1\n'
         "torch_threads = 1\n"
     )
+    if args.episodes:  # episodes of StepLedger: 3 turns of at most 8 tokens in 64 (the env's steps last)
+        text = path.read_text().replace("max_new_tokens = 32", "max_new_tokens = 64")
+        text = text.replace("snapshot_interval_s = 2.0", "snapshot_interval_s = 30.0")  # the default
+        path.write_text(text + '[env]\nname = "step_ledger:StepLedger"\nmax_turns = 4\nmax_turn_tokens = 8\n')
 
 
 @dataclasses.dataclass
@@ -76,6 +94,9 @@ class Soak:
     config_path: Path
     workers: int
     supervisor: Supervisor = dataclasses.field(default_factory=Supervisor)
+    effects: Path | None = None  # the episodes' side-effect log (--episodes)
+    # at each broker kill: the steps the broker's files held, and how many step runs the log had then
+    durable: list[tuple[set[str], int]] = dataclasses.field(default_factory=list)
     kills: dict[str, int] = dataclasses.field(default_factory=lambda: {"worker": 0, LEARNER: 0, BROKER: 0})
     restarts: dict[str, int] = dataclasses.field(default_factory=dict)
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -114,6 +135,9 @@ class Soak:
         status = self.status(0.5)
         os.killpg(child.proc.pid, signal.SIGKILL)  # its session: a worker's reward runner dies too
         child.proc.wait(10)
+        if name == BROKER and self.effects is not None:  # before it restarts: what its files hold
+            ran = len(step_runs(self.effects))
+            self.durable.append((durable_steps(self.run_dir, self.config_path), ran))
         role = "worker" if name.startswith("worker-") else name
         self.kills[role] += 1
         moment = {
@@ -139,6 +163,26 @@ class Soak:
         self.supervisor.stop([[LEARNER, *(s.name for s in self.specs[1:-1])], [BROKER]])
 
 
+def step_runs(effects: Path) -> list[str]:
+    """The step keys of the side-effect log, one per run, in the order they ran (whole lines only: a step
+    may be writing one)."""
+    text = effects.read_text() if effects.exists() else ""
+    return [line.split()[0] for line in text.split("\n")[:-1] if line]
+
+
+def durable_steps(run_dir: Path, config_path: Path) -> set[str]:
+    """The steps of every episode in the books the broker's files hold (the books a restart restores)."""
+    config = load_config(config_path)
+    source, _ = open_prompts(config)
+    state = snapshot.resume(run_dir / "broker", config.run.mode, config.algo, source)
+    keys = set()
+    for group in state.groups.values():
+        for s in group.samples:
+            turns = EpisodeState.from_bytes(s.episode).turns if s.episode else 0
+            keys |= {f"{s.group_id}-{s.index}-{k}" for k in range(turns)}
+    return keys
+
+
 def wait(predicate: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -154,7 +198,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     config_path = root / "soak.toml"
     write_soak_config(config_path, args)
-    soak = Soak(root / "run", config_path, args.workers)
+    env = {}
+    if args.episodes:  # the workers' tool processes import step_ledger from benchmarks/envs/, and log there
+        effects = root / "effects"
+        path = os.pathsep.join(
+            filter(None, (str(REPO / "benchmarks" / "envs"), os.environ.get("PYTHONPATH")))
+        )
+        env = {"PYTHONPATH": path, "APRIL_SOAK_EFFECTS": str(effects)}
+    soak = Soak(root / "run", config_path, args.workers, Supervisor(env))
+    soak.effects = root / "effects" if args.episodes else None
     launched = time.monotonic()
     soak.start()
     due = {
@@ -206,6 +258,7 @@ def report(
     steps = [x["step"] for x in lines]
     n_per_step = args.batch * args.n
     trained_groups = -1 if status is None else status.ledger.trained
+    aborted = sum(x["aborted"] for x in lines)
     checks = {
         "recovered after the last kill": recovered,
         "broker answered at the end": status is not None,
@@ -213,7 +266,24 @@ def report(
         "steps 0..S-1 once each": steps == list(range(len(steps))),
         "every step exactly N samples": all(x["samples"] == n_per_step for x in lines),
         "trained groups == steps x B": trained_groups == len(steps) * args.batch,
+        "counters ran on (steps' aborted <= the broker's total)": status is not None
+        and aborted <= status.totals.aborted,
     }
+    episodes: dict[str, Any] = {}
+    if soak.effects is not None:
+        order = step_runs(soak.effects)
+        runs = Counter(order)
+        again = {key for key, n in runs.items() if n > 1}
+        # a step the broker's files held when it was killed never runs after (before, it may have run
+        # more than once: a killed worker's step it had not returned runs again, with its key)
+        rerun = {key for held, ran in soak.durable for key in order[ran:] if key in held}
+        checks["no step the broker had on disk ran again"] = not rerun
+        episodes = {
+            "steps_run": len(runs),
+            "steps_run_twice": len(again),
+            "steps_on_disk_at_broker_kills": len(set().union(*(held for held, _ in soak.durable))),
+            "steps_on_disk_run_again": len(rerun),
+        }
     summary = {
         "duration_s": args.duration_s,
         "wall_s": round(wall_s, 1),
@@ -225,6 +295,7 @@ def report(
         "samples_lost": len(steps) * n_per_step - trained_groups * args.n,
         "ledger": {} if status is None else status.ledger.to_json(),
         "rejected": None if status is None else status.rejected.by_reason,
+        "episodes": episodes,
         "checks": checks,
         "ok": all(checks.values()),
         "kill_moments": soak.events,
@@ -252,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2, help="rollout_batch_size B (groups per step)")
     p.add_argument("--n", type=int, default=2, help="n_samples_per_prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--episodes", action="store_true", help="episodes with side effects (envs/step_ledger.py)")
     p.add_argument("--out", default="", help="directory for the run (a fresh temp dir by default)")
     p.add_argument("--smoke", action="store_true", help="8 s, each role killed once (options given win)")
     args = p.parse_args(argv)

@@ -1,4 +1,5 @@
-"""The log of settled samples in `RUN_DIR/broker/`: segment files `complete.NNNNNNNN.log`.
+"""The log of settled samples, and the journal of the books, in `RUN_DIR/broker/`: segment files
+`complete.NNNNNNNN.log`.
 
 A sample is settled once it is FINISHED or FAILED: it never changes again (its group completes, is
 trained or dropped, and leaves). Each settled sample is appended once to the newest segment, as soon as
@@ -24,6 +25,12 @@ sample has records in several places (copied, or appended again after a crash) t
 `complete.log` written by earlier versions (one file, compacted by rewriting) is read as the oldest
 segment.
 
+The same segments carry the journal's records (`broker.journal`, header kind `JOURNAL_KIND`), appended in
+order with the samples: a state file names the position (segment, byte) after which its journal starts
+(`end`), `journal` reads the records from there, and no segment at or after the durable state's position
+is deleted or copied out (`drop_dead`'s `keep_from`). Journal records are no sample's record: the index of
+settled samples skips them, and they count no sample entries.
+
 Knows nothing of the broker's books: callers hand it encoded records and the set of live group ids.
 Samples are known by their key, (group id, index in the group).
 """
@@ -33,7 +40,7 @@ from __future__ import annotations
 import os
 import re
 import struct
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +59,7 @@ EPISODE_FORMAT = 3  # records without the lease spans: still read
 MULTI_GROUP_FORMAT = 2  # records of several groups without the episode columns: still read
 SINGLE_GROUP_FORMAT = 1  # records of one group each, written by earlier versions: still read
 LOG_KIND = 1
+JOURNAL_KIND = 2  # a journal record's kind (broker.journal owns its body and format)
 LEGACY_NAME = "complete.log"
 SEGMENT_PATTERN = re.compile(r"complete\.(\d{8})\.log")
 SEGMENT_MAX_BYTES = 64 << 20  # a new segment starts past this size ...
@@ -185,11 +193,17 @@ def decode_record(frames: Sequence[Frame], max_bytes: int) -> tuple[list[int], S
     return record.group_ids.tolist(), record.samples
 
 
-def decode_upgraded(cls: type, frames: Sequence[Frame], batches: Sequence[str], max_bytes: int) -> Any:
-    """Decode a body of `cls` written before protocol 4: each `SampleBatch` field named in `batches` is
-    given the columns it lacks, empty (`april.wire_records.add_missing_columns`), and the body is
-    then decoded as strictly as a current one. A body that is not such a map is decoded as it is, for the
-    decoder to name what is wrong."""
+def decode_upgraded(
+    cls: type,
+    frames: Sequence[Frame],
+    batches: Sequence[str],
+    max_bytes: int,
+    added: Mapping[str, Any] | None = None,
+) -> Any:
+    """Decode a body of `cls` written by an earlier version: each `SampleBatch` field named in `batches` is
+    given the columns it lacks, empty (`april.wire_records.add_missing_columns`), each field of `added` it
+    lacks is given that value, and the body is then decoded as strictly as a current one. A body that is
+    not such a map is decoded as it is, for the decoder to name what is wrong."""
     try:
         body = msgpack.unpackb(frames[1], raw=False)
     except (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException):
@@ -199,6 +213,8 @@ def decode_upgraded(cls: type, frames: Sequence[Frame], batches: Sequence[str], 
     for name in batches:
         if name in body:
             body[name] = add_missing_columns(body[name], frames)
+    for name, value in (added or {}).items():
+        body.setdefault(name, value)
     upgraded = [frames[0], msgpack.packb(body, use_bin_type=True), *frames[2:]]
     # the empty columns make the body longer than the bytes read: the limit grows by as much
     grown = len(upgraded[1]) - len(frames[1])
@@ -280,6 +296,26 @@ class CompleteLog:
         if durable:
             self.sync()
 
+    def end(self) -> tuple[int, int]:
+        """Where the next record goes: (segment number, byte offset). A new segment started after this
+        counts as later."""
+        segments = self._index()
+        if not segments:
+            return (0, 0)
+        last = segments[-1]
+        return (last.number, last.size)
+
+    def journal(self, start: tuple[int, int]) -> Iterator[tuple[list[bytes], int]]:
+        """The journal records at or after `start` (segment, byte), in order: each one's frames and a size
+        limit for decoding them."""
+        for seg in _segment_files(self.directory):
+            if seg.number < start[0]:
+                continue
+            for kind, content, span in _records(seg.path):
+                if kind == JOURNAL_KIND and (seg.number > start[0] or span[0] >= start[1]):
+                    assert isinstance(content, list)
+                    yield content, span[1] - span[0] + 1
+
     def sync(self) -> None:
         """Make every record appended so far durable (and the names of new segments)."""
         for seg in self._index():
@@ -294,13 +330,15 @@ class CompleteLog:
             fsync_dir(self.directory)  # a new segment's name is durable before any state refers to it
             self._new_name = False
 
-    def drop_dead(self, live: Collection[int]) -> None:
+    def drop_dead(self, live: Collection[int], keep_from: int | None = None) -> None:
         """Called once a state that refers to no group outside `live` is durable: delete every segment
         (but the newest) that holds no newest record of a live group's sample; then, while the log holds
         more than 2 x live + one segment's worth of samples, copy the live samples of the old segment with
         the most dead samples (of those, the fewest live) to the newest segment and delete it (FIFO
-        training never needs to)."""
-        segments = self._index()
+        training never needs to). Segments numbered `keep_from` or later (the durable state's journal
+        starts there) are neither deleted nor copied out."""
+        everything = self._index()
+        segments = [seg for seg in everything if keep_from is None or seg.number < keep_from]
         live_samples = sum(len(self._where[gid]) for gid in live if gid in self._where)
         cap = max(SEGMENT_MIN_SAMPLES, live_samples)
 
@@ -320,7 +358,8 @@ class CompleteLog:
 
         for seg in [seg for seg in segments if seg is not self._current and not any_live(seg)]:
             self._delete(seg)
-        while sum(seg.entries for seg in segments) > 2 * live_samples + cap:
+            segments.remove(seg)
+        while sum(seg.entries for seg in everything) > 2 * live_samples + cap:
             old = []  # (dead samples, -live samples, segment, its live samples)
             for seg in segments:
                 if seg is not self._current:
@@ -333,6 +372,7 @@ class CompleteLog:
                 return  # every old group is live: copying would not shrink the log
             self.append(_live_records(seg, mine), live_samples)  # durable (below) before the old copy goes
             self._delete(seg)
+            segments.remove(seg)
 
     def _delete(self, seg: Segment) -> None:
         for gid, indices in seg.spans.items():
@@ -365,13 +405,16 @@ class CompleteLog:
         if self._segments is None:
             self._segments = []
             for seg in _segment_files(self.directory):
-                for _, samples, span in _scan(seg.path):
-                    keys = batch_keys(samples)
+                for kind, content, span in _records(seg.path):
+                    seg.size = span[1]
+                    if kind == JOURNAL_KIND:
+                        continue
+                    assert not isinstance(content, list)
+                    keys = batch_keys(content[1])
                     for gid, i in keys:
                         seg.spans.setdefault(gid, {})[i] = span
                         self._where.setdefault(gid, {})[i] = seg
                     seg.entries += len(keys)
-                    seg.size = span[1]
                 self._segments.append(seg)
             self._logged = {gid: set(self._where[gid]) for gid in self._trusted if gid in self._where}
         return self._segments
@@ -418,7 +461,20 @@ def _segment_files(directory: Path) -> list[Segment]:
 
 
 def _scan(path: Path) -> Iterator[tuple[list[int], SampleBatch, tuple[int, int]]]:
-    """Each record of a segment (its group ids and samples) with its (start, end); a torn tail is cut off."""
+    """Each record of settled samples of a segment (its group ids and samples) with its (start, end)."""
+    for kind, content, span in _records(path):
+        if kind != JOURNAL_KIND:
+            assert not isinstance(content, list)
+            yield content[0], content[1], span
+
+
+def _records(
+    path: Path,
+) -> Iterator[tuple[int, tuple[list[int], SampleBatch] | list[bytes], tuple[int, int]]]:
+    """Each record of a segment with its (start, end): its kind and content, the group ids and samples of
+    a record of settled samples, the frames of a journal record. A torn tail is cut off (a record that
+    does not read whole, or a record of samples that does not decode, was torn by a crash and is never
+    referred to by a durable state)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -427,11 +483,27 @@ def _scan(path: Path) -> Iterator[tuple[list[int], SampleBatch, tuple[int, int]]
     while pos < len(data):
         try:
             frames, end = read_record(data, pos)
-            gids, samples = decode_record(frames, max_bytes=len(data) + 1)
+            kind = _kind(frames)
+            content: tuple[list[int], SampleBatch] | list[bytes] = frames
+            if kind != JOURNAL_KIND:
+                content = decode_record(frames, max_bytes=len(data) + 1)
         except (struct.error, ProtocolError):
-            break  # a record torn by a crash: never referenced by a durable snapshot
-        yield gids, samples, (pos, end)
+            break
+        yield kind, content, (pos, end)
         pos = end
     if pos < len(data):
         with open(path, "r+b") as f:
             f.truncate(pos)
+
+
+def _kind(frames: Sequence[Frame]) -> int:
+    """The kind of a record's header `[format, kind]` (ProtocolError when it has none)."""
+    if not frames:
+        raise ProtocolError("bad_frames", "a record without frames")
+    try:
+        header = msgpack.unpackb(frames[0], raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        raise ProtocolError("bad_header", "a record's header is not msgpack") from None
+    if not (isinstance(header, list) and len(header) == 2 and type(header[1]) is int):
+        raise ProtocolError("bad_header", f"a record's header is {header!r}")
+    return int(header[1])

@@ -99,8 +99,6 @@ class BrokerCore:
         )
         self.workers = Workers(self.cfg.heartbeat_interval_s, self.cfg.liveness)
         self.abort: AbortRound | None = None
-        self.round_id = 0  # abort rounds started
-        self.aborts_done = 0
         self.learner_id = "learner"  # the learner session's id (refusals are counted under it)
         self.learner_waiting: int | None = None  # step of the learner's unanswered BatchRequest
         self.batches_acked = 0
@@ -123,10 +121,20 @@ class BrokerCore:
         out, self._out = self._out, []
         return out
 
+    @property
+    def round_id(self) -> int:
+        """Abort rounds begun in the run (the books keep them: they survive a restart)."""
+        return self.state.abort_rounds
+
+    @property
+    def aborts_done(self) -> int:
+        return self.state.aborts_done
+
     # ------------------------------------------------------------------ workers
 
     def on_hello(self, hello: protocol.WorkerHello, now: float) -> list[Decision]:
-        """A worker (re-)registers: leases it no longer holds are reclaimed, its credit is its free slots."""
+        """A worker (re-)registers: leases it no longer holds are reclaimed, its credit is its free slots
+        (as it says, or its slots less the leases it kept)."""
         held = set(hello.held_leases.tolist())
         kept = 0
         for lease_id in self.leases_of(hello.worker_id):
@@ -134,12 +142,13 @@ class BrokerCore:
                 kept += 1
             else:
                 self._reclaim(lease_id)
+        credit = hello.slots - kept if hello.credit < 0 else hello.credit
         peer = self.workers.register(
             hello.worker_id,
             now,
             engine=hello.engine,
             slots=hello.slots,
-            credit=max(0, hello.slots - kept),
+            credit=max(0, min(credit, hello.slots)),
             version=hello.version,
             pid=hello.pid,
             host=hello.host,
@@ -221,6 +230,9 @@ class BrokerCore:
                     self.failures.settled(sample, now)
                 peer.tokens_generated += accepted
             except ResultRejected as exc:
+                if exc.reason == "duplicate":  # sent again: the books have it, nothing to answer
+                    self._out.append(Refuse(worker_id, exc.reason, str(exc)[:500], reply=False))
+                    continue
                 log.warning("rejected sample from %s: %s", worker_id, exc)
                 self._out.append(Refuse(worker_id, exc.reason, str(exc)[:500]))
                 if exc.reason != "not_leased":  # garbage for a lease it holds: take the lease back
@@ -343,8 +355,7 @@ class BrokerCore:
 
     def _start_abort(self, now: float) -> None:
         """Abort every worker holding a training lease, in registration order."""
-        self.round_id += 1
-        self.abort = AbortRound(self.round_id, now)
+        self.abort = AbortRound(self.state.begin_abort(), now)
         holders = {lease.worker_id for lease in self.state.leases.values()}
         log.info(
             "abort round %d: %d leased samples on %d workers",
@@ -377,7 +388,7 @@ class BrokerCore:
         if not abort.deadline:
             log.info("abort round %d confirmed in %.3fs", abort.round_id, now - abort.started)
             self.abort = None
-            self.aborts_done += 1
+            self.state.end_abort()
             if policy.is_round_based(self.state.mode):
                 self.state.park_queued_samples()
 

@@ -3,10 +3,10 @@
 Off unless `broker.metrics_port` > 0. The figures are those of the status record (`april.status`,
 built by `broker.status`): the poll loop hands each status it builds (once a second) to `update`, and a
 scrape, served on prometheus-client's HTTP thread, reads only that latest frozen record; it never touches
-the broker's books, so there is nothing to lock. Counters count since this broker process started, as
-the status `totals` do (Prometheus handles the reset at a restart). prometheus-client is imported here
-only, when the endpoint is configured; without it the broker refuses to start with one line saying what to
-install.
+the broker's books, so there is nothing to lock. Counters count what the status `totals` do: over the
+run, across broker restarts (`batches_acked` since this process started; Prometheus handles its reset).
+prometheus-client is imported here only, when the endpoint is configured; without it the broker refuses
+to start with one line saying what to install.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ vouches: a sample it does not pass (a resumed partial, or anything it finds wron
 `check_continues`, which gives the verdict and the reason. So the two can never disagree on a rejection,
 and a test holds them to agreeing on acceptance.
 
+`holds_already` says whether a state the books hold of a sample is a returned one, or a later one: a
+result sent again (after a reconnect) that the books took the first time.
+
 Knows nothing of leases, groups or sockets: callers hand it the samples as leased and as returned.
 """
 
@@ -21,7 +24,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from april.records import ABORT_CODE, FINISHED_CODE, INTERRUPTED_CODE, FinishReason, Sample, SampleStatus
+from april.records import (
+    ABORT_CODE,
+    FINISHED_CODE,
+    INTERRUPTED_CODE,
+    SETTLED,
+    FinishReason,
+    Sample,
+    SampleStatus,
+)
 from april.wire_records import SampleBatch
 
 # the statuses a worker may return, and the finish reasons of a finished sample: both checks read these
@@ -84,6 +95,28 @@ def check_continues(before: Sample, after: Sample, max_new_tokens: int, version:
         raise ResultRejected("bad_finish", f"finished sample {after.key} needs stop/length and a reward")
     if after.status == SampleStatus.INTERRUPTED and after.finish_reason != FinishReason.ABORT:
         raise ResultRejected("bad_finish", f"interrupted sample {after.key} needs finish_reason abort")
+
+
+def holds_already(held: Sample, returned: Sample) -> bool:
+    """Whether `held`, the books' state of a sample, is `returned` or a later state of it: its response
+    starts with `returned`'s, token and log-prob for token, and, as long as it, it settled where
+    `returned` is a partial, or it has the same episode state and either `returned` is a partial or both
+    settled alike."""
+    n = returned.response_len
+    if held.key != returned.key or held.response_len < n:
+        return False
+    if n and not (
+        np.array_equal(held.response_ids[:n], returned.response_ids)
+        and np.array_equal(held.response_logprobs[:n], returned.response_logprobs)
+    ):
+        return False
+    if held.response_len > n:
+        return True
+    if returned.status == SampleStatus.INTERRUPTED and held.status in SETTLED:
+        return True  # settled since with nothing more generated (a step that ended the episode)
+    return held.episode == returned.episode and (
+        returned.status == SampleStatus.INTERRUPTED or held.status == returned.status
+    )
 
 
 def _continues(before: Sample, after: Sample) -> bool:

@@ -5,9 +5,11 @@ snapshots (5557). Every poll has a timeout; every received message is decoded st
 dropped, counted (per peer, per reason) and answered with an Error: the broker never exits on a peer's
 message. Owns the transport and the clock: which peer is alive (silence past the liveness window),
 heartbeats, the learner's session, snapshots (a formed batch leaves only once its snapshot is durable),
-the log of settled samples, eval.jsonl and the evaluations' rollout records, the status feed and the
-Prometheus endpoint. Every scheduling decision is `broker.core.BrokerCore`'s: the loop hands it each
-event with the time, and carries out what it decides.
+the log of settled samples and the journal of the books' changes (`broker.journal`, handed to the
+snapshot writer after each turn of the loop), result acknowledgements (a worker's result is acknowledged
+once the journal holding it is durable: in the next Lease it is sent, else a ResultAck), eval.jsonl and
+the evaluations' rollout records, the status feed and the Prometheus endpoint. Every scheduling decision
+is `broker.core.BrokerCore`'s: the loop hands it each event with the time, and carries out what it decides.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import gc
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +31,7 @@ from april.codec import ProtocolError
 from april.config import Config, ConfigError
 from april.failures import RUN_FAILED
 from april.keys import server_keys
-from april.protocol import Message
+from april.protocol import Message, WeightsReady
 from april.records import Sample
 from april.status import BrokerStatus
 from april.transport import configure
@@ -38,6 +42,7 @@ from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, RunStopped, Send, Settled
 from broker.eval_records import open_eval_records
 from broker.heldout import open_prompts
+from broker.journal import Journal
 from broker.peers import LearnerPeer, Rejections
 from broker.prometheus import PrometheusExporter
 from broker.snapshot_writer import SnapshotWriter
@@ -62,7 +67,17 @@ LOG_AS_RECEIVED_MIN = 16
 # allocations; a full one stays possible for what cyclic garbage there is.
 GC_THRESHOLDS = (100_000, 50, 20)
 EVAL_LOG = "eval.jsonl"  # one line per finished evaluation, in the run directory
+ACK_TICKS = 1  # a result's acknowledgement no Lease carried this many ticks after it came goes alone
 TOTALS = "broker_totals.json"  # the run's totals, written when the broker stops (april bench reads it)
+
+
+@dataclass(slots=True)
+class ResultAcks:
+    """A worker's results not yet acknowledged to it: (the log write that makes each durable, its seq, when
+    it came), oldest first; and the highest seq acknowledged."""
+
+    pending: deque[tuple[int, int, float]] = field(default_factory=deque)
+    acked: int = 0
 
 
 class Broker:
@@ -75,21 +90,27 @@ class Broker:
         self.exporter = PrometheusExporter(self.cfg.metrics_port) if self.cfg.metrics_port > 0 else None
         now = time.monotonic()
         if resume and not snapshot.exists(run_dir / "broker"):
-            # Killed before its first snapshot: nothing was persisted, and no batch was handed out (a batch
-            # leaves only once a snapshot holding it is durable), so starting the books afresh loses nothing;
-            # refusing would make `april up`'s restart with --resume fail for good.
+            # Killed before its first state file was written (at its start, below): nothing was leased yet,
+            # so starting the books afresh loses nothing; refusing would make `april up`'s restart with
+            # --resume fail for good.
             log.warning("--resume: no snapshot in %s yet; starting the books afresh", run_dir / "broker")
             resume = False
         trusted: set[int] = set()  # complete groups whose log records the books were restored from
-        if resume:
-            state = snapshot.restore(snapshot.read(run_dir / "broker"), config.run.mode, config.algo, source)
+        if resume:  # the last durable state file, and the journal of the changes after it
+            state = snapshot.resume(run_dir / "broker", config.run.mode, config.algo, source)
             trusted = snapshot.restored_groups(state)
-            # persist the new epoch at once: a second crash must not reuse this epoch's lease ids
-            snapshot.write(snapshot.capture(state), run_dir / "broker", trusted)
         else:
             state = BrokerState(config.run.mode, config.algo, source)
+        # a state file at once, which the journal follows: a resumed broker's (a second crash must not
+        # reuse this epoch's lease ids), and a new one's (a crash before its first snapshot keeps what
+        # was acknowledged meanwhile)
+        snapshot.write(snapshot.capture(state), run_dir / "broker", trusted)
         self.core = BrokerCore(config, state, held_out, now, restored=resume)
+        self.journal = state.journal = Journal()  # every change of the books from now on
         self.snapshots = SnapshotWriter(run_dir / "broker", trusted)
+        self.acks: dict[str, ResultAcks] = {}  # workers with results not yet acknowledged to them
+        # (worker, seq, when it came) of results whose journal is not queued yet
+        self._unlogged: list[tuple[str, int, float]] = []
         self.eval_records = open_eval_records(config, run_dir)
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
         self.learner: LearnerPeer | None = None
@@ -177,7 +198,43 @@ class Broker:
         if self.snapshots.error is not None:
             raise snapshot.SnapshotError(f"cannot write snapshots: {self.snapshots.error}")
         self.last_snapshot = time.monotonic()
+        self._log_journal()  # the state file goes after the changes it holds, before any it does not
         return self.snapshots.submit(snapshot.capture_refs(self.core.state))
+
+    def _log_journal(self) -> None:
+        """Queue the books' changes since the last call; the results handled meanwhile are acknowledged
+        once those writes are durable."""
+        if len(self.journal):
+            self.snapshots.log_journal(self.journal.take())
+        if self._unlogged:
+            log_seq = self.snapshots.log_seq
+            for worker_id, seq, came in self._unlogged:
+                self.acks.setdefault(worker_id, ResultAcks()).pending.append((log_seq, seq, came))
+            self._unlogged.clear()
+
+    def _acked(self, worker_id: str) -> int:
+        """The highest seq of `worker_id`'s results that is durable (0: none yet), about to be sent to it:
+        those results are no longer pending."""
+        acks = self.acks.get(worker_id)
+        if acks is None:
+            return 0
+        durable = self.snapshots.durable_log
+        while acks.pending and acks.pending[0][0] <= durable:
+            acks.acked = max(acks.acked, acks.pending.popleft()[1])
+        if not acks.pending:
+            del self.acks[worker_id]
+        return acks.acked
+
+    def _send_acks(self, now: float) -> None:
+        """A ResultAck to each worker with a durable result that came ACK_TICKS ticks ago or more and that
+        no Lease has acknowledged since (whatever else was sent to it)."""
+        durable = self.snapshots.durable_log
+        due = now - ACK_TICKS * self.cfg.heartbeat_interval_s / 4
+        for worker_id, acks in list(self.acks.items()):
+            if worker_id not in self.core.workers:
+                del self.acks[worker_id]
+            elif acks.pending[0][0] <= durable and acks.pending[0][2] <= due:
+                self._send_worker(worker_id, protocol.ResultAck(self._acked(worker_id)), now)
 
     # ------------------------------------------------------------------ receiving and sending
 
@@ -230,7 +287,7 @@ class Broker:
         for d in decisions:
             match d:
                 case LeaseOut(worker_id=worker_id, work=work, greedy=greedy):
-                    self._send_worker(worker_id, lease_message(work, greedy), now)
+                    self._send_worker(worker_id, lease_message(work, greedy, self._acked(worker_id)), now)
                 case Send(worker_id=worker_id, message=message):
                     self._send_worker(worker_id, message, now)
                 case Settled(samples=samples, whole=whole):
@@ -270,6 +327,8 @@ class Broker:
                     "worker_id must equal the socket identity",
                 )
                 return
+            self.acks.pop(msg.worker_id, None)  # a new session: its results are sent again and acknowledged
+            self._unlogged = [item for item in self._unlogged if item[0] != msg.worker_id]
             self._carry_out(core.on_hello(msg, now), now)
             return
         peer = core.workers.get(worker_id)
@@ -291,6 +350,8 @@ class Broker:
             case protocol.SampleResult():
                 peer.samples_returned += len(msg.samples)
                 self._carry_out(core.on_result(worker_id, msg, now), now, msg.samples)
+                if msg.seq:  # acknowledged once its journal is durable
+                    self._unlogged.append((worker_id, msg.seq, now))
             case protocol.AbortDone():
                 self._carry_out(
                     core.on_abort_done(worker_id, msg.round_id, msg.credit, set(msg.scoring.tolist()), now),
@@ -305,6 +366,7 @@ class Broker:
             case protocol.Disconnect(reason=reason):
                 log.info("worker %s disconnected: %s", worker_id, reason)
                 core.on_worker_lost(worker_id)
+                self.acks.pop(worker_id, None)
             case _:
                 self._reject(self.worker_sock, identity, "unexpected_message", type(msg).__name__)
 
@@ -339,7 +401,13 @@ class Broker:
                         self.learner_sock, identity, "stale_batch_ack", f"no unacked batch {batch_id}"
                     )
             case protocol.WeightsReady(version=version, uri=uri, sha256=sha256):
-                self._carry_out(core.on_weights(version, uri, sha256, now), now)
+                decisions = core.on_weights(version, uri, sha256, now)
+                if any(isinstance(d, Send) and isinstance(d.message, WeightsReady) for d in decisions):
+                    # the version is durable before any worker hears of it: a restarted broker must not
+                    # refuse the tokens of a version its workers generated with (future_version)
+                    self._log_journal()
+                    self.snapshots.wait_log(self.snapshots.log_seq, timeout=60.0)
+                self._carry_out(decisions, now)
             case protocol.LearnerPhaseReport(phase=phase, detail=detail):
                 self.learner.enter(phase, detail, now)
             case protocol.Disconnect():
@@ -384,6 +452,8 @@ class Broker:
         batch = core.owed_batch()
         if batch is not None:
             self._send_batch(batch, now)
+        if self.acks:
+            self._send_acks(now)
         for peer in core.workers.due_heartbeat(now):
             self._send_worker(peer.peer_id, protocol.Heartbeat(), now)
         if self.learner is not None and now - self.learner.last_sent >= self.cfg.heartbeat_interval_s:
@@ -397,6 +467,7 @@ class Broker:
                 self.exporter.update(status)
         if now - self.last_snapshot >= self.cfg.snapshot_interval_s:
             self.save_snapshot()
+        self._log_journal()
         if self.cfg.debug_ledger:
             core.state.check_ledger("in debug tick")
 
@@ -421,12 +492,14 @@ class Broker:
         return build_status(view, now)
 
 
-def lease_message(work: list[tuple[int, int, Sample]], greedy: int) -> protocol.Lease:
-    """One Lease message: the first `greedy` items are evaluation samples (decoded greedily)."""
+def lease_message(work: list[tuple[int, int, Sample]], greedy: int, acked: int = 0) -> protocol.Lease:
+    """One Lease message: the first `greedy` items are evaluation samples (decoded greedily); `acked`: the
+    worker's results acknowledged so far."""
     lease_ids, budgets, samples = zip(*work, strict=True)
     return protocol.Lease(
         lease_ids=np.array(lease_ids, dtype=np.int64),
         budgets=np.array(budgets, dtype=np.int32),
         greedy=(np.arange(len(work)) < greedy).astype(np.uint8),
         samples=SampleBatch.from_samples(samples),
+        acked=acked,
     )

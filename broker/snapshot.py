@@ -4,12 +4,13 @@ Two files make a restart lose nothing. `state.snap` holds the live books: every 
 change in its latest known state (pending, and partials with their tokens, log-probs, segments and, for
 an episode, observation spans and episode state), the
 lease table with each leased sample as it was leased (leased, it is that sample resumed), the live
-groups, the complete queue and the unacked batch (as group ids), the ledger counters, the data cursor and
-the weights version. The log of settled samples
+groups, the complete queue and the unacked batch (as group ids), the ledger counters, the run's counters
+(aborts, resumes, abort rounds), the data cursor, the weights version, and the position in the log from
+which the journal of later changes (`broker.journal`) is replayed. The log of settled samples
 (`broker.complete_log`) holds every FINISHED or FAILED sample, appended once when it settles: they never
 change, and are most of the data (those of complete groups, and of live groups waiting for their last
 samples), so a snapshot writes only what changed since the last one; its segments are deleted whole once
-no durable state refers to their groups.
+no durable state refers to their groups and the journal after the state file does not start in them.
 
 Both are written with the protocol codec (the same strict decoding on load as for a peer's message) as
 length-prefixed frames. The log is appended and fsynced before the state file that refers to it is
@@ -40,8 +41,10 @@ from april.data import PromptSource
 from april.files import fsync_dir
 from april.records import SETTLED, Sample
 from april.wire_records import SampleBatch
+from broker import journal
 from broker.complete_log import (
     CompleteLog,
+    Key,
     decode_upgraded,
     encode_batch,
     encode_groups,
@@ -50,14 +53,18 @@ from broker.complete_log import (
     write_parts,
 )
 from broker.length_history import HistoryWire, LengthHistory
-from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, WaitingPrompt
+from broker.state import BrokerState, GroupEntry, LeaseEntry, PendingBatch, RoundCounters, WaitingPrompt
 
-SNAPSHOT_FORMAT = 6  # the state file's codec version (log records have their own: complete_log); 2: the
+SNAPSHOT_FORMAT = 7  # the state file's codec version (log records have their own: complete_log); 2: the
 # length history and prompt window; 3: settled samples of live groups are in the log, not the state file;
 # 4: a leased sample is only in `leased_at` (as leased it is that sample resumed); 5: samples carry
-# episodes (observation spans, episode state); 6: samples carry their lease spans
-READABLE_FORMATS = (6, 5, 4, 3, 2)  # formats 2 and 3 also hold leased samples in `samples`: read as they
-# are; formats before 5 lack the episode columns, before 6 the lease spans: read with them empty
+# episodes (observation spans, episode state); 6: samples carry their lease spans; 7: the journal's position
+# and the run's counters
+READABLE_FORMATS = (7, 6, 5, 4, 3, 2)  # formats 2 and 3 also hold leased samples in `samples`: read as they
+# are; formats before 5 lack the episode columns, before 6 the lease spans: read with them empty; before 7,
+# no journal and no counters
+NO_JOURNAL = -1  # journal_segment of a state file no journal follows (written before format 7)
+BEFORE_7 = {"counters": {}, "journal_segment": NO_JOURNAL, "journal_offset": 0}  # what earlier formats lack
 SNAPSHOT_KIND = 0
 FILE_NAME = "state.snap"
 
@@ -99,6 +106,26 @@ class BrokerSnapshot:
     group_cursors: Int64Array
     waiting_cursors: Int64Array  # prompts drawn ahead, not issued (algo.prompt_order), in draw order
     waiting_drawn_at: Int64Array
+    counters: dict[str, int]  # the run's counters (`counters_of`): aborts, resumes, abort rounds, ...
+    journal_segment: int  # the journal of later changes starts in this log segment (NO_JOURNAL: none) ...
+    journal_offset: int  # ... at this byte
+
+
+def counters_of(state: BrokerState) -> dict[str, int]:
+    """The run's counters the books keep (they go on across restarts): this batch's and the run's."""
+    out = {f"round_{k}": v for k, v in dataclasses.asdict(state.round).items()}
+    out.update({f"total_{k}": v for k, v in dataclasses.asdict(state.totals).items()})
+    out["abort_rounds"], out["aborts_done"] = state.abort_rounds, state.aborts_done
+    return out
+
+
+def set_counters(state: BrokerState, counters: Mapping[str, int]) -> None:
+    """`counters_of`'s figures back into the books (a counter the file lacks stays 0)."""
+    for name in (f.name for f in dataclasses.fields(RoundCounters)):
+        setattr(state.round, name, counters.get(f"round_{name}", 0))
+        setattr(state.totals, name, counters.get(f"total_{name}", 0))
+    state.abort_rounds = counters.get("abort_rounds", 0)
+    state.aborts_done = counters.get("aborts_done", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +154,8 @@ class SnapshotRefs:
         batch = self.batch
         return BrokerSnapshot(
             **self.scalars,
+            journal_segment=NO_JOURNAL,  # where the journal goes on is known once written (SnapshotStore)
+            journal_offset=0,
             samples=SampleBatch.from_samples(samples),
             lease_ids=np.array([lease.lease_id for lease in self.leases], dtype=np.int64),
             lease_workers=[lease.worker_id for lease in self.leases],
@@ -161,6 +190,7 @@ def capture_refs(state: BrokerState) -> SnapshotRefs:
         "group_cursors": np.array([g.cursor for g in state.groups.values()], dtype=np.int64),
         "waiting_cursors": np.array([w.cursor for w in state.waiting], dtype=np.int64),
         "waiting_drawn_at": np.array([w.drawn_at for w in state.waiting], dtype=np.int64),
+        "counters": counters_of(state),
     }
     return SnapshotRefs(
         scalars=scalars,
@@ -216,6 +246,7 @@ class SnapshotStore:
         self.log = CompleteLog(directory, trusted)
         self._made = False  # the directory exists (made on the first write, not checked again)
         self._live = 0  # settled samples the last saved state referred to (sizes the log's segments)
+        self.journal_from = (0, 0)  # where the journal of the last state written starts in the log
 
     def save(self, live: BrokerSnapshot, settled: Mapping[int, Sequence[Sample]]) -> Path:
         """Persist `live` (the unsettled samples) and make sure the log holds every sample in `settled` (by
@@ -231,6 +262,8 @@ class SnapshotStore:
         self._live = sum(map(len, settled.values()))
         self.log_groups(settled.items(), live.n_samples_per_prompt)
         self.log.sync()  # every group the state refers to is durable before the state
+        segment, offset = self.journal_from = self.log.end()  # the journal after this state starts here
+        live = dataclasses.replace(live, journal_segment=segment, journal_offset=offset)
         tmp = self.directory / f".{FILE_NAME}.tmp"
         # writev from the encoded frames: joining them first copied the whole state with the GIL held,
         # which stalled the poll loop for as long (tens of ms for 40 MB of live samples)
@@ -240,8 +273,9 @@ class SnapshotStore:
         return self.state_path
 
     def compact(self, groups: Collection[int]) -> None:
-        """Once a state referring to no group outside `groups` is durable: drop the log's dead segments."""
-        self.log.drop_dead(groups)
+        """Once a state referring to no group outside `groups` is durable: drop the log's dead segments
+        (never one the durable state's journal starts in, nor a later one)."""
+        self.log.drop_dead(groups, keep_from=self.journal_from[0])
 
     def log_groups(self, groups: Iterable[tuple[int, Sequence[Sample]]], group_size: int = 0) -> None:
         """Append the settled samples (by group, a group possibly more than once) that the log does not
@@ -264,6 +298,14 @@ class SnapshotStore:
             records = encode_groups([(gid, list(by_index.values())) for gid, by_index in new.items()])
             self.log.append(records, self._live, durable=False)
 
+    def log_journal(self, events: Sequence[journal.Event]) -> None:
+        """Append the journal's events as one record, after everything appended before them (a settled
+        sample they name is in the log already: appended before, never dropped while a state file's
+        journal may need it); `sync` makes them durable."""
+        if events:
+            frames = journal.encode(events, self.log.holds)
+            self.log.append([([], record_parts(frames))], self._live, durable=False)
+
     def log_received(self, batches: Sequence[SampleBatch]) -> None:
         """Append settled samples as workers returned them (each a result's batch, every sample accepted),
         a record each, without gathering them sample by sample (`log_groups`), in one write; `save` makes
@@ -281,7 +323,8 @@ class SnapshotStore:
             if decode_file_version(frames, READABLE_FORMATS) == SNAPSHOT_FORMAT:
                 live: BrokerSnapshot = decode_body(BrokerSnapshot, frames, max_bytes=len(data) + 1)
             else:
-                live = decode_upgraded(BrokerSnapshot, frames, ("samples", "leased_at"), len(data) + 1)
+                batches = ("samples", "leased_at")
+                live = decode_upgraded(BrokerSnapshot, frames, batches, len(data) + 1, BEFORE_7)
         except (struct.error, ProtocolError) as exc:
             raise SnapshotError(f"broker snapshot {self.state_path} is unreadable: {exc}") from exc
         unsettled = live.samples.to_samples()
@@ -303,6 +346,17 @@ class SnapshotStore:
             )
         samples = unsettled + [logged[key] for key in sorted(wanted)]
         return dataclasses.replace(live, samples=SampleBatch.from_samples(samples))
+
+    def read_journal(self, snap: BrokerSnapshot) -> tuple[list[journal.JournalRecord], dict[Key, Sample]]:
+        """The journal records after `snap` (a state file of this directory), in order, and the settled
+        samples they name from the log."""
+        if snap.journal_segment == NO_JOURNAL:
+            return [], {}
+        records = [
+            journal.decode(frames, max_bytes)
+            for frames, max_bytes in self.log.journal((snap.journal_segment, snap.journal_offset))
+        ]
+        return records, self.log.read(journal.wanted(records)) if records else {}
 
 
 def write(snapshot: BrokerSnapshot, directory: Path, trusted: Collection[int] = ()) -> Path:
@@ -327,6 +381,20 @@ def read(directory: Path) -> BrokerSnapshot:
     return SnapshotStore(directory).load()
 
 
+def resume(directory: Path, mode: Mode, algo: AlgoConfig, source: PromptSource) -> BrokerState:
+    """The books of the last durable state file in `directory`, with the journal after it applied."""
+    store = SnapshotStore(directory)
+    snap = store.load()
+    state = restore(snap, mode, algo, source)
+    records, settled = store.read_journal(snap)
+    try:
+        journal.replay(state, records, settled)
+    except ValueError as exc:
+        raise SnapshotError(f"the journal in {directory} does not fit its state file: {exc}") from None
+    state.check_ledger("after replaying the journal")
+    return state
+
+
 def restore(snap: BrokerSnapshot, mode: Mode, algo: AlgoConfig, source: PromptSource) -> BrokerState:
     """Rebuild the books; leases keep their ids and workers so a reconnecting worker can finish them."""
     if snap.mode != mode.value or snap.n_samples_per_prompt != algo.n_samples_per_prompt:
@@ -347,6 +415,7 @@ def restore(snap: BrokerSnapshot, mode: Mode, algo: AlgoConfig, source: PromptSo
     )
     state.issued, state.trained, state.dropped = snap.issued, snap.trained, Counter(snap.dropped)
     state.round_open = snap.round_open
+    set_counters(state, snap.counters)
     state.planned_target = None if snap.planned_target < 0 else snap.planned_target
     state.history = LengthHistory.from_wire(snap.length_history)
     cursors = dict(zip(snap.group_ids.tolist(), snap.group_cursors.tolist(), strict=True))

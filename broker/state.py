@@ -4,7 +4,12 @@ groups, the unacked batch and the ledger.
 `BrokerState` is a deterministic state machine driven by the broker core (`broker.core`): every method is
 one protocol event (issue, lease, result, reclaim, batch, ack) and keeps per-group status counts up to
 date so the policy's `PoolCounts` and the ledger cost O(1). It never touches sockets or clocks (times are
-passed in), so it is tested directly and snapshotted whole by `broker.snapshot`.
+passed in), so it is tested directly, snapshotted whole by `broker.snapshot`, and tells its `journal`
+(`broker.journal`, when it has one) each change it makes, so a restart replays what came after the
+snapshot. A result for a lease it does not hold is recognised by the sample's identity and state: one
+the books hold already is a duplicate (a worker sending again what it was not sure arrived); one of a
+lease granted before a restart that continues a sample waiting in the queue is taken as if leased (its
+lease was lost with the broker).
 
 Lease ids are `epoch << 40 | n`: a broker restarted from a snapshot starts a new epoch, so a result for a
 lease granted after the snapshot can never match a lease granted after the restart.
@@ -36,8 +41,9 @@ from april.records import (
 )
 from april.wire_records import SampleBatch
 from broker import policy
+from broker.journal import Journal
 from broker.length_history import LengthHistory
-from broker.result_check import ResultRejected, check_continues, plainly_valid
+from broker.result_check import ResultRejected, check_continues, holds_already, plainly_valid
 from broker.round_plan import CarriedGroup, plan_round_target
 
 LEASE_EPOCH_SHIFT = 40
@@ -213,6 +219,9 @@ class BrokerState:
         # the worker each queued partial came back from (resume affinity), until it is leased again. Not
         # in snapshots: after a restart partials resume anywhere
         self.holders: dict[tuple[int, int], str] = {}
+        self.abort_rounds = 0  # abort rounds begun in the run (the last one's id)
+        self.aborts_done = 0  # abort rounds every worker confirmed
+        self.journal: Journal | None = None  # told every change (the server's; None: nobody listens)
 
     # ------------------------------------------------------------------ counts and ledger
 
@@ -353,7 +362,30 @@ class BrokerState:
         self.unfinished[gid] = entry
         self.issued += 1
         self.in_flight += 1
+        if self.journal is not None:
+            self.journal.issue(gid, cursor, self.cursor)
         return entry
+
+    def replay_issue(self, gid: int, cursor: int, drawn: int) -> None:
+        """The journal's issue of group `gid` from data `cursor`, the source drawn up to `drawn`: the group
+        and the prompts waiting as `_issue` left them."""
+        for c in range(self.cursor, drawn):
+            self.waiting.append(WaitingPrompt(c, self.issued, self.source.get(c).prompt_index))
+        self.cursor = max(self.cursor, drawn)
+        chosen = [i for i, w in enumerate(self.waiting) if w.cursor == cursor]
+        if not chosen:
+            raise ValueError(f"journal: group {gid} issued from prompt {cursor}, which is not waiting")
+        self.waiting.pop(chosen[0])
+        record = self.source.get(cursor)
+        samples = new_group_samples(
+            gid, self.algo.n_samples_per_prompt, record.prompt_ids, record.text, record.metadata
+        )
+        entry = GroupEntry(gid, samples, cursor=cursor, prompt_index=record.prompt_index)
+        self.groups[gid] = entry
+        self.unfinished[gid] = entry
+        self.next_group_id = max(self.next_group_id, gid + 1)
+        self.issued += 1
+        self.in_flight += 1
 
     def _next_prompt(self) -> tuple[int, PromptRecord]:
         """The cursor and record of the prompt to issue next (`policy.pick_prompt` over the window of
@@ -439,15 +471,39 @@ class BrokerState:
 
     def _lease(self, worker_id: str, entry: GroupEntry, before: Sample) -> tuple[int, int, Sample]:
         """Lease `before`, out of the queue already, to `worker_id`."""
+        lease_id = self.new_lease_id()
+        leased = self._hold(lease_id, worker_id, entry, before)
+        return (lease_id, leased.budget(self.algo.max_new_tokens), leased)
+
+    def _hold(self, lease_id: int, worker_id: str, entry: GroupEntry, before: Sample) -> Sample:
+        """Lease `before` (out of the queue) as `lease_id`; returns the sample as leased."""
         self.holders.pop(before.key, None)
         leased = before.resumed()
-        lease_id = self.new_lease_id()
         self.leases[lease_id] = LeaseEntry(lease_id, worker_id, before)
         self._update(entry, leased)
         if before.response_len:
             self.round.resumed += 1
             self.totals.resumed += 1
-        return (lease_id, leased.budget(self.algo.max_new_tokens), leased)
+        if self.journal is not None:
+            self.journal.lease(lease_id, worker_id, before.key)
+        return leased
+
+    def replay_lease(self, lease_id: int, worker_id: str, key: tuple[int, int]) -> None:
+        """The journal's lease of sample `key`, waiting in the books, to `worker_id` (the dispatch queue is
+        rebuilt once the journal is applied: `requeue_waiting`)."""
+        entry = self.groups.get(key[0])
+        before = entry.samples[key[1]] if entry is not None and key[1] < len(entry.samples) else None
+        if entry is None or before is None or before.status not in (PENDING_CODE, INTERRUPTED_CODE):
+            raise ValueError(f"journal: lease {lease_id} of sample {key}, which is not waiting")
+        self._hold(lease_id, worker_id, entry, before)
+
+    def requeue_waiting(self) -> None:
+        """The dispatch queue rebuilt from the books: every sample of a generating group that waits."""
+        self.queue = policy.DispatchQueue()
+        for entry in self.unfinished.values():
+            for sample in entry.samples:
+                if sample.status in (PENDING_CODE, INTERRUPTED_CODE):
+                    self.queue.push(sample.key, sample.min_version)
 
     def _lease_fresh(
         self, worker_id: str, entry: GroupEntry, count: int, out: list[tuple[int, int, Sample]]
@@ -463,9 +519,12 @@ class BrokerState:
         first = self.next_lease  # new_lease_id, once for the lot
         self.next_lease += len(running)
         leases = self.leases
+        journal = self.journal
         for lease_id, before, leased in zip(range(first, self.next_lease), pending, running, strict=True):
             leases[lease_id] = LeaseEntry(lease_id, worker_id, before)
             out.append((lease_id, budget, leased))
+            if journal is not None:
+                journal.lease(lease_id, worker_id, before.key)
         entry.start(running)
         for s in entry.samples[len(running) :]:
             self.queue.push(s.key, None)
@@ -510,6 +569,8 @@ class BrokerState:
     def reclaim(self, lease_id: int) -> None:
         """Put a leased sample back in the queue as it was leased (its worker died or left)."""
         lease = self.leases.pop(lease_id)
+        if self.journal is not None:
+            self.journal.reclaim(lease_id)
         self._requeue_as_leased(lease)
 
     def _requeue_as_leased(self, lease: LeaseEntry) -> None:
@@ -535,9 +596,11 @@ class BrokerState:
         what was leased. `vouched`: `vouch` passed it against this lease, so it is not checked again."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.worker_id != worker_id:
-            raise ResultRejected("not_leased", f"lease {lease_id} is not held by {worker_id}")
-        if not vouched:
+            lease = self._recognise(worker_id, lease_id, sample)
+        elif not vouched:
             check_continues(lease.at_lease, sample, self.algo.max_new_tokens, self.version)
+        if self.journal is not None:
+            self.journal.result(lease_id, worker_id, sample)
         del self.leases[lease_id]
         entry = self.groups[sample.group_id]
         at_lease = lease.at_lease
@@ -573,6 +636,31 @@ class BrokerState:
                 self._complete_group(entry)
         return new_tokens
 
+    def _recognise(self, worker_id: str, lease_id: int, sample: Sample) -> LeaseEntry:
+        """A result for a lease `worker_id` does not hold: a `duplicate` if the books hold this state of
+        the sample (or a later one); else, for a lease of an earlier epoch (granted by a broker that died
+        before its journal of the lease reached the disk, or reclaimed since the restart), taken as the
+        return of a lease of the sample as it waits in the queue, if it continues it (the lease is made
+        again under its id); else `not_leased`."""
+        entry = self.groups.get(sample.group_id)
+        if entry is None or sample.index >= len(entry.samples):
+            raise ResultRejected("not_leased", f"lease {lease_id} is not held by {worker_id}")
+        current = entry.samples[sample.index]
+        if holds_already(current, sample):
+            raise ResultRejected("duplicate", f"sample {sample.key}: the books hold this result already")
+        refused = f"lease {lease_id} is not held by {worker_id}"
+        if lease_id >> LEASE_EPOCH_SHIFT >= self.epoch or lease_id in self.leases:
+            raise ResultRejected("not_leased", refused)
+        if current.status not in (PENDING_CODE, INTERRUPTED_CODE):  # granted before a restart, lost with it
+            raise ResultRejected("not_leased", f"{refused} (sample {sample.key} is {current.status.name})")
+        try:  # it must continue the sample as it waits, the same task and prompt
+            check_continues(current, sample, self.algo.max_new_tokens, self.version)
+        except ResultRejected as exc:
+            raise ResultRejected("not_leased", f"{refused} ({exc.reason}: {exc})") from None
+        self.queue.remove({current.key})
+        self._hold(lease_id, worker_id, entry, current)
+        return self.leases[lease_id]
+
     def _complete_group(self, entry: GroupEntry) -> None:
         del self.unfinished[entry.group_id]
         reason = policy.drop_reason(entry.as_group(), self.algo)
@@ -592,11 +680,15 @@ class BrokerState:
         """Close the round once it is complete; True if it was just closed."""
         if policy.is_round_based(self.mode) and self.round_open and self.round_complete():
             self.round_open = False
+            if self.journal is not None:
+                self.journal.close_round()
             return True
         return False
 
     def park_queued_samples(self) -> None:
         """End of an april round: queued samples that never started wait, like partials, for the next."""
+        if self.journal is not None:
+            self.journal.park()
         for gid, idx in self.queue.ordered():
             s = self.groups[gid].samples[idx]
             if s.status == SampleStatus.PENDING:
@@ -654,6 +746,8 @@ class BrokerState:
         `slots`: the workers' slots now, for planning the next round (`over_sampling = "auto"`)."""
         if self.batch is None or self.batch.batch_id != batch_id:
             return False
+        if self.journal is not None:
+            self.journal.ack(batch_id, slots)
         for gid in self.batch.group_ids:
             del self.groups[gid]
         self.trained += len(self.batch.group_ids)
@@ -690,4 +784,21 @@ class BrokerState:
         if version <= self.version:
             return False
         self.version, self.weights_uri, self.weights_sha256 = version, uri, sha256
+        if self.journal is not None:
+            self.journal.weights(version, uri, sha256)
         return True
+
+    # ------------------------------------------------------------------ abort rounds
+
+    def begin_abort(self) -> int:
+        """A new abort round; returns its id (1, 2, ... over the run)."""
+        self.abort_rounds += 1
+        if self.journal is not None:
+            self.journal.abort_begun(self.abort_rounds)
+        return self.abort_rounds
+
+    def end_abort(self) -> None:
+        """Every worker of the abort round confirmed it (or was dropped)."""
+        self.aborts_done += 1
+        if self.journal is not None:
+            self.journal.abort_ended()

@@ -6,6 +6,13 @@ the episode after `TURNS` turns with a reward computed from every turn's length,
 lost or repeated anything scores differently. The model need not call a tool: any turn is answered.
 `SlowCountingEnv` takes `STEP_S` seconds per step (an abort catches it running). Its `commit` tool is not
 repeatable: a turn that calls it cannot be killed by an abort (the tests inject such a turn).
+
+`EffectEnv` is a CountingEnv whose every step has an effect: it appends a line `KEY PPID` (its StepKey and
+the worker's pid) to the file `$APRIL_TEST_EFFECTS`, so a test counts how often each step ran and who
+ran it; its call-less steps are declared not repeatable. With `$APRIL_TEST_GATES` set, a step stops at
+two gates in that folder: while `hold-before` exists before its effect (having written `at-before-KEY`),
+while `hold-after` exists after it (having written `at-after-KEY`). `SlowEffectEnv` takes `STEP_S` per
+step; `RepeatableEffectEnv` declares its call-less steps repeatable (an abort may kill and re-run them).
 The broken ones fail as users' environments were found to: a step that raises (`BrokenEnv`), a step
 that answers a state that is not JSON (`NotJsonStateEnv`), a reset that answers no messages
 (`EmptyResetEnv`), a tool that hangs past its timeout (`HangingToolEnv`'s `wait`).
@@ -14,10 +21,12 @@ that answers a state that is not JSON (`NotJsonStateEnv`), a reset that answers 
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 from april.data import PromptRecord
-from april.episode import EnvStep, Message, Role, Tool
+from april.episode import EnvStep, Message, Role, StepKey, Tool
 
 TURNS = 3
 STEP_S = 0.3
@@ -52,6 +61,35 @@ class SlowCountingEnv(CountingEnv):
 class BrokenEnv(CountingEnv):
     def step(self, state: str, turn: Message) -> EnvStep:
         raise ValueError("the environment broke")
+
+
+class EffectEnv(CountingEnv):
+    final_step_repeatable = False
+
+    def step(self, state: str, turn: Message, key: StepKey | None = None) -> EnvStep:
+        gates = os.environ.get("APRIL_TEST_GATES")
+        self._gate(gates, "before", key)
+        with open(os.environ["APRIL_TEST_EFFECTS"], "a") as f:
+            f.write(f"{key} {os.getppid()}\n")
+        self._gate(gates, "after", key)
+        return super().step(state, turn)
+
+    @staticmethod
+    def _gate(gates: str | None, where: str, key: StepKey | None) -> None:
+        if not gates:
+            return
+        (Path(gates) / f"at-{where}-{key}").touch()
+        deadline = time.monotonic() + 300  # a test that forgot its gate fails, it does not hang
+        while (Path(gates) / f"hold-{where}").exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+class SlowEffectEnv(EffectEnv):
+    step_s = STEP_S
+
+
+class RepeatableEffectEnv(EffectEnv):
+    final_step_repeatable = True
 
 
 class NotJsonStateEnv(CountingEnv):

@@ -249,7 +249,7 @@ def run_learner(cfg: LearnerScript) -> None:
     last_batch = -1  # the last batch trained: sent with every request so a lost ack is never lost for good
     sock = learner_hello(ctx, cfg, version)
     send(sock, protocol.BatchRequest(step, last_batch))
-    last_heard = last_sent = time.monotonic()
+    last_heard = last_sent = last_hello = time.monotonic()
     while step < cfg.steps:
         try:
             msg = recv(sock, 50)
@@ -280,8 +280,14 @@ def run_learner(cfg: LearnerScript) -> None:
         if now - last_sent > cfg.heartbeat_s:
             send(sock, protocol.Heartbeat())
             last_sent = now
-        if now - last_heard > cfg.liveness * cfg.heartbeat_s * 2:  # broker gone: reconnect, ask again
+        # a broker gone (silent), or one that restarted and does not know us (it answers every message
+        # with not_registered, so it is never silent: april.peer_link's rule): hello again, ask again
+        unknown = isinstance(msg, protocol.Error) and msg.code == "not_registered"
+        if unknown and now - last_hello < cfg.heartbeat_s:
+            unknown = False  # at most one hello an interval: a burst of answers asks for one
+        if unknown or now - last_heard > cfg.liveness * cfg.heartbeat_s * 2:
             ev.write(kind="reconnect", step=step)
+            last_hello = now
             sock.close(linger=0)
             sock = learner_hello(ctx, cfg, version)
             if version > cfg.start_step:  # the broker may have lost the announcement with its state

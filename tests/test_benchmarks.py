@@ -362,6 +362,15 @@ def check_soak(tmp_path: Path) -> None:
     accounted = sum(ledger[k] for k in ("trained", "complete_waiting", "in_flight", "partial"))
     assert ledger["issued"] == accounted + sum(ledger["dropped"].values())
     assert len(summary["kill_moments"]) == sum(summary["kills"].values())
+    # episodes with side effects, the broker killed twice at the default snapshot interval: no step it
+    # had on disk when it was killed ran again (a killed worker's unreturned steps do, with their keys)
+    out = tmp_path / "soak-episodes"
+    run_smoke("soak.py", out, tmp_path, extra=("--episodes", "--broker-every", "3"))
+    summary = json.loads((out / "soak.json").read_text())
+    assert summary["ok"] is True and summary["kills"]["broker"] >= 2, summary["checks"]
+    episodes = summary["episodes"]
+    assert episodes["steps_run"] > 0 and episodes["steps_on_disk_at_broker_kills"] > 0
+    assert episodes["steps_on_disk_run_again"] == 0
 
 
 def check_results(tmp_path: Path) -> None:

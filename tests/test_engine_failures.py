@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import zmq
 from harness import Cluster, wait_for
+from harness import wait_for as harness_wait_for
 from scripted_engine import EngineScript, ScriptedEngine, fails, response_length
 
 from actors.engine import EngineError, EngineUnavailable, GenerationOutput, SamplingParams
@@ -582,11 +583,20 @@ def engine_killed_and_restarted_mid_run(
     exact. Only the engine differs between callers (the scripted one here; an SGLang server elsewhere);
     `learner` goes to the scripted learner (e.g. a real weights file to publish)."""
     c.start_learner(steps=3, train_s=0.05, **learner)
+
+    def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> None:
+        """harness.wait_for, and on a time-out the ends of the worker's and the broker's logs."""
+        try:
+            harness_wait_for(predicate, timeout, what)
+        except AssertionError as exc:
+            tails = {name: (c.tmp / f"{name}.log").read_text()[-2000:] for name in ("w0", "broker")}
+            raise AssertionError(f"{exc}; status {c.status()}; logs {tails}") from None
+
     # The kill must find w0 holding samples, and a status read cannot make sure of that: a round can end
     # (an abort returns everything, then a version is published, and w0 gets nothing until it has loaded
     # it) between the read and the kill. A kill that found w0 holding nothing is undone and tried again.
     for _ in range(5):
-        wait_for(lambda: c.batches() and worker_status(c, "w0").leases > 0, 60, "a trained step, then leases")
+        wait_for(lambda: bool(c.batches()) and worker_status(c, "w0").leases > 0, 120, "a step, then leases")
         kill()
         wait_for(lambda: not worker_status(c, "w0").engine_ok, 60, "the broker to hear the engine is down")
         wait_for(lambda: worker_status(c, "w0").leases == 0, 60, "every lease back (and scored)")

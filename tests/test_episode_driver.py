@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -342,3 +343,151 @@ def test_abort_mid_step_that_cannot_be_killed_waits_and_keeps_its_result(
     state = EpisodeState.from_bytes(partial.episode)
     assert state.owed is None and state.turns == 1  # the step's result is kept, not owed
     assert_same_transcript(play(make_driver(), engine, {7: resume(partial)})[7], want)
+
+
+# ---------------------------------------------------------------------- exactly once across aborts
+
+
+@pytest.fixture(scope="module")
+def torch_engine(tokenizer: HFTokenizer) -> Engine:
+    sampling = SamplingParams(temperature=1.0, stop_token_ids=tokenizer.eos_token_ids, seed=0)
+    return TorchEngine(TINY, 2, sampling, device="cpu", dtype="float32", greedy=True, cuda_graphs=False)
+
+
+class Effects:
+    """EffectEnv's side-effect log and gates (tests/episode_envs.py), in a temporary folder."""
+
+    def __init__(self, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.log, self.gates = folder / "effects", folder / "gates"
+        self.gates.mkdir()
+        monkeypatch.setenv("APRIL_TEST_EFFECTS", str(self.log))
+        monkeypatch.setenv("APRIL_TEST_GATES", str(self.gates))
+
+    def runs(self) -> Counter[str]:
+        """How many times each step key ran."""
+        lines = self.log.read_text().split("\n") if self.log.exists() else []
+        return Counter(line.split()[0] for line in lines if line)
+
+    def hold(self, where: str, on: bool) -> None:
+        gate = self.gates / f"hold-{where}"
+        gate.touch() if on else gate.unlink(missing_ok=True)
+
+    def at(self, where: str, key: str) -> bool:
+        return (self.gates / f"at-{where}-{key}").exists()
+
+
+def answered_in_pipe(driver: EpisodeDriver) -> None:
+    """Wait until a request runs (handed to a child that has started) and has written its answer to its
+    pipe, which nobody has read."""
+    import select
+
+    deadline = time.monotonic() + 60
+    while not driver.runner.running:  # the moment lies inside the runner: hand the request over
+        assert time.monotonic() < deadline, "no request started"
+        driver.runner._pump()
+        time.sleep(0.005)
+    for slot in driver.runner._slots:
+        if slot is not None and slot.job is not None:
+            assert select.select([slot.child.fileno()], [], [], 60)[0], "the step did not answer"
+
+
+# where the abort lands in the step of episode 1's first turn (episode 2's step queues behind it)
+POINTS = ["queued", "before_effect", "after_effect", "answered", "read", "applied"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("env_name", ["EffectEnv", "RepeatableEffectEnv"])
+def test_an_abort_at_any_point_of_a_step_runs_it_once(
+    make_driver, torch_engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, env_name: str
+) -> None:
+    """Two episodes share one tool process; the abort lands at `point` of episode 1's first step (the
+    second's step waits in the queue behind it). Each aborted episode is then resumed to its end, and
+    the side-effect log counts every step key: each ran once, except a repeatable step killed after its
+    effect (by declaration running it again is harmless), which may run twice, and never more."""
+    fx = Effects(tmp_path, monkeypatch)
+    env = dataclasses.replace(ENV, name=f"episode_envs:{env_name}")
+    loop = Loop(make_driver(env), torch_engine)
+    first, second = "1-0-0", "2-0-0"  # (group, index, step) of each episode's first step
+    fx.hold("before", True)  # the first step to run waits before its effect; the other queues
+    loop.lease(1, fresh(1))
+    loop.lease(2, fresh(2))
+    steps = loop.driver.episodes
+
+    def stepping() -> bool:
+        return all(i in steps and steps[i].phase is Phase.STEP for i in (1, 2))
+
+    loop.run(until=stepping)
+    wait_for(lambda: fx.at("before", first) or fx.at("before", second), "a step to start")
+    if fx.at("before", second):  # the runner took episode 2's step first: the roles swap
+        first, second = second, first
+    if point not in ("queued", "before_effect"):
+        fx.hold("after", True)
+        fx.hold("before", False)
+        wait_for(lambda: fx.at("after", first), "the effect")
+        if point != "after_effect":
+            fx.hold("before", True)  # the queued step, once it runs, waits before its effect
+            fx.hold("after", False)
+    if point in ("answered", "read"):
+        answered_in_pipe(loop.driver)  # nobody polled the runner: the other step is still queued
+    if point == "read":
+        assert loop.driver.runner.cancel(-1)  # reads the answer on the way (as an abort's first cancel)
+    if point == "applied":
+        wait_for(lambda: any(s.phase is Phase.READY for s in steps.values()), "the step applied", loop)
+    waited = loop.abort()
+    fx.hold("before", False)
+    fx.hold("after", False)
+    loop.run()  # the steps waited for answer and settle
+    back = dict(loop.out)
+    assert set(back) == {1, 2}
+    assert all(s.status == SampleStatus.INTERRUPTED for s in back.values()), [
+        (s.status, s.error, s.response_len, EpisodeState.from_bytes(s.episode)) for s in back.values()
+    ]
+    finished = play(make_driver(env), torch_engine, {10 + i: resume(s) for i, s in back.items()})
+    for s in finished.values():
+        state = EpisodeState.from_bytes(s.episode)
+        assert s.status == SampleStatus.FINISHED and state.turns == 3 and state.owed is None
+    runs = fx.runs()
+    keys = {f"{g}-0-{t}" for g in (1, 2) for t in range(3)}
+    assert set(runs) == keys, runs
+    killed_after_effect = env_name == "RepeatableEffectEnv" and point == "after_effect"
+    twice = {first} if killed_after_effect else set()
+    assert {k for k, n in runs.items() if n > 1} == twice, (runs, waited)
+    assert max(runs.values()) <= 2
+
+
+def wait_for(check: object, what: str, loop: Loop | None = None) -> None:
+    """Poll `check` (ticking `loop`'s driver, if given) for up to a minute: did not hang."""
+    deadline = time.monotonic() + 60
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if loop is not None:
+            for settled in loop.driver.poll():
+                loop.out[settled.lease_id] = settled.sample
+        time.sleep(0.005)
+
+
+def test_an_abort_after_a_reset_answered_keeps_it(make_driver, torch_engine) -> None:
+    """A reset that answered (read by the runner, not yet applied) when an abort comes is kept: the
+    episode is waited for and comes back with the prompt the reset made, and resumes to its end."""
+    loop = Loop(make_driver(), torch_engine)
+    loop.lease(1, fresh(1))
+    assert loop.driver.episodes[1].phase is Phase.RESET
+    answered_in_pipe(loop.driver)
+    assert loop.driver.runner.cancel(-1)  # reads the answer (as an abort's first cancel would)
+    assert loop.driver.runner.pending == 1 and loop.driver.runner.running == 0
+    assert loop.abort() == []  # the answered reset is applied before the abort gives it back
+    back = loop.out.pop(1)
+    assert back.status == SampleStatus.INTERRUPTED and back.prompt_ids.shape[0] > 0 and back.episode
+    done = play(make_driver(), torch_engine, {2: resume(back)})[2]
+    assert done.status == SampleStatus.FINISHED and EpisodeState.from_bytes(done.episode).turns == 3
+    # the same when the answer is read during the abort itself (between its poll and its cancel)
+    loop = Loop(make_driver(), torch_engine)
+    loop.lease(3, fresh(3))
+    answered_in_pipe(loop.driver)
+    driver = loop.driver
+    driver.poll = lambda: []  # type: ignore[method-assign]  # the abort's own poll finds nothing yet
+    assert loop.abort() == [3]  # the cancel read it: waited for, delivered by the next poll
+    del driver.poll
+    loop.run()
+    back = loop.out.pop(3)
+    assert back.status == SampleStatus.INTERRUPTED and back.prompt_ids.shape[0] > 0 and back.episode

@@ -7,8 +7,10 @@ the turns; the tiny model's tokenizer renders the conversation."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +23,7 @@ from harness import Cluster, wait_for
 
 from actors.tokenizer import HFTokenizer
 from april.chat import chat_format
+from april.config import BrokerConfig
 from april.episode import EpisodeState
 
 TINY = str(Path(__file__).resolve().parent.parent / "models" / "tiny")
@@ -133,27 +136,47 @@ def assert_trained_once_and_whole(c: Cluster, samples: int) -> None:
         assert any(assert_whole(s, tokenizer))
 
 
-def test_worker_killed_mid_tool_call_loses_nothing(
-    cluster: Callable[..., Cluster], env_on_path: None
+def test_worker_killed_mid_tool_call_loses_nothing_and_replays_steps_under_their_keys(
+    cluster: Callable[..., Cluster], env_on_path: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """SIGKILL a worker while its tool steps run: its leases go back as they were leased and another
+    worker plays them on, so every group is trained once and every trained episode is whole. What the
+    dead worker had not returned runs again: at least once, and under the same StepKey. EffectEnv's
+    side-effect log shows it: only steps the victim ran run twice, each at most twice (its run, then the
+    replay), and the keys run are exactly the steps of the episodes played (an environment that applies
+    each key's effect once would have applied every effect once)."""
+    log = tmp_path / "effects"
+    monkeypatch.setenv("APRIL_TEST_EFFECTS", str(log))
     c = cluster(
-        **SLOW_EPISODES,
+        **{**SLOW_EPISODES, "env": {**SLOW_EPISODES["env"], "name": "episode_envs:SlowEffectEnv"}},
         worker=SLOW_WORKER,
     )
     c.start_broker()
-    c.start_worker("victim")
+    victim = c.start_worker("victim")
     # turns take milliseconds, steps 0.3 s: a worker holding episodes is almost always in their steps
     wait_for(lambda: any(w.leases for w in c.status().workers), 60, "the victim to hold leases")
     time.sleep(1.0)  # some episodes are past their first step: their progress is lost with the worker
     held = {w.id: w.leases for w in c.status().workers}["victim"]
+    victim_pid = c.procs["victim"].pid
     c.kill("victim")  # SIGKILL: its tool-runner children die with it
     c.start_worker("w2")
     c.start_learner(steps=4, train_s=0.05)  # async aborts at each version: later batches hold resumes
     assert c.wait_exit("learner", 120) == 0
     status = c.status()
     assert held > 0 and status.ledger_balanced and status.ledger.trained == 8  # groups
-    assert "worker victim silent for" in (c.tmp / "broker.log").read_text()
+    assert "worker victim silent for" in (c.tmp / "broker.log").read_text(), victim.read_text()[-2000:]
     assert_trained_once_and_whole(c, 16)
+    runs = effects(log)
+    by_key: dict[str, list[int]] = {}
+    for key, pid in runs:
+        by_key.setdefault(key, []).append(pid)
+    again = {key: pids for key, pids in by_key.items() if len(pids) > 1}
+    assert again, "no step of the victim ran again (the kill caught none in flight)"
+    assert all(len(pids) == 2 and pids[0] == victim_pid != pids[1] for pids in again.values()), again
+    for s in trained(c):  # every trained episode's steps ran, under their keys
+        g, i = s["key"]
+        assert {f"{g}-{i}-{t}" for t in range(TURNS)} <= set(by_key)
+    assert all(int(key.split("-")[2]) < TURNS for key in by_key)
 
 
 def test_a_worker_whose_engine_fails_mid_episode_loses_nothing(
@@ -188,59 +211,88 @@ def test_a_worker_whose_engine_fails_mid_episode_loses_nothing(
     assert_trained_once_and_whole(c, 16)
 
 
-def test_broker_killed_mid_episode_resumes_every_transcript_from_its_snapshot(
-    cluster: Callable[..., Cluster], env_on_path: None
+def effects(path: Path) -> list[tuple[str, int]]:
+    """EffectEnv's side-effect log: (step key, pid of the worker whose tool process ran it) per run, in
+    the order they ran (whole lines: a step may be writing one)."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")[:-1]
+    return [(key, int(pid)) for key, pid in (line.split() for line in lines if line)]
+
+
+def durable_steps(c: Cluster) -> set[str]:
+    """The steps of every episode in the books a restart restores from the broker's files now (its last
+    state file and the journal after it): the broker acknowledged no result that is not among them.
+    benchmarks/soak.py counts them the same way, with the same function."""
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    steps: set[str] = importlib.import_module("soak").durable_steps(c.run_dir, c.config_path)
+    return steps
+
+
+def test_broker_killed_twice_mid_episode_reruns_no_step_it_had(
+    cluster: Callable[..., Cluster], env_on_path: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGKILL the broker while episodes are partial in its buffer (async aborts them at every version)
-    and restart it with --resume: the partials come back from its snapshot and log with their transcripts
-    and episode states, the workers and the learner reconnect, every group is trained once, and every
-    trained episode is whole: each of its turns stepped once, in order, scored from exactly its turns."""
+    """At the default snapshot interval, SIGKILL the broker twice while episodes are partial in its buffer
+    and restart it with --resume: the partials come back from its state file and the journal after it
+    (their transcripts and episode states), the workers send again what was not acknowledged, the
+    counters run on, every group is trained once and every trained episode is whole. EffectEnv's
+    side-effect log counts each step's runs: no step of the books the broker restores (which hold every
+    result it acknowledged) runs again after its kill. (A lease granted in the last milliseconds before a
+    kill, its journal not yet on disk, may be leased again before its worker's result comes back: the
+    steps made under it run again, with their keys; they were never acknowledged.)"""
+    log = tmp_path / "effects"
+    monkeypatch.setenv("APRIL_TEST_EFFECTS", str(log))
     c = cluster(
-        **SLOW_EPISODES,
+        **{**SLOW_EPISODES, "env": {**SLOW_EPISODES["env"], "name": "episode_envs:SlowEffectEnv"}},
         worker=SLOW_WORKER,
-        broker={"snapshot_interval_s": 0.2},  # the partials of the moment are in the snapshot it restores
+        broker={"snapshot_interval_s": BrokerConfig().snapshot_interval_s},  # the default, as users run
     )
     c.start_broker()
     c.start_worker("w0")
     c.start_worker("w1")
-    c.start_learner(steps=6, train_s=0.3)
+    steps = 20
+    c.start_learner(steps=steps, train_s=0.3)
 
     def partials_with_progress() -> bool:
+        assert c.procs["learner"].poll() is None, "the run ended before the broker was killed"
         s = c.status()
         return s.ledger.partial > 0 and s.totals.resumed + s.totals.aborted > 0
 
     # In async, partials are leased again as soon as a worker has a free slot, so the buffer may be empty
-    # by the time of the kill: the broker is killed while it holds partials, and again (at most 4 times
-    # in all) until one restart has restored some from its snapshot.
-    restored = 0
-    for _ in range(4):
+    # by the time of a kill: the broker is killed while it holds partials, twice, and (at most 5 times in
+    # all) until a restart has restored some.
+    kills, restored = 0, 0
+    durable: list[tuple[set[str], int]] = []  # at each kill: the steps the broker's files held, steps run
+    while kills < 2 or (restored == 0 and kills < 5):
         wait_for(partials_with_progress, 120, "episode partials in the broker's buffer")
-        time.sleep(0.5)  # a snapshot holds them
         before = c.status()
-        if before.ledger.partial == 0:
-            continue
         c.kill("broker")
+        kills += 1
+        durable.append((durable_steps(c), len(effects(log))))
         c.start_broker(resume=True)
         after = c.status()
         assert after.epoch == before.epoch + 1 and after.ledger_balanced, after.ledger
-        assert after.ledger.issued >= before.ledger.issued - 4  # at most the unsaved tail of issues is redone
-        restored = after.ledger.partial
-        if restored > 0:
-            break
+        assert after.round.id >= before.round.id - 1  # abort rounds go on (the last may not be durable)
+        assert after.totals.aborted > 0 and after.totals.resumed > 0  # the run's counters, not this process'
+        restored += after.ledger.partial
     assert restored > 0  # episodes restored unfinished, with their transcripts and states
-    assert c.wait_exit("learner", 180) == 0, (c.tmp / "broker.log").read_text()[-3000:]
+    assert c.wait_exit("learner", 240) == 0, (c.tmp / "broker.log").read_text()[-3000:]
     status = c.status()
-    assert status.ledger_balanced and status.ledger.trained == 6 * 2  # groups
+    assert status.ledger_balanced and status.ledger.trained == steps * 2  # groups
     tokenizer = HFTokenizer(TINY)
-    by_batch = {b["batch"]: b for b in c.batches()}  # a batch sent again after the restart counts once
-    assert len(by_batch) == 6
-    samples = trained(c)
-    keys = [s["key"] for s in samples]
-    firsts = {s["key"]: s for s in samples}
-    assert len(firsts) == 6 * 2 * c.config["algo"]["n_samples_per_prompt"] == len(set(keys))
+    by_batch = {b["batch"]: b for b in c.batches()}  # a batch sent again after a restart counts once
+    assert len(by_batch) == steps
+    firsts = {s["key"]: s for s in trained(c)}
+    assert len(firsts) == steps * 2 * c.config["algo"]["n_samples_per_prompt"]
     assert any(s["resumes"] for s in firsts.values())
     for s in firsts.values():
         assert_whole(s, tokenizer)
+    order = [key for key, _ in effects(log)]
+    rerun = {key for held, ran in durable for key in order[ran:] if key in held}
+    assert rerun == set(), f"steps the broker had on disk ran again after its kill: {rerun}"
+    assert all(held <= set(order) for held, _ in durable) and any(held for held, _ in durable)
 
 
 def test_sglang_worker_runs_episodes_one_request_a_turn(

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from harness import Cluster, wait_for
 
+from april.config import BrokerConfig
 from april.status import RoundStatus, WorkerStatus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,9 +188,12 @@ def test_worker_sigkilled_while_generating_aborting_and_loading_weights(
 # ---------------------------------------------------------------------- the learner
 
 
-def real_learner_cluster(cluster: Callable[..., Cluster], model: Path, steps: int) -> Cluster:
+def real_learner_cluster(
+    cluster: Callable[..., Cluster], model: Path, steps: int, snapshot_interval_s: float = 1.0
+) -> Cluster:
     return cluster(
         run={"mode": "april", "steps": steps},
+        broker={"snapshot_interval_s": snapshot_interval_s},
         algo={"rollout_batch_size": 2, "over_sampling_batch_size": 4, "n_samples_per_prompt": 2},
         data={"synthetic_vocab_size": 320},
         worker={"model": str(TINY), "slots": 4},
@@ -326,7 +330,11 @@ def kill_and_resume_broker(c: Cluster, rng: random.Random, kills: int, every: in
 
 
 def run_with_broker_kills(cluster: Callable[..., Cluster], steps: int, kills: int, seed: int) -> None:
-    c = real_learner_cluster(cluster, TINY, steps=steps)
+    """At the default snapshot interval, as users run: what the broker acknowledged since its last state
+    file comes back from the journal after it, and the run's counters go on."""
+    c = real_learner_cluster(
+        cluster, TINY, steps=steps, snapshot_interval_s=BrokerConfig().snapshot_interval_s
+    )
     c.start_broker()
     c.start_worker("w0", "worker.sim_time_scale=1.0")  # about a second a step: the kills land mid-run
     c.start_worker("w1", "worker.sim_time_scale=1.0")
@@ -338,6 +346,11 @@ def run_with_broker_kills(cluster: Callable[..., Cluster], steps: int, kills: in
     status = c.status()
     assert sorted(w.id for w in status.workers) == ["w0", "w1"]  # both came back by themselves
     assert all(w.alive and not w.restored for w in status.workers)
+    # the counters ran on across the restarts: the steps' aborted and resumed sum to no more than the
+    # run's totals (a broker that forgot them started again from 0, below what its steps had reported)
+    lines = metrics_lines(c)
+    aborted, resumed = sum(x["aborted"] for x in lines), sum(x["resumed"] for x in lines)
+    assert 0 < aborted <= status.totals.aborted and resumed <= status.totals.resumed, status.totals
 
 
 def test_broker_sigkilled_twice_and_resumed_workers_and_learner_reconnect(

@@ -2,9 +2,10 @@
 engine, the scripted learner): garbage and raw TCP junk, wrong protocol versions, unknown kinds, frames too
 large for ZeroMQ and messages too large for the codec, and a peer that registers like a worker and then
 sends valid frames with out-of-range values (negative credit, NaN log-probs, mismatched lengths, unknown
-lease ids, a result for another sample), replays its one good result twice, and a stranger that sends a
-good result under a worker id it never registered. The broker keeps serving the run to its last step,
-counts every rejection by reason, and the ledger balances (checked after every message: debug_ledger).
+lease ids, a result for another sample), replays its one good result twice (duplicates: counted, not
+answered), and a stranger that sends a good result under a worker id it never registered. The broker keeps
+serving the run to its last step, counts every rejection by reason, and the ledger balances (checked after
+every message: debug_ledger).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def play_rogue(c: Cluster) -> dict[str, int]:
     version, leases = leases_for(rogue, 2, 60)
     (l1, s1), (l2, s2) = leases[:2]
     good = protocol.encode(result([l1], [finished(s1, version)], credit=1))
-    for _ in range(3):  # accepted once, then two replays of the very same frames: not_leased twice
+    for _ in range(3):  # accepted once, then two replays of the very same frames: duplicates
         rogue.send_multipart(good)
     bad = finished(s2, version)
     nan_lp = bad.response_logprobs.copy()
@@ -87,7 +88,14 @@ def play_rogue(c: Cluster) -> dict[str, int]:
     for sock in (rogue, stranger):
         sock.close(linger=60_000)  # deliver everything (ctx.term waits for it)
     ctx.term()
-    return {"not_leased": 3, "invalid_value": 4, "wrong_sample": 1, "not_registered": 2, "oversize": 1}
+    return {
+        "duplicate": 2,
+        "not_leased": 1,
+        "invalid_value": 4,
+        "wrong_sample": 1,
+        "not_registered": 2,
+        "oversize": 1,
+    }
 
 
 def test_the_broker_serves_the_run_through_garbage_and_a_rogue_worker(
@@ -112,7 +120,8 @@ def test_the_broker_serves_the_run_through_garbage_and_a_rogue_worker(
     for reason in ("bad_header", "wrong_version", "unknown_kind", "missing_field", "identity_mismatch"):
         assert by_reason.get(reason, 0) > 0, (reason, by_reason)
     rogue = status.rejected.by_peer["rogue"]
-    assert rogue == {"not_leased": 3, "invalid_value": 4, "wrong_sample": 1}  # its first result was taken
+    # its first result was taken
+    assert rogue == {"duplicate": 2, "not_leased": 1, "invalid_value": 4, "wrong_sample": 1}
     assert status.rejected.by_peer["stranger"] == {"not_registered": 1, "oversize": 1}
     assert status.rejected.total >= sent["counted"] + sum(expected.values())
     assert [w.id for w in status.workers] == ["w0"] and status.workers[0].alive

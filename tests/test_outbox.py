@@ -7,6 +7,7 @@ how fast the machine is); the last test runs the real worker loop against a bare
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -24,6 +25,7 @@ from april.byte_tokenizer import ByteTokenizer
 from april.config import ConfigError, WorkerConfig
 from april.records import FinishReason, Sample, SampleStatus
 from april.sample_draw import sample_key
+from april.wire_records import SampleBatch
 
 
 def finished(group_id: int) -> Sample:
@@ -115,8 +117,6 @@ def test_a_holding_worker_sends_what_it_owes_once_due_and_before_anything_else(c
     worker._owe([(12, finished(2))], 1)  # a failure: result and slot at once
     worker._send_outbox_if_due()
     assert link.sent == []  # nothing is due within the hold
-    hello = worker._hello()[0]  # a broker that lost the worker must keep the held leases
-    assert isinstance(hello, protocol.WorkerHello) and hello.held_leases.tolist() == [11, 12]
     clock.now += 0.07
     worker._send_outbox_if_due()
     (msg,) = link.sent
@@ -128,6 +128,39 @@ def test_a_holding_worker_sends_what_it_owes_once_due_and_before_anything_else(c
     again, done = link.sent[1:]
     assert isinstance(again, protocol.SampleResult) and again.lease_ids.tolist() == [13]
     assert isinstance(done, protocol.AbortDone) and len(worker.outbox) == 0
+
+
+def test_results_are_kept_until_acknowledged_and_a_hello_sends_them_again(clock: FakeClock) -> None:
+    """Every result is numbered and kept until the broker acknowledges it (Lease.acked or ResultAck). A
+    hello (a reconnect, or a broker that lost the worker) names the leases of the results held in the
+    outbox and of those unacknowledged, says the free slots (so the credit the outbox held is dropped:
+    it would count twice), and is followed by every unacknowledged result, in order, without credit."""
+    worker, link = worker_on(hold_ms=0)
+    worker.engine = types.SimpleNamespace(version=2)  # type: ignore[assignment]
+    worker.health.down = False
+    worker._owe([(11, finished(1))], 1)
+    worker._owe([(12, finished(2))], 1)
+    first, second = link.sent
+    assert isinstance(first, protocol.SampleResult) and isinstance(second, protocol.SampleResult)
+    assert (first.seq, second.seq) == (1, 2) and list(worker.unacked) == [1, 2]
+    worker._handle(protocol.ResultAck(1))
+    assert list(worker.unacked) == [2]
+    worker.outbox.hold_s = 1.0  # the next ones are held
+    worker._owe([(13, finished(3))], 1)
+    worker._owe([], 2)
+    hello, again = worker._hello()
+    assert isinstance(hello, protocol.WorkerHello) and hello.held_leases.tolist() == [12, 13]
+    assert hello.credit == SLOTS and worker.outbox.credit == 0  # no lease in the engine: every slot
+    assert again == dataclasses.replace(second, credit=0)
+    clock.now += 1.0
+    worker._send_outbox_if_due()
+    third = link.sent[-1]
+    assert isinstance(third, protocol.SampleResult) and third.seq == 3 and third.credit == 0
+    lease = protocol.Lease(
+        np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.uint8), SampleBatch.from_samples([]), 3
+    )
+    worker._handle(lease)
+    assert worker.unacked == {}
 
 
 def test_usage_reports_while_generating_leave_held_results_held(clock: FakeClock) -> None:

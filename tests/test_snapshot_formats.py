@@ -1,12 +1,14 @@
 """Run directories written by earlier versions of april restore exactly (broker/snapshot.py, complete_log.py).
 
-`tests/fixtures/books/v2`, `v3`, `v4` and `v5` are the `broker/` files that the versions writing state
-file formats 2, 3, 4 and 5 (log record formats 1, 2, 2 and 3; commits 3e645d2, d14677c, c3753dc and
-3ab086a) wrote for one april run mid-abort (partials, leases on two workers, a surplus complete group, an
+`tests/fixtures/books/v2` to `v6` are the `broker/` files that the versions writing state file formats 2,
+3, 4, 5 and 6 (log record formats 1, 2, 2, 3 and 4; commits 3e645d2, d14677c, c3753dc, 3ab086a and
+2386322) wrote for one april run mid-abort (partials, leases on two workers, a surplus complete group, an
 unacked batch, a dropped group, a settled sample of a group still running), with `books.json`: those books
-as that version held them in memory. `fixtures/books/make_books.py` made them. Their samples have no lease
-spans (protocol 4 added them), and before v5 no episode columns (protocol 3): each must come back exactly
-as it was, with no observations, no episode state and no lease spans, and the books must go on from there.
+as that version held them in memory. `fixtures/books/make_books.py` made them. Before v6 their samples
+have no lease spans (protocol 4 added them), before v5 no episode columns (protocol 3), and no state file
+before format 7 has the journal's position or the run's counters: each sample must come back exactly as
+it was, with no observations, no episode state and the lease spans it had, and the books must go on
+from there.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from test_broker_state import Driver, algo, assert_same_books, source
 
 from april import codec
 from april.config import Mode
-from april.records import FinishReason, Sample, SampleStatus, Segment
+from april.records import FinishReason, LeaseSpan, Sample, SampleStatus, Segment
 from april.wire_records import SampleBatch
 from broker import complete_log, snapshot
 from broker.state import BrokerState
 
 FIXTURES = Path(__file__).parent / "fixtures" / "books"
-WRITTEN = ["v2", "v3", "v4", "v5"]
+WRITTEN = ["v2", "v3", "v4", "v5", "v6"]
 
 
 def encoded(samples: list[Sample]) -> bytes:
@@ -60,6 +62,7 @@ def sample_of(j: dict[str, Any]) -> Sample:
         j["prompt_text"],
         j["metadata"],
         j["error"],
+        leases=tuple(LeaseSpan(worker, end) for worker, end in j.get("leases", [])),
     )
 
 
@@ -83,7 +86,7 @@ def restored(written: str, directory: Path) -> tuple[BrokerState, dict[str, Any]
     books = json.loads((FIXTURES / written / "books.json").read_text(encoding="utf-8"))
     state_format, log_formats = headers(directory)
     assert state_format == books["format"] < snapshot.SNAPSHOT_FORMAT
-    assert max(log_formats) < complete_log.LOG_FORMAT
+    assert max(log_formats) <= complete_log.LOG_FORMAT  # v6 wrote log records of the current format
     state = snapshot.restore(
         snapshot.read(directory), Mode.APRIL, algo(b=1, over=5, n=2, dynamic=True), source()
     )
@@ -107,11 +110,8 @@ def test_books_an_earlier_version_wrote_restore_exactly(tmp_path: Path, written:
     assert sorted(state.groups) == sorted(map(int, books["groups"]))
     for gid, samples in books["groups"].items():
         assert_identical(state.groups[int(gid)].samples, [sample_of(s) for s in samples])
-    assert all(
-        s.observations == () and s.episode == b"" and s.leases == ()
-        for g in state.groups.values()
-        for s in g.samples
-    )
+    assert all(s.observations == () and s.episode == b"" for g in state.groups.values() for s in g.samples)
+    assert any(s.leases for g in state.groups.values() for s in g.samples) == (written >= "v6")
     assert sorted(state.leases) == [lease["lease_id"] for lease in books["leases"]]
     for lease in books["leases"]:
         entry = state.leases[lease["lease_id"]]
@@ -146,7 +146,8 @@ def test_books_an_earlier_version_wrote_are_written_anew_and_the_run_goes_on(
     snapshot.write(snapshot.capture(state), directory, snapshot.restored_groups(state))
     state_format, log_formats = headers(directory)
     assert state_format == snapshot.SNAPSHOT_FORMAT
-    assert min(log_formats) < complete_log.LOG_FORMAT  # the earlier records are read, not copied
+    # the earlier records are read, not copied (v6's log records are of the current format already)
+    assert min(log_formats) < complete_log.LOG_FORMAT or written == "v6"
     again = snapshot.restore(snapshot.read(directory), state.mode, state.algo, source())
     assert_same_books(state, again)
     assert_identical(
@@ -195,10 +196,11 @@ def test_the_size_limit_of_an_earlier_state_file_is_on_the_bytes_read(written: s
     frames, _ = complete_log.read_record((FIXTURES / written / "broker" / snapshot.FILE_NAME).read_bytes(), 0)
     size = sum(len(frame) for frame in frames)
     fields = ("samples", "leased_at")
-    live = complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size)
-    assert all(
-        s.observations == () and s.episode == b"" and s.leases == () for s in live.samples.to_samples()
-    )
+    live = complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size, snapshot.BEFORE_7)
+    samples = live.samples.to_samples()
+    assert all(s.observations == () and s.episode == b"" for s in samples)
+    assert any(s.leases for s in samples) == (written >= "v6")
+    assert (live.counters, live.journal_segment) == ({}, snapshot.NO_JOURNAL)
     with pytest.raises(codec.ProtocolError) as exc:
-        complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size - 1)
+        complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size - 1, snapshot.BEFORE_7)
     assert exc.value.reason == "oversize"

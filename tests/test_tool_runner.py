@@ -2,7 +2,8 @@
 
 Real child processes run the built-in calculator and a user environment written to tmp_path whose
 behaviour is picked by the turn: tools that echo, report the child's pid, nap, or hang (repeatable or
-not), and steps that raise, hang, crash, print to stdout or return a wrong type.
+not), and steps that raise, hang, crash, print to stdout, return a wrong type, nap without a tool call or
+answer their StepKey. `Final` declares its call-less steps not repeatable.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from actors.tool_runner import ToolResult, ToolRunner, ToolRunnerSettings
 from april.data import PromptRecord
 from april.envs.calculator import make_example
-from april.episode import EpisodeError, Message, ResetRequest, Role, StepRequest, ToolCall
+from april.episode import EpisodeError, Message, ResetRequest, Role, StepKey, StepRequest, ToolCall
 
 LONG_S = 60.0  # a time limit no well-behaved step comes near, however loaded the machine
 SHORT_S = 1.0  # the limit of the tests of limits, on steps that hang for an hour
@@ -79,7 +80,12 @@ class Scripted:
             return EnvStep((), json.dumps({"n": 0}))
         return EnvStep(prompt_messages(prompt), json.dumps({"n": 0}))
 
-    def step(self, state, turn):
+    def step(self, state, turn, key=None):
+        if turn.content == "key":
+            return EnvStep((), state, done=True, reward=-1.0 if key is None else float(key.step))
+        if turn.content.startswith("sleep "):
+            time.sleep(float(turn.content.split()[1]))
+            return EnvStep((), state, done=True, reward=1.0)
         if turn.content == "raise":
             raise ValueError("bad\\nstep")
         if turn.content == "hang":
@@ -97,6 +103,19 @@ class Scripted:
             return EnvStep((), state, done=True, reward=1.0)
         n = json.loads(state)["n"] + 1
         return EnvStep(call_tools(turn, HANDLERS), json.dumps({"n": n}))
+
+
+class Final(Scripted):
+    final_step_repeatable = False
+
+
+class BadFinal(Scripted):
+    final_step_repeatable = "no"
+
+
+class NoKey(Scripted):
+    def step(self, state, turn):
+        return super().step(state, turn)
 """
 
 
@@ -284,6 +303,69 @@ def test_cancel_leaves_a_running_unrepeatable_step_to_finish(runner: ToolRunner)
     runner.submit(1, step(("charge", {"s": 1.0}), ("echo", {"x": 1})))
     assert not runner.cancel(1)
     assert observed(collect(runner, 1)[1])[1] == '{"x": 1}'
+
+
+def answered(runner: ToolRunner) -> None:
+    """Wait until every running request has written its answer to its pipe (not read yet)."""
+    import select
+
+    children = [s.child for s in runner._slots if s is not None and s.job is not None]
+    for child in children:
+        assert select.select([child.fileno()], [], [], LONG_S)[0], "a child did not answer"
+
+
+@pytest.mark.parametrize("tool", ["echo", "charge"])
+def test_cancel_never_drops_a_result_that_has_been_read(runner: ToolRunner, tool: str) -> None:
+    """A step that answered has run: cancelling it must not drop its result (the driver would run it
+    again on resume), whether the runner read the answer before the cancel (while serving another key)
+    or finds it in the pipe during the cancel, and whether its tool is repeatable or not."""
+    pids(runner, 2)  # both children are up: the next requests are handed over at once
+    runner.submit(1, step((tool, {"s": 0.0} if tool == "charge" else {"x": 1})))
+    runner.submit(2, step((tool, {"s": 0.0} if tool == "charge" else {"x": 2})))
+    answered(runner)
+    assert runner.cancel(99)  # unknown: nothing to withdraw, but the answers are read on the way
+    assert runner.running == 0 and runner.pending == 2
+    assert not runner.cancel(1)  # read before the cancel
+    assert runner.pending == 2
+    got = collect(runner, 2)
+    assert got[1].ok and got[2].ok
+    runner.submit(3, step((tool, {"s": 0.0} if tool == "charge" else {"x": 3})))
+    answered(runner)
+    assert not runner.cancel(3)  # answered in the pipe, read by the cancel
+    assert collect(runner, 1)[3].ok
+
+
+def test_a_step_receives_its_key_when_its_env_takes_one(env_spec: str) -> None:
+    key = StepKey(7, 1, 4)
+    assert str(key) == "7-1-4" and StepKey.from_json(key.to_json()) == key
+    # Scripted's step takes a key (and answers with its step index), NoKey's does not (called without)
+    for cls, want in (("Scripted", 4.0), ("NoKey", -1.0)):
+        spec = env_spec.replace(":Scripted", f":{cls}")
+        with ToolRunner(spec, ToolRunnerSettings(processes=1, step_timeout_s=LONG_S)) as runner:
+            runner.submit(1, StepRequest('{"n": 0}', Message(Role.ASSISTANT, "key"), key))
+            runner.submit(2, StepRequest('{"n": 0}', Message(Role.ASSISTANT, "key")))  # no key to pass
+            got = collect(runner, 2)
+            assert got[1].step is not None and got[2].step is not None, (got[1].error, got[2].error)
+            assert (got[1].step.reward, got[2].step.reward) == (want, -1.0)
+
+
+def test_an_env_declares_whether_its_call_less_step_may_run_again(env_spec: str) -> None:
+    """A turn without tool calls runs only the environment's own step code: repeatable (killed by a
+    cancel) unless the environment says `final_step_repeatable = False` (a scoring step with effects)."""
+    for cls, killed in (("Scripted", True), ("Final", False)):
+        spec = env_spec.replace(":Scripted", f":{cls}")
+        with ToolRunner(spec, ToolRunnerSettings(processes=1, step_timeout_s=LONG_S)) as runner:
+            assert runner.final_step_repeatable is killed
+            pids(runner, 1)  # the child is up: the step is handed over at once
+            runner.submit(1, said("sleep 1.0"))
+            assert runner.running == 1
+            assert runner.cancel(1) is killed
+            if killed:
+                assert runner.pending == 0 and runner.poll(wait_s=0.5) == []
+            else:
+                assert collect(runner, 1)[1].ok
+    with pytest.raises(EpisodeError, match=r"final_step_repeatable is 'no', expected True or False"):
+        ToolRunner(env_spec.replace(":Scripted", ":BadFinal"))
 
 
 def test_a_bad_spec_is_refused_at_construction() -> None:
