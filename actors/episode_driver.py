@@ -30,6 +30,7 @@ from actors.tool_runner import ToolResult, ToolRunner, ToolRunnerSettings, load_
 from april.chat import ChatFormat, chat_format
 from april.config import EnvConfig
 from april.data import PromptRecord
+from april.envs.verifiers_adapter import is_verifiers
 from april.episode import (
     EnvStep,
     EpisodeError,
@@ -272,7 +273,7 @@ def open_episode_driver(
     if settings is None:
         settings = ToolRunnerSettings(processes=env.tool_processes, step_timeout_s=env.step_timeout_s)
     try:
-        runner = ToolRunner(env.name, settings)
+        runner = ToolRunner(env.name, settings, env.args)
     except EpisodeError as exc:
         raise EpisodeError(f"env.name: {exc}") from None
     return EpisodeDriver(env, chat_format(tokenizer.tok, tokenizer.eos_token_ids), runner)
@@ -286,9 +287,23 @@ def check_env(env: EnvConfig, model: str) -> None:
     if not model:
         raise _needs_model(env)
     try:
-        load_env(env.name)
+        load_env(env.name, env.args)
     except EpisodeError as exc:
         raise EpisodeError(f"env.name: {exc}") from None
+
+
+def resume_note(env: EnvConfig) -> str:
+    """What happens to an episode of `env` that APRIL aborts or whose worker dies, in one line for the
+    dashboard ("" for single-turn runs)."""
+    if not env.name:
+        return ""
+    where = (
+        "its state travels as JSON in the sample: an aborted episode resumes on any worker, and so does one "
+        "whose worker died"
+    )
+    if is_verifiers(env.name):
+        return f"env {env.name}: {where} (a verifiers state holding a live object fails its sample)"
+    return f"env {env.name}: {where}"
 
 
 def _needs_model(env: EnvConfig) -> EpisodeError:

@@ -12,6 +12,9 @@ called as
 
 - `exact`: normalised string match of the final answer (see `extract_final_answer`, `normalise_answer`).
 - `math`: math-verify equivalence of the final answer with the gold answer (needs `pip install math-verify`).
+- `reasoning_gym`: the reasoning-gym task's own `score_answer` on the entry the prompt came from
+  (`data.source = "reasoning_gym:TASK"`, `april.envs.reasoning_gym`), given the last `<answer>...</answer>`
+  or else the final answer as `exact` reads it.
 - `module:function` (also `module:Class.attr`): imported with importlib, never evaluated; the object must
   be callable with three positional arguments.
 
@@ -34,7 +37,7 @@ from april.data.fields import GSM8K_MARK
 
 RewardFn = Callable[[str, str, dict[str, str]], float | bool]
 
-BUILTIN_REWARDS = ("exact", "math")
+BUILTIN_REWARDS = ("exact", "math", "reasoning_gym")
 
 _BOXED = "\\boxed"
 _ANSWER_LINE = re.compile(r"answer\s*:\s*(.*)", re.IGNORECASE)
@@ -146,6 +149,16 @@ def math_reward(response_text: str, answer: str, metadata: dict[str, str]) -> fl
     return float(bool(prediction) and verify(gold, prediction))
 
 
+def reasoning_gym_reward(response_text: str, answer: str, metadata: dict[str, str]) -> float:
+    """The reasoning-gym task's own `score_answer` on the prompt's entry, regenerated from its metadata;
+    the answer it is given is the response's last `<answer>...</answer>`, else `extract_final_answer`'s."""
+    del answer  # the entry carries its own, and some tasks accept more than one
+    from april.envs import reasoning_gym  # lazy: only this reward imports the package
+
+    tagged = reasoning_gym.tagged_answer(response_text)
+    return reasoning_gym.score(extract_final_answer(response_text) if tagged is None else tagged, metadata)
+
+
 # ---------------------------------------------------------------------------------------------------
 # start-up validation
 
@@ -162,6 +175,14 @@ def load_reward(spec: str) -> Reward:
                 f"reward 'math' needs the math-verify package ({exc}); install it: pip install math-verify"
             ) from None
         return Reward(spec, math_reward)
+    if spec == "reasoning_gym":
+        from april.envs.reasoning_gym import ReasoningGymError, package
+
+        try:
+            package()
+        except ReasoningGymError as exc:
+            raise RewardError(f"reward 'reasoning_gym': {exc}") from None
+        return Reward(spec, reasoning_gym_reward)
     module_name, sep, attr_path = spec.partition(":")
     if not sep or not module_name or not attr_path or ":" in attr_path:
         raise RewardError(

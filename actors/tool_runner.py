@@ -42,6 +42,7 @@ from typing import Any
 from actors.child_process import JsonLinesChild, Reaper, child_protocol, encode_line, wait_readable
 from actors.python_env import PythonEnvironment
 from april.envs.calculator import CalculatorEnvironment
+from april.envs.verifiers_adapter import VerifiersEnvironment, is_verifiers
 from april.episode import (
     Environment,
     EnvRequest,
@@ -53,6 +54,7 @@ from april.episode import (
     StepRequest,
     Tool,
     answer_problem,
+    check_environment,
     final_step_repeatable,
     load_environment,
     one_line,
@@ -72,8 +74,13 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 }
 
 
-def load_env(spec: str) -> Environment:
-    """The environment `spec` names (a built-in or `module:Class`), or a one-line EpisodeError."""
+def load_env(spec: str, args: str = "") -> Environment:
+    """The environment `spec` names (a built-in, `module:Class`, or `verifiers:MODULE` made with `args`),
+    or a one-line EpisodeError."""
+    if is_verifiers(spec):
+        env = VerifiersEnvironment(spec, args)
+        check_environment(spec, env)
+        return env
     return load_environment(spec, BUILTIN_ENVIRONMENTS)
 
 
@@ -127,11 +134,13 @@ class _Slot:
 class ToolRunner:
     """Non-blocking environment steps in killable child processes (see the module docstring)."""
 
-    def __init__(self, spec: str, settings: ToolRunnerSettings = ToolRunnerSettings()) -> None:
-        env = load_env(spec)  # validate here: a bad spec raises at once
+    def __init__(
+        self, spec: str, settings: ToolRunnerSettings = ToolRunnerSettings(), args: str = ""
+    ) -> None:
+        env = load_env(spec, args)  # validate here: a bad spec raises at once
         self.tools: tuple[Tool, ...] = env.tools
         self.final_step_repeatable = final_step_repeatable(env)
-        self.spec = spec
+        self.spec, self.args = spec, args
         self.settings = settings
         self._queue: dict[int, _Job] = {}  # waiting for a child, oldest first
         self._results: list[ToolResult] = []
@@ -230,7 +239,7 @@ class ToolRunner:
     # -- children ---------------------------------------------------------------------------------------
 
     def _spawn(self) -> _Slot:
-        return _Slot(JsonLinesChild("actors.tool_runner", [self.spec]))
+        return _Slot(JsonLinesChild("actors.tool_runner", [self.spec, self.args]))
 
     def _kill(self, i: int) -> None:
         slot = self._slots[i]
@@ -426,13 +435,13 @@ def _run(env: Environment, request: EnvRequest, with_key: bool) -> dict[str, Any
 
 
 def child_main(argv: list[str]) -> int:
-    """Entry point of the child: `python -m actors.tool_runner SPEC`."""
+    """Entry point of the child: `python -m actors.tool_runner SPEC [ARGS]`."""
     lines, send = child_protocol(PROTOCOL_VERSION)
-    if len(argv) != 1:
-        send(t="fatal", error=f"usage: python -m actors.tool_runner SPEC, got {argv!r}")
+    if len(argv) not in (1, 2):
+        send(t="fatal", error=f"usage: python -m actors.tool_runner SPEC [ARGS], got {argv!r}")
         return 2
     try:
-        env = load_env(argv[0])
+        env = load_env(*argv)
     except EpisodeError as exc:
         send(t="fatal", error=str(exc))
         return 1

@@ -251,7 +251,7 @@ class AnswerFormat(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic", "task", "calculator", or a dataset file / save_to_disk dir
+    source: str = "synthetic"  # "synthetic", "task", "calculator", "reasoning_gym:TASK,..." or a dataset path
     prompt_key: str = "prompt"  # field holding the prompt: text, chat messages or token ids (dotted: nested)
     answer_key: str = "answer"  # field holding the reference answer given to the reward; empty: none
     answer_format: AnswerFormat = AnswerFormat.RAW  # raw: as it is; gsm8k: the text after its last "####"
@@ -263,9 +263,12 @@ class DataConfig:
     continue_final_message: bool = False  # a chat prompt may end with an assistant turn the model continues
     eval_size: int = -1  # held-out prompts per evaluation, never trained on; -1: auto (docs/data.md)
     eval_source: str = ""  # a dataset of its own for the held-out prompts (verl's val_files); "": source
+    size: int = 10000  # reasoning_gym source: questions per task (an epoch); held-out ones come after them
+    seed: int = -1  # reasoning_gym source: the generators' seed; -1: run.seed
+    options: str = ""  # reasoning_gym source: JSON object, task name -> its config options ({} each)
 
     def __post_init__(self) -> None:
-        _positive(self, "data", "synthetic_prompt_len_min", "synthetic_vocab_size", "synthetic_size")
+        _positive(self, "data", "synthetic_prompt_len_min", "synthetic_vocab_size", "synthetic_size", "size")
         _check(self.eval_size >= -1, "data.eval_size", self.eval_size, "must be >= 0, or -1 (auto)")
         _check(
             self.synthetic_prompt_len_max >= self.synthetic_prompt_len_min,
@@ -549,7 +552,8 @@ class WeightsConfig:
 
 @dataclass(frozen=True, slots=True)
 class EnvConfig:
-    name: str = ""  # multi-turn episodes' environment: a built-in name or module:Class; empty: single-turn
+    name: str = ""  # episodes' environment: a built-in, module:Class or verifiers:MODULE; empty: single-turn
+    args: str = ""  # verifiers:MODULE: JSON object of load_environment's keyword arguments
     max_turns: int = 16  # model turns an episode may take at most
     max_turn_tokens: int = 4096  # tokens one model turn may generate at most (within algo.max_new_tokens)
     tool_processes: int = 4  # per worker: child processes running resets and tool steps, one at a time each

@@ -8,7 +8,9 @@ identified by `PromptRecord.prompt_index`. `TrainingView` is the same source wit
 of every epoch: training cursor t is the t-th record, in the source's own order, that is not held out.
 The split is a pure function of the source (its seed and data), so a resumed run finds the same set.
 `data.eval_size = -1` (the default) sizes it to the source (`auto_eval_size`), so a small dataset
-still leaves prompts to train on; an `eval_source` is read in its own order, all of it by default.
+still leaves prompts to train on; an `eval_source` is read in its own order, all of it by default. A
+reasoning-gym source splits nothing off: its held-out questions come from generator seeds past the
+training ones (`ReasoningGymSource.held_out`).
 
 It relies on the source's contract that each epoch (cursors `e * len .. (e + 1) * len - 1`) yields
 every `prompt_index` exactly once. Owns no cursor and no I/O.
@@ -19,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 from april.config import Config, ConfigError
-from april.data import GENERATED_SOURCES, PromptRecord, PromptSource, open_source
+from april.data import PromptRecord, PromptSource, is_generated, open_source
+from april.envs.reasoning_gym import ReasoningGymSource
 
 AUTO_EVAL_MAX = 64  # data.eval_size = -1 holds out a tenth of the source's prompts, at most this many
 
@@ -92,11 +95,11 @@ def open_prompts(config: Config) -> tuple[PromptSource, tuple[PromptRecord, ...]
     """The run's training prompts and its held-out ones (none when it does not evaluate); a bad dataset
     or held-out size raises DatasetError / ConfigError (`april up` calls this before starting anything)."""
     data = config.data
-    source = open_source(data, config.run.seed)
+    source = open_source(data, config.run.seed, config.env)
     if config.run.eval_every == 0 or data.eval_size == 0:
         return source, ()
     if data.eval_source:  # a dataset of its own: training keeps every prompt of `source`
-        if data.eval_source in GENERATED_SOURCES:
+        if is_generated(data.eval_source):
             raise ConfigError(
                 f"data.eval_source = {data.eval_source!r}: expected a dataset path (a generated source draws "
                 "the training prompts again under the run's seed; leave it empty to hold prompts out)"
@@ -112,4 +115,7 @@ def open_prompts(config: Config) -> tuple[PromptSource, tuple[PromptRecord, ...]
     size = auto_eval_size(len(source)) if data.eval_size == -1 else data.eval_size
     if size == 0:
         return source, ()
+    if isinstance(source, ReasoningGymSource):  # fresh questions, from generator seeds training never uses
+        held = source.held_out(-(-size // len(source.tasks)))
+        return source, tuple(held.get(i) for i in range(size))
     return split_held_out(source, size)  # training never sees them

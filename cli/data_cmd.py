@@ -46,7 +46,7 @@ class Inspection:
 
 def inspect_dataset(config: Config, model: Path, sample: int = SAMPLE) -> Inspection:
     """Open the configured source in dataset order and measure it with `model`'s tokenizer."""
-    source = open_source(dataclasses.replace(config.data, shuffle=False), config.run.seed)
+    source = open_source(dataclasses.replace(config.data, shuffle=False), config.run.seed, config.env)
     fields = tuple(source.rows.fields()) if isinstance(source, FilePromptSource) else ()
     tokenizer = HFTokenizer(model)
     count = len(source)

@@ -269,6 +269,8 @@ class Run:
     def __init__(
         self, config: Config, run_dir: Path, specs: list[ChildSpec], screenshot: Path | None = None
     ) -> None:
+        from actors.episode_driver import resume_note  # (preflight has imported it already)
+
         self.screenshot = screenshot
         self.config = config
         self.run_dir = run_dir
@@ -282,10 +284,13 @@ class Run:
         self._signalled = False
         self.gate = ServerGate(config.worker, [s.name for s in specs if is_server(s.name)])
         self._started = False  # start() is done: workers may start as their servers answer
+        self.resume_note = resume_note(config.env)  # what an aborted episode of this env does ("": none)
 
     def start(self, feed: StatusFeed) -> None:
         """SGLang servers (minutes on a GPU) and the broker first, the others once it publishes (so none of
         them starts in a backoff); a worker with a server of its own once that answers (`_check_servers`)."""
+        if self.resume_note:
+            add_event(self.state, time.time(), self.resume_note)
         for spec in self.specs:
             if is_server(spec.name) or spec.name == BROKER:
                 self._start(spec)
@@ -456,6 +461,8 @@ def run_up(opts: UpOptions) -> int:
     config_path = run_dir / "config.toml"
     write_config(config, config_path)
     run = Run(config, run_dir, plan(config, config_path, run_dir, placement, resume), opts.screenshot)
+    if run.resume_note and (opts.headless or not sys.stdout.isatty()):  # the dashboard shows it as an event
+        print(f"april up: {run.resume_note}", flush=True)
     previous = signal.signal(signal.SIGTERM, run.on_signal)
     try:
         with StatusFeed(run.pub, configured_client_keys(config.broker.curve_keys_dir)) as feed:

@@ -240,7 +240,7 @@ def test_load_user_rewards(user_module: str) -> None:
         ("{m}:NOT_CALLABLE", "is a int, not callable"),
         ("{m}:two_args", "cannot take 3 positional arguments"),
         ("{m}_broken:fn", "failed: RuntimeError: broken at import"),
-        ("exactly", "expected one of exact, math or 'module:function'"),
+        ("exactly", "expected one of exact, math, reasoning_gym or 'module:function'"),
         ("{m}:", "expected one of"),
         (":fn", "expected one of"),
         ("a:b:c", "expected one of"),

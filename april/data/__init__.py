@@ -28,7 +28,7 @@ from april.data.records import (
 from april.data.synthetic import SyntheticPromptSource
 
 if TYPE_CHECKING:
-    from april.config import DataConfig
+    from april.config import DataConfig, EnvConfig
 
 __all__ = [
     "GENERATED_SOURCES",
@@ -41,16 +41,45 @@ __all__ = [
     "SeededPromptSource",
     "SyntheticPromptSource",
     "export_jsonl",
+    "is_generated",
     "open_source",
 ]
 
 
-GENERATED_SOURCES = ("synthetic", "task", "calculator")  # `data.source` names that are not dataset paths
+GENERATED_SOURCES = (
+    "synthetic",
+    "task",
+    "calculator",
+    "verifiers",
+)  # `data.source` names that are not dataset paths
+GENERATED_PREFIXES = ("reasoning_gym:",)  # nor are these: a generator and its arguments
 
 
-def open_source(data_config: DataConfig, seed: int) -> PromptSource:
+def is_generated(source: str) -> bool:
+    """`source` names a generator, not a dataset path."""
+    return source in GENERATED_SOURCES or source.startswith(GENERATED_PREFIXES)
+
+
+def open_source(data_config: DataConfig, seed: int, env: EnvConfig | None = None) -> PromptSource:
     """The source named by `[data] source`: "synthetic", "task" (the built-in task), "calculator" (the
-    built-in multi-turn task, `april.envs.calculator`) or a dataset path."""
+    built-in multi-turn task, `april.envs.calculator`), "reasoning_gym:TASK[,TASK...]" (the package's
+    generators, `april.envs.reasoning_gym`, seeded by `data.seed` or else the run's), "verifiers" (the
+    dataset of the verifiers environment `env` names, `april.envs.verifiers_adapter`) or a dataset path."""
+    from april.envs.verifiers_adapter import VerifiersPromptSource, is_verifiers
+
+    # a verifiers environment brings its dataset: the default source (synthetic token ids) gives way to it
+    if data_config.source == "verifiers" or (
+        data_config.source == "synthetic" and env is not None and is_verifiers(env.name)
+    ):
+        if env is None or not is_verifiers(env.name):
+            got = "" if env is None else env.name
+            raise DatasetError(f"data.source = 'verifiers' needs env.name = 'verifiers:MODULE', got {got!r}")
+        return VerifiersPromptSource(env.name, env.args)
+    if data_config.source.startswith("reasoning_gym:"):
+        from april.envs.reasoning_gym import ReasoningGymSource
+
+        data_seed = seed if data_config.seed == -1 else data_config.seed
+        return ReasoningGymSource(data_config.source, data_config.size, data_seed, data_config.options)
     if data_config.source == "calculator":
         from april.envs.calculator import CalculatorPromptSource  # it imports this package
 

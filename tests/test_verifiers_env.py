@@ -1,0 +1,223 @@
+"""verifiers environments run unchanged (april/envs/verifiers_adapter.py), against the real package
+(verifiers 0.3, the classic `load_environment` API): a ToolEnv, a SingleTurnEnv and a MultiTurnEnv played
+turn by turn give the reward, observations and stop that verifiers' own `run_rollout` gives for the same
+model turns; the state travels as JSON to a fresh instance; a live object in the state fails the episode
+with one line; and a real `april up` (sim engine, the tiny model's tokenizer) trains MultiTurnEnv
+episodes through APRIL's aborts, every one scored as verifiers scores its transcript."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import verifiers as vf
+import verifiers_envs
+import verifiers_tool_env
+from test_up import check_run, run_up, wait_all_exited
+
+from actors.tokenizer import HFTokenizer
+from april.chat import chat_format
+from april.envs import verifiers_adapter
+from april.envs.verifiers_adapter import INPUT_KEY, VerifiersEnvironment, VerifiersPromptSource
+from april.episode import EpisodeError, Message, Role, ToolCall
+from april.rollouts import OBSERVATION
+
+TOOL_ENV = "verifiers:verifiers_tool_env"
+
+
+class ScriptedClient(vf.legacy.clients.Client):  # type: ignore[misc]
+    """The model for verifiers' own rollout: answers with the given turns, in order."""
+
+    def __init__(self, turns: list[Message]) -> None:
+        self.turns = list(turns)
+
+    def setup_client(self, config: Any) -> None:
+        return None
+
+    async def to_native_tool(self, tool: Any) -> Any: ...
+    async def to_native_prompt(self, messages: Any) -> Any: ...
+    async def get_native_response(self, *args: Any, **kwargs: Any) -> Any: ...
+    async def raise_from_native_response(self, *args: Any, **kwargs: Any) -> Any: ...
+    async def from_native_response(self, *args: Any, **kwargs: Any) -> Any: ...
+    async def close(self) -> None: ...
+
+    async def get_response(self, *args: Any, **kwargs: Any) -> Any:
+        turn = self.turns.pop(0)
+        calls = [
+            # a call the model wrote unreadably reaches verifiers as its raw text: not JSON
+            vf.types.ToolCall(
+                id=c.id, name=c.name, arguments="not json" if c.error else json.dumps(dict(c.arguments))
+            )
+            for c in turn.tool_calls
+        ]
+        message = vf.types.ResponseMessage(
+            content=turn.content,
+            tool_calls=calls or None,
+            finish_reason="tool_calls" if calls else "stop",
+            is_truncated=False,
+        )
+        return vf.types.Response(id="r", created=0, model="m", message=message)
+
+
+def own_rollout(env: Any, row: dict[str, Any], turns: list[Message]) -> dict[str, Any]:
+    """verifiers' own rollout and scoring of `turns` for dataset row `row`."""
+    out = asyncio.run(env.run_rollout(row, ScriptedClient(turns), "m", {}))
+    return dict(out)
+
+
+def play(env: VerifiersEnvironment, record: Any, turns: list[Message]) -> tuple[list[Message], float | None]:
+    """april's side: reset, then a step per turn, the state crossing as JSON text to a fresh instance
+    each step (as it does to another worker). Returns the observations and the reward."""
+    step = env.reset(record)
+    seen = list(step.observation)
+    for turn in turns:
+        verifiers_adapter.load.cache_clear()
+        step = VerifiersEnvironment(env.spec, env.args).step(step.state, turn)
+        seen += step.observation
+        if step.done:
+            return seen, step.reward
+    return seen, None
+
+
+def call(i: int, a: int, b: int) -> ToolCall:
+    return ToolCall(f"call_{i}", "add", {"a": a, "b": b})
+
+
+@pytest.mark.parametrize(
+    ("turns", "reward"),
+    [
+        ([Message(Role.ASSISTANT, "", (call(0, 2, 5),)), Message(Role.ASSISTANT, "It is 7.")], 1.0),
+        ([Message(Role.ASSISTANT, "", (call(0, 2, 5), call(1, 1, 1))), Message(Role.ASSISTANT, "6")], 0.0),
+        ([Message(Role.ASSISTANT, "", (ToolCall("c", "nope", {}),)), Message(Role.ASSISTANT, "7")], 1.0),
+        ([Message(Role.ASSISTANT, "", (ToolCall("c", "add", {}, error="bad JSON"),))] * 4, 0.0),  # max_turns
+    ],
+)
+def test_a_tool_env_plays_as_its_own_rollout(turns: list[Message], reward: float) -> None:
+    source = VerifiersPromptSource(TOOL_ENV, "")
+    record = source.get(2)  # "What is 2 + 5?"
+    env = VerifiersEnvironment(TOOL_ENV, "")
+    assert [t.name for t in env.tools] == ["add"] and not env.tools[0].repeatable
+    seen, got = play(env, record, turns)
+    own = own_rollout(verifiers_tool_env.load_environment(), json.loads(record.metadata[INPUT_KEY]), turns)
+    assert got == own["reward"] == reward
+    tool_messages = [m["content"] for m in own["completion"] if m["role"] == "tool"]
+    assert [m.content for m in seen if m.role is Role.TOOL] == tool_messages
+    assert [m.content for m in seen[:2]] == ["Use add.", "What is 2 + 5?"]  # the prompt, system prompt first
+
+
+def test_a_single_turn_env_ends_after_one_turn() -> None:
+    args = '{"single_turn": true}'
+    record = VerifiersPromptSource(TOOL_ENV, args).get(1)
+    env = VerifiersEnvironment(TOOL_ENV, args)
+    assert env.tools == ()
+    for text, reward in (("5", 1.0), ("4", 0.0)):
+        turn = Message(Role.ASSISTANT, text)
+        _, got = play(env, record, [turn])
+        own = own_rollout(
+            verifiers_tool_env.load_environment(single_turn=True),
+            json.loads(record.metadata[INPUT_KEY]),
+            [turn],
+        )
+        assert got == own["reward"] == reward
+
+
+def test_a_prompt_from_another_dataset_is_the_rollout_input() -> None:
+    import numpy as np
+
+    from april.data import PromptRecord
+
+    record = PromptRecord(5, np.zeros(0, dtype=np.int32), "What is 1 + 2?", {"answer": "3"})
+    env = VerifiersEnvironment(TOOL_ENV, "")
+    _, got = play(env, record, [Message(Role.ASSISTANT, "3")])
+    assert got == 1.0
+
+
+def test_a_live_object_in_the_state_fails_the_episode_with_one_line() -> None:
+    spec = "verifiers:verifiers_envs"
+    env = VerifiersEnvironment(spec, '{"live": true}')
+    with pytest.raises(EpisodeError) as info:
+        env.reset(VerifiersPromptSource(spec, '{"live": true}').get(0))
+    assert "state['lock'] holds a _thread.lock: not JSON" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "args", "expected"),
+    [
+        ("verifiers:no_such_module", "", "importing 'no_such_module' failed: ModuleNotFoundError"),
+        ("verifiers:json", "", "module 'json' has no load_environment()"),
+        (TOOL_ENV, "[1]", "env.args = '[1]': expected a JSON object"),
+        (TOOL_ENV, '{"nope": 1, "n": "x"}', "load_environment raised TypeError"),
+    ],
+)
+def test_bad_specs_are_one_line(spec: str, args: str, expected: str) -> None:
+    with pytest.raises(EpisodeError) as info:
+        VerifiersEnvironment(spec, args)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    verifiers_adapter.load.cache_clear()
+    monkeypatch.setitem(sys.modules, "verifiers", None)
+    with pytest.raises(EpisodeError, match=r"install it: pip install 'april-rl\[verifiers\]'"):
+        VerifiersEnvironment(TOOL_ENV, "")
+
+
+def model_turns(row: dict[str, Any], chat: Any) -> list[Message]:
+    """A recorded episode's model turns, parsed as the worker parsed them: the response split at its
+    observations (an empty turn between two adjacent observations included)."""
+    turns: list[list[int]] = [[]]
+    for piece in row["pieces"]:
+        if piece["kind"] == OBSERVATION:
+            turns.append([])
+        else:
+            turns[-1] += row["response_ids"][piece["start"] : piece["end"]]
+    return [chat.parse_turn(chat.turn_text(ids)) for ids in turns]
+
+
+def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> None:
+    from april.hf import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "vf.toml"
+    cfg.write_text(
+        '[run]\nmode = "april"\n'
+        "[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 8\nn_samples_per_prompt = 4\n"
+        'max_new_tokens = 256\n[env]\nname = "verifiers:verifiers_envs"\nargs = \'{"n": 40}\'\n'
+        "max_turns = 8\nmax_turn_tokens = 8\ntool_processes = 1\n"
+        f'[worker]\nengine = "sim"\nslots = 4\nmodel = "{model}"\n'
+        # responses (observations included) longer than a whole episode: every turn has 8 tokens
+        'sim_lengths = "lognormal:median=120,sigma=0.2,cap=160"\nsim_time_scale = 1.0\nsim_decode_ms = 15.0\n'
+        f'[learner]\nmodel = "{model}"\nbackend = "sim"\nsim_step_s = 0.2\n'
+    )
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
+    code, out, children = run_up(["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], 300, env)
+    assert code == 0, out
+    assert "env verifiers:verifiers_envs: its state travels as JSON in the sample" in out  # the dashboard's
+    check_run(run_dir, 3, samples=8)  # the books balance at every step
+    rows = [
+        r
+        for f in sorted((run_dir / "rollouts" / "train").glob("*.parquet"))
+        for r in pq.read_table(f).to_pylist()
+    ]
+    assert len(rows) == 3 * 8
+    assert any(r["aborts"] > 0 and r["turns"] > 1 for r in rows), "no episode was aborted mid-episode"
+    chat = chat_format(HFTokenizer(str(model)).tok)
+    reference = verifiers_envs.load_environment(n=40)
+    for row in rows:
+        assert row["finish_reason"] == "stop" and row["status"] == "finished", (
+            row["finish_reason"],
+            row["error"],
+        )
+        turns = model_turns(row, chat)
+        assert len(turns) == verifiers_envs.TURNS
+        own = own_rollout(reference, json.loads(json.loads(row["metadata"])[INPUT_KEY]), turns)
+        assert row["reward"] == pytest.approx(own["reward"]), turns
+    assert not wait_all_exited(children)
