@@ -27,7 +27,6 @@ from april.config import Config, ConfigError
 from april.data import PromptRecord
 from april.records import SETTLED, Sample
 from april.weights_uri import WEIGHT_TRANSPORTS
-from broker import policy
 from broker.decisions import (
     BatchFormed,
     Decision,
@@ -177,7 +176,7 @@ class BrokerCore:
         algo = self.config.algo
         return protocol.Welcome(
             peer_id=peer_id,
-            mode=self.state.mode.value,
+            mode=self.state.mode_policy.name,
             version=self.state.version,
             weights_uri=self.state.weights_uri,
             weights_sha256=self.state.weights_sha256,
@@ -389,7 +388,7 @@ class BrokerCore:
             log.info("abort round %d confirmed in %.3fs", abort.round_id, now - abort.started)
             self.abort = None
             self.state.end_abort()
-            if policy.is_round_based(self.state.mode):
+            if self.state.mode_policy.round_based:
                 self.state.park_queued_samples()
 
     # ------------------------------------------------------------------ the learner
@@ -436,7 +435,7 @@ class BrokerCore:
         relay = protocol.WeightsReady(version, uri, sha256)
         self._out += [Send(worker_id, relay) for worker_id in self.workers.peers]
         self.evals.on_version(version)
-        if policy.abort_on_new_version(self.state.mode) and self.state.leased_samples and self.abort is None:
+        if self.state.mode_policy.abort_on_new_version and self.state.leased_samples and self.abort is None:
             self._start_abort(now)
         return self._take()
 
@@ -475,7 +474,7 @@ class BrokerCore:
         batch.stats.update(self._weights_sync_stats(now))
         batch.stats.update(self.failures.take_window())  # the samples that settled with an error
         batch.stats["run_s"] = now - (self.first_lease if self.first_lease is not None else self.started)
-        if policy.is_round_based(self.state.mode):
+        if self.state.mode_policy.round_based:
             self.usage.set_phase(now, False)  # the rollout phase ends with its batch
         self.state.check_ledger(f"after forming batch {batch.batch_id}")
         self._out.append(BatchFormed(batch))

@@ -53,7 +53,7 @@ def build_status(view: StatusView, now: float) -> BrokerStatus:
     return BrokerStatus(
         run=view.run,
         steps=view.steps,
-        mode=books.mode.value,
+        mode=str(books.mode),
         version=books.version,
         epoch=books.epoch,
         uptime_s=round(view.uptime_s, 3),

@@ -35,7 +35,6 @@ from april.config import Config, ConfigError, Mode, ResumeKV
 from april.ledger import Ledger
 from april.records import Sample
 from april.sample_draw import LengthDraw, LengthSampler, prompt_key, sample_key
-from broker import policy
 from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, LeaseOut, Refuse, Send
 from broker.heldout import open_prompts
@@ -126,9 +125,7 @@ def wait_cause(state: BrokerState) -> str:
     """Which of WAIT_CAUSES holds the learner's next batch now (state: no batch could be formed)."""
     if len(state.complete) >= state.algo.rollout_batch_size:
         return "staleness"
-    if state.mode == Mode.ASYNC and state.counts().accepted >= policy.admission_limit(
-        state.algo, state.version
-    ):
+    if state.mode_policy.held_by_admission(state.algo, state.counts(), state.version):
         return "admission"
     return "generation"
 
@@ -177,7 +174,7 @@ class Simulation:
         self.cost = run.worker.sim_cost
         source, _ = open_prompts(run)  # the run's training prompts (the held-out ones are not simulated)
         self.core = BrokerCore(run, BrokerState(run.run.mode, run.algo, source), (), 0.0)
-        self.round_based = policy.is_round_based(run.run.mode)
+        self.round_based = self.core.state.mode_policy.round_based
         self.meter = Meter(config.engines)
         seed = run.run.seed
         prompt_corr = run.worker.sim_prompt_corr
@@ -227,7 +224,7 @@ class Simulation:
         while not self.done:
             if not self.queue:
                 raise SimulationError(
-                    f"simulate {self.cfg.mode.value}: nothing left to happen after {self.trained} of "
+                    f"simulate {self.cfg.mode}: nothing left to happen after {self.trained} of "
                     f"{self.cfg.steps} steps at t={self.now:.3f}s ({core.state.ledger().describe()})"
                 )
             t, _, index, generation, steps = heapq.heappop(self.queue)
