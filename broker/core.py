@@ -1,17 +1,21 @@
 """The broker core: every scheduling decision, once. Events in, with their time; decisions out.
 
-`BrokerCore` holds the books (`broker.state`), the worker registry (`broker.peers`), the evaluations, the
-abort round, the learner's pending request, the slot-usage integrals and the sample errors
-(`broker.failures`, with the rule that stops a run whose samples all fail alike), and has one method per
-event: a worker's hello, credit, results, abort confirmation, engine health, weights loaded, usage report
-or loss; the learner's hello, batch request, ack, weights or departure; and the tick. Each returns the
-decisions it took (`broker.decisions`): leases, aborts, relayed weights, refusals, settled samples, a
-formed batch, a stopped run.
+`BrokerCore` holds the books (`broker.state`), the worker registry (`broker.peers`) with each worker's
+liveness, the evaluations, the abort round, the learner's pending request and its last step's figures, the
+slot-usage integrals and the sample errors (`broker.failures`, with the rule that stops a run whose
+samples all fail alike), and has one method per event: a worker's hello, any message heard from it, its
+credit, results, abort confirmation, engine health, weights loaded, usage report or departure; the
+learner's hello, batch request, ack, weights or departure; a message the driver sent on its own; and the
+tick. Each returns the list of decisions it took (`broker.decisions`): leases, messages to a worker or
+the learner, refusals, settled samples, a batch handed out, a lost worker, a stopped run.
 
 No sockets, no clock, no files: `broker.server` drives it from its sockets and the monotonic clock,
 `broker.sim.model` from simulated engines and a simulated learner in virtual time, so the real broker
-and the simulator make the same decisions for the same events. Liveness (who fell silent) and durability
-(when a formed batch may leave) are the driver's: it reports a lost worker and a batch sent.
+and the simulator make the same decisions for the same events. Liveness is the core's, as in zguide's
+majordomo broker: each worker's last message heard and sent, and at each tick the workers silent past
+the liveness window are lost and those sent nothing for an interval get a heartbeat (`liveness` False:
+the driver models no silence, as `april simulate`). Durability is the driver's: a batch handed out leaves
+once the driver has made it durable.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from april import protocol
 from april.config import Config, ConfigError
 from april.data import PromptRecord
 from april.records import SETTLED, Sample
+from april.status import EvalStatus
 from april.weights_uri import WEIGHT_TRANSPORTS
-from broker import policy
 from broker.decisions import (
     BatchFormed,
     Decision,
@@ -37,11 +41,13 @@ from broker.decisions import (
     RunStopped,
     Send,
     Settled,
+    ToLearner,
+    WorkerLost,
 )
 from broker.dispatch import assign
 from broker.evaluation import EvalResult, Evaluations
 from broker.failures import FailureBook
-from broker.peers import Workers
+from broker.peers import WorkerPeer, Workers
 from broker.result_check import ResultRejected
 from broker.state import BooksView, BrokerState, PendingBatch
 from broker.usage import SlotUsage
@@ -69,6 +75,22 @@ class RoundView:
     aborts_done: int
 
 
+@dataclass(frozen=True, slots=True)
+class CoreView:
+    """What the core shows the status, at one moment (`BrokerCore.view`)."""
+
+    uptime_s: float
+    books: BooksView
+    round: RoundView
+    workers: Collection[WorkerPeer]  # in registration order
+    liveness_window_s: float  # a worker heard from within it is alive
+    learner_waiting: bool
+    learner_metrics: dict[str, float]  # the learner's figures of its last acked step
+    batches_acked: int
+    eval: EvalStatus | None
+    failures: FailureBook
+
+
 class BrokerCore:
     """See the module docstring. `state`: fresh or restored from a snapshot (`restored`: its lease holders
     are registered as restored workers, and no baseline evaluation starts)."""
@@ -81,6 +103,7 @@ class BrokerCore:
         now: float,
         *,
         restored: bool = False,
+        liveness: bool = True,
     ) -> None:
         self.config = config
         self.cfg = config.broker
@@ -98,10 +121,12 @@ class BrokerCore:
             held_out, run.eval_every, run.steps, config.algo.max_new_tokens, self._evaluated
         )
         self.workers = Workers(self.cfg.heartbeat_interval_s, self.cfg.liveness)
+        self.liveness = liveness  # False: no worker is lost for silence, none is sent heartbeats
         self.abort: AbortRound | None = None
         self.learner_id = "learner"  # the learner session's id (refusals are counted under it)
         self.learner_waiting: int | None = None  # step of the learner's unanswered BatchRequest
         self.batches_acked = 0
+        self.learner_metrics: dict[str, float] = {}  # the learner's figures of its last acked step
         self.started = now
         self.round_started = now  # the last ack (a batch's rollout_s counts from it)
         self.first_lease: float | None = None  # when generation started: batches' run_s count from it
@@ -117,8 +142,14 @@ class BrokerCore:
         else:
             self.evals.on_version(0)  # a baseline: the starting weights on the held-out prompts
 
-    def _take(self) -> list[Decision]:
+    def _take(self, now: float | None = None) -> list[Decision]:
+        """The decisions taken; `now`: when they are carried out, so each message to a worker counts as
+        sent to it then (its heartbeat is due an interval later)."""
         out, self._out = self._out, []
+        if now is not None:
+            for d in out:
+                if isinstance(d, LeaseOut | Send) and (peer := self.workers.get(d.worker_id)) is not None:
+                    self.workers.sent(peer, now)
         return out
 
     @property
@@ -155,7 +186,7 @@ class BrokerCore:
         )
         if peer is None:
             self._out.append(Refuse(hello.worker_id, "too_many_workers", "worker registry is full"))
-            return self._take()
+            return self._take(now)
         log.info(
             "worker %s registered (%s, %d slots, v%d, kept %d leases)",
             hello.worker_id,
@@ -170,14 +201,14 @@ class BrokerCore:
                 self._send_abort(hello.worker_id, now)
             else:
                 self.abort.deadline.pop(hello.worker_id, None)
-        return self._take()
+        return self._take(now)
 
     def welcome(self, peer_id: str) -> protocol.Welcome:
         """The answer to a worker's or the learner's hello: the current weights and the sampling settings."""
         algo = self.config.algo
         return protocol.Welcome(
             peer_id=peer_id,
-            mode=self.state.mode.value,
+            mode=self.state.mode_policy.name,
             version=self.state.version,
             weights_uri=self.state.weights_uri,
             weights_sha256=self.state.weights_sha256,
@@ -188,9 +219,31 @@ class BrokerCore:
             top_k=algo.top_k,
         )
 
-    def on_credit(self, worker_id: str, credit: int) -> None:
-        """A worker grants `credit` free slots (LeaseRequest); the next tick leases them."""
+    def on_heard(self, worker_id: str, now: float) -> list[Decision]:
+        """Any message from a registered worker: it is alive. A restored worker whose socket reconnected to
+        this restarted broker by itself never finds it silent (it answers and sends heartbeats): it is
+        asked, once an interval, for the hello that makes it leasable."""
         peer = self.workers.peers[worker_id]
+        self.workers.heard(peer, now)
+        peer.messages += 1
+        if peer.restored and now - peer.hello_asked >= self.cfg.heartbeat_interval_s:
+            peer.hello_asked = now
+            self._out.append(Send(worker_id, protocol.Error("not_registered", "broker restarted: say hello")))
+        return self._take(now)
+
+    def on_sent(self, worker_id: str, now: float) -> list[Decision]:
+        """The driver sent a worker a message of its own (a ResultAck): it counts as a heartbeat."""
+        peer = self.workers.get(worker_id)
+        if peer is not None:
+            self.workers.sent(peer, now)
+        return self._take()
+
+    def on_credit(self, worker_id: str, credit: int) -> list[Decision]:
+        """A worker grants `credit` free slots (LeaseRequest); the next tick leases them."""
+        self._grant(self.workers.peers[worker_id], credit)
+        return self._take()
+
+    def _grant(self, peer: WorkerPeer, credit: int) -> None:
         # restored: slots unknown until it says hello, it finishes its leases and gets nothing new;
         # engine down: nothing until its EngineHealth says it serves again (then it grants its slots)
         if peer.leasable:
@@ -200,6 +253,7 @@ class BrokerCore:
         """A SampleResult as it came off the wire: `on_samples`, with the arrays checked at once where that
         is cheaper than one sample at a time (`BrokerState.vouch`: it passes only what the checks pass)."""
         lease_ids = msg.lease_ids.tolist()
+        self.workers.peers[worker_id].samples_returned += len(msg.samples)
         vouched = self.state.vouch(worker_id, lease_ids, msg.samples)
         return self.on_samples(worker_id, lease_ids, msg.samples.to_samples(), msg.credit, now, vouched)
 
@@ -241,9 +295,9 @@ class BrokerCore:
             groups = self.state.groups  # each as the books keep it (with the lease span they added)
             kept = [groups[g].samples[i] for g, i in settled if g in groups]
             self._out.append(Settled(kept, whole=len(kept) == len(samples)))
-        self.on_credit(worker_id, credit)
+        self._grant(peer, credit)
         self._dispatch(now, train=not self.state.round_complete())
-        return self._take()
+        return self._take(now)
 
     def on_abort_done(
         self, worker_id: str, round_id: int, credit: int, scoring: Collection[int], now: float
@@ -253,7 +307,7 @@ class BrokerCore:
         if peer.engine_ok:
             self.workers.set_credit(peer, min(credit, peer.slots) if peer.slots else credit)
         if self.abort is None or round_id != self.abort.round_id:
-            return self._take()  # a late confirmation of an earlier round: credit reset is all it means
+            return self._take(now)  # a late confirmation of an earlier round: credit reset is all it means
         unreturned = [lease_id for lease_id in self.leases_of(worker_id) if lease_id not in scoring]
         if unreturned:
             self._out.append(Refuse(worker_id, "abort_unreturned", f"{len(unreturned)} leases", reply=False))
@@ -261,9 +315,9 @@ class BrokerCore:
             for lease_id in unreturned:
                 self._reclaim(lease_id)
         self.abort.deadline.pop(worker_id, None)
-        return self._take()
+        return self._take(now)
 
-    def on_engine_health(self, worker_id: str, msg: protocol.EngineHealth) -> None:
+    def on_engine_health(self, worker_id: str, msg: protocol.EngineHealth) -> list[Decision]:
         peer = self.workers.peers[worker_id]
         if msg.ok != peer.engine_ok:
             if msg.ok:
@@ -278,6 +332,7 @@ class BrokerCore:
         peer.placement = msg.placement
         if not msg.ok:
             self.workers.set_credit(peer, 0)
+        return self._take()
 
     def on_weights_loaded(self, worker_id: str, msg: protocol.WeightsLoaded) -> list[Decision]:
         peer = self.workers.peers[worker_id]
@@ -290,16 +345,23 @@ class BrokerCore:
             log.warning("worker %s failed to load weights v%d: %s", worker_id, msg.version, msg.error)
         return self._take()
 
-    def on_usage(self, worker_id: str, msg: protocol.EngineUsage, now: float) -> None:
+    def on_usage(self, worker_id: str, msg: protocol.EngineUsage, now: float) -> list[Decision]:
         self.usage.report(worker_id, msg, now)
+        return self._take()
 
-    def on_worker_lost(self, worker_id: str) -> None:
+    def on_worker_lost(self, worker_id: str) -> list[Decision]:
+        """A worker left (Disconnect): see `_lose`."""
+        self._lose(worker_id)
+        return self._take()
+
+    def _lose(self, worker_id: str) -> None:
         """A worker left, fell silent or never confirmed an abort: its leases go back as they were leased."""
         for lease_id in self.leases_of(worker_id):
             self._reclaim(lease_id)
         self.workers.remove(worker_id)
         if self.abort is not None:
             self.abort.deadline.pop(worker_id, None)
+        self._out.append(WorkerLost(worker_id))
 
     def leases_of(self, worker_id: str) -> list[int]:
         """Every lease the worker holds: training and evaluation."""
@@ -384,35 +446,49 @@ class BrokerCore:
                 self._send_abort(worker_id, now)
             else:
                 log.error("worker %s never confirmed abort %d: declared dead", worker_id, abort.round_id)
-                self.on_worker_lost(worker_id)
+                self._lose(worker_id)
         if not abort.deadline:
             log.info("abort round %d confirmed in %.3fs", abort.round_id, now - abort.started)
             self.abort = None
             self.state.end_abort()
-            if policy.is_round_based(self.state.mode):
+            if self.state.mode_policy.round_based:
                 self.state.park_queued_samples()
 
     # ------------------------------------------------------------------ the learner
 
-    def on_learner_hello(self, learner_id: str) -> None:
+    def on_learner_hello(self, learner_id: str) -> list[Decision]:
         """A learner session starts: a request of an earlier session is not this learner's."""
         self.learner_id = learner_id
         self.learner_waiting = None
+        self._out.append(ToLearner(self.welcome(learner_id)))
+        return self._take()
 
-    def on_learner_gone(self) -> None:
+    def on_learner_gone(self) -> list[Decision]:
         self.learner_waiting = None
+        return self._take()
 
-    def on_batch_request(self, step: int, last_batch_id: int, now: float) -> None:
+    def on_batch_request(self, step: int, last_batch_id: int, now: float) -> list[Decision]:
         """The learner asks for step `step`, having trained `last_batch_id` (acked again if its ack was
         lost)."""
         batch = self.state.batch
         if batch is not None and batch.batch_id == last_batch_id:
-            self.on_ack(last_batch_id, now)
+            self._ack(last_batch_id, now)
         self.learner_waiting = step
         log.info("learner asks for step %d (last trained batch %d)", step, last_batch_id)
+        return self._take()
 
-    def on_ack(self, batch_id: int, now: float) -> bool:
-        """The learner trained batch `batch_id`; False if no such batch is unacked."""
+    def on_ack(self, batch_id: int, now: float, metrics: dict[str, float] | None = None) -> list[Decision]:
+        """The learner trained batch `batch_id` (`metrics`: its figures of that step); refused if no such
+        batch is unacked."""
+        if self._ack(batch_id, now):
+            self.learner_metrics = dict(metrics or {})
+        else:
+            detail = f"no unacked batch {batch_id}"
+            self._out.append(Refuse(self.learner_id, "stale_batch_ack", detail, reply=False))
+            self._out.append(ToLearner(protocol.Error("stale_batch_ack", detail)))
+        return self._take()
+
+    def _ack(self, batch_id: int, now: float) -> bool:
         if not self.state.ack_batch(batch_id, slots=sum(p.slots for p in self.workers.peers.values())):
             return False
         # No snapshot here: if the broker dies before the next one, the restored broker still holds this
@@ -436,9 +512,9 @@ class BrokerCore:
         relay = protocol.WeightsReady(version, uri, sha256)
         self._out += [Send(worker_id, relay) for worker_id in self.workers.peers]
         self.evals.on_version(version)
-        if policy.abort_on_new_version(self.state.mode) and self.state.leased_samples and self.abort is None:
+        if self.state.mode_policy.abort_on_new_version and self.state.leased_samples and self.abort is None:
             self._start_abort(now)
-        return self._take()
+        return self._take(now)
 
     def batch_due(self) -> bool:
         """The learner waits, and its batch is formed or a batch worth of groups is complete."""
@@ -446,13 +522,17 @@ class BrokerCore:
             return False
         return self.state.batch is not None or len(self.state.complete) >= self.state.algo.rollout_batch_size
 
-    def owed_batch(self) -> PendingBatch | None:
-        """The formed batch the learner waits for, if any (the driver sends it, then `batch_sent`)."""
-        return self.state.batch if self.learner_waiting is not None else None
-
-    def batch_sent(self) -> None:
+    def _hand_out_batch(self, now: float) -> None:
+        """The waiting learner's batch: the unacked one again, or a new one if one can be formed; handed
+        out at once (the driver sends it)."""
+        if self.learner_waiting is None or self.failures.stopped:
+            return
         batch = self.state.batch
-        assert batch is not None and self.learner_waiting is not None, "no batch is owed"
+        again = batch is not None
+        if batch is None:
+            batch = self._form_batch(self.learner_waiting, now)
+            if batch is None:
+                return
         batch.sends += 1
         log.info(
             "batch %d for step %d sent (%d samples)%s",
@@ -462,23 +542,22 @@ class BrokerCore:
             "" if batch.sends == 1 else f", {batch.sends} times: not acked before",
         )
         self.learner_waiting = None
+        self._out.append(BatchFormed(batch, again))
 
-    def _form_batch(self, now: float) -> None:
-        if self.learner_waiting is None or self.state.batch is not None or self.failures.stopped:
-            return
-        batch = self.state.form_batch(self.learner_waiting)
+    def _form_batch(self, step: int, now: float) -> PendingBatch | None:
+        batch = self.state.form_batch(step)
         if batch is None:
-            return
+            return None
         batch.stats["rollout_s"] = now - self.round_started
         batch.stats.update(self.evals.batch_stats())  # the latest evaluation, if any
         batch.stats.update(self.usage.take_window())
         batch.stats.update(self._weights_sync_stats(now))
         batch.stats.update(self.failures.take_window())  # the samples that settled with an error
         batch.stats["run_s"] = now - (self.first_lease if self.first_lease is not None else self.started)
-        if policy.is_round_based(self.state.mode):
+        if self.state.mode_policy.round_based:
             self.usage.set_phase(now, False)  # the rollout phase ends with its batch
         self.state.check_ledger(f"after forming batch {batch.batch_id}")
-        self._out.append(BatchFormed(batch))
+        return batch
 
     def _weights_sync_stats(self, now: float) -> dict[str, float]:
         """For metrics.jsonl: how many live workers serve the broker's version, and the slowest one's sync
@@ -501,8 +580,11 @@ class BrokerCore:
     # ------------------------------------------------------------------ the tick
 
     def tick(self, now: float) -> list[Decision]:
-        """After every turn of the driver's loop: abort deadlines, the end of a round (abort its holders,
-        or park the queued samples at once), leases for free slots, and the learner's batch."""
+        """After every turn of the driver's loop: the workers silent past the liveness window are lost,
+        abort deadlines, the end of a round (abort its holders, or park the queued samples at once), leases
+        for free slots, the learner's batch, and a heartbeat to each worker sent nothing for an interval."""
+        if self.liveness:
+            self._purge_workers(now)
         if self.abort is not None:
             self._check_abort(self.abort, now)
         if self.state.close_round_if_complete():
@@ -512,19 +594,47 @@ class BrokerCore:
             else:
                 self.state.park_queued_samples()
         self._dispatch(now)
-        self._form_batch(now)
+        self._hand_out_batch(now)
         if self.failures.stopped and self.learner_waiting is not None:  # told once each time it asks
             self._out.append(RunStopped(self.failures.stopped))
             self.learner_waiting = None
-        return self._take()
+        out = self._take(now)
+        if self.liveness:
+            out += self._send_heartbeats(now)
+        return out
+
+    def _purge_workers(self, now: float) -> None:
+        """Lose every worker silent for longer than the liveness window (any message counts)."""
+        for worker_id in self.workers.dead(now):
+            log.warning(
+                "worker %s silent for %.1fs: dead, %d leases re-queued",
+                worker_id,
+                now - self.workers.peers[worker_id].last_seen,
+                len(self.leases_of(worker_id)),
+            )
+            self._lose(worker_id)
+
+    def _send_heartbeats(self, now: float) -> list[Decision]:
+        """A Heartbeat to each worker sent nothing for a heartbeat interval (this tick's messages count)."""
+        self._out += [Send(peer.peer_id, protocol.Heartbeat()) for peer in self.workers.due_heartbeat(now)]
+        return self._take(now)
 
     # ------------------------------------------------------------------ what it shows
 
-    def books(self) -> BooksView:
-        return self.state.view(self.evals.leases_by_worker())
-
-    def round_view(self) -> RoundView:
-        return RoundView(self.round_id, self.state.round_open, self.abort is not None, self.aborts_done)
+    def view(self, now: float) -> CoreView:
+        """The core's part of the status."""
+        return CoreView(
+            uptime_s=now - self.started,
+            books=self.state.view(self.evals.leases_by_worker()),
+            round=RoundView(self.round_id, self.state.round_open, self.abort is not None, self.aborts_done),
+            workers=list(self.workers.peers.values()),
+            liveness_window_s=self.workers.window,
+            learner_waiting=self.learner_waiting is not None,
+            learner_metrics=self.learner_metrics,
+            batches_acked=self.batches_acked,
+            eval=self.evals.status(),
+            failures=self.failures,
+        )
 
     def run_totals(self) -> dict[str, Any]:
         """What the broker saw so far: taken when the run's last step is acked and when the broker stops,

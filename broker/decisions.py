@@ -29,7 +29,7 @@ class LeaseOut:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """One message to one worker: its Welcome, an Abort, a relayed WeightsReady, an Error."""
+    """One message to one worker: its Welcome, an Abort, a relayed WeightsReady, a Heartbeat, an Error."""
 
     worker_id: str
     message: Message
@@ -59,10 +59,27 @@ class Settled:
 
 @dataclass(frozen=True, slots=True)
 class BatchFormed:
-    """A batch was formed for the waiting learner (the driver hands it over: the server once its snapshot
-    is durable, then `BrokerCore.batch_sent`)."""
+    """Hand `batch` to the waiting learner: the core counts it handed out at once; the driver sends it (the
+    server once its snapshot is durable). `again`: the unacked batch, handed again to a learner that asked
+    again without acking it (its snapshot was written when it was formed)."""
 
     batch: PendingBatch
+    again: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ToLearner:
+    """One message to the learner session: its Welcome, or an Error answering a refused message."""
+
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLost:
+    """A worker left, fell silent past the liveness window or never confirmed an abort: its leases are
+    back in the queue and it is out of the registry (the driver forgets what it kept for it)."""
+
+    worker_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,4 +97,6 @@ class RunStopped:
     line: str
 
 
-Decision = LeaseOut | Send | Refuse | Settled | BatchFormed | EvalFinished | RunStopped
+Decision = (
+    LeaseOut | Send | Refuse | Settled | BatchFormed | ToLearner | WorkerLost | EvalFinished | RunStopped
+)

@@ -1,14 +1,16 @@
-"""The scheduling policy of the three modes, as pure functions (docs/design.md section 4).
+"""The scheduling policy every mode shares, as pure functions (docs/design.md section 4).
 
-Decides, from counts alone: how many fresh groups may be issued now, when a round is complete and an
-abort is due, which samples are dispatched first and how many go to each worker, and which complete
-groups form the next batch (async: only one that keeps every group within the staleness bound). The
-broker core (`broker.core`, through `broker.state` and `broker.dispatch`) calls these on every event,
-for the broker process and `april simulate` alike.
-Holds no sockets, no clocks and no sample data: only group counts, versions and ordering keys.
+Decides, from counts alone: which samples are dispatched first and how many go to each worker, which
+worker may be leased work, why a complete group is dropped, the order complete groups form batches in,
+and which prompt is issued next. What differs between the modes (rounds, the fresh-group allowance,
+aborts on a new version, whether a batch may be taken now) is each mode's `broker.modes.ModePolicy`; the
+functions here that take a mode's name ask its policy. The broker core (`broker.core`, through
+`broker.state` and `broker.dispatch`) calls these on every event, for the broker process and
+`april simulate` alike. Holds no sockets, no clocks and no sample data: only group counts, versions and
+ordering keys.
 
 Counting is in groups. `accepted` is every group issued and not dropped (trained, waiting, in flight or
-partial): the async admission bound of AReaL, `accepted <= (max_staleness + version + 1) x B`, caps it.
+partial): the async admission bound (`broker.modes.asynchronous`) caps it.
 """
 
 from __future__ import annotations
@@ -18,22 +20,15 @@ import heapq
 import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
-from april.config import AlgoConfig, Mode, PromptOrder
+from april.config import AlgoConfig, PromptOrder
 from april.records import Group
+from broker.modes import ModePolicy, PoolCounts, policy_for
+from broker.modes.asynchronous import admission_limit, keeps_staleness_bound, slack
+
+__all__ = ["PoolCounts", "admission_limit", "keeps_staleness_bound", "slack"]  # as before the modes moved
 
 NEVER_GENERATED = 1 << 62  # sort key of a sample with no tokens yet: after every partial
-
-
-@dataclass(frozen=True, slots=True)
-class PoolCounts:
-    """The groups the policy reasons about (none of them in an unacked batch)."""
-
-    in_flight: int  # a sample leased or queued for a lease
-    partial: int  # none running, some interrupted waiting to resume
-    complete: int  # every sample finished, passed the filter, not handed to the learner yet
-    accepted: int  # issued - dropped, including trained and handed-out groups
 
 
 class CompleteGroups:
@@ -88,53 +83,36 @@ class CompleteGroups:
         )
 
 
-def is_round_based(mode: Mode) -> bool:
-    """sync and april run rounds: generation stops while the learner trains (as in the paper)."""
-    return mode in (Mode.SYNC, Mode.APRIL)
+def is_round_based(mode: str) -> bool:
+    """Whether mode `mode` runs rounds (sync and april: generation stops while the learner trains)."""
+    return policy_for(mode).round_based
 
 
-def round_target(mode: Mode, algo: AlgoConfig, planned: int | None = None) -> int:
-    """Groups kept in a round (in flight + partial + complete): the batch, or the over-sampled batch
-    (`over_sampling = "auto"`: the round's `planned` target, see broker/round_plan.py)."""
-    if mode == Mode.SYNC:
-        return algo.rollout_batch_size
-    return algo.over_sampling_batch_size if planned is None else planned
-
-
-def admission_limit(algo: AlgoConfig, version: int) -> int:
-    """async: the most groups ever accepted by learner version `version`: (eta + v + 1) x B."""
-    return (algo.max_staleness + version + 1) * algo.rollout_batch_size
+def round_target(mode: str, algo: AlgoConfig, planned: int | None = None) -> int:
+    """Groups kept in a round of mode `mode` (`ModePolicy.round_target`)."""
+    return policy_for(mode).round_target(algo, planned)
 
 
 def fresh_group_allowance(
-    mode: Mode,
+    mode: str,
     algo: AlgoConfig,
     counts: PoolCounts,
     version: int,
     round_open: bool,
     planned: int | None = None,
 ) -> int:
-    """How many new groups may be issued now (partials and queued samples are dispatched first).
-
-    sync/april: top the round up to its target; dropped (filtered) groups are replaced, complete ones
-    count toward the target, so a round never holds more than the target. async: the admission bound.
-    """
-    if is_round_based(mode):
-        if not round_open:
-            return 0
-        target = round_target(mode, algo, planned)
-        return max(0, target - counts.in_flight - counts.partial - counts.complete)
-    return max(0, admission_limit(algo, version) - counts.accepted)
+    """How many new groups mode `mode` may issue now (`ModePolicy.fresh_group_allowance`)."""
+    return policy_for(mode).fresh_group_allowance(algo, counts, version, round_open, planned)
 
 
-def round_complete(mode: Mode, algo: AlgoConfig, counts: PoolCounts) -> bool:
-    """A round ends once a batch worth of complete groups exists (never in async)."""
-    return is_round_based(mode) and counts.complete >= algo.rollout_batch_size
+def round_complete(mode: str, algo: AlgoConfig, counts: PoolCounts) -> bool:
+    """Whether a round of mode `mode` is complete (never in a mode without rounds)."""
+    return policy_for(mode).round_complete(algo, counts)
 
 
-def abort_on_new_version(mode: Mode) -> bool:
-    """async: every new weight version interrupts generation so it resumes under the new weights."""
-    return mode == Mode.ASYNC
+def abort_on_new_version(mode: str) -> bool:
+    """Whether a new weight version aborts what is leased in mode `mode` (async)."""
+    return policy_for(mode).abort_on_new_version
 
 
 def drop_reason(group: Group, algo: AlgoConfig) -> str | None:
@@ -164,102 +142,34 @@ def dispatch_key(group_id: int, index: int, min_version: int | None) -> tuple[in
     return (NEVER_GENERATED if min_version is None else min_version, group_id, index)
 
 
-def slack(min_version: int | None, learner_version: int, max_staleness: int) -> int:
-    """async: how many later batches this group may still wait, 0..eta (0: it is due: the next batch
-    must take it).
-
-    A group whose oldest token is of version m must be trained at a version <= m + eta (its deadline); its
-    slack is deadline - learner_version. A group with no token yet gets its first under the learner's
-    version or later: slack eta. An overdue group (left by an earlier setting or a restart) counts as due.
-    """
-    oldest = learner_version if min_version is None else min_version
-    return min(max_staleness, max(0, oldest + max_staleness - learner_version))
-
-
-def keeps_staleness_bound(
-    algo: AlgoConfig,
-    complete: Iterable[int | None],
-    incomplete: Iterable[int | None],
-    learner_version: int,
-) -> bool:
-    """async: whether a batch taken now (the B complete groups of least slack) leaves every untrained group
-    a batch in time. Groups are given by their oldest token version (None: no token yet).
-
-    One batch of B groups is trained per version. Let N(k) be the untrained groups (complete or not, none
-    in the unacked batch) with slack <= k, C(k) the complete ones. The rule: for every k in 0..eta,
-
-        C(k) >= min(B, N(k) - k x B)
-
-    (the groups due within k versions that the k later batches cannot hold must be in this one, so they
-    must be complete). Proof that no trained group ever exceeds max_staleness, by the invariant
-    I: N(k) <= (k + 1) x B for k = 0..eta, whenever the learner waits for a batch at version v:
-      - k = eta, always: every untrained group has slack <= eta, and admission keeps them at most
-        accepted - trained <= (eta + v + 1) x B - v x B = (eta + 1) x B.
-      - k < eta: N(k) counts only groups holding a token older than v. While v stands no event adds one
-        (new tokens are of version v; completing and dropping only remove), so I is kept between batches.
-      - Taking the B complete groups of least slack puts min(B, C(k)) groups of slack <= k in the batch for
-        every k at once (no choice puts more), so after it N'(k) = N(k) - min(B, C(k)) <= max(N(k) - B,
-        k x B) <= k x B by the rule and I. At v + 1 every slack drops by one: N(k - 1) <= k x B, which is I.
-      - At k = 0, N'(0) <= 0: every due group is in the batch, so none is trained after its deadline.
-    The learner never waits for fresh work: under I the rule holds as soon as B groups are complete and
-    every group with slack < eta (one holding a token older than v) is complete. With eta <= 1 the rule is
-    just "every due group is complete" (admission alone makes due groups fit in one batch); with eta >= 2
-    it also keeps a batch from being filled with young groups while older ones run, after which more than
-    a batch of them could fall due at one version. The proof assumes tokens are generated under the
-    learner's version (async relays new weights and aborts before leasing again); if I is broken anyway,
-    min(B, .) asks for at most a batch of the most urgent groups, so batches still form.
-    """
-    return _keeps_bound(algo, Counter(complete), Counter(incomplete), learner_version)
-
-
-def _keeps_bound(
-    algo: AlgoConfig,
-    complete: Counter[int | None],
-    incomplete: Counter[int | None],
-    learner_version: int,
-) -> bool:
-    """`keeps_staleness_bound` with the groups counted by oldest token version: O(versions)."""
-    b, eta = algo.rollout_batch_size, algo.max_staleness
-    total: Counter[int] = Counter()  # untrained groups by slack
-    ready: Counter[int] = Counter()  # complete ones by slack
-    for m, count in complete.items():
-        k = slack(m, learner_version, eta)
-        total[k] += count
-        ready[k] += count
-    for m, count in incomplete.items():
-        total[slack(m, learner_version, eta)] += count
-    # Between two slack values that occur, N(k) and C(k) stay put while min(B, N(k) - k x B) only falls,
-    # so the rule need only be checked at k = 0 and where a group's slack is: O(groups), whatever eta
-    # (a list per k in 0..eta made a large max_staleness cost gigabytes and minutes per batch).
-    n = c = 0
-    for k in sorted(total.keys() | {0}):
-        n, c = n + total[k], c + ready[k]
-        if c < min(b, n - k * b):
-            return False
-    return True
-
-
 def select_batch(
-    mode: Mode,
+    mode: str,
+    algo: AlgoConfig,
+    complete: CompleteGroups,
+    learner_version: int,
+    incomplete: Sequence[int | None] = (),
+) -> list[int] | None:
+    """`take_batch` for mode `mode` (a `run.mode` value)."""
+    return take_batch(policy_for(mode), algo, complete, learner_version, incomplete)
+
+
+def take_batch(
+    mode: ModePolicy,
     algo: AlgoConfig,
     complete: CompleteGroups,
     learner_version: int,
     incomplete: Sequence[int | None] = (),
 ) -> list[int] | None:
     """The group ids of the next batch: exactly rollout_batch_size complete groups, oldest first, or
-    None when there are not enough. Surplus groups stay for the next batch.
-
-    async: `incomplete` holds the oldest token version (None: no token yet) of every untrained group that
-    is not complete. A batch is only formed when it keeps the staleness bound for every group, this batch's
-    and the later ones' (`keeps_staleness_bound`), so no sample is ever trained with staleness above
-    max_staleness. Oldest first is least slack first, the choice that rule needs.
+    None when there are not enough or the mode holds the batch back (`ModePolicy.batch_may_form`; async:
+    only a batch that keeps the staleness bound for every group, given in `incomplete` the oldest token
+    version of every untrained group not complete). Surplus groups stay for the next batch. Oldest first
+    is least slack first, the choice async's rule needs.
     """
     b = algo.rollout_batch_size
     if len(complete) < b:
         return None
-    if mode == Mode.ASYNC and not _keeps_bound(
-        algo, complete.versions(), Counter(incomplete), learner_version
-    ):
+    if not mode.batch_may_form(algo, complete.versions(), incomplete, learner_version):
         return None
     return complete.oldest(b, learner_version)
 

@@ -8,8 +8,9 @@ heartbeats, the learner's session, snapshots (a formed batch leaves only once it
 the log of settled samples and the journal of the books' changes (`broker.journal`, handed to the
 snapshot writer after each turn of the loop), result acknowledgements (a worker's result is acknowledged
 once the journal holding it is durable: in the next Lease it is sent, else a ResultAck), eval.jsonl and
-the evaluations' rollout records, the status feed and the Prometheus endpoint. Every scheduling decision
-is `broker.core.BrokerCore`'s: the loop hands it each event with the time, and carries out what it decides.
+the evaluations' rollout records, the status feed and the Prometheus endpoint. Every scheduling decision,
+and the workers' liveness (who is lost, who is due a heartbeat), is `broker.core.BrokerCore`'s: the loop
+hands it each event with the time, carries out the decisions it returns, and reads its status view.
 """
 
 from __future__ import annotations
@@ -39,7 +40,18 @@ from april.wire_records import SampleBatch
 from broker import snapshot
 from broker.auth import CurveGate
 from broker.core import BrokerCore
-from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, RunStopped, Send, Settled
+from broker.decisions import (
+    BatchFormed,
+    Decision,
+    EvalFinished,
+    LeaseOut,
+    Refuse,
+    RunStopped,
+    Send,
+    Settled,
+    ToLearner,
+    WorkerLost,
+)
 from broker.eval_records import open_eval_records
 from broker.heldout import open_prompts
 from broker.journal import Journal
@@ -113,9 +125,9 @@ class Broker:
         self._unlogged: list[tuple[str, int, float]] = []
         self.eval_records = open_eval_records(config, run_dir)
         self.batch_snapshot_seq = 0  # the formed batch is sent once this snapshot is durable
+        self.held_batch: PendingBatch | None = None  # handed out by the core, sent once durable
         self.learner: LearnerPeer | None = None
         self.learner_identity = b""
-        self.learner_metrics: dict[str, float] = {}  # the learner's figures of its last acked step
         self.rejections = Rejections()
         self.last_status = 0.0
         self.last_snapshot = now
@@ -234,7 +246,8 @@ class Broker:
             if worker_id not in self.core.workers:
                 del self.acks[worker_id]
             elif acks.pending[0][0] <= durable and acks.pending[0][2] <= due:
-                self._send_worker(worker_id, protocol.ResultAck(self._acked(worker_id)), now)
+                self._send_worker(worker_id, protocol.ResultAck(self._acked(worker_id)))
+                self.core.on_sent(worker_id, now)
 
     # ------------------------------------------------------------------ receiving and sending
 
@@ -248,7 +261,7 @@ class Broker:
         once a batch is due (`BrokerCore.batch_due`), and at least that many, so the loop goes on whatever
         the batch waits for."""
         for handled in range(DRAIN_LIMIT):
-            if batch_first and handled >= DRAIN_LIMIT_BATCH_DUE and self.core.batch_due():
+            if batch_first and handled >= DRAIN_LIMIT_BATCH_DUE and self.batch_due():
                 return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -275,11 +288,15 @@ class Broker:
         frames = protocol.encode(msg)
         sock.send_multipart([identity, *frames], copy=len(frames) < 4)
 
-    def _send_worker(self, worker_id: str, msg: Message, now: float) -> None:
+    def _send_worker(self, worker_id: str, msg: Message) -> None:
         self._send(self.worker_sock, worker_id.encode(), msg)
-        peer = self.core.workers.get(worker_id)
-        if peer is not None:
-            self.core.workers.sent(peer, now)
+
+    def _send_learner(self, msg: Message) -> None:
+        self._send(self.learner_sock, self.learner_identity, msg)
+
+    def batch_due(self) -> bool:
+        """The learner waits for a batch that can be formed, or a batch handed out waits for its snapshot."""
+        return self.held_batch is not None or self.core.batch_due()
 
     def _carry_out(self, decisions: list[Decision], now: float, result: SampleBatch | None = None) -> None:
         """Do what the core decided, in its order; `result`: the SampleResult's samples the decisions
@@ -287,9 +304,11 @@ class Broker:
         for d in decisions:
             match d:
                 case LeaseOut(worker_id=worker_id, work=work, greedy=greedy):
-                    self._send_worker(worker_id, lease_message(work, greedy, self._acked(worker_id)), now)
+                    self._send_worker(worker_id, lease_message(work, greedy, self._acked(worker_id)))
                 case Send(worker_id=worker_id, message=message):
-                    self._send_worker(worker_id, message, now)
+                    self._send_worker(worker_id, message)
+                case ToLearner(message=message) if self.learner is not None:
+                    self._send_learner(message)
                 case Settled(samples=samples, whole=whole):
                     if whole and result is not None and len(result) >= LOG_AS_RECEIVED_MIN:
                         # the arrays as they came, in one record, with the lease spans the books added
@@ -300,8 +319,13 @@ class Broker:
                     self.rejections.count(peer_id, reason)
                     if reply:
                         self._send(self.worker_sock, peer_id.encode(), protocol.Error(reason, detail))
-                case BatchFormed():
-                    self.batch_snapshot_seq = self.save_snapshot()
+                case BatchFormed(batch=batch, again=again):
+                    if not again:  # a new batch leaves once the snapshot holding it is durable
+                        self.batch_snapshot_seq = self.save_snapshot()
+                    self.held_batch = batch
+                    self._send_batch(now)
+                case WorkerLost(worker_id=worker_id):
+                    self.acks.pop(worker_id, None)
                 case EvalFinished(result=finished):
                     line = json.dumps({"time": time.time(), **finished.to_json()})
                     with open(self.run_dir / EVAL_LOG, "a", encoding="utf-8") as f:
@@ -309,9 +333,7 @@ class Broker:
                     if self.eval_records is not None:
                         self.eval_records.submit(finished)
                 case RunStopped(line=line) if self.learner is not None:  # its learner exits with the line
-                    self._send(
-                        self.learner_sock, self.learner_identity, protocol.Error(RUN_FAILED, line[:500])
-                    )
+                    self._send_learner(protocol.Error(RUN_FAILED, line[:500]))
 
     # ------------------------------------------------------------------ workers
 
@@ -331,24 +353,16 @@ class Broker:
             self._unlogged = [item for item in self._unlogged if item[0] != msg.worker_id]
             self._carry_out(core.on_hello(msg, now), now)
             return
-        peer = core.workers.get(worker_id)
-        if peer is None:
+        if worker_id not in core.workers:
             self._reject(self.worker_sock, identity, "not_registered", "send WorkerHello first")
             return
-        core.workers.heard(peer, now)
-        peer.messages += 1
-        if peer.restored and now - peer.hello_asked >= self.cfg.heartbeat_interval_s:
-            # a worker whose socket reconnected to this restarted broker by itself never finds it silent
-            # (it answers and sends heartbeats): only this asks it for the hello that makes it leasable
-            peer.hello_asked = now
-            self._send_worker(worker_id, protocol.Error("not_registered", "broker restarted: say hello"), now)
+        self._carry_out(core.on_heard(worker_id, now), now)
         match msg:
             case protocol.Heartbeat():
                 pass
             case protocol.LeaseRequest(credit=credit):
-                core.on_credit(worker_id, credit)
+                self._carry_out(core.on_credit(worker_id, credit), now)
             case protocol.SampleResult():
-                peer.samples_returned += len(msg.samples)
                 self._carry_out(core.on_result(worker_id, msg, now), now, msg.samples)
                 if msg.seq:  # acknowledged once its journal is durable
                     self._unlogged.append((worker_id, msg.seq, now))
@@ -358,15 +372,14 @@ class Broker:
                     now,
                 )
             case protocol.EngineUsage():
-                core.on_usage(worker_id, msg, now)
+                self._carry_out(core.on_usage(worker_id, msg, now), now)
             case protocol.EngineHealth():
-                core.on_engine_health(worker_id, msg)
+                self._carry_out(core.on_engine_health(worker_id, msg), now)
             case protocol.WeightsLoaded():
                 self._carry_out(core.on_weights_loaded(worker_id, msg), now)
             case protocol.Disconnect(reason=reason):
                 log.info("worker %s disconnected: %s", worker_id, reason)
-                core.on_worker_lost(worker_id)
-                self.acks.pop(worker_id, None)
+                self._carry_out(core.on_worker_lost(worker_id), now)
             case _:
                 self._reject(self.worker_sock, identity, "unexpected_message", type(msg).__name__)
 
@@ -380,9 +393,9 @@ class Broker:
         if isinstance(msg, protocol.LearnerHello):
             self.learner = LearnerPeer(msg.learner_id, last_seen=now, last_sent=now)
             self.learner_identity = identity
-            core.on_learner_hello(msg.learner_id)
+            self.held_batch = None  # a batch handed to an earlier session goes again when this one asks
             log.info("learner %s registered (v%d)", msg.learner_id, msg.version)
-            self._send(self.learner_sock, identity, core.welcome(msg.learner_id))
+            self._carry_out(core.on_learner_hello(msg.learner_id), now)
             return
         if self.learner is None or identity != self.learner_identity:
             self._reject(self.learner_sock, identity, "not_registered", "send LearnerHello first")
@@ -392,14 +405,9 @@ class Broker:
             case protocol.Heartbeat():
                 pass
             case protocol.BatchRequest(step=step, last_batch_id=last):
-                core.on_batch_request(step, last, now)
+                self._carry_out(core.on_batch_request(step, last, now), now)
             case protocol.BatchAck(batch_id=batch_id, metrics=metrics):
-                if core.on_ack(batch_id, now):
-                    self.learner_metrics = dict(metrics)
-                else:
-                    self._reject(
-                        self.learner_sock, identity, "stale_batch_ack", f"no unacked batch {batch_id}"
-                    )
+                self._carry_out(core.on_ack(batch_id, now, dict(metrics)), now)
             case protocol.WeightsReady(version=version, uri=uri, sha256=sha256):
                 decisions = core.on_weights(version, uri, sha256, now)
                 if any(isinstance(d, Send) and isinstance(d.message, WeightsReady) for d in decisions):
@@ -412,14 +420,16 @@ class Broker:
                 self.learner.enter(phase, detail, now)
             case protocol.Disconnect():
                 self.learner = None
-                core.on_learner_gone()
+                self.held_batch = None
+                self._carry_out(core.on_learner_gone(), now)
             case _:
                 self._reject(self.learner_sock, identity, "unexpected_message", type(msg).__name__)
 
-    def _send_batch(self, batch: PendingBatch, now: float) -> None:
-        """Hand the formed batch to the learner once its snapshot is durable: a crash must never forget a
+    def _send_batch(self, now: float) -> None:
+        """Send the batch the core handed out once its snapshot is durable: a crash must never forget a
         batch the learner may have trained."""
-        if self.learner is None or self.snapshots.durable_seq < self.batch_snapshot_seq:
+        batch = self.held_batch
+        if batch is None or self.learner is None or self.snapshots.durable_seq < self.batch_snapshot_seq:
             return
         columns = self.snapshots.batch_columns(batch.batch_id)  # gathered off the loop with its snapshot
         message = protocol.Batch(
@@ -430,8 +440,8 @@ class Broker:
             stats=dict(batch.stats),
             ledger=self.core.state.ledger(),
         )
-        self._send(self.learner_sock, self.learner_identity, message)
-        self.core.batch_sent()
+        self._send_learner(message)
+        self.held_batch = None
         self.learner.last_sent = now
 
     # ------------------------------------------------------------------ the tick
@@ -440,22 +450,10 @@ class Broker:
         if self.snapshots.error is not None:
             raise snapshot.SnapshotError(f"cannot write snapshots: {self.snapshots.error}")
         core = self.core
-        for worker_id in core.workers.dead(now):
-            log.warning(
-                "worker %s silent for %.1fs: dead, %d leases re-queued",
-                worker_id,
-                now - core.workers.peers[worker_id].last_seen,
-                len(core.leases_of(worker_id)),
-            )
-            core.on_worker_lost(worker_id)
         self._carry_out(core.tick(now), now)
-        batch = core.owed_batch()
-        if batch is not None:
-            self._send_batch(batch, now)
+        self._send_batch(now)
         if self.acks:
             self._send_acks(now)
-        for peer in core.workers.due_heartbeat(now):
-            self._send_worker(peer.peer_id, protocol.Heartbeat(), now)
         if self.learner is not None and now - self.learner.last_sent >= self.cfg.heartbeat_interval_s:
             self._send(self.learner_sock, self.learner_identity, protocol.Heartbeat())
             self.learner.last_sent = now
@@ -472,22 +470,13 @@ class Broker:
             core.state.check_ledger("in debug tick")
 
     def status(self, now: float) -> BrokerStatus:
-        core = self.core
         view = StatusView(
             run=self.config.run.name,
             steps=self.config.run.steps,
-            uptime_s=now - core.started,
-            books=core.books(),
-            round=core.round_view(),
-            workers=core.workers.peers.values(),
-            liveness_window_s=core.workers.window,
+            core=self.core.view(now),
             learner=self.learner,
-            learner_waiting=core.learner_waiting is not None,
-            learner_metrics=self.learner_metrics,
-            batches_acked=core.batches_acked,
-            eval=core.evals.status(),
+            batch_held=self.held_batch is not None,
             rejections=self.rejections,
-            failures=core.failures,
         )
         return build_status(view, now)
 

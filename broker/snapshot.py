@@ -172,7 +172,7 @@ class SnapshotRefs:
 def capture_refs(state: BrokerState) -> SnapshotRefs:
     scalars = {
         "epoch": state.epoch,
-        "mode": state.mode.value,
+        "mode": str(state.mode),
         "n_samples_per_prompt": state.algo.n_samples_per_prompt,
         "version": state.version,
         "weights_uri": state.weights_uri,

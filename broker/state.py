@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from april.config import AlgoConfig, Mode, OverSampling, PromptOrder
+from april.config import AlgoConfig, PromptOrder
 from april.data import PromptRecord, PromptSource
 from april.ledger import Ledger, LedgerError
 from april.records import (
@@ -43,6 +43,7 @@ from april.wire_records import SampleBatch
 from broker import policy
 from broker.journal import Journal
 from broker.length_history import LengthHistory
+from broker.modes import policy_for
 from broker.result_check import ResultRejected, check_continues, holds_already, plainly_valid
 from broker.round_plan import CarriedGroup, plan_round_target
 
@@ -162,7 +163,7 @@ class RoundCounters:
 class BooksView:
     """The books' figures at one moment, for the status (`BrokerState.view`)."""
 
-    mode: Mode
+    mode: str  # run.mode
     version: int
     epoch: int
     cursor: int
@@ -181,8 +182,9 @@ class BooksView:
 
 
 class BrokerState:
-    def __init__(self, mode: Mode, algo: AlgoConfig, source: PromptSource, epoch: int = 0) -> None:
+    def __init__(self, mode: str, algo: AlgoConfig, source: PromptSource, epoch: int = 0) -> None:
         self.mode = mode
+        self.mode_policy = policy_for(mode)  # the mode's rules, chosen once (broker.modes)
         self.algo = algo
         self.source = source
         self.epoch = epoch
@@ -408,7 +410,7 @@ class BrokerState:
         return chosen.cursor, self.source.get(chosen.cursor)
 
     def dispatch_allowed(self) -> bool:
-        return self.round_open or not policy.is_round_based(self.mode)
+        return self.round_open or not self.mode_policy.round_based
 
     def leasable_samples(self) -> int:
         """Samples `take_work` could lease now, to workers of any version: the queued ones, and those of
@@ -416,8 +418,8 @@ class BrokerState:
         if not self.dispatch_allowed():
             return 0
         n = self.algo.n_samples_per_prompt
-        allowance = policy.fresh_group_allowance(
-            self.mode, self.algo, self.counts(), self.version, self.round_open, self.planned_target
+        allowance = self.mode_policy.fresh_group_allowance(
+            self.algo, self.counts(), self.version, self.round_open, self.planned_target
         )
         room = (self.max_live_samples - len(self.groups) * n) // n
         return len(self.queue) + n * max(0, min(allowance, room))
@@ -449,8 +451,8 @@ class BrokerState:
     ) -> None:
         while len(out) < credit:
             if not self.queue:
-                allowance = policy.fresh_group_allowance(
-                    self.mode, self.algo, self.counts(), self.version, self.round_open, self.planned_target
+                allowance = self.mode_policy.fresh_group_allowance(
+                    self.algo, self.counts(), self.version, self.round_open, self.planned_target
                 )
                 live = len(self.groups) * self.algo.n_samples_per_prompt
                 if allowance <= 0 or live + self.algo.n_samples_per_prompt > self.max_live_samples:
@@ -674,11 +676,11 @@ class BrokerState:
     # ------------------------------------------------------------------ rounds (sync / april)
 
     def round_complete(self) -> bool:
-        return policy.round_complete(self.mode, self.algo, self.counts())
+        return self.mode_policy.round_complete(self.algo, self.counts())
 
     def close_round_if_complete(self) -> bool:
         """Close the round once it is complete; True if it was just closed."""
-        if policy.is_round_based(self.mode) and self.round_open and self.round_complete():
+        if self.mode_policy.round_based and self.round_open and self.round_complete():
             self.round_open = False
             if self.journal is not None:
                 self.journal.close_round()
@@ -697,9 +699,9 @@ class BrokerState:
     # ------------------------------------------------------------------ batches
 
     def incomplete_versions(self) -> list[int | None]:
-        """async: the oldest token version (None: no token yet) of every untrained group that is not
-        complete, for `policy.select_batch`."""
-        if self.mode != Mode.ASYNC:
+        """The oldest token version (None: no token yet) of every untrained group that is not complete, for
+        `policy.take_batch`, where the mode asks for them (async); else none."""
+        if not self.mode_policy.needs_incomplete_versions:
             return []
         return [g.min_version() for g in self.unfinished.values()]
 
@@ -710,7 +712,7 @@ class BrokerState:
         if len(self.complete) < self.algo.rollout_batch_size:
             return None  # select_batch needs a batch worth of complete groups: skip the O(groups) scan
         incomplete = self.incomplete_versions()
-        chosen = policy.select_batch(self.mode, self.algo, self.batch_order, self.version, incomplete)
+        chosen = policy.take_batch(self.mode_policy, self.algo, self.batch_order, self.version, incomplete)
         if chosen is None:
             return None
         samples = [s for gid in chosen for s in self.groups[gid].samples]
@@ -752,15 +754,16 @@ class BrokerState:
             del self.groups[gid]
         self.trained += len(self.batch.group_ids)
         self.batch = None
-        if policy.is_round_based(self.mode):
+        if self.mode_policy.round_based:
             self.round_open = True  # the next round runs on the weights published before the ack
             self.plan_round(slots, seed=batch_id)
         return True
 
     def plan_round(self, slots: int, seed: int) -> None:
-        """april with `over_sampling = "auto"`: choose the opening round's target (broker/round_plan.py)
-        from the live groups, the observed lengths and `slots`; otherwise the configured one."""
-        if self.mode != Mode.APRIL or self.algo.over_sampling != OverSampling.AUTO:
+        """Where the mode plans its rounds (april with `over_sampling = "auto"`): choose the opening round's
+        target (broker/round_plan.py) from the live groups, the observed lengths and `slots`; otherwise the
+        configured one."""
+        if not self.mode_policy.plans_rounds(self.algo):
             self.planned_target = None
             return
         carried = [

@@ -1,6 +1,7 @@
 """The broker's status record (`april.status.BrokerStatus`): what `april status` prints and the PUB socket
-publishes, built from a `StatusView` the server gathers (the books' figures, the round, the worker
-registry, the learner session, the evaluations and the rejection counts).
+publishes, built from a `StatusView` the server gathers: the core's view (`broker.core.CoreView`: the
+books' figures, the round, the worker registry, the evaluations, the sample errors), the learner session
+and the rejection counts.
 
 Read-only: a mapping of the view, changing nothing and knowing nothing of the Broker. The record's shape
 and its wire and JSON forms are `april.status`'s.
@@ -8,12 +9,10 @@ and its wire and JSON forms are `april.status`'s.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from april.status import (
     BrokerStatus,
-    EvalStatus,
     LearnerStatus,
     Rejected,
     RoundStatus,
@@ -21,10 +20,8 @@ from april.status import (
     UnackedBatch,
     WorkerStatus,
 )
-from broker.core import RoundView
-from broker.failures import FailureBook
-from broker.peers import LearnerPeer, Rejections, WorkerPeer
-from broker.state import BooksView
+from broker.core import CoreView
+from broker.peers import LearnerPeer, Rejections
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,35 +30,28 @@ class StatusView:
 
     run: str
     steps: int
-    uptime_s: float
-    books: BooksView
-    round: RoundView
-    workers: Iterable[WorkerPeer]
-    liveness_window_s: float  # a worker heard from within it is alive
+    core: CoreView
     learner: LearnerPeer | None
-    learner_waiting: bool
-    learner_metrics: Mapping[str, float]
-    batches_acked: int
-    eval: EvalStatus | None
+    batch_held: bool  # a batch handed to the learner waits for its snapshot (the learner still waits)
     rejections: Rejections
-    failures: FailureBook | None = None  # the sample errors (None: none counted)
 
 
 def build_status(view: StatusView, now: float) -> BrokerStatus:
-    books, learner, batch, rejections = view.books, view.learner, view.books.unacked, view.rejections
-    failures = view.failures
+    core, learner, rejections = view.core, view.learner, view.rejections
+    books, failures = core.books, core.failures
+    batch = books.unacked
     return BrokerStatus(
         run=view.run,
         steps=view.steps,
-        mode=books.mode.value,
+        mode=str(books.mode),
         version=books.version,
         epoch=books.epoch,
-        uptime_s=round(view.uptime_s, 3),
+        uptime_s=round(core.uptime_s, 3),
         round=RoundStatus(
-            id=view.round.round_id,
-            open=view.round.open,
-            aborting=view.round.aborting,
-            aborts_done=view.round.aborts_done,
+            id=core.round.round_id,
+            open=core.round.open,
+            aborting=core.round.aborting,
+            aborts_done=core.round.aborts_done,
         ),
         workers=_workers(view, now),
         learner=None
@@ -69,13 +59,13 @@ def build_status(view: StatusView, now: float) -> BrokerStatus:
         else LearnerStatus(
             id=learner.peer_id,
             last_seen_s=round(now - learner.last_seen, 3),
-            waiting_for_batch=view.learner_waiting,
+            waiting_for_batch=core.learner_waiting or view.batch_held,
             phase="" if learner.phase is None else learner.phase.name.lower().replace("_", " "),
             phase_detail=learner.phase_detail,
             phase_s=0.0 if learner.phase is None else round(now - learner.phase_since, 3),
             engine=learner.engine,
         ),
-        learner_metrics=dict(view.learner_metrics),
+        learner_metrics=dict(core.learner_metrics),
         in_flight_groups=books.in_flight_groups,
         leased_samples=books.leased_samples,
         queued_samples=books.queued_samples,
@@ -93,21 +83,22 @@ def build_status(view: StatusView, now: float) -> BrokerStatus:
             resumed=books.totals.resumed,
             tokens_generated=books.totals.tokens_generated,
             samples_finished=books.totals.samples_finished,
-            batches_acked=view.batches_acked,
+            batches_acked=core.batches_acked,
         ),
-        eval=view.eval,
+        eval=core.eval,
         rejected=Rejected(
             by_reason=dict(rejections.by_reason),
             by_peer={peer: dict(counts) for peer, counts in rejections.by_peer.items()},
         ),
-        errors={} if failures is None else dict(sorted(failures.counts.items())),
-        error_lines=[] if failures is None else list(failures.lines.values()),
-        stopped="" if failures is None else failures.stopped,
+        errors=dict(sorted(failures.counts.items())),
+        error_lines=list(failures.lines.values()),
+        stopped=failures.stopped,
     )
 
 
 def _workers(view: StatusView, now: float) -> list[WorkerStatus]:
-    leases = view.books.leases
+    core = view.core
+    leases = core.books.leases
     return [
         WorkerStatus(
             id=p.peer_id,
@@ -121,7 +112,7 @@ def _workers(view: StatusView, now: float) -> list[WorkerStatus]:
             host=p.host,
             last_seen_s=round(now - p.last_seen, 3),
             restored=p.restored,
-            alive=now - p.last_seen <= view.liveness_window_s,
+            alive=now - p.last_seen <= core.liveness_window_s,
             engine_ok=p.engine_ok,
             engine_detail=p.engine_detail,
             failed_by_engine=p.failed_by_engine,
@@ -132,5 +123,5 @@ def _workers(view: StatusView, now: float) -> list[WorkerStatus]:
             samples_returned=p.samples_returned,
             placement=p.placement,
         )
-        for p in view.workers
+        for p in core.workers
     ]

@@ -9,6 +9,7 @@ got, one by one.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,17 @@ from april.engine_cost import EngineCost
 from april.records import FinishReason, Sample
 from april.wire_records import SampleBatch
 from broker.core import BrokerCore
-from broker.decisions import BatchFormed, Decision, EvalFinished, LeaseOut, Refuse, Send, Settled
+from broker.decisions import (
+    BatchFormed,
+    Decision,
+    EvalFinished,
+    LeaseOut,
+    Refuse,
+    Send,
+    Settled,
+    ToLearner,
+    WorkerLost,
+)
 from broker.server import Broker
 from broker.sim.episodes import DrawnEpisodes, EpisodeWorkload
 from broker.sim.model import Simulation
@@ -150,7 +161,6 @@ class Recorder:
             "on_ack",
             "on_weights",
             "tick",
-            "batch_sent",
         }
     )
 
@@ -175,16 +185,16 @@ class Recorder:
 def replay(calls: list[tuple[str, tuple[Any, ...], float, Any]], broker: Broker) -> list[Decision]:
     """The simulation's events as the messages a worker or the learner sends, handed to the server's
     handlers at the same times (from the broker's start); returns every decision the server carried out.
-    A formed batch leaves when the simulation's learner took it, once its snapshot is durable."""
+    The batch the core hands out is not sent (the simulation's learner took it at once)."""
     seen: list[Decision] = []
-    carry_out, send_batch = broker._carry_out, broker._send_batch
+    carry_out = broker._carry_out
 
     def noted(decisions: list[Decision], now: float, result: SampleBatch | None = None) -> None:
         seen.extend(decisions)
         carry_out(decisions, now, result)
 
     broker._carry_out = noted  # type: ignore[method-assign]
-    broker._send_batch = lambda batch, now: None  # type: ignore[method-assign]
+    broker._send_batch = lambda now: None  # type: ignore[method-assign]
     start, learner = broker.core.started, b"learner"
     for name, args, at, _ in calls:
         now = start + at
@@ -214,17 +224,13 @@ def replay(calls: list[tuple[str, tuple[Any, ...], float, Any]], broker: Broker)
                 broker._on_learner(learner, protocol.WeightsReady(*args[:3]), now)
             case "tick":
                 broker.tick(now)
-            case "batch_sent":
-                assert broker.snapshots.wait(broker.batch_snapshot_seq, 60)
-                batch = broker.core.owed_batch()
-                assert batch is not None
-                send_batch(batch, now)
     return seen
 
 
 def digest(decisions: list[Decision]) -> list[tuple[Any, ...]]:
     """What a decision decides, comparable: samples by identity and progress (their arrays are not
-    compared by ==), a batch by its groups and samples (its stats are figures, not decisions)."""
+    compared by ==), a batch by its groups and samples (its stats are figures, not decisions). Heartbeats
+    are left out: the simulator models no silence (its core's `liveness` is off)."""
 
     def sample(s: Sample) -> tuple[Any, ...]:
         return (s.group_id, s.index, s.status, s.response_len, s.segments, s.observations, s.resumes)
@@ -235,6 +241,8 @@ def digest(decisions: list[Decision]) -> list[tuple[Any, ...]]:
             case LeaseOut():
                 work = tuple((lease_id, budget, sample(s)) for lease_id, budget, s in d.work)
                 out.append(("LeaseOut", d.worker_id, work, d.greedy))
+            case Send(message=protocol.Heartbeat()):
+                pass
             case Send():
                 out.append(("Send", d.worker_id, d.message))
             case Refuse():
@@ -336,3 +344,59 @@ def test_the_simulator_and_a_stepped_real_broker_make_the_same_decisions_on_epis
     finally:
         broker.close()
     assert digest(served) == digest(simulated)
+
+
+# ------------------------------------------------------------------ the contract: decisions, liveness
+
+
+def test_every_event_returns_a_list_of_decisions() -> None:
+    """Each event method and the tick are annotated to return list[Decision], and do."""
+    events = [name for name in vars(BrokerCore) if name.startswith("on_")] + ["tick"]
+    assert len(events) >= 17
+    for name in events:
+        assert inspect.signature(getattr(BrokerCore, name)).return_annotation == "list[Decision]", name
+    core = core_of(Mode.APRIL)
+    calls: list[list[Decision]] = [
+        core.on_hello(hello("w0", 2), 0.0),
+        core.on_heard("w0", 0.1),
+        core.on_sent("w0", 0.1),
+        core.on_credit("w0", 1),
+        core.on_engine_health("w0", protocol.EngineHealth(True, "", 0, 0)),
+        core.on_learner_hello("learner"),
+        core.on_batch_request(0, -1, 0.2),
+        core.on_ack(7, 0.3),
+        core.on_weights(1, "file:///v1", "0" * 64, 0.4),
+        core.on_weights_loaded("w0", protocol.WeightsLoaded(1, True, "")),
+        core.tick(0.5),
+        core.on_learner_gone(),
+        core.on_worker_lost("w0"),
+    ]
+    assert all(isinstance(out, list) for out in calls)
+    assert [type(d) for d in calls[7]] == [Refuse, ToLearner]  # an ack of no batch: refused, answered
+    assert calls[-1] == [WorkerLost("w0")] and "w0" not in core.workers
+
+
+def test_the_tick_loses_silent_workers_and_sends_heartbeats_to_quiet_ones() -> None:
+    """Liveness is the core's (zguide's majordomo purge_workers / send_heartbeats): a worker heard from
+    within liveness x interval (3 x 1 s) lives, a quieter one is lost with its leases re-queued; a worker
+    sent nothing for an interval gets a Heartbeat, and any message sent counts."""
+    core = core_of(Mode.APRIL, over_sampling_batch_size=2)
+    core.on_hello(hello("w0", 2), 0.0)
+    core.on_hello(hello("w1", 2), 0.0)
+    first = core.tick(0.0)
+    assert leases(first) == {"w0": [0, 1], "w1": [2, 3]} and not sent(first, protocol.Heartbeat)
+    assert sent(core.tick(0.5), protocol.Heartbeat) == []
+    assert sent(core.tick(1.0), protocol.Heartbeat) == ["w0", "w1"]
+    core.on_sent("w1", 1.5)  # e.g. a ResultAck the server sent on its own
+    core.on_heard("w1", 1.9)
+    assert sent(core.tick(2.0), protocol.Heartbeat) == ["w0"]
+    out = core.tick(3.1)  # w0 silent for 3.1 s: lost, its two leases queued again
+    assert [d for d in out if isinstance(d, WorkerLost)] == [WorkerLost("w0")]
+    assert "w0" not in core.workers and core.state.leased_samples == 2 and len(core.state.queue) == 2
+    assert sent(out, protocol.Heartbeat) == ["w1"]
+    off = core_of(Mode.APRIL)
+    off.liveness = False  # april simulate: no silence is modelled
+    off.on_hello(hello("w0", 2), 0.0)
+    late = off.tick(100.0)
+    assert not [d for d in late if isinstance(d, WorkerLost)] and not sent(late, protocol.Heartbeat)
+    assert "w0" in off.workers

@@ -124,7 +124,7 @@ def test_a_due_batch_waits_behind_no_more_than_a_few_worker_messages(stepped: St
     b._drain(backlog, handle, batch_first=True)  # type: ignore[arg-type]
     assert len(seen) == DRAIN_LIMIT_BATCH_DUE  # the tick comes next: it forms the batch
     b.tick(time.monotonic())
-    assert b.core.state.batch is not None and b.core.batch_due()  # formed, waiting for its snapshot
+    assert b.core.state.batch is not None and b.batch_due()  # formed, waiting for its snapshot
     assert b.snapshots.wait(b.batch_snapshot_seq, DEADLINE_S)
     b._drain(backlog, handle, batch_first=True)  # type: ignore[arg-type]
     assert len(seen) == 2 * DRAIN_LIMIT_BATCH_DUE
@@ -133,7 +133,7 @@ def test_a_due_batch_waits_behind_no_more_than_a_few_worker_messages(stepped: St
     while isinstance(batch, protocol.Heartbeat):
         batch = recv(stepped.learner, int(DEADLINE_S * 1000))
     assert isinstance(batch, protocol.Batch) and len(batch.samples) == 2
-    assert not b.core.batch_due()
+    assert not b.batch_due()
     b._drain(backlog, handle, batch_first=True)  # type: ignore[arg-type]
     assert len(seen) == 100 and seen == ["Heartbeat"] * 100  # nothing due: the backlog in one go
 

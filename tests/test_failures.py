@@ -99,6 +99,7 @@ def finishes(s: Sample) -> Sample:
 def async_core(stop_after: int = 8) -> tuple[BrokerCore, Worker0]:
     core = core_of(Mode.ASYNC, rollout_batch_size=2, over_sampling_batch_size=4, max_staleness=4)
     core.failures.stop_after = stop_after
+    core.liveness = False  # w0's heartbeats are not played: no silence makes it lost
     return core, Worker0(core)
 
 

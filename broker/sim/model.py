@@ -35,7 +35,6 @@ from april.config import Config, ConfigError, Mode, ResumeKV
 from april.ledger import Ledger
 from april.records import Sample
 from april.sample_draw import LengthDraw, LengthSampler, prompt_key, sample_key
-from broker import policy
 from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, LeaseOut, Refuse, Send
 from broker.heldout import open_prompts
@@ -126,9 +125,7 @@ def wait_cause(state: BrokerState) -> str:
     """Which of WAIT_CAUSES holds the learner's next batch now (state: no batch could be formed)."""
     if len(state.complete) >= state.algo.rollout_batch_size:
         return "staleness"
-    if state.mode == Mode.ASYNC and state.counts().accepted >= policy.admission_limit(
-        state.algo, state.version
-    ):
+    if state.mode_policy.held_by_admission(state.algo, state.counts(), state.version):
         return "admission"
     return "generation"
 
@@ -176,8 +173,9 @@ class Simulation:
         run = config.config
         self.cost = run.worker.sim_cost
         source, _ = open_prompts(run)  # the run's training prompts (the held-out ones are not simulated)
-        self.core = BrokerCore(run, BrokerState(run.run.mode, run.algo, source), (), 0.0)
-        self.round_based = policy.is_round_based(run.run.mode)
+        # heartbeats are not modelled: no worker falls silent (an engine decoding a long tail sends nothing)
+        self.core = BrokerCore(run, BrokerState(run.run.mode, run.algo, source), (), 0.0, liveness=False)
+        self.round_based = self.core.state.mode_policy.round_based
         self.meter = Meter(config.engines)
         seed = run.run.seed
         prompt_corr = run.worker.sim_prompt_corr
@@ -221,13 +219,13 @@ class Simulation:
         for e in self.engines:
             hello = protocol.WorkerHello(e.worker_id, "sim", e.slots, 0, 0, "sim", NO_LEASES)
             self._carry_out(core.on_hello(hello, 0.0))
-        core.on_learner_hello(LEARNER_ID)
-        core.on_batch_request(0, -1, 0.0)
+        self._carry_out(core.on_learner_hello(LEARNER_ID))
+        self._carry_out(core.on_batch_request(0, -1, 0.0))
         self._tick()
         while not self.done:
             if not self.queue:
                 raise SimulationError(
-                    f"simulate {self.cfg.mode.value}: nothing left to happen after {self.trained} of "
+                    f"simulate {self.cfg.mode}: nothing left to happen after {self.trained} of "
                     f"{self.cfg.steps} steps at t={self.now:.3f}s ({core.state.ledger().describe()})"
                 )
             t, _, index, generation, steps = heapq.heappop(self.queue)
@@ -316,7 +314,7 @@ class Simulation:
         if items:
             self._return(engine, items, credit)
         elif credit:
-            self.core.on_credit(engine.worker_id, credit)
+            self._carry_out(self.core.on_credit(engine.worker_id, credit))
 
     def _arm_tools(self, engine: EngineModel) -> None:
         """The engine's tool calls just started answer at their time."""
@@ -338,13 +336,15 @@ class Simulation:
                     self._send(self.by_worker[d.worker_id], d)
                 case Send(message=protocol.Abort() | protocol.WeightsReady() as msg):
                     self._send(self.by_worker[d.worker_id], msg)
-                case BatchFormed(batch=batch):
+                case BatchFormed(batch=batch):  # never `again`: no ack is lost here
                     self._hand_out(batch)
                 case Refuse():
                     raise SimulationError(
                         f"simulate: the broker refused {d.peer_id}: {d.reason} ({d.detail})"
                     )
-                case _:  # a Welcome; settled samples (no log here); no evaluations run
+                case (
+                    _
+                ):  # a Welcome, to a worker or the learner; settled samples (no log here); no evaluations
                     pass
 
     def _tick(self) -> None:
@@ -363,7 +363,6 @@ class Simulation:
 
     def _hand_out(self, batch: PendingBatch) -> None:
         """The formed batch reaches the learner at once (no snapshot to wait for)."""
-        self.core.batch_sent()
         self.training = batch
         self.handed_out_s = self.now
         self.rollout_s += self.now - self.waiting_since
@@ -390,7 +389,7 @@ class Simulation:
         core = self.core
         version = core.state.version + 1
         self._carry_out(core.on_weights(version, f"sim://v{version}", "", self.now))
-        core.on_ack(batch.batch_id, self.now)
+        self._carry_out(core.on_ack(batch.batch_id, self.now))
         self.training = None
         self.trained += 1
         if self.trained >= self.cfg.steps:
@@ -398,7 +397,7 @@ class Simulation:
             return
         if self.round_based:
             self.meter.in_phase = True
-        core.on_batch_request(self.trained, batch.batch_id, self.now)
+        self._carry_out(core.on_batch_request(self.trained, batch.batch_id, self.now))
         self.waiting_since = self.now
         self._tick()
 
