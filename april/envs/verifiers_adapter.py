@@ -69,22 +69,22 @@ def load(spec: str, args: str) -> Any:
         module = importlib.import_module(module_name)
     except Exception as exc:
         raise EpisodeError(
-            f"env.name = {spec!r}: importing {module_name!r} failed: {one_line(exc)}"
+            f"env {spec!r}: importing {module_name!r} failed: {one_line(exc)}"
         ) from None
     if not callable(getattr(module, "load_environment", None)):
-        raise EpisodeError(f"env.name = {spec!r}: module {module_name!r} has no load_environment()")
+        raise EpisodeError(f"env {spec!r}: module {module_name!r} has no load_environment()")
     try:
         env = module.load_environment(**kwargs)
     except Exception as exc:
-        raise EpisodeError(f"env.name = {spec!r}: load_environment raised {one_line(exc)}") from None
+        raise EpisodeError(f"env {spec!r}: load_environment raised {one_line(exc)}") from None
     if not isinstance(env, vf.MultiTurnEnv):
         raise EpisodeError(
-            f"env.name = {spec!r}: load_environment gave {type(env).__name__}, expected a verifiers "
+            f"env {spec!r}: load_environment gave {type(env).__name__}, expected a verifiers "
             "MultiTurnEnv (SingleTurnEnv, ToolEnv, ...)"
         )
     if env.rubric.has_group_rewards:
         raise EpisodeError(
-            f"env.name = {spec!r}: its rubric has group-level reward functions, which april cannot score "
+            f"env {spec!r}: its rubric has group-level reward functions, which april cannot score "
             "per episode yet"
         )
     return env
