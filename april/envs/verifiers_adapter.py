@@ -68,9 +68,7 @@ def load(spec: str, args: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
-        raise EpisodeError(
-            f"env {spec!r}: importing {module_name!r} failed: {one_line(exc)}"
-        ) from None
+        raise EpisodeError(f"env {spec!r}: importing {module_name!r} failed: {one_line(exc)}") from None
     if not callable(getattr(module, "load_environment", None)):
         raise EpisodeError(f"env {spec!r}: module {module_name!r} has no load_environment()")
     try:
