@@ -2,7 +2,7 @@
 
 `tests/fixtures/books/v2` to `v6` are the `broker/` files that the versions writing state file formats 2,
 3, 4, 5 and 6 (log record formats 1, 2, 2, 3 and 4; commits 3e645d2, d14677c, c3753dc, 3ab086a and
-2386322) wrote for one april run mid-abort (partials, leases on two workers, a surplus complete group, an
+c532de4) wrote for one april run mid-abort (partials, leases on two workers, a surplus complete group, an
 unacked batch, a dropped group, a settled sample of a group still running), with `books.json`: those books
 as that version held them in memory. `fixtures/books/make_books.py` made them. Before v6 their samples
 have no lease spans (protocol 4 added them), before v5 no episode columns (protocol 3), and no state file
