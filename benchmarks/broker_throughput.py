@@ -92,9 +92,9 @@ SCENARIOS = (
 # steady and weights: a staleness bound so far off that admission never blocks and no group falls due
 # within a run (admission would block after (bound + version + 1) x B groups accepted;
 # `admission_headroom_groups` reports what was left). The broker's batch rule
-# (broker.policy.keeps_staleness_bound) costs O(groups) whatever the bound, so the bound need not be small;
-# 1024 was, when that rule cost O(max_staleness), and a quick machine used all 4,100 groups of the smoke
-# run (B = 4) before its last batch.
+# (broker.modes.asynchronous.keeps_staleness_bound) costs O(groups) whatever the bound, so the bound need
+# not be small; 1024 was, when that rule cost O(max_staleness), and a quick machine used all 4,100 groups
+# of the smoke run (B = 4) before its last batch.
 ADMISSION_FREE_STALENESS = 1_000_000_000
 
 
@@ -939,7 +939,7 @@ def summarize(
     settings = scenario_settings(args, scenario)
     last = learner.batches[-1] if learner.batches else BatchSeen(0.0, 0, 0, 0, 0, 0, 0)
     # async admission: at most (max_staleness + version + 1) x B groups accepted at version v
-    # (broker.policy.admission_limit); no headroom left means admission held the workers back
+    # (broker.modes.asynchronous.admission_limit); no headroom left means admission held the workers back
     limit = (settings.max_staleness + last.version + 1) * args.rollout_batch_size
     return {
         "scenario": scenario,

@@ -3,11 +3,10 @@
 Decides, from counts alone: which samples are dispatched first and how many go to each worker, which
 worker may be leased work, why a complete group is dropped, the order complete groups form batches in,
 and which prompt is issued next. What differs between the modes (rounds, the fresh-group allowance,
-aborts on a new version, whether a batch may be taken now) is each mode's `broker.modes.ModePolicy`; the
-functions here that take a mode's name ask its policy. The broker core (`broker.core`, through
-`broker.state` and `broker.dispatch`) calls these on every event, for the broker process and
-`april simulate` alike. Holds no sockets, no clocks and no sample data: only group counts, versions and
-ordering keys.
+aborts on a new version, whether a batch may be taken now) is each mode's `broker.modes.ModePolicy`.
+The broker core (`broker.core`, through `broker.state` and `broker.dispatch`) calls these on every
+event, for the broker process and `april simulate` alike. Holds no sockets, no clocks and no sample
+data: only group counts, versions and ordering keys.
 
 Counting is in groups. `accepted` is every group issued and not dropped (trained, waiting, in flight or
 partial): the async admission bound (`broker.modes.asynchronous`) caps it.
@@ -23,16 +22,13 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from april.config import AlgoConfig, PromptOrder
 from april.records import Group
-from broker.modes import ModePolicy, PoolCounts, policy_for
-from broker.modes.asynchronous import admission_limit, keeps_staleness_bound, slack
-
-__all__ = ["PoolCounts", "admission_limit", "keeps_staleness_bound", "slack"]  # as before the modes moved
+from broker.modes import ModePolicy
 
 NEVER_GENERATED = 1 << 62  # sort key of a sample with no tokens yet: after every partial
 
 
 class CompleteGroups:
-    """The complete groups waiting for a batch, in the order `select_batch` takes them: oldest token first
+    """The complete groups waiting for a batch, in the order `take_batch` takes them: oldest token first
     (a group with no token sorts as the learner's version), then group id.
 
     Kept as groups complete (a complete group's versions never change), so forming a batch reads its B
@@ -83,38 +79,6 @@ class CompleteGroups:
         )
 
 
-def is_round_based(mode: str) -> bool:
-    """Whether mode `mode` runs rounds (sync and april: generation stops while the learner trains)."""
-    return policy_for(mode).round_based
-
-
-def round_target(mode: str, algo: AlgoConfig, planned: int | None = None) -> int:
-    """Groups kept in a round of mode `mode` (`ModePolicy.round_target`)."""
-    return policy_for(mode).round_target(algo, planned)
-
-
-def fresh_group_allowance(
-    mode: str,
-    algo: AlgoConfig,
-    counts: PoolCounts,
-    version: int,
-    round_open: bool,
-    planned: int | None = None,
-) -> int:
-    """How many new groups mode `mode` may issue now (`ModePolicy.fresh_group_allowance`)."""
-    return policy_for(mode).fresh_group_allowance(algo, counts, version, round_open, planned)
-
-
-def round_complete(mode: str, algo: AlgoConfig, counts: PoolCounts) -> bool:
-    """Whether a round of mode `mode` is complete (never in a mode without rounds)."""
-    return policy_for(mode).round_complete(algo, counts)
-
-
-def abort_on_new_version(mode: str) -> bool:
-    """Whether a new weight version aborts what is leased in mode `mode` (async)."""
-    return policy_for(mode).abort_on_new_version
-
-
 def drop_reason(group: Group, algo: AlgoConfig) -> str | None:
     """Why a complete group is not trainable, or None. Dropped groups are counted, never lost."""
     if group.failed:
@@ -140,17 +104,6 @@ def dispatch_key(group_id: int, index: int, min_version: int | None) -> tuple[in
     """Order of dispatch: partials oldest-first (by the version of their oldest token), then samples
     that have no token yet in issue order."""
     return (NEVER_GENERATED if min_version is None else min_version, group_id, index)
-
-
-def select_batch(
-    mode: str,
-    algo: AlgoConfig,
-    complete: CompleteGroups,
-    learner_version: int,
-    incomplete: Sequence[int | None] = (),
-) -> list[int] | None:
-    """`take_batch` for mode `mode` (a `run.mode` value)."""
-    return take_batch(policy_for(mode), algo, complete, learner_version, incomplete)
 
 
 def take_batch(

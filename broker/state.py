@@ -43,7 +43,7 @@ from april.wire_records import SampleBatch
 from broker import policy
 from broker.journal import Journal
 from broker.length_history import LengthHistory
-from broker.modes import policy_for
+from broker.modes import PoolCounts, policy_for
 from broker.result_check import ResultRejected, check_continues, holds_already, plainly_valid
 from broker.round_plan import CarriedGroup, plan_round_target
 
@@ -227,8 +227,8 @@ class BrokerState:
 
     # ------------------------------------------------------------------ counts and ledger
 
-    def counts(self) -> policy.PoolCounts:
-        return policy.PoolCounts(
+    def counts(self) -> PoolCounts:
+        return PoolCounts(
             in_flight=self.in_flight,
             partial=self.partial,
             complete=len(self.complete),
@@ -710,7 +710,7 @@ class BrokerState:
         if self.batch is not None:
             return self.batch
         if len(self.complete) < self.algo.rollout_batch_size:
-            return None  # select_batch needs a batch worth of complete groups: skip the O(groups) scan
+            return None  # take_batch needs a batch worth of complete groups: skip the O(groups) scan
         incomplete = self.incomplete_versions()
         chosen = policy.take_batch(self.mode_policy, self.algo, self.batch_order, self.version, incomplete)
         if chosen is None:

@@ -24,7 +24,8 @@ from april.config import AlgoConfig, Mode
 from april.data import SyntheticPromptSource
 from april.records import FinishReason, LeaseSpan, Sample, SampleStatus, Segment, new_group_samples
 from april.wire_records import SampleBatch
-from broker import complete_log, policy, snapshot
+from broker import complete_log, snapshot
+from broker.modes import asynchronous, policy_for
 from broker.snapshot import SnapshotError
 from broker.snapshot_writer import SnapshotWriter
 from broker.state import LEASE_EPOCH_SHIFT, BrokerState, GroupEntry, PendingBatch, ResultRejected
@@ -188,7 +189,7 @@ class Driver:
         self.check()
         if publish:
             assert self.state.set_weights(self.state.version + 1, f"v{self.state.version + 1}", "sha")
-            if policy.abort_on_new_version(self.state.mode):
+            if policy_for(self.state.mode).abort_on_new_version:
                 self.interrupt_all()
         return batch
 
@@ -386,7 +387,7 @@ def test_april_surplus_complete_groups_are_kept_for_the_next_batch() -> None:
     assert state.round_open
     # the surplus counts toward the round: only one fresh group would be allowed, but the round is
     # already complete, so the server closes it before dispatching anything
-    assert policy.fresh_group_allowance(state.mode, state.algo, state.counts(), state.version, True) == 1
+    assert policy_for(state.mode).fresh_group_allowance(state.algo, state.counts(), state.version, True) == 1
     assert d.end_round()
     assert d.take() == []
     second = d.train()
@@ -417,7 +418,7 @@ def test_async_admission_bound() -> None:
     assert state.set_weights(1, "v1", "sha")
     assert len(d.take()) == 2 * 2  # one more batch worth of groups per version
     assert d.take() == []
-    assert state.counts().accepted == policy.admission_limit(state.algo, 1) == 6
+    assert state.counts().accepted == asynchronous.admission_limit(state.algo, 1) == 6
 
 
 def test_async_batch_waits_for_a_due_group() -> None:
@@ -479,7 +480,7 @@ def test_async_staleness_never_exceeds_the_bound(eta: int) -> None:
     step = 0
     for _ in range(400):
         d.take(credit=rng.randint(0, 4), worker=f"w{rng.randint(0, 2)}")
-        assert state.counts().accepted <= policy.admission_limit(state.algo, state.version)
+        assert state.counts().accepted <= asynchronous.admission_limit(state.algo, state.version)
         for lease_id in list(d.held):
             r = rng.random()
             if r < 0.3:
@@ -1259,7 +1260,7 @@ def random_run(mode: Mode, seed: int, dynamic: bool) -> None:
             d.reclaim(lease_id)
         elif op == 5:
             assert not state.set_weights(rng.randint(0, state.version), "replay", "")
-        elif op == 6 and policy.is_round_based(mode):
+        elif op == 6 and policy_for(mode).round_based:
             d.end_round()
         elif op == 7:
             version = state.version
@@ -1275,7 +1276,7 @@ def random_run(mode: Mode, seed: int, dynamic: bool) -> None:
             d.state = state = restored
             d.check()
         if mode == Mode.ASYNC:
-            assert state.counts().accepted <= policy.admission_limit(state.algo, state.version)
+            assert state.counts().accepted <= asynchronous.admission_limit(state.algo, state.version)
 
     # drain: finish whatever is out and train what can be trained
     for _ in range(6):

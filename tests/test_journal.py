@@ -26,8 +26,9 @@ from test_snapshot_episodes import EpisodeDriver, assert_identical_books
 from april.config import AlgoConfig, Mode, PromptOrder
 from april.records import SETTLED, FinishReason, Sample, SampleStatus
 from april.wire_records import SampleBatch
-from broker import complete_log, journal, policy, snapshot
+from broker import complete_log, journal, snapshot
 from broker.journal import Journal
+from broker.modes import policy_for
 from broker.result_check import ResultRejected, check_continues
 from broker.state import BrokerState
 
@@ -205,7 +206,7 @@ def train(run: Run, step: int) -> bool:
     assert state.ack_batch(batch.batch_id, slots=8)
     assert state.set_weights(state.version + 1, f"v{state.version + 1}", "sha")
     run.flush()  # a version is durable before the workers hear of it (the server waits for it)
-    if policy.abort_on_new_version(state.mode):
+    if policy_for(state.mode).abort_on_new_version:
         d.interrupt_all()
     d.check()
     return True
@@ -240,7 +241,7 @@ def test_a_restart_restores_the_books_of_the_last_durable_write(
                 d.fail(lease_id)
             elif op == "reclaim" and lease_id is not None:
                 d.reclaim(lease_id)
-            elif op == "round" and policy.is_round_based(mode):
+            elif op == "round" and policy_for(mode).round_based:
                 d.end_round()
             elif op == "train" and train(run, step):
                 step += 1

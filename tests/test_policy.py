@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from april.config import AlgoConfig, Mode
 from april.records import FinishReason, Group, Sample, SampleStatus
 from broker import policy
-from broker.policy import CompleteGroups, DispatchQueue, PoolCounts
+from broker.modes import PoolCounts, asynchronous, policy_for
+from broker.policy import CompleteGroups, DispatchQueue
 
 B, OVER = 4, 8
 ALGO = AlgoConfig(
@@ -73,7 +74,7 @@ def counts(in_flight: int = 0, partial: int = 0, complete: int = 0, accepted: in
 def test_fresh_group_allowance(
     mode: Mode, pool: PoolCounts, version: int, round_open: bool, expected: int
 ) -> None:
-    assert policy.fresh_group_allowance(mode, ALGO, pool, version, round_open) == expected
+    assert policy_for(mode).fresh_group_allowance(ALGO, pool, version, round_open) == expected
 
 
 @pytest.mark.parametrize(
@@ -87,8 +88,8 @@ def test_fresh_group_allowance(
 )
 def test_admission_limit(eta: int, version: int, expected: int) -> None:
     algo = AlgoConfig(rollout_batch_size=B, over_sampling_batch_size=OVER, max_staleness=eta)
-    assert policy.admission_limit(algo, version) == expected
-    assert policy.fresh_group_allowance(Mode.ASYNC, algo, counts(), version, True) == expected
+    assert asynchronous.admission_limit(algo, version) == expected
+    assert policy_for(Mode.ASYNC).fresh_group_allowance(algo, counts(), version, True) == expected
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def test_admission_limit(eta: int, version: int, expected: int) -> None:
     ],
 )
 def test_round_complete(mode: Mode, pool: PoolCounts, complete: bool) -> None:
-    assert policy.round_complete(mode, ALGO, pool) is complete
+    assert policy_for(mode).round_complete(ALGO, pool) is complete
 
 
 @pytest.mark.parametrize("in_flight", range(B + 1))
@@ -116,7 +117,7 @@ def test_a_sync_round_completes_with_nothing_in_flight(in_flight: int) -> None:
     is in flight: nothing is leased then, and no abort is ever sent (broker.core closes the round)."""
     for complete in range(B + 1 - in_flight):
         pool = counts(in_flight=in_flight, complete=complete)
-        assert policy.round_complete(Mode.SYNC, ALGO, pool) is (in_flight == 0 and complete == B)
+        assert policy_for(Mode.SYNC).round_complete(ALGO, pool) is (in_flight == 0 and complete == B)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +126,7 @@ def test_a_sync_round_completes_with_nothing_in_flight(in_flight: int) -> None:
     ids=lambda v: str(v),
 )
 def test_abort_on_new_version(mode: Mode, expected: bool) -> None:
-    assert policy.abort_on_new_version(mode) is expected
+    assert policy_for(mode).abort_on_new_version is expected
 
 
 @pytest.mark.parametrize(
@@ -137,8 +138,8 @@ def test_abort_on_new_version(mode: Mode, expected: bool) -> None:
     ],
 )
 def test_round_based_and_target(mode: Mode, round_based: bool, target: int) -> None:
-    assert policy.is_round_based(mode) is round_based
-    assert policy.round_target(mode, ALGO) == target
+    assert policy_for(mode).round_based is round_based
+    assert policy_for(mode).round_target(ALGO) == target
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -235,7 +236,7 @@ def test_dispatch_key_puts_never_generated_after_every_partial() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# select_batch
+# take_batch
 
 
 def ages(*pairs: tuple[int, int | None]) -> CompleteGroups:
@@ -266,8 +267,8 @@ def ages(*pairs: tuple[int, int | None]) -> CompleteGroups:
         ),
     ],
 )
-def test_select_batch(mode: Mode, complete: CompleteGroups, version: int, expected: list[int] | None) -> None:
-    chosen = policy.select_batch(mode, ALGO, complete, version)
+def test_take_batch(mode: Mode, complete: CompleteGroups, version: int, expected: list[int] | None) -> None:
+    chosen = policy.take_batch(policy_for(mode), ALGO, complete, version)
     assert chosen == expected
     if chosen is not None:
         assert len(chosen) == B and len(set(chosen)) == B
@@ -288,7 +289,7 @@ def test_complete_groups_keeps_the_order_a_full_sort_gives(
 ) -> None:
     """Groups added in any order, batches taken off the front: what is left, and the counts per version,
     always equal a sort of every waiting group by (oldest version, or the learner's when it has none;
-    group id), the order select_batch takes them in."""
+    group id), the order take_batch takes them in."""
     complete, waiting, next_gid = CompleteGroups(), {}, 0
     for what, version, n in events:
         if what == "add":
@@ -316,12 +317,10 @@ def test_complete_groups_keeps_the_order_a_full_sort_gives(
         pytest.param(Mode.SYNC, [0, 0, 0], True, id="sync-ignores-due"),
     ],
 )
-def test_select_batch_waits_for_incomplete_due(
-    mode: Mode, incomplete: list[int | None], formed: bool
-) -> None:
+def test_take_batch_waits_for_incomplete_due(mode: Mode, incomplete: list[int | None], formed: bool) -> None:
     """Version 1, eta 1: groups 0 and 1 (v0 tokens) are due, 2..5 (v1) are not."""
     complete = ages(*((g, 0 if g < 2 else 1) for g in range(B + 2)))
-    chosen = policy.select_batch(mode, ALGO, complete, 1, incomplete)
+    chosen = policy.take_batch(policy_for(mode), ALGO, complete, 1, incomplete)
     assert (chosen is not None) is formed
     if formed:
         assert chosen == list(range(B))
@@ -349,7 +348,7 @@ def due(min_version: int | None, learner_version: int, max_staleness: int) -> bo
     ],
 )
 def test_slack(min_version: int | None, version: int, eta: int, expected: int) -> None:
-    assert policy.slack(min_version, version, eta) == expected
+    assert asynchronous.slack(min_version, version, eta) == expected
     assert (expected == 0 and min_version is not None) is due(min_version, version, eta)
 
 
@@ -373,7 +372,7 @@ ETA2 = AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=2, max_stalenes
 def test_keeps_staleness_bound(
     complete: list[int | None], incomplete: list[int | None], version: int, keeps: bool
 ) -> None:
-    assert policy.keeps_staleness_bound(ETA2, complete, incomplete, version) is keeps
+    assert asynchronous.keeps_staleness_bound(ETA2, complete, incomplete, version) is keeps
 
 
 @pytest.mark.parametrize("eta", [0, 1])
@@ -388,10 +387,10 @@ def test_keeps_staleness_bound_up_to_eta_1_is_the_due_rule(eta: int) -> None:
         for n in range(3):
             for incomplete in itertools.product(versions, repeat=n):
                 every = [*complete, *incomplete]
-                if len(every) > (eta + 1) * b or sum(policy.slack(m, 3, eta) == 0 for m in every) > b:
+                if len(every) > (eta + 1) * b or sum(asynchronous.slack(m, 3, eta) == 0 for m in every) > b:
                     continue
                 any_due = any(due(m, 3, eta) for m in incomplete)
-                assert policy.keeps_staleness_bound(algo, complete, list(incomplete), 3) is not any_due
+                assert asynchronous.keeps_staleness_bound(algo, complete, list(incomplete), 3) is not any_due
                 checked += 1
     assert checked >= 9  # the allowed states of eta 0; more for eta 1
 
@@ -401,8 +400,8 @@ def staleness_rule_by_every_k(
 ) -> bool:
     """The rule as its docstring states it, checked at every k in 0..eta: the slow, obvious reference."""
     for k in range(eta + 1):
-        n_k = sum(policy.slack(m, v, eta) <= k for m in [*complete, *incomplete])
-        c_k = sum(policy.slack(m, v, eta) <= k for m in complete)
+        n_k = sum(asynchronous.slack(m, v, eta) <= k for m in [*complete, *incomplete])
+        c_k = sum(asynchronous.slack(m, v, eta) <= k for m in complete)
         if c_k < min(b, n_k - k * b):
             return False
     return True
@@ -421,15 +420,15 @@ def test_keeps_staleness_bound_equals_the_rule_checked_at_every_k(
 ) -> None:
     algo = AlgoConfig(rollout_batch_size=b, over_sampling_batch_size=b, max_staleness=eta)
     expected = staleness_rule_by_every_k(b, eta, complete, incomplete, v)
-    assert policy.keeps_staleness_bound(algo, complete, incomplete, v) is expected
+    assert asynchronous.keeps_staleness_bound(algo, complete, incomplete, v) is expected
 
 
 def test_keeps_staleness_bound_costs_groups_not_eta() -> None:
     """A huge bound (a benchmark's "unbounded" 1e9) is answered from the groups alone; it used to build
     two lists of eta + 1 counts (gigabytes) on every batch."""
     algo = AlgoConfig(rollout_batch_size=2, over_sampling_batch_size=2, max_staleness=10**9)
-    assert policy.keeps_staleness_bound(algo, [5, 5], [0, None], 5) is True
-    assert policy.keeps_staleness_bound(algo, [None, None], [0], 10**9 + 5) is False  # a due group runs
+    assert asynchronous.keeps_staleness_bound(algo, [5, 5], [0, None], 5) is True
+    assert asynchronous.keeps_staleness_bound(algo, [None, None], [0], 10**9 + 5) is False  # a due group runs
 
 
 NO_TOKEN = 1  # a group's oldest token version relative to the learner's: 0, -1, ...; this when it has none
@@ -440,7 +439,7 @@ def async_successors(algo: AlgoConfig, state: GroupState) -> list[GroupState]:
     """Every next state of an async run as the policy sees it, checking each batch against the bound.
 
     Events: a group's first token (under the learner's version), a group completing, a group dropped (the
-    filter), and a learner step whenever `select_batch` gives a batch (versions shift by one). Admission
+    filter), and a learner step whenever `take_batch` gives a batch (versions shift by one). Admission
     then refills to (eta + 1) x B untrained groups, the most it allows. Version numbers are relative, so a
     run of any length visits finitely many states.
     """
@@ -459,7 +458,7 @@ def async_successors(algo: AlgoConfig, state: GroupState) -> list[GroupState]:
             out.append(admitted(rest))
     complete = ages(*((i, v + rel) for i, (rel, done) in enumerate(state) if done))
     incomplete = [None if rel == NO_TOKEN else v + rel for rel, done in state if not done]
-    chosen = policy.select_batch(Mode.ASYNC, algo, complete, v, incomplete)
+    chosen = policy.take_batch(policy_for(Mode.ASYNC), algo, complete, v, incomplete)
     if chosen is None:
         if len(complete) >= b:  # the learner waits only for groups holding tokens older than its version
             assert any(m is not None and m < v for m in incomplete), f"waited for fresh work in {state}"
@@ -492,8 +491,8 @@ def test_async_eta_2_batch_of_young_groups_waits_for_the_old() -> None:
     """The case the simulator found (B=1, eta 2): at v1, g1 and g2 hold v0 tokens and run, g3 (v1) is
     complete. Training g3 now would leave g1 and g2 both due at v2, one batch for two: so it waits."""
     algo = AlgoConfig(rollout_batch_size=1, over_sampling_batch_size=1, max_staleness=2)
-    assert policy.select_batch(Mode.ASYNC, algo, ages((3, 1)), 1, [0, 0]) is None
-    assert policy.select_batch(Mode.ASYNC, algo, ages((3, 1), (1, 0)), 1, [0]) == [1]
+    assert policy.take_batch(policy_for(Mode.ASYNC), algo, ages((3, 1)), 1, [0, 0]) is None
+    assert policy.take_batch(policy_for(Mode.ASYNC), algo, ages((3, 1), (1, 0)), 1, [0]) == [1]
 
 
 # ---------------------------------------------------------------------------------------------------

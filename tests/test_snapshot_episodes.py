@@ -23,7 +23,8 @@ from test_snapshot_formats import assert_identical
 from april.config import Mode
 from april.records import SETTLED, FinishReason, Sample
 from april.wire_records import SampleBatch
-from broker import complete_log, policy, snapshot
+from broker import complete_log, snapshot
+from broker.modes import policy_for
 from broker.state import BrokerState, PendingBatch
 
 MAX_NEW = 24
@@ -124,7 +125,7 @@ def test_episodes_survive_snapshots_restarts_and_log_compaction(mode: Mode, data
                 d.fail(lease_id)  # it drops its group: rarely, or little would be trained
             elif op == "reclaim" and lease_id is not None:
                 d.reclaim(lease_id)
-            elif op == "round" and policy.is_round_based(mode):
+            elif op == "round" and policy_for(mode).round_based:
                 d.end_round()
             elif op == "train" and d.train(step) is not None:
                 step += 1
