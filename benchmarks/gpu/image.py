@@ -155,17 +155,12 @@ def absent_modules(own: str = "april-rl") -> list[str]:
     """Top-level import names of this environment's distributions that the image lacks (`own`, this
     project's distribution, and the installers that every Python has are not counted)."""
     keep = image_distributions() | {canonical(own), "pip", "setuptools", "wheel"}
-    absent = set()
+    absent: set[str] = set()
+    present: set[str] = set()  # a name a kept distribution installs too stays importable
     for dist in installed_distributions():
-        if canonical(dist.metadata["Name"]) not in keep:
-            absent.update(name for name in top_level_names(dist) if name.isidentifier())
-    present = {
-        name
-        for dist in installed_distributions()
-        if canonical(dist.metadata["Name"]) in keep
-        for name in top_level_names(dist)
-    }
-    return sorted(absent - present)
+        names = top_level_names(dist)
+        (present if canonical(dist.metadata["Name"]) in keep else absent).update(names)
+    return sorted(name for name in absent - present if name.isidentifier())
 
 
 def installed_distributions() -> list[metadata.Distribution]:
