@@ -364,13 +364,18 @@ def check_soak(tmp_path: Path) -> None:
     assert len(summary["kill_moments"]) == sum(summary["kills"].values())
     # episodes with side effects, the broker killed twice at the default snapshot interval: no step it
     # had on disk when it was killed ran again (a killed worker's unreturned steps do, with their keys)
-    out = tmp_path / "soak-episodes"
-    run_smoke("soak.py", out, tmp_path, extra=("--episodes", "--broker-every", "3"))
-    summary = json.loads((out / "soak.json").read_text())
-    assert summary["ok"] is True and summary["kills"]["broker"] >= 2, summary["checks"]
-    episodes = summary["episodes"]
+    # A kill can find the books holding no episode step (right after a batch): such a run checks nothing
+    # about them, so it is run again, at most three times in all; every run must pass every check.
+    for attempt in range(3):
+        out = tmp_path / f"soak-episodes-{attempt}"
+        run_smoke("soak.py", out, tmp_path, extra=("--episodes", "--broker-every", "3"))
+        summary = json.loads((out / "soak.json").read_text())
+        assert summary["ok"] is True and summary["kills"]["broker"] >= 2, summary["checks"]
+        episodes = summary["episodes"]
+        assert episodes["steps_on_disk_run_again"] == 0
+        if episodes["steps_on_disk_at_broker_kills"] > 0:
+            break
     assert episodes["steps_run"] > 0 and episodes["steps_on_disk_at_broker_kills"] > 0
-    assert episodes["steps_on_disk_run_again"] == 0
 
 
 def check_results(tmp_path: Path) -> None:
