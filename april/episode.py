@@ -221,7 +221,9 @@ class Environment(Protocol):
     depends only on (state, turn), where `turn` is the parsed model turn (`april.chat.parse_turn`). A `step`
     may also take a keyword `key: StepKey` (`run_step` passes it then). An environment may set
     `final_step_repeatable = False`: a step whose turn calls no tool (the final, scoring one) then has
-    effects, and an abort waits for it as for a non-repeatable tool (absent: True)."""
+    effects, and an abort waits for it as for a non-repeatable tool (absent: True). An environment whose
+    reward needs the whole group sets `group_scored = True` and defines `score_group(finals) -> rewards`
+    over the done steps' states of a group's episodes; the learner calls it (`learner.group_rewards`)."""
 
     tools: tuple[Tool, ...]
 

@@ -165,11 +165,13 @@ def preflight(config: Config) -> None:
     from april.hf import check_model_dir
     from broker.heldout import open_prompts
     from cli.sim_options import check_simulated
+    from learner.group_rewards import group_rewards
 
     check_worker(config.worker)  # the worker's device too
     if config.worker.engine == "sim":
         check_simulated(config)
     check_env(config.env, config.worker.model)
+    group_rewards(config)  # a group-scored environment and what it rules out
     if config.learner.backend != "sim":  # the simulated learner has no model, nor device
         check_model_dir(config.learner.model)
         check_device(config.learner.device, "learner.device")

@@ -31,6 +31,7 @@ from april.config import AlgoConfig, Config
 from april.failures import RunFailed
 from april.keys import configured_client_keys
 from learner.client import BatchError, BrokerClient, check_batch
+from learner.group_rewards import GroupRewards, group_rewards
 from learner.handoff import WeightsHandOff
 from learner.metrics import MetricsLog, ack_metrics, forget_steps_from, step_record, write_summary
 from learner.phases import PhaseClock
@@ -77,6 +78,7 @@ def run_learner(
     phases = PhaseClock(client.report_phase if client is not None else None)
     metrics: MetricsLog | None = None
     records: StepRecords | None = None
+    rescoring: GroupRewards | None = None  # rank 0, an environment scoring whole groups
     try:
         trainer.start(phases.enter)
         if saved_point is not None:
@@ -90,6 +92,7 @@ def run_learner(
             events = run_dir / "tensorboard" if lc.tensorboard and lc.backend != "sim" else None
             metrics = MetricsLog(run_dir / "metrics.jsonl", events, config=config)
             records = open_step_records(config, run_dir, point.step, resume)
+            rescoring = group_rewards(config)
         step, version, last_batch_id, saved = point.step, point.version, point.last_batch_id, point.step
         while step < config.run.steps:
             started = time.monotonic()
@@ -97,6 +100,8 @@ def run_learner(
             batch = None
             if client is not None:
                 batch = receive_batch(client, trainer, step, should_stop, algo)
+                if batch is not None and rescoring is not None:
+                    batch = rescoring.rescore(batch)
             if trainer.world_size > 1:
                 batch = share_batch(batch, config.broker.max_message_bytes)
             if batch is None:
@@ -122,7 +127,12 @@ def run_learner(
                     step_time_s=announced - started,
                     learner_time_s=computed - waited,
                     weight_sync_s=announced - computed,
-                    train={**trained.metrics, **handoff.figures(), "wait_s": waited - started},
+                    train={
+                        **trained.metrics,
+                        **handoff.figures(),
+                        **(rescoring.figures() if rescoring is not None else {}),
+                        "wait_s": waited - started,
+                    },
                     weights_transport=config.weights.transport.value,
                 )
                 acked = ack_metrics(record)

@@ -5,7 +5,9 @@
 through the environment's own hooks, in the order its `rollout` loop calls them: `init_state` and
 `setup_state` at reset; per turn `add_model_response`, the stop conditions (`is_completed`), then
 `get_prompt_messages` (its `env_response`: tool calls for a `ToolEnv`); at the end its cleanup handlers
-and `rubric.score_rollout`, whose reward ends the episode. The verifiers state travels in april's JSON
+and `rubric.score_rollout`, whose reward ends the episode (a rubric with group-level reward functions:
+`score_group` of the episode alone, and the learner scores the whole group again with the rollout states
+the episodes ended with, `score_group`). The verifiers state travels in april's JSON
 state (`encode_state`): pydantic models by class, plain data as is; a state holding anything else (a live
 object) fails its sample with one line. `VerifiersPromptSource` serves the environment's dataset.
 
@@ -18,7 +20,7 @@ import asyncio
 import functools
 import importlib
 import json
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -34,6 +36,7 @@ TOOL_TIMEOUT_S = 30.0  # a verifiers tool declares no time limit; one call may t
 _PROMPT = "_april_prompt"  # the messages the pending model turn answers (kept in the state between steps)
 _DROPPED = ("client", "usage_tracker", "usage")  # runtime objects, made again on each step
 _MODEL = "__model__"
+FINAL_STATE = "rollout_state"  # a done step's state, group-scored envs: the rollout state as it ended
 T = TypeVar("T")
 
 
@@ -80,11 +83,6 @@ def load(spec: str, args: str) -> Any:
             f"env {spec!r}: load_environment gave {type(env).__name__}, expected a verifiers "
             "MultiTurnEnv (SingleTurnEnv, ToolEnv, ...)"
         )
-    if env.rubric.has_group_rewards:
-        raise EpisodeError(
-            f"env {spec!r}: its rubric has group-level reward functions, which april cannot score "
-            "per episode yet"
-        )
     return env
 
 
@@ -99,6 +97,9 @@ class VerifiersEnvironment:
         self.spec, self.args = spec, args
         self.env = load(spec, args)
         self.vf = package()
+        # group-level reward functions: an episode's own reward is that of a group of one, and the learner
+        # scores each group again when it holds all of it (`score_group`)
+        self.group_scored: bool = bool(self.env.rubric.has_group_rewards)
         self.tools: tuple[Tool, ...] = tuple(
             # a user's Python callable: running it twice may not be harmless, so an abort waits for it
             Tool(t.name, t.description, dict(t.parameters), repeatable=False, timeout_s=TOOL_TIMEOUT_S)
@@ -135,15 +136,30 @@ class VerifiersEnvironment:
                 seen = len(asked) + len(state["trajectory"][-1]["completion"])
                 return EnvStep(tuple(to_april(m) for m in messages[seen:]), encode_state(state))
         await env.cleanup(state)
-        await env.rubric.score_rollout(state)
+        summary: dict[str, Any] = {}
+        if self.group_scored:
+            # the rollout as it ended, which the learner's `score_group` reads with the group's others
+            summary[FINAL_STATE] = encode_state(state)
+            await env.rubric.score_group([state])
+        else:
+            await env.rubric.score_rollout(state)
         await env.rubric.cleanup(state)
         reward = float(state["reward"])
-        summary = {
-            "reward": reward,
-            "stop_condition": state.get("stop_condition"),
-            "metrics": state.get("metrics"),
-        }
+        summary.update(reward=reward, stop_condition=state.get("stop_condition"))
+        summary["metrics"] = state.get("metrics")
         return EnvStep((), json.dumps(summary, default=str), done=True, reward=reward)
+
+    def score_group(self, finals: Sequence[str]) -> list[float]:
+        """The rubric's rewards for a group of episodes that ended, scored together as verifiers'
+        `run_group` scores them; `finals` are their last states (`EnvStep.state` of the done step)."""
+        states = []
+        for text in finals:
+            final = json.loads(text).get(FINAL_STATE)
+            if not isinstance(final, str):
+                raise EpisodeError("verifiers group scoring: an episode's last state has no rollout state")
+            states.append(decode_state(self.vf, final))
+        _run(self.env.rubric.score_group(states))
+        return [float(s["reward"]) for s in states]
 
     def _response(self, turn: Message) -> Any:
         """The model's turn as the verifiers `Response` a client would have returned."""
