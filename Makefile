@@ -87,6 +87,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/mypy compose/compose_test.py
+	$(BIN)/mypy examples/tour.py
 
 # docker-compose (compose/). The wheelhouse: every wheel the CPU image installs (torch's CPU build,
 # DeepSpeed built here against it, april's dependencies, the build backend), so that the image builds

@@ -1,12 +1,13 @@
 """A long-lived child process that speaks JSON lines, driven without ever blocking the parent.
 
-Shared by `actors.reward_runner` and `actors.tool_runner`, which own their protocols and failure policies;
-this module owns the mechanics. Parent side: `JsonLinesChild` starts `python -m MODULE ARGS...` in its own
-session with the parent's import path, writes what the pipe takes (`send`), returns the complete lines
-that have arrived (`receive`), and kills without waiting (`kill`; `Reaper` collects the dead). Child
-side: `child_protocol` moves the protocol off stdin/stdout before any user code runs (a `print` in a user
-function goes to stderr, never into the protocol), points stdin at /dev/null, and on Linux asks for
-SIGKILL when the parent's thread exits, so a hung child never outlives its worker.
+Used by `actors.supervisor` (the parent's rules the tool and reward runners share) and by the runners'
+children; this module owns the mechanics. Parent side: `JsonLinesChild` starts `python -m MODULE ARGS...`
+in its own session with the parent's import path, writes what the pipe takes (`send`), returns the
+complete lines that have arrived (`receive`), and kills without waiting (`kill`; `Reaper` collects the
+dead). Child side: `child_protocol` moves the protocol off stdin/stdout before any user code runs (a
+`print` in a user function goes to stderr, never into the protocol), points stdin at /dev/null, and on
+Linux asks for SIGKILL when the parent's thread exits, so a hung child never outlives its worker; `serve`
+is a child's whole life (arguments, loading, "ready"/"fatal", then one answer per request).
 
 The pipe carries JSON, never pickle. Knows nothing about rewards, environments or timeouts.
 """
@@ -22,10 +23,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Container, Iterator, Sequence
+from typing import Any, TypeVar
 
 _READ_CHUNK = 1 << 16
+
+LoadedT = TypeVar("LoadedT")
 
 
 class JsonLinesChild:
@@ -193,3 +196,30 @@ def child_protocol(version: int) -> tuple[Iterator[bytes], Callable[..., None]]:
             yield from inp
 
     return lines(), send
+
+
+def serve(
+    version: int,
+    usage: str,
+    argv: Sequence[str],
+    arity: Container[int],
+    load: Callable[..., LoadedT],
+    load_error: type[Exception],
+    answer: Callable[[LoadedT, dict[str, Any], Callable[..., None]], None],
+) -> int:
+    """A child's whole life (its exit status): check that `len(argv)` is in `arity`, `load(*argv)`
+    (either failing is a "fatal" line; `load_error` carries the reason), say "ready", then
+    `answer(loaded, message, send)` for every line the parent sends until it closes the pipe."""
+    lines, send = child_protocol(version)
+    if len(argv) not in arity:
+        send(t="fatal", error=f"usage: {usage}, got {list(argv)!r}")
+        return 2
+    try:
+        loaded = load(*argv)
+    except load_error as exc:
+        send(t="fatal", error=str(exc))
+        return 1
+    send(t="ready")
+    for line in lines:
+        answer(loaded, json.loads(line), send)
+    return 0

@@ -12,10 +12,10 @@ from actors.engine import ENGINES, Engine, EngineError, SamplingParams
 from actors.engines.sim_engine import Identify
 from actors.engines.vllm_engine import VLLMSettings
 from actors.tokenizer import HFTokenizer, Tokenizer
-from april.byte_tokenizer import ByteTokenizer
 from april.config import ResumeKV, WorkerConfig
 from april.devices import check_device, init_cuda, resolve_device
 from april.hf import check_model_dir
+from april.sim.byte_tokenizer import ByteTokenizer
 
 DEVICE_ENGINES = ("torch", "vllm")  # engines on worker.device (sim runs on none, sglang on its servers')
 

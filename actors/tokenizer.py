@@ -4,7 +4,8 @@ The broker deals in token ids; the worker tokenizes prompts that arrive as text 
 resumes reuse the ids) and decodes responses for the reward. `HFTokenizer` wraps a Hugging Face tokenizer
 saved with the model (applying its chat template when the record carries chat `messages`; a model without
 one is given the last user message's text, the record's text, and says so once: `no_chat_template`);
-`april.byte_tokenizer.ByteTokenizer` serves the sim engine and tests. Heavy imports stay inside `HFTokenizer`.
+`april.sim.byte_tokenizer.ByteTokenizer` serves the sim engine and tests. Heavy imports stay inside
+`HFTokenizer`.
 """
 
 from __future__ import annotations

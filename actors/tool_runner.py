@@ -5,7 +5,7 @@ The worker-side API is non-blocking: `submit(key, request)` queues a `ResetReque
 children. Every submitted key gets exactly one `ToolResult` unless it is cancelled: an `EnvStep`, or None
 with a one-line error. `settings.processes` children each run one request at a time; the parent keeps the
 queue and hands the oldest request to the first idle child. A child is `python -m actors.tool_runner SPEC`
-(the pipe carries JSON lines, never pickle; `actors.child_process` owns the mechanics):
+(JSON lines, never pickle; `actors.supervisor` owns the children and their handshake):
 
     worker -> child  {"v": 1, "t": "run", "key": K, "request": ResetRequest/StepRequest.to_json()}
     child -> worker  {"v": 1, "t": "ready"}                  environment loaded
@@ -30,17 +30,16 @@ reports "fatal" fails every request from then on. Not thread-safe: one worker lo
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
-from actors.child_process import JsonLinesChild, Reaper, child_protocol, encode_line, wait_readable
+from actors.child_process import encode_line, serve
 from actors.python_env import PythonEnvironment
+from actors.supervisor import Slot, Supervisor
 from april.envs.calculator import CalculatorEnvironment
 from april.envs.verifiers_adapter import VerifiersEnvironment, is_verifiers
 from april.episode import (
@@ -124,15 +123,12 @@ class _Job:
         return "reset" if isinstance(self.request, ResetRequest) else "step"
 
 
-@dataclass(slots=True)
-class _Slot:
-    child: JsonLinesChild
-    ready: bool = False
-    job: _Job | None = None
-
-
-class ToolRunner:
+class ToolRunner(Supervisor[_Job, ToolResult]):
     """Non-blocking environment steps in killable child processes (see the module docstring)."""
+
+    module = "actors.tool_runner"
+    noun = "environment"
+    crash_reason = Reason.ENV_CRASHED
 
     def __init__(
         self, spec: str, settings: ToolRunnerSettings = ToolRunnerSettings(), args: str = ""
@@ -140,14 +136,10 @@ class ToolRunner:
         env = load_env(spec, args)  # validate here: a bad spec raises at once
         self.tools: tuple[Tool, ...] = env.tools
         self.final_step_repeatable = final_step_repeatable(env)
-        self.spec, self.args = spec, args
+        self.args = args
         self.settings = settings
         self._queue: dict[int, _Job] = {}  # waiting for a child, oldest first
-        self._results: list[ToolResult] = []
-        self._slots: list[_Slot | None] = [self._spawn() for _ in range(settings.processes)]
-        self._reaper = Reaper()
-        self._broken = ""  # a child's "fatal": every later request fails with it
-        self._closed = False
+        super().__init__(spec, [args], settings.processes, settings.startup_timeout_s)
 
     # -- public API ---------------------------------------------------------------------------------
 
@@ -163,29 +155,15 @@ class ToolRunner:
 
     def submit(self, key: int, request: EnvRequest) -> None:
         """Queue one request; never blocks. `key` must not be pending already."""
-        if self._closed:
-            raise RuntimeError("ToolRunner is closed")
+        if self._refused(key):
+            return
         if key in self._queue or any(s and s.job and s.job.key == key for s in self._slots):
             raise ValueError(f"tool runner key {key} is already pending")
-        if self._broken:
-            self._results.append(ToolResult(key, None, self._broken))
-            return
         tools_s = step_timeout_s(self.tools, request.turn) if isinstance(request, StepRequest) else 0.0
         line = encode_line({"v": PROTOCOL_VERSION, "t": "run", "key": key, "request": request.to_json()})
         again = repeatable(self.tools, request, self.final_step_repeatable)
         self._queue[key] = _Job(key, request, line, tools_s, again)
         self._pump()
-
-    def poll(self, wait_s: float = 0.0) -> list[ToolResult]:
-        """Results ready so far (possibly none). With `wait_s` > 0, wait up to that long for at least one."""
-        deadline = time.monotonic() + wait_s
-        self._pump()
-        while not self._results and self._busy() and (now := time.monotonic()) < deadline:
-            children = [s.child for s in self._slots if s is not None]
-            wait_readable(children, min(deadline - now, self._next_deadline() - now, 0.05))
-            self._pump()
-        out, self._results = self._results, []
-        return out
 
     def cancel(self, key: int) -> bool:
         """Withdraw request `key`. True: no result will come (it was queued, or running and repeatable and
@@ -208,100 +186,27 @@ class ToolRunner:
     def wait_s(self) -> float:
         """The longest any running request may still take (its time limit left; 0 when none runs)."""
         now = time.monotonic()
-        left = [
-            slot.job.started_at + self._limit_s(slot.job) - now
-            for slot in self._slots
-            if slot is not None and slot.job is not None
-        ]
+        left = [self._job_deadline(s.job) - now for s in self._slots if s is not None and s.job is not None]
         return max([0.0, *left])
 
-    def close(self) -> None:
-        """Stop the children (busy ones killed, idle ones asked to exit) and drop pending work."""
-        if self._closed:
-            return
-        self._closed = True
-        for i, slot in enumerate(self._slots):
-            if slot is not None:
-                if slot.ready and slot.job is None and slot.child.idle_pipe:
-                    slot.child.close_input(wait_s=1.0)  # EOF: an idle child exits by itself
-                self._kill(i)
-        self._queue.clear()
-        self._reaper.wait()
+    # -- the job's rules --------------------------------------------------------------------------------
 
-    def __enter__(self) -> ToolRunner:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    # -- children ---------------------------------------------------------------------------------------
-
-    def _spawn(self) -> _Slot:
-        return _Slot(JsonLinesChild("actors.tool_runner", [self.spec, self.args]))
-
-    def _kill(self, i: int) -> None:
-        slot = self._slots[i]
-        if slot is not None:
-            slot.child.kill()
-            self._reaper.add(slot.child)
-            self._slots[i] = None
-
-    def _replace(self, i: int) -> None:
-        """Kill child `i` (its job already settled) and start another unless closed or broken."""
-        self._kill(i)
-        if not self._closed and not self._broken:
-            self._slots[i] = self._spawn()
+    def _failed(self, key: int, error: str) -> ToolResult:
+        return ToolResult(key, None, error)
 
     def _busy(self) -> bool:
         return bool(self._queue) or self.running > 0
 
-    # -- I/O ------------------------------------------------------------------------------------------
+    def _waiting(self) -> bool:
+        return bool(self._queue)
 
-    def _pump(self) -> None:
-        """Read what has arrived, apply time limits, hand queued requests to idle children. Never blocks."""
-        self._read()
-        self._check_deadlines()
-        self._dispatch()
-
-    def _read(self) -> None:
-        """Take in what the children have written (answers, exits). Never blocks."""
-        self._reaper.reap()
-        for i, slot in enumerate(self._slots):
-            if slot is None:
-                continue
-            lines, eof = slot.child.receive()
-            for line in lines:
-                self._handle(i, slot, line)
-                if self._slots[i] is not slot:
-                    break  # replaced while handling: the rest of its output is moot
-            else:
-                if eof:
-                    self._on_exit(i, slot)
-
-    def _handle(self, i: int, slot: _Slot, line: bytes) -> None:
-        try:
-            msg = json.loads(line)
-            kind = msg["t"]
-        except (ValueError, TypeError, KeyError):
-            kind, msg = None, {}
+    def _on_message(self, i: int, slot: Slot[_Job], kind: str, msg: dict[str, Any]) -> bool:
         job = slot.job
-        if kind == "ready" and not slot.ready:
-            slot.ready = True
-        elif kind == "fatal":
-            self._broken = failure(
-                Reason.ENV_CRASHED,
-                f"environment process could not load {self.spec!r}: {msg.get('error', '?')}",
-            )
-            self._fail_everything(self._broken)
-        elif kind == "done" and job is not None and msg.get("key") == job.key:
-            slot.job = None
-            self._results.append(self._result(job, msg))
-        else:
-            self._fail_running(
-                i, failure(Reason.ENV_CRASHED, f"environment process broke the protocol: {line[:80]!r}")
-            )
+        if kind != "done" or job is None or msg.get("key") != job.key:
+            return False
+        slot.job = None
+        self._results.append(self._result(job, msg))
+        return True
 
     def _result(self, job: _Job, msg: dict[str, Any]) -> ToolResult:
         if "step" not in msg:
@@ -329,42 +234,15 @@ class ToolRunner:
                 slot.job = job
                 slot.child.send(job.line)
 
-    # -- failures -------------------------------------------------------------------------------------
-
     def _limit_s(self, job: _Job) -> float:
         return self.settings.step_timeout_s + job.tools_s
 
-    def _next_deadline(self) -> float:
-        deadlines = [math.inf]
-        for slot in self._slots:
-            if slot is not None and slot.job is not None:
-                deadlines.append(slot.job.started_at + self._limit_s(slot.job))
-            elif slot is not None and not slot.ready and self._queue:
-                deadlines.append(slot.child.spawned_at + self.settings.startup_timeout_s)
-        return min(deadlines)
+    def _job_deadline(self, job: _Job) -> float:
+        return job.started_at + self._limit_s(job)
 
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        for i, slot in enumerate(self._slots):
-            if slot is None:
-                continue
-            job = slot.job
-            if job is not None and now > job.started_at + self._limit_s(job):
-                slot.job = None
-                self._results.append(self._timed_out(job))
-                self._replace(i)
-            elif (
-                not slot.ready
-                and self._queue
-                and now > slot.child.spawned_at + self.settings.startup_timeout_s
-            ):
-                self._fail_queued(
-                    failure(
-                        Reason.ENV_CRASHED,
-                        f"environment process did not start within {self.settings.startup_timeout_s:g}s",
-                    )
-                )
-                self._kill(i)
+    def _on_timeout(self, i: int, job: _Job) -> None:
+        self._results.append(self._timed_out(job))
+        self._replace(i)
 
     def _timed_out(self, job: _Job) -> ToolResult:
         if not isinstance(job.request, StepRequest) or not job.tools_s:
@@ -382,14 +260,11 @@ class ToolRunner:
         note = failure(Reason.TOOL_TIMEOUT, f"tool call of {names} timed out after {job.tools_s:g} s")
         return ToolResult(job.key, EnvStep(observation, job.request.state), note, timed_out=True)
 
-    def _on_exit(self, i: int, slot: _Slot) -> None:
-        how = slot.child.exit_description()
-        if slot.job is not None:
-            self._fail_running(
-                i, failure(Reason.ENV_CRASHED, f"environment process died ({how}) during a {slot.job.what}")
-            )
-        else:
-            self._kill(i)  # an idle child died: another starts when there is work
+    def _died(self, i: int, how: str) -> str:
+        slot = self._slots[i]
+        if slot is None or slot.job is None:
+            return ""
+        return failure(Reason.ENV_CRASHED, f"environment process died ({how}) during a {slot.job.what}")
 
     def _fail_running(self, i: int, error: str) -> None:
         slot = self._slots[i]
@@ -398,16 +273,19 @@ class ToolRunner:
             slot.job = None
         self._replace(i)
 
-    def _fail_queued(self, error: str) -> None:
+    def _fail_waiting(self, error: str) -> None:
         self._results.extend(ToolResult(key, None, error) for key in self._queue)
         self._queue.clear()
 
-    def _fail_everything(self, error: str) -> None:
-        for i, slot in enumerate(self._slots):
+    def _fail_all(self, error: str) -> None:
+        for slot in self._slots:
             if slot is not None and slot.job is not None:
                 self._results.append(ToolResult(slot.job.key, None, error))
-            self._kill(i)
-        self._fail_queued(error)
+                slot.job = None
+        self._fail_waiting(error)
+
+    def _drop_pending(self) -> None:
+        self._queue.clear()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -434,28 +312,24 @@ def _run(env: Environment, request: EnvRequest, with_key: bool) -> dict[str, Any
     return {"error": problem} if problem else {"step": step.to_json()}
 
 
+def _load(spec: str, args: str = "") -> tuple[Environment, bool]:
+    env = load_env(spec, args)
+    return env, takes_key(env)
+
+
+def _answer(loaded: tuple[Environment, bool], msg: dict[str, Any], send: Callable[..., None]) -> None:
+    try:
+        request = request_from_json(msg["request"])
+    except EpisodeError as exc:
+        send(t="done", key=msg["key"], error=failure(Reason.ENV_CRASHED, f"bad request: {exc}"))
+        return
+    send(t="done", key=msg["key"], **_run(loaded[0], request, loaded[1]))
+
+
 def child_main(argv: list[str]) -> int:
     """Entry point of the child: `python -m actors.tool_runner SPEC [ARGS]`."""
-    lines, send = child_protocol(PROTOCOL_VERSION)
-    if len(argv) not in (1, 2):
-        send(t="fatal", error=f"usage: python -m actors.tool_runner SPEC [ARGS], got {argv!r}")
-        return 2
-    try:
-        env = load_env(*argv)
-    except EpisodeError as exc:
-        send(t="fatal", error=str(exc))
-        return 1
-    send(t="ready")
-    with_key = takes_key(env)
-    for line in lines:
-        msg = json.loads(line)
-        try:
-            request = request_from_json(msg["request"])
-        except EpisodeError as exc:
-            send(t="done", key=msg["key"], error=failure(Reason.ENV_CRASHED, f"bad request: {exc}"))
-            continue
-        send(t="done", key=msg["key"], **_run(env, request, with_key))
-    return 0
+    usage = "python -m actors.tool_runner SPEC [ARGS]"
+    return serve(PROTOCOL_VERSION, usage, argv, (1, 2), _load, EpisodeError, _answer)
 
 
 if __name__ == "__main__":

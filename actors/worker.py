@@ -82,7 +82,7 @@ from april.files import sha256_file
 from april.keys import ClientKeys
 from april.peer_link import PeerLink
 from april.records import FinishReason, Sample
-from april.sample_draw import prompt_key
+from april.sim.sample_draw import prompt_key
 
 log = logging.getLogger("april.worker")
 EngineFactory = Callable[[SamplingParams, int], Engine]  # (sampling, starting version) -> engine

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from april.engine_cost import DEFAULT_COST as SIM_COST
-from april.engine_cost import EngineCost
 from april.files import write_text_atomic
 from april.ports import endpoint_problem
+from april.sim.engine_cost import DEFAULT_COST as SIM_COST
+from april.sim.engine_cost import EngineCost
 
 
 class ConfigError(ValueError):
@@ -79,7 +79,7 @@ class KLEstimator(enum.StrEnum):
 
 
 class ResumeKV(enum.StrEnum):
-    """What a resumed partial's prefix KV is after a weight update (april.prefix_cache)."""
+    """What a resumed partial's prefix KV is after a weight update (april.sim.prefix_cache)."""
 
     RECOMPUTE = "recompute"  # flushed with the update: re-prefilled under the new weights (exact)
     REUSE = "reuse"  # kept: the resume attends to KV of the weights that generated it (cheaper)
@@ -356,7 +356,7 @@ class WorkerConfig:
     sim_lengths: str = "lognormal:median=64,sigma=1.0,cap=512"  # sim engine: response-length spec
     sim_time_scale: float = 1.0  # sim engine: wall seconds per simulated second
     sim_prompt_corr: float = 0.0  # sim engine: how much a length is the prompt's, in [0, 1) (sample_draw)
-    # one cost model with april simulate's engines: april/engine_cost.py holds the defaults and formula
+    # one cost model with april simulate's engines: april/sim/engine_cost.py holds the defaults and formula
     sim_decode_ms: float = SIM_COST.decode_ms  # sim engine: A, ms a step (A + B x active + C x prefilled)
     sim_decode_ms_per_seq: float = SIM_COST.decode_ms_per_seq  # sim engine: B, ms per active sequence
     sim_prefill_ms_per_token: float = SIM_COST.prefill_ms_per_token  # sim engine: C, ms per prefilled token

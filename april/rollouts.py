@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from april.byte_tokenizer import ByteTokenizer
 from april.records import SETTLED, FinishReason, Sample, SampleStatus
+from april.sim.byte_tokenizer import ByteTokenizer
 
 if TYPE_CHECKING:
     import pyarrow as pa

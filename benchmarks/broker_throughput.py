@@ -69,9 +69,9 @@ from actors.outbox import Outbox  # noqa: E402
 from april import protocol  # noqa: E402
 from april.codec import decode_header  # noqa: E402
 from april.config import load_config  # noqa: E402
-from april.data import open_source  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from april.records import FinishReason, Sample, SampleStatus, new_group_samples  # noqa: E402
+from april.sources import open_source  # noqa: E402
 from april.transport import dealer  # noqa: E402
 from april.wire_records import SampleBatch  # noqa: E402
 from cli.process import stop_requested  # noqa: E402

@@ -520,7 +520,7 @@ class BrokerCore:
         """The learner waits, and its batch is formed or a batch worth of groups is complete."""
         if self.learner_waiting is None:
             return False
-        return self.state.batch is not None or len(self.state.complete) >= self.state.algo.rollout_batch_size
+        return self.state.batch is not None or self.state.batch_worth_complete()
 
     def _hand_out_batch(self, now: float) -> None:
         """The waiting learner's batch: the unacked one again, or a new one if one can be formed; handed

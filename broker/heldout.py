@@ -21,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 
 from april.config import Config, ConfigError
-from april.data import PromptRecord, PromptSource, is_generated, open_source
+from april.data import PromptRecord, PromptSource
 from april.envs.reasoning_gym import ReasoningGymSource
+from april.sources import is_generated, open_source
 
 AUTO_EVAL_MAX = 64  # data.eval_size = -1 holds out a tenth of the source's prompts, at most this many
 

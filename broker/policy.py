@@ -217,7 +217,7 @@ def resume_affinity(holders: Sequence[int | None], free: Sequence[int]) -> list[
     index of the worker each partial last left (None: unknown, or that worker is gone) and every worker's
     free slots, the worker each one goes back to: its holder while the holder has a free slot left, else
     None (the usual spread places it on any worker, so nothing waits for its holder). The holder's engine
-    may still cache its prefix (april.prefix_cache), so the resume re-prefills less there."""
+    may still cache its prefix (april.sim.prefix_cache), so the resume re-prefills less there."""
     left = list(free)
     out: list[int | None] = []
     for holder in holders:

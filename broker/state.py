@@ -705,11 +705,16 @@ class BrokerState:
             return []
         return [g.min_version() for g in self.unfinished.values()]
 
+    def batch_worth_complete(self) -> bool:
+        """A batch worth of groups is complete: a batch forms now unless the mode holds it back
+        (`ModePolicy.batch_may_form`)."""
+        return len(self.complete) >= self.algo.rollout_batch_size
+
     def form_batch(self, step: int) -> PendingBatch | None:
         """Hand out the next batch if one can be formed (and none is unacked)."""
         if self.batch is not None:
             return self.batch
-        if len(self.complete) < self.algo.rollout_batch_size:
+        if not self.batch_worth_complete():
             return None  # take_batch needs a batch worth of complete groups: skip the O(groups) scan
         incomplete = self.incomplete_versions()
         chosen = policy.take_batch(self.mode_policy, self.algo, self.batch_order, self.version, incomplete)

@@ -21,7 +21,8 @@ import typer
 
 from actors.tokenizer import HFTokenizer
 from april.config import Config
-from april.data import FilePromptSource, PromptRecord, open_source
+from april.data import FilePromptSource, PromptRecord
+from april.sources import open_source
 
 PERCENTILES = (50, 90, 99)
 SAMPLE = 10_000  # records tokenized for the length percentiles by default (0: every record)

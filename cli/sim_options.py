@@ -4,7 +4,7 @@ Both read the run's config the usual way (`--config FILE` < APRIL_* environment 
 < options, `cli.options.resolve_config`), so a user simulates or benchmarks the config file they train
 with. Without `--config` the base layer is not the dataclass defaults but `paper_config`: the paper's
 setting on a GPU-like simulated cluster (32 x 8 samples, over-sampling 64, 16k tokens, the sim engine's
-cost `april.engine_cost.DEFAULT_COST`, a 20 s learner step). The options below that name a config field
+cost `april.sim.engine_cost.DEFAULT_COST`, a 20 s learner step). The options below that name a config field
 are that field, nothing more (the ones the documented commands use); `--sweep section.key=V1,V2,...`
 runs every value of any field (several make a grid). The simulated cluster's size (`--engines`) is the one
 setting no config field holds (`april up --workers`).

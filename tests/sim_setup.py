@@ -17,7 +17,7 @@ from april.config import (
     RunConfig,
     WorkerConfig,
 )
-from april.engine_cost import DEFAULT_COST, EngineCost
+from april.sim.engine_cost import DEFAULT_COST, EngineCost
 from broker.sim.model import SimConfig
 
 

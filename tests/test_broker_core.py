@@ -22,8 +22,8 @@ from actors.lengths import LengthSpec
 from april import protocol
 from april.config import AlgoConfig, Config, ConfigError, Mode, RunConfig, replace_fields
 from april.data import SyntheticPromptSource
-from april.engine_cost import EngineCost
 from april.records import FinishReason, Sample
+from april.sim.engine_cost import EngineCost
 from april.wire_records import SampleBatch
 from broker.core import BrokerCore
 from broker.decisions import (

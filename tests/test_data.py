@@ -18,10 +18,10 @@ from april.data import (
     PromptSource,
     SyntheticPromptSource,
     export_jsonl,
-    open_source,
     records,
     synthetic,
 )
+from april.sources import open_source
 
 
 def same(a: PromptRecord, b: PromptRecord) -> bool:

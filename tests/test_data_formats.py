@@ -47,7 +47,8 @@ import pytest
 from actors.rewards import exact_reward, math_reward
 from actors.tokenizer import HFTokenizer, no_chat_template
 from april.config import AnswerFormat, DataConfig, load_config
-from april.data import DatasetError, FilePromptSource, PromptRecord, open_source, records
+from april.data import DatasetError, FilePromptSource, PromptRecord, records
+from april.sources import open_source
 from broker.heldout import split_held_out
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The one simulated-engine cost model (april/engine_cost.py): its formula, its defaults reaching every
+"""The one simulated-engine cost model (april/sim/engine_cost.py): its formula, its defaults reaching every
 command that simulates an engine, and `april up --engine sim` and `april simulate` modelling the same
 machine step for step."""
 
@@ -17,9 +17,9 @@ from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.factory import make_engine
 from actors.lengths import LengthSpec
 from april.config import AlgoConfig, ConfigError, Mode, WorkerConfig, load_config, replace_fields
-from april.engine_cost import DEFAULT_COST, EngineCost
 from april.records import Sample, new_group_samples
-from april.sample_draw import sample_key
+from april.sim.engine_cost import DEFAULT_COST, EngineCost
+from april.sim.sample_draw import sample_key
 from broker.sim.engines import EngineModel
 from broker.sim.figures import Meter
 from cli.bench_plan import BenchSetting, bench_base, run_config

@@ -35,12 +35,12 @@ from actors.engine import EngineError, EngineUnavailable, GenerationOutput, Samp
 from actors.reward_runner import RewardResult
 from actors.worker import Held, Worker
 from april import protocol
-from april.byte_tokenizer import ByteTokenizer
 from april.config import WeightsConfig, WorkerConfig
 from april.peer_link import BACKOFF_MIN_S
 from april.ports import free_ports
 from april.records import FinishReason, Sample, SampleStatus
-from april.sample_draw import sample_key
+from april.sim.byte_tokenizer import ByteTokenizer
+from april.sim.sample_draw import sample_key
 from april.wire_records import SampleBatch
 
 DEADLINE_S = 60.0  # "did not hang", never "was fast"

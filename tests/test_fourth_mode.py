@@ -19,7 +19,7 @@ from sim_setup import sim_config
 from april import protocol
 from april.config import AlgoConfig, Config, Mode, RunConfig
 from april.data import SyntheticPromptSource
-from april.engine_cost import EngineCost
+from april.sim.engine_cost import EngineCost
 from broker import modes
 from broker.core import BrokerCore
 from broker.decisions import Send

@@ -21,10 +21,10 @@ from actors.outbox import Outbox
 from actors.slot_meter import SlotMeter
 from actors.worker import Worker
 from april import protocol
-from april.byte_tokenizer import ByteTokenizer
 from april.config import ConfigError, WorkerConfig
 from april.records import FinishReason, Sample, SampleStatus
-from april.sample_draw import sample_key
+from april.sim.byte_tokenizer import ByteTokenizer
+from april.sim.sample_draw import sample_key
 from april.wire_records import SampleBatch
 
 

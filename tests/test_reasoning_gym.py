@@ -19,8 +19,8 @@ from test_up import check_run, run_up, wait_all_exited
 
 from actors.rewards import RewardError, extract_final_answer, load_reward
 from april.config import Config, DataConfig, RunConfig
-from april.data import open_source
 from april.envs.reasoning_gym import KEY, Coordinates, ReasoningGymError, ReasoningGymSource
+from april.sources import open_source
 from broker.heldout import open_prompts
 
 TASKS = "reasoning_gym:basic_arithmetic,chain_sum"

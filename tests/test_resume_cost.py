@@ -1,4 +1,4 @@
-"""Resume cost: the prefix-cache rule (april.prefix_cache), the sim engine and the simulator's engine
+"""Resume cost: the prefix-cache rule (april.sim.prefix_cache), the sim engine and the simulator's engine
 charging the same re-prefill for the same events, resume affinity (policy.resume_affinity and the
 broker's books), and the resume_kv setting (config, engine capability)."""
 
@@ -22,9 +22,9 @@ from actors.factory import check_worker, engine_class
 from april import protocol
 from april.config import AlgoConfig, ConfigError, Mode, ResumeKV, WorkerConfig, load_config
 from april.data import SyntheticPromptSource
-from april.engine_cost import EngineCost
-from april.prefix_cache import MISS, CachedPrefix, PrefixCache
 from april.records import FinishReason, Sample, SampleStatus, new_group_samples
+from april.sim.engine_cost import EngineCost
+from april.sim.prefix_cache import MISS, CachedPrefix, PrefixCache
 from april.transport import dealer, recv, send
 from april.wire_records import SampleBatch
 from broker import policy

@@ -21,7 +21,6 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from april.byte_tokenizer import BYTE_OFFSET
 from april.config import Config, RunConfig
 from april.records import FinishReason, Sample
 from april.rollout_writer import RolloutWriter
@@ -40,6 +39,7 @@ from april.rollouts import (
     train_steps,
     train_table,
 )
+from april.sim.byte_tokenizer import BYTE_OFFSET
 from cli.main import app
 from cli.rollouts_cmd import render_samples, render_steps, render_transcript, select, step_summaries
 from learner.step_records import StepRecords, forget_steps_from, samples_table

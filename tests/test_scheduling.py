@@ -1,6 +1,6 @@
 """Scheduling beyond the paper's fixed setting (issue 17): the length history, the prompt order drawn from
 it, `over_sampling = "auto"` (broker/round_plan.py) and prompt-correlated simulated lengths
-(april/sample_draw.py `LengthDraw`), driven directly and through the broker's books and the simulator."""
+(april/sim/sample_draw.py `LengthDraw`), driven directly and through the broker's books and the simulator."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.lengths import LengthSpec
 from april.config import AlgoConfig, ConfigError, Mode, OverSampling, PromptOrder, load_config
 from april.records import new_group_samples
-from april.sample_draw import LengthDraw, draw_length, prompt_key, sample_key
+from april.sim.sample_draw import LengthDraw, draw_length, prompt_key, sample_key
 from broker import length_history, policy, snapshot
 from broker.length_history import RECENT, LengthHistory
 from broker.round_plan import (

@@ -18,8 +18,8 @@ from actors.lengths import (
     LogNormalLength,
     MixtureLength,
 )
-from april.engine_cost import EngineCost
 from april.records import FinishReason, Sample
+from april.sim.engine_cost import EngineCost
 
 MIXTURE = "mixture:0.9*lognormal:median=500,sigma=0.6,cap=16384+0.1*lognormal:median=8000,sigma=0.5,cap=16384"
 

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from actors.lengths import EpisodeFile, LengthSpec, LengthSpecError, UniformLength
 from april.config import AlgoConfig, Config, Mode, replace_fields
-from april.engine_cost import EngineCost
 from april.records import FinishReason, SampleStatus, Segment, Span, new_group_samples
+from april.sim.engine_cost import EngineCost
 from broker.sim.engines import EngineModel
 from broker.sim.episodes import DrawnEpisodes, EpisodePlan, EpisodePlans, EpisodeWorkload
 from broker.sim.figures import Meter, Tally

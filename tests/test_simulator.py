@@ -17,8 +17,8 @@ from actors.engine import GenerationRequest
 from actors.engines.sim_engine import SampleIdentity, SimEngine
 from actors.lengths import EmpiricalLength, LengthSpec, LengthSpecError
 from april.config import AlgoConfig, ConfigError, Mode
-from april.engine_cost import EngineCost
 from april.records import new_group_samples
+from april.sim.engine_cost import EngineCost
 from broker.sim.engines import EngineModel
 from broker.sim.figures import ARRIVAL_WINDOW_S, ArrivalMeter, Meter
 from broker.sim.model import SimResult, simulate

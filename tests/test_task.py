@@ -11,7 +11,8 @@ import pytest
 
 from actors.rewards import exact_reward
 from april.config import DataConfig
-from april.data import FilePromptSource, export_jsonl, open_source
+from april.data import FilePromptSource, export_jsonl
+from april.sources import open_source
 from april.task import (
     MAX_NEW_TOKENS,
     TaskExample,

@@ -1,7 +1,7 @@
 """The simulation engine: no model, a cost model of a GPU inference engine for planning and benchmarks.
 
 Owns: when each simulated request finishes and what it generates. Each decode step takes the time
-`april.engine_cost.EngineCost` gives (the one cost model, which `april simulate` also uses): a fixed
+`april.sim.engine_cost.EngineCost` gives (the one cost model, which `april simulate` also uses): a fixed
 part, a part per active request, and the prefill of every input token newly admitted in that step.
 Response lengths are drawn per sample from a `LengthSpec` (actors/lengths.py), reproducibly from
 (seed, sample identity).
@@ -19,7 +19,7 @@ Sample identity (what makes a resume keep its length). A `GenerationRequest` car
     under the digest of `input + partial`, so resuming it *on this engine* is recognised. Resuming on
     another process draws a new length: use the hook for resume hand-off across workers.
 
-Prefix cache (`april.prefix_cache`, `cost.prefix_cache_tokens` of capacity): an aborted request leaves
+Prefix cache (`april.sim.prefix_cache`, `cost.prefix_cache_tokens` of capacity): an aborted request leaves
 its prefix behind, and a resume of the same sample on this engine prefills only what the cache no longer
 holds. `keep_kv_across_updates` (worker.resume_kv = "reuse") keeps the cache across `load_weights`;
 otherwise a load empties it, as SGLang and vLLM do. `reprefill_tokens` / `reprefill_s` count what resumes
@@ -51,12 +51,12 @@ import numpy.typing as npt
 
 from actors.engine import EngineError, GenerationOutput, GenerationRequest, WeightLoadError, admit
 from actors.lengths import LengthSpec
-from april.engine_cost import EngineCost
-from april.prefix_cache import PrefixCache
 from april.records import FinishReason
-from april.sample_draw import LengthDraw, sample_key
-from april.sample_draw import mix as _mix
-from april.sample_draw import splitmix64 as _splitmix64
+from april.sim.engine_cost import EngineCost
+from april.sim.prefix_cache import PrefixCache
+from april.sim.sample_draw import LengthDraw, sample_key
+from april.sim.sample_draw import mix as _mix
+from april.sim.sample_draw import splitmix64 as _splitmix64
 
 MAX_LAG_S = 0.05  # wall seconds a sleeping engine may fall behind its schedule and still catch up
 _MEMO_LIMIT = 65536  # aborted requests remembered for same-engine resume (no identify hook)
@@ -68,12 +68,12 @@ class SampleIdentity:
 
     key: int  # stable across resumes of one sample (any int; hashed with the seed)
     prompt_len: int  # input_ids[:prompt_len] is the prompt, the rest is the response so far
-    prompt: int = 0  # the prompt's identity (april.sample_draw.prompt_key; 0: unknown)
+    prompt: int = 0  # the prompt's identity (april.sim.sample_draw.prompt_key; 0: unknown)
 
     @staticmethod
     def of_sample(group_id: int, index: int, prompt_len: int, prompt: int = 0) -> SampleIdentity:
         """The identity of sample (group_id, index) of a prompt of `prompt_len` tokens whose identity is
-        `prompt` (april.sample_draw.prompt_key): what a worker's `identify` hook returns."""
+        `prompt` (april.sim.sample_draw.prompt_key): what a worker's `identify` hook returns."""
         return SampleIdentity(sample_key(group_id, index), prompt_len, prompt)
 
 

@@ -41,6 +41,7 @@ from actors.engines.cuda_graphs import StepGraphs
 from actors.engines.kv_budget import CachePlan, DeviceMemory, plan_cache
 from actors.engines.slot_cache import SlotCache, use_slot_attention
 from actors.engines.token_sampling import sample
+from actors.weights_check import TensorSpec, check_tensors
 from april.config import GPU_MEMORY_FRACTION
 from april.hf import load_model, model_context_length
 from april.records import FinishReason
@@ -443,30 +444,15 @@ def _read_state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_state(state: Mapping[str, torch.Tensor], params: dict[str, torch.Tensor], source: str) -> None:
-    """Raise WeightLoadError unless `state` covers the model's parameters with the right shapes.
-
-    A parameter tied to another (same storage, e.g. lm_head and the embedding) may be missing as long as
-    one of its group is present, as `save_pretrained` writes it.
-    """
-    unexpected = sorted(set(state) - set(params))
-    if unexpected:
-        raise WeightLoadError(
-            f"load_weights: {source} has {len(unexpected)} unexpected tensors, e.g. {unexpected[0]!r}"
-        )
+    """`actors.weights_check.check_tensors`, the model's tied tensors found by their shared storage."""
     groups: dict[int | str, list[str]] = {}
     for name, tensor in params.items():  # empty tensors share data_ptr 0 without being tied
         groups.setdefault(tensor.data_ptr() if tensor.numel() else name, []).append(name)
-    for names in groups.values():
-        if not any(n in state for n in names):
-            raise WeightLoadError(f"load_weights: {source} lacks tensor {names[0]!r}")
-    for name, tensor in state.items():
-        want = params[name]
-        if tuple(tensor.shape) != tuple(want.shape):
-            raise WeightLoadError(
-                f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}"
-            )
-        if not tensor.is_floating_point() and want.is_floating_point():
-            raise WeightLoadError(f"load_weights: {name!r} has dtype {tensor.dtype}, expected floating point")
+    check_tensors(_specs(state), _specs(params), groups.values(), source)
+
+
+def _specs(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    return {n: TensorSpec(tuple(t.shape), str(t.dtype), t.is_floating_point()) for n, t in tensors.items()}
 
 
 def device_memory(device: torch.device) -> DeviceMemory | None:

@@ -79,10 +79,11 @@ from actors.engine import (
     check_engine_args,
 )
 from actors.engines.inflight import FINISH_REASONS, Flight, InFlight, Segment, first_line
+from actors.weights_check import TensorSpec, check_tensors, tied_embeddings
 from april.hf import check_model_dir
 
 _T = TypeVar("_T")
-Header = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, safetensors dtype)
+Header = dict[str, TensorSpec]  # tensor name -> (shape, safetensors dtype, floating point)
 log = logging.getLogger("april.vllm")
 
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
@@ -212,6 +213,7 @@ class VLLMEngine:
         self.abort_timeout_s = abort_timeout_s
         self.weights_timeout_s = weights_timeout_s
         self._header = read_header(path)
+        self._tied = tied_embeddings(path, self._header)  # may add lm_head to the header: its tied name
         self._weights_path = path  # last weights loaded successfully (restored after a failed load)
         self._flights = InFlight("vllm engine", submit=self._submit, halt=self._halt, resume=self._resume)
         self._broken = ""  # why the engine cannot serve any more (a failed reload that could not be undone)
@@ -284,7 +286,7 @@ class VLLMEngine:
         self._check_usable()
         new = Path(path)
         files = weight_files(new)
-        check_header(read_header(new), self._header, new)
+        check_header(read_header(new), self._header, self._tied, new)
         parked = self._flights.park()
         try:
             with _as_directory(new, files) as folder:
@@ -474,28 +476,17 @@ def read_header(path: Path) -> Header:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118  # safe_open has no __iter__
                     part = f.get_slice(name)
-                    header[name] = (tuple(int(d) for d in part.get_shape()), str(part.get_dtype()))
+                    dtype = str(part.get_dtype())
+                    shape = tuple(int(d) for d in part.get_shape())
+                    header[name] = TensorSpec(shape, dtype, dtype.startswith(("F", "BF")))
         except Exception as e:  # SafetensorError, OSError, ...
             raise WeightLoadError(f"load_weights: cannot read {str(file)!r}: {first_line(e)}") from e
     return header
 
 
-def check_header(got: Header, want: Header, path: Path) -> None:
-    """WeightLoadError unless `got` has exactly the tensors of `want`, same shapes, floating point."""
-    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if missing:
-        raise WeightLoadError(
-            f"load_weights: {str(path)!r} lacks {len(missing)} tensors, e.g. {missing[0]!r}"
-        )
-    if unexpected:
-        raise WeightLoadError(
-            f"load_weights: {str(path)!r} has {len(unexpected)} unexpected tensors, e.g. {unexpected[0]!r}"
-        )
-    for name, (shape, dtype) in got.items():
-        if shape != want[name][0]:
-            raise WeightLoadError(f"load_weights: {name!r} has shape {shape}, expected {want[name][0]}")
-        if not dtype.startswith(("F", "BF")):
-            raise WeightLoadError(f"load_weights: {name!r} has dtype {dtype}, expected floating point")
+def check_header(got: Header, want: Header, tied: list[frozenset[str]], path: Path) -> None:
+    """`actors.weights_check.check_tensors`: `want` and `tied` are the checkpoint the engine started from."""
+    check_tensors(got, want, tied, repr(str(path)))
 
 
 @contextlib.contextmanager

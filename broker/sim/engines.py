@@ -5,10 +5,10 @@ Owns the engine side of the simulation: which leased samples each engine is deco
 each has produced, when its next step boundary falls, and the broker messages it has not read yet; and
 what the worker around it keeps (actors/worker.py and its episode driver, docs/design.md section 3).
 
-Cost model: `april.engine_cost.EngineCost`, the one the sim engine a worker runs also uses (a decode
+Cost model: `april.sim.engine_cost.EngineCost`, the one the sim engine a worker runs also uses (a decode
 step over `active` sequences, plus the prefill of every input token admitted in that step). A fresh
 sample's input is its prompt; a resumed partial re-prefills prompt + the response so far (the resume
-hand-off cost), less what this engine's prefix cache still holds of it (`april.prefix_cache`, the rule
+hand-off cost), less what this engine's prefix cache still holds of it (`april.sim.prefix_cache`, the rule
 the sim engine follows too: the same re-prefill for the same events). `busy_s` and `reprefill_tokens`
 give the re-prefill share of engine time; `stale_kv_tokens` counts tokens generated while attending to
 KV computed under older weights than the loaded ones (what resume_kv "reuse" costs in exactness).
@@ -50,11 +50,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from april.byte_tokenizer import ByteTokenizer
-from april.engine_cost import EngineCost
-from april.prefix_cache import PrefixCache
 from april.protocol import Abort, WeightsReady
 from april.records import FinishReason, Sample
+from april.sim.byte_tokenizer import ByteTokenizer
+from april.sim.engine_cost import EngineCost
+from april.sim.prefix_cache import PrefixCache
 from broker.decisions import LeaseOut, Work
 from broker.sim.episodes import EpisodePlan, EpisodePlans, Plans, SingleTurn
 from broker.sim.figures import Meter

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from april.records import Sample
-from april.sample_draw import MASK64, LengthSampler, sample_key
+from april.sim.sample_draw import MASK64, LengthSampler, sample_key
 
 EPISODE_SALT = 0x6570  # keeps an episode's draws apart from the sample's single-turn length draw
 

@@ -34,7 +34,7 @@ from april import protocol
 from april.config import Config, ConfigError, Mode, ResumeKV
 from april.ledger import Ledger
 from april.records import Sample
-from april.sample_draw import LengthDraw, LengthSampler, prompt_key, sample_key
+from april.sim.sample_draw import LengthDraw, LengthSampler, prompt_key, sample_key
 from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, LeaseOut, Refuse, Send
 from broker.heldout import open_prompts
@@ -62,7 +62,8 @@ class SimConfig:
     config: Config
     engines: int = 8  # worker processes, one engine of `worker.slots` slots each
     # True: each sample's length drawn from (seed, group, index) exactly as the sim engine draws it
-    # (april.sample_draw), so `april bench --engine sim` runs the very same samples; False: one seeded stream
+    # (april.sim.sample_draw), so `april bench --engine sim` runs the very same samples; False: one
+    # seeded stream
     per_sample_lengths: bool = False
     check_ledger_every_event: bool = False  # debug: the books balance after every event (slow)
 
@@ -122,9 +123,10 @@ WAIT_CAUSES = (
 
 
 def wait_cause(state: BrokerState) -> str:
-    """Which of WAIT_CAUSES holds the learner's next batch now (state: no batch could be formed)."""
-    if len(state.complete) >= state.algo.rollout_batch_size:
-        return "staleness"
+    """Which of WAIT_CAUSES holds the learner's next batch now (state: no batch could be formed). The
+    broker's books and its mode policy answer; the batch rule is theirs."""
+    if state.batch_worth_complete():
+        return "staleness"  # complete groups enough, and still no batch: the mode held it back
     if state.mode_policy.held_by_admission(state.algo, state.counts(), state.version):
         return "admission"
     return "generation"
@@ -149,7 +151,7 @@ class LengthTable:
 
 
 class SampleLengths:
-    """The drawn total response length of a sample as the sim engine draws it (april.sample_draw)."""
+    """The drawn total response length of a sample as the sim engine draws it (april.sim.sample_draw)."""
 
     def __init__(self, sampler: LengthSampler, seed: int, prompt_corr: float = 0.0) -> None:
         self.draw = LengthDraw(sampler, seed, prompt_corr)

@@ -16,7 +16,7 @@ wall time by `worker.sim_time_scale`, the simulator keeps it virtual):
 `active` is the number of sequences decoded in the step (each produces one token); `prefill_tokens` the
 input tokens admitted since the previous step and prefilled in this one: a fresh sample's prompt, or the
 part of a resumed partial's prompt + response so far that the engine's prefix cache no longer holds
-(`april.prefix_cache`, `prefix_cache_tokens` of capacity; under `worker.resume_kv = "recompute"`, what
+(`april.sim.prefix_cache`, `prefix_cache_tokens` of capacity; under `worker.resume_kv = "recompute"`, what
 real engines do, a weight update empties it, so a partial resumed in a later round re-prefills all of it).
 Decode on a GPU is memory-bound, so `decode_ms` dominates and a step at 64 sequences costs about twice one
 at 1.
@@ -40,7 +40,7 @@ class EngineCost:
     decode_ms: float = 6.0  # A: the fixed part of a decode step, ms
     decode_ms_per_seq: float = 0.1  # B: added per active sequence, ms
     prefill_ms_per_token: float = 0.02  # C: per input token prefilled (prompt, or prompt + partial), ms
-    # KV tokens an engine keeps for interrupted samples (april.prefix_cache). A 4B model's KV (Qwen3-4B:
+    # KV tokens an engine keeps for interrupted samples (april.sim.prefix_cache). A 4B model's KV (Qwen3-4B:
     # 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes) is 144 KiB a token; an 80 GB H100 with ~8 GB of
     # weights and ~60 GB for the KV pool holds ~420k tokens, of which 400k is the round figure taken here
     prefix_cache_tokens: int = 400_000
