@@ -2,38 +2,12 @@
 
 The worker-side API is non-blocking: `submit` queues a sample, `poll` returns the results ready so far,
 `cancel_all` (on abort) drops everything at once, `close` stops the child. Every submitted key gets
-exactly one `RewardResult` unless it is cancelled: a reward is either a finite float or `None` with a
-one-line error that starts with its reason (`april.failures`): "reward_timeout: reward timed out after 5s",
-"reward_error: reward raised ValueError: ...", "reward_crashed: reward process died ...". Nothing is ever
-silently scored 0.
-
-Why a child process: a Python thread running a hung user function cannot be stopped; a process can be
-killed. The child is `python -m actors.reward_runner SPEC`; it scores one sample at a time, in submission
-order. The pipe carries JSON lines, never pickle:
-
-    worker -> child  {"v": 1, "t": "score", "key": K, "response": str, "answer": str, "metadata": {str: str}}
-    child -> worker  {"v": 1, "t": "ready"}                      reward loaded, ready to score
-                     {"v": 1, "t": "fatal", "error": str}        reward could not be loaded; child exits
-                     {"v": 1, "t": "start", "key": K, "at": T}    scoring K began at time.monotonic() T
-                     {"v": 1, "t": "done", "key": K, "reward": float | null, "error": str}
-
-The timeout clock of a sample starts at the child's "start" (CLOCK_MONOTONIC is system-wide), so time
-spent queued behind other samples or in the child's start-up (importing sympy for `math`) never counts.
-
-Failure policy (one rule: the sample that was running is blamed; the others did not run and are re-sent):
-- timeout: the running sample fails with "reward timed out after Xs"; the child is killed and a new one
-  started; the samples queued behind it are re-submitted to the new child, in order.
-- crash (the child exits or breaks the protocol): the running sample (or, if none had started, the oldest
-  one) fails with "reward process died (...)"; the rest are re-submitted to a restarted child. Each
-  restart fails one sample, so a reward that always crashes cannot loop forever.
-- start-up: a child that sends no "ready" within `startup_timeout_s`, or reports "fatal", fails every
-  sample in flight; after a "fatal" every later submission fails at once with the same error.
-- `cancel_all`: pending results are dropped; a busy child is killed (never waited on) and restarted.
-
-The children's handling (start-up, the pipe, killing and reaping) is `actors.supervisor`'s; a child's
-stdout and stdin are kept from user code (`actors.child_process`).
-
-Not thread-safe: one worker loop owns a runner. Knows nothing about samples, sockets or the broker.
+exactly one `RewardResult` unless it is cancelled: a finite float, or None with a one-line error that
+starts with its reason (`april.failures`); nothing is silently scored 0. This module owns the scoring
+rules (timeouts counted from the child's start of a sample, who is blamed on a crash, what is re-sent);
+`actors.supervisor` owns the children themselves. The child's pipe and the failure policy are
+docs/protocol.md, section 17. Not thread-safe: one worker loop owns a runner. Knows nothing about
+samples, sockets or the broker.
 """
 
 from __future__ import annotations
