@@ -335,6 +335,30 @@ class EpisodeState:
         return cls(env_state, turns, None if owed is None else Message.from_openai(owed))
 
 
+LIVE_STATE = "april-live:"  # an environment state kept in a worker's memory, named by the text after it
+
+
+def live_state(handle: str) -> str:
+    """The state text of a state the environment keeps in its process under `handle` (live objects)."""
+    return LIVE_STATE + handle
+
+
+def live_handle(state: str) -> str | None:
+    """The handle of a live state (`live_state`), or None for a state written down in full."""
+    return state[len(LIVE_STATE) :] if state.startswith(LIVE_STATE) else None
+
+
+def holds_live_state(episode: bytes) -> bool:
+    """Whether a sample's episode (`Sample.episode`) names a state kept in its worker's memory: such a
+    sample can resume only there (docs/protocol.md, "Pinned partials")."""
+    if LIVE_STATE.encode() not in episode:  # the common case, without parsing the state
+        return False
+    try:
+        return live_handle(EpisodeState.from_bytes(episode).env_state) is not None
+    except EpisodeError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------------------
 # helpers for environments
 

@@ -261,6 +261,7 @@ def _rollout_panel(state: DashboardState, s: BrokerStatus, m: StepFigures) -> Pa
         ("in flight", f"{s.in_flight_groups} groups · {s.leased_samples} leased"),
         ("queued", f"{s.queued_samples} samples"),
         ("partial", f"{s.partial_buffer} samples · {s.partial_groups} groups"),
+        *([("pinned", s.pinned_text)] if s.pinned or s.totals.restarted else []),
         ("complete", f"{s.complete_groups} groups waiting"),
         *_abort_rows(state, s, m),
         ("off-policy", f"{_pct(m.offpolicy_token_frac)} of tokens"),
