@@ -293,9 +293,10 @@ class BrokerStatus:
         """Pinned partials per worker and restarts from their prompt, in one line for people."""
         per = ", ".join(f"{w.id} {w.pinned}" for w in self.workers if w.pinned)
         causes = ", ".join(f"{cause.replace('_', ' ')} {n}" for cause, n in sorted(self.restarts.items()))
+        t = self.totals
         return (
             f"{self.pinned} samples{f' ({per})' if per else ''} · restarted from prompt "
-            f"{self.totals.restarted}{f' ({causes})' if causes else ''}, {self.totals.tokens_restarted} tokens"
+            f"{t.restarted}{f' ({causes})' if causes else ''}, {t.tokens_restarted} tokens"
         )
 
     @property

@@ -137,7 +137,8 @@ class BrokerCore:
         self.behind_since: float | None = None  # since when no worker with free slots may be leased work
         self._out: list[Decision] = []
         if restored:  # (a worker holding pinned partials is one too: lost if it never comes back)
-            for worker_id in {lease.worker_id for lease in state.leases.values()} | set(state.pinned.values()):
+            holders = {lease.worker_id for lease in state.leases.values()} | set(state.pinned.values())
+            for worker_id in holders:
                 self.workers.register(worker_id, now, restored=True)
         else:
             self.evals.on_version(0)  # a baseline: the starting weights on the held-out prompts

@@ -603,7 +603,8 @@ class BrokerState:
             entry = self.groups[key[0]]
             before = entry.samples[key[1]]
             version = versions[i]
-            if left[i] <= 0 or (version is not None and before.segments and before.segments[-1].version > version):
+            newer = version is not None and before.segments and before.segments[-1].version > version
+            if left[i] <= 0 or newer:
                 continue
             left[i] -= 1
             out[i].append(self._lease(worker_ids[i], entry, before))

@@ -124,7 +124,8 @@ def render_status(status: BrokerStatus) -> Group:
         for w in status.workers
         if not w.engine_ok and w.engine_detail != protocol.ENGINE_STARTING
     ]
-    pinned = [Text(f"pinned partials: {status.pinned_text}")] if status.pinned or status.totals.restarted else []
+    shown = status.pinned or status.totals.restarted
+    pinned = [Text(f"pinned partials: {status.pinned_text}")] if shown else []
     staleness = Table("staleness", "partial samples", title="partial buffer staleness")
     for k, v in status.partial_staleness.items():
         staleness.add_row(Text(k), str(v))

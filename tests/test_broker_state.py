@@ -163,7 +163,8 @@ class Driver:
         keys = self.state.pinned_of(worker)
         for key in keys:
             self.state.restart(key, "worker_lost")
-            assert key not in self.state.pinned and self.state.groups[key[0]].samples[key[1]].response_len == 0
+            assert key not in self.state.pinned
+            assert self.state.groups[key[0]].samples[key[1]].response_len == 0
         self.check()
         return len(keys)
 

@@ -242,7 +242,8 @@ def test_a_restart_restores_the_books_of_the_last_durable_write(
             elif op == "reclaim" and lease_id is not None:
                 d.reclaim(lease_id)
             elif op == "lose":  # a worker lost: its pinned partials restart from their prompt (journaled)
-                event(f"pinned partials restarted: {min(d.lose(data.draw(st.sampled_from(['w0', 'w1']))), 2)}")
+                lost = d.lose(data.draw(st.sampled_from(["w0", "w1"]), label="lost worker"))
+                event(f"pinned partials restarted: {min(lost, 2)}")
             elif op == "round" and policy_for(mode).round_based:
                 d.end_round()
             elif op == "train" and train(run, step):

@@ -31,7 +31,11 @@ from broker.state import BrokerState, PendingBatch
 MAX_NEW = 24
 # what the test does next, as often as listed: mostly leases and results, so that saves find episodes
 OPERATIONS = (
-    ["take"] * 3 + ["finish"] * 2 + ["interrupt"] * 3 + ["fail", "reclaim", "round", "train", "lose"] + ["save"] * 2
+    ["take"] * 3
+    + ["finish"] * 2
+    + ["interrupt"] * 3
+    + ["fail", "reclaim", "round", "train", "lose"]
+    + ["save"] * 2
 )
 
 
@@ -51,7 +55,8 @@ def worker_turns(draw: st.DrawFn, leased: Sample, version: int, budget: int) -> 
         if step == "state":
             # sometimes a state kept in the worker's memory: the partial is then pinned to that worker
             live = EpisodeState(live_state(f"h{sample.group_id}-{sample.index}")).to_bytes()
-            sample = sample.with_episode(draw(st.one_of(st.binary(max_size=24), st.just(live)), label="state"))
+            state = draw(st.one_of(st.binary(max_size=24), st.just(live)), label="episode state")
+            sample = sample.with_episode(state)
             continue
         n = min(left, draw(st.integers(0, 4), label="tokens"))
         ids = draw(st.lists(TOKENS, min_size=n, max_size=n), label="ids")
@@ -129,7 +134,8 @@ def test_episodes_survive_snapshots_restarts_and_log_compaction(mode: Mode, data
             elif op == "reclaim" and lease_id is not None:
                 d.reclaim(lease_id)
             elif op == "lose":  # a worker lost: its pinned partials restart from their prompt
-                event(f"pinned partials restarted: {min(d.lose(data.draw(st.sampled_from(['w0', 'w1']))), 2)}")
+                lost = d.lose(data.draw(st.sampled_from(["w0", "w1"]), label="lost worker"))
+                event(f"pinned partials restarted: {min(lost, 2)}")
             elif op == "round" and policy_for(mode).round_based:
                 d.end_round()
             elif op == "train" and d.train(step) is not None:
