@@ -221,7 +221,10 @@ class Environment(Protocol):
     depends only on (state, turn), where `turn` is the parsed model turn (`april.chat.parse_turn`). A `step`
     may also take a keyword `key: StepKey` (`run_step` passes it then). An environment may set
     `final_step_repeatable = False`: a step whose turn calls no tool (the final, scoring one) then has
-    effects, and an abort waits for it as for a non-repeatable tool (absent: True)."""
+    effects, and an abort waits for it as for a non-repeatable tool (absent: True). A state that cannot
+    be written down (live objects) may stay in the environment's process: `step` answers
+    `live_state(handle)` for it, and the environment then has `release(state)`, called when the episode
+    ends without a step that frees it (the worker's tool runner routes its steps to that process)."""
 
     tools: tuple[Tool, ...]
 
@@ -409,6 +412,8 @@ def answer_problem(request: EnvRequest, step: EnvStep) -> str:
     what = "reset" if isinstance(request, ResetRequest) else "step"
     if what == "reset" and not step.observation:
         return failure(Reason.ENV_EMPTY_RESET, "environment reset answered no messages: there is no prompt")
+    if live_handle(step.state) is not None:  # kept in the environment's process (`live_state`)
+        return ""
     try:
         json.loads(step.state)
     except ValueError:

@@ -6,8 +6,9 @@ snapshot interval.
 a result taken, a lease reclaimed, queued samples parked, a round closed, a batch acked, weights set, an
 abort round begun or ended, a pinned partial restarted from its prompt. `encode` packs a run of them
 into one journal record (a settled sample the log holds already is named by its key, any other sample
-travels inline); the snapshot writer's thread appends and fsyncs them. `replay` applies the records after a state file's journal position to the books
-restored from it, through the books' own methods, then queues what waits for a lease.
+travels inline); the snapshot writer's thread appends and fsyncs them. `replay` applies the records
+after a state file's journal position to the books restored from it, through the books' own methods,
+then queues what waits for a lease.
 
 Knows nothing of files, sockets or time: when a change is durable is `broker.snapshot_writer`'s, what a
 result's acknowledgement promises is docs/protocol.md's (section 11).
