@@ -335,6 +335,9 @@ class ToolRunner:
             slot.job = None
             result = self._result(job, msg)
             handle = live_handle(result.step.state) if result.step is not None else None
+            asked = live_handle(job.request.state) if isinstance(job.request, StepRequest) else None
+            if asked is not None and asked != handle:  # its episode ended (or failed) with the step
+                self._homes.pop(asked, None)
             if handle is not None:
                 self._homes[handle] = slot.child
             self._results.append(result)

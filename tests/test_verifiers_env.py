@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from actors.tokenizer import HFTokenizer
 from april.chat import chat_format
 from april.envs import verifiers_adapter
 from april.envs.verifiers_adapter import INPUT_KEY, VerifiersEnvironment, VerifiersPromptSource
-from april.episode import EpisodeError, Message, Role, ToolCall
+from april.episode import EpisodeError, Message, Role, ToolCall, live_handle
 from april.rollouts import OBSERVATION
 
 TOOL_ENV = "verifiers:verifiers_tool_env"
@@ -138,12 +140,94 @@ def test_a_prompt_from_another_dataset_is_the_rollout_input() -> None:
     assert got == 1.0
 
 
-def test_a_live_object_in_the_state_fails_the_episode_with_one_line() -> None:
-    spec = "verifiers:verifiers_envs"
-    env = VerifiersEnvironment(spec, '{"live": true}')
-    with pytest.raises(EpisodeError) as info:
-        env.reset(VerifiersPromptSource(spec, '{"live": true}').get(0))
-    assert "state['lock'] holds a _thread.lock: not JSON" in str(info.value) and "\n" not in str(info.value)
+def test_a_live_object_in_the_state_stays_in_its_process_and_plays_as_its_own_rollout() -> None:
+    """The state holds a game object: it stays in the environment's process under a handle, only that
+    process can step it, and the reward is verifiers' own for the transcript; an ended episode's state
+    is freed, and so is one released."""
+    spec, args = "verifiers:verifiers_envs", '{"live": true}'
+    source = VerifiersPromptSource(spec, args)
+    env = VerifiersEnvironment(spec, args)
+    step = env.reset(source.get(3))
+    handle = live_handle(step.state)
+    assert handle is not None and list(env.live) == [handle]
+    turns = [Message(Role.ASSISTANT, t) for t in ("one", "three words here", "and the last")]
+    verifiers_adapter.load.cache_clear()
+    with pytest.raises(EpisodeError, match="this process keeps no such live state"):
+        VerifiersEnvironment(spec, args).step(step.state, turns[0])  # another process: not there
+    for turn in turns:
+        step = env.step(step.state, turn)
+        assert step.done or live_handle(step.state) == handle  # the same handle all along
+    assert step.done and not env.live  # freed with the episode
+    own = own_rollout(
+        verifiers_envs.load_environment(live=True), json.loads(source.get(3).metadata[INPUT_KEY]), turns
+    )
+    plain = own_rollout(
+        verifiers_envs.load_environment(), json.loads(source.get(3).metadata[INPUT_KEY]), turns
+    )
+    assert step.reward == pytest.approx(own["reward"]) != pytest.approx(plain["reward"])  # the game counted
+    env.release(env.reset(source.get(4)).state)
+    assert not env.live
+
+
+def test_the_tool_runner_steps_a_live_state_in_the_process_that_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two environment processes: every step of a live state runs in the one that answered its reset; an
+    abort never kills that process; a state whose process died fails its step with one line."""
+    from actors.tool_runner import ToolRunner, ToolRunnerSettings
+    from april.episode import ResetRequest, StepKey, StepRequest
+
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
+    spec, args = "verifiers:verifiers_envs", '{"live": true}'
+    source = VerifiersPromptSource(spec, args)
+
+    def answers(runner: ToolRunner, keys: set[int]) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        for _ in range(600):
+            got |= {r.key: r for r in runner.poll(wait_s=0.1)}
+            if set(got) == keys:
+                return got
+        raise AssertionError(f"no answer for {keys - set(got)}")
+
+    def step(key: int, state: str, turn: int) -> StepRequest:
+        return StepRequest(state, Message(Role.ASSISTANT, f"turn {turn}"), StepKey(key, 0, turn))
+
+    with ToolRunner(spec, ToolRunnerSettings(processes=2), args) as runner:
+        for _ in range(600):  # both processes up (loading verifiers takes a while)
+            runner.poll()
+            if all(slot is not None and slot.ready for slot in runner._slots):
+                break
+            time.sleep(0.1)
+        for key in (0, 1, 2, 3):  # at once: both processes answer some
+            runner.submit(key, ResetRequest(source.get(key)))
+        states = {k: r.step.state for k, r in answers(runner, {0, 1, 2, 3}).items()}
+        assert runner.live_states == 4
+        homes = {key: runner._homes[str(live_handle(s))] for key, s in states.items()}
+        assert len(set(map(id, homes.values()))) == 2, "both processes should keep a state"
+        for turn in range(2):  # every step finds its state: none is "not kept here"
+            for key, state in states.items():
+                runner.submit(10 + key, step(key, state, turn))
+            results = answers(runner, {10, 11, 12, 13})
+            assert all(r.ok for r in results.values()), [r.error for r in results.values()]
+            states = {k - 10: r.step.state for k, r in results.items()}
+        runner.submit(20, step(0, states[0], 2))
+        assert runner.cancel(20) is False  # its process keeps live states: waited for, never killed
+        assert answers(runner, {20})[20].step.done
+        runner.release(states[1])
+        assert runner.live_states == 2
+        doomed = homes[2]
+        os.kill(doomed.proc.pid, signal.SIGKILL)  # the process that keeps state 2 dies
+        doomed.proc.wait(timeout=60)
+        for _ in range(600):  # the runner reads its end
+            runner.poll()
+            if str(live_handle(states[2])) not in runner._homes:
+                break
+            time.sleep(0.1)
+        runner.submit(30, step(2, states[2], 2))
+        result = answers(runner, {30})[30]
+        assert not result.ok and "environment state lost" in result.error and "\n" not in result.error
+        assert runner.live_states == sum(1 for k in (2, 3) if homes[k] is not doomed)
 
 
 @pytest.mark.parametrize(
