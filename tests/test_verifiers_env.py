@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 import verifiers as vf
 import verifiers_envs
 import verifiers_tool_env
-from test_up import check_run, run_up, wait_all_exited
+from test_up import REPO, check_run, child_pids, free_port_set, run_up, wait_all_exited
 
 from actors.tokenizer import HFTokenizer
 from april.chat import chat_format
@@ -264,16 +265,18 @@ def model_turns(row: dict[str, Any], chat: Any) -> list[Message]:
     return [chat.parse_turn(chat.turn_text(ids)) for ids in turns]
 
 
-def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> None:
+def vf_run_config(tmp_path: Path, args: str) -> tuple[Path, dict[str, str]]:
+    """An april run of `verifiers:verifiers_envs` (its `load_environment` arguments `args`): sim engines
+    on two workers, the tiny model's tokenizer; and the environment its processes need (tests/ on the
+    path)."""
     from april.hf import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny", seed=0)
-    run_dir = tmp_path / "run"
     cfg = tmp_path / "vf.toml"
     cfg.write_text(
         '[run]\nmode = "april"\n'
         "[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 8\nn_samples_per_prompt = 4\n"
-        'max_new_tokens = 256\n[env]\nname = "verifiers:verifiers_envs"\nargs = \'{"n": 40}\'\n'
+        f"max_new_tokens = 256\n[env]\nname = \"verifiers:verifiers_envs\"\nargs = '{args}'\n"
         "max_turns = 8\nmax_turn_tokens = 8\ntool_processes = 1\n"
         f'[worker]\nengine = "sim"\nslots = 4\nmodel = "{model}"\n'
         # responses (observations included) longer than a whole episode: every turn has 8 tokens
@@ -282,19 +285,21 @@ def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> No
     )
     tests = str(Path(__file__).resolve().parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
-    code, out, children = run_up(["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], 300, env)
-    assert code == 0, out
-    assert "env verifiers:verifiers_envs: its state travels as JSON in the sample" in out  # the dashboard's
-    check_run(run_dir, 3, samples=8)  # the books balance at every step
+    return cfg, env
+
+
+def trained_rows(run_dir: Path, steps: int, live: bool) -> list[dict[str, Any]]:
+    """The run's trained episodes, each checked against verifiers' own rollout of its transcript: finished
+    by the environment after `TURNS` turns, with the reward verifiers' rubric gives."""
     rows = [
         r
         for f in sorted((run_dir / "rollouts" / "train").glob("*.parquet"))
         for r in pq.read_table(f).to_pylist()
     ]
-    assert len(rows) == 3 * 8
+    assert len(rows) == steps * 8
     assert any(r["aborts"] > 0 and r["turns"] > 1 for r in rows), "no episode was aborted mid-episode"
-    chat = chat_format(HFTokenizer(str(model)).tok)
-    reference = verifiers_envs.load_environment(n=40)
+    chat = chat_format(HFTokenizer(str(run_dir.parent / "tiny")).tok)
+    reference = verifiers_envs.load_environment(n=40, live=live)
     for row in rows:
         assert row["finish_reason"] == "stop" and row["status"] == "finished", (
             row["finish_reason"],
@@ -304,4 +309,70 @@ def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> No
         assert len(turns) == verifiers_envs.TURNS
         own = own_rollout(reference, json.loads(json.loads(row["metadata"])[INPUT_KEY]), turns)
         assert row["reward"] == pytest.approx(own["reward"]), turns
+    return rows
+
+
+def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> None:
+    cfg, env = vf_run_config(tmp_path, '{"n": 40}')
+    run_dir = tmp_path / "run"
+    code, out, children = run_up(["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], 300, env)
+    assert code == 0, out
+    assert "env verifiers:verifiers_envs: a state written down in full travels as JSON" in out  # dashboard's
+    check_run(run_dir, 3, samples=8)  # the books balance at every step
+    rows = trained_rows(run_dir, 3, live=False)
+    moved = [r for r in rows if len({p["worker"] for p in r["pieces"] if p["worker"]}) > 1]
+    assert all(r["aborts"] for r in moved)  # (plain states may resume on either worker)
     assert not wait_all_exited(children)
+
+
+def test_april_up_keeps_live_object_episodes_with_their_worker(tmp_path: Path) -> None:
+    """A state holding a game object: every episode stays with the worker that started it across APRIL's
+    aborts (the two workers both train some), scores as verifiers scores its transcript, and nothing
+    is restarted while no worker dies."""
+    cfg, env = vf_run_config(tmp_path, '{"n": 40, "live": true}')
+    run_dir = tmp_path / "run"
+    code, out, children = run_up(["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], 300, env)
+    assert code == 0, out
+    assert "a state holding live objects stays with its worker" in out
+    check_run(run_dir, 3, samples=8)
+    rows = trained_rows(run_dir, 3, live=True)
+    workers = [{p["worker"] for p in r["pieces"] if p["worker"]} for r in rows]
+    assert all(len(w) == 1 for w in workers), workers  # each episode on one worker from start to end
+    assert len(set().union(*workers)) == 2  # both workers played episodes
+    resumed = [r for r in rows if r["aborts"] > 0 and r["turns"] > 1]
+    assert resumed, "no live episode was aborted mid-episode and resumed"
+    # (the workers leaving at the end restart what is pinned to them then: the totals of the last step)
+    totals = json.loads((run_dir / "broker_totals.json").read_text())["at_last_step"]
+    assert totals["restarted"] == 0 and totals["resumed"] > 0, totals
+    assert not wait_all_exited(children)
+
+
+def test_a_killed_worker_s_live_episodes_restart_from_their_prompt(tmp_path: Path) -> None:
+    """One worker is killed mid-run (`april up` starts it again under its id): the episodes whose live
+    state it held restart from their prompt, counted; the run finishes, the books balance at every step,
+    and every trained episode still scores as verifiers scores it."""
+    cfg, env = vf_run_config(tmp_path, '{"n": 40, "live": true}')
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from cli.main import main; main()", "up", "--headless", "--config", str(cfg),
+         "--run-dir", str(run_dir), "--steps", "5", *free_port_set()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 1):
+        time.sleep(0.1)
+    argv = {
+        pid: Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
+        for pid in child_pids(proc.pid)
+    }
+    workers = [pid for pid, args in argv.items() if args[3] == "worker"]  # python -c CODE ROLE ...
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    out = proc.communicate(timeout=600)[0].decode(errors="replace")
+    assert proc.returncode == 0, out
+    check_run(run_dir, 5, samples=8)  # balanced at every step, with the restarts
+    totals = json.loads((run_dir / "broker_totals.json").read_text())["at_last_step"]
+    assert totals["restarted"] > 0 and totals["tokens_restarted"] > 0, totals
+    assert "pinned partials restarted from their prompt" in (run_dir / "logs" / "broker-0.log").read_text()
+    trained_rows(run_dir, 5, live=True)
