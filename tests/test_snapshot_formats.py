@@ -8,7 +8,8 @@ as that version held them in memory. `fixtures/books/make_books.py` made them. B
 have no lease spans (protocol 4 added them), before v5 no episode columns (protocol 3), and no state file
 before format 7 has the journal's position or the run's counters: each sample must come back exactly as
 it was, with no observations, no episode state and the lease spans it had, and the books must go on
-from there.
+from there. `fixtures/books/journal1` is a state file with a journal of format 1 after it (commit
+4c3c58a, `fixtures/books/make_journal.py`): replayed, it must give the books the current code holds.
 """
 
 from __future__ import annotations
