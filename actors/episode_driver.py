@@ -39,9 +39,10 @@ from april.episode import (
     ResetRequest,
     StepKey,
     StepRequest,
+    holds_live_state,
 )
 from april.failures import Reason, failure
-from april.records import FinishReason, Sample
+from april.records import FinishReason, Sample, SampleStatus
 
 CUT_OFF_REWARD = 0.0  # an episode the driver ends (budget, max_turns) before the environment does
 
@@ -182,10 +183,13 @@ class EpisodeDriver:
             back.append(self._settle(ep, _interrupted(s)))
         return back, waited
 
-    def forget(self, lease_ids: Sequence[int]) -> None:
-        """Leases the worker returned itself (engine partials and failures)."""
-        for lease_id in lease_ids:
+    def forget(self, returned: Sequence[tuple[int, Sample]]) -> None:
+        """Leases the worker returns (settled here, or engine partials and failures): a live state whose
+        episode ended is freed; an interrupted one's stays, for its resume on this worker."""
+        for lease_id, sample in returned:
             self._drop(lease_id)
+            if sample.status is not SampleStatus.INTERRUPTED and holds_live_state(sample.episode):
+                self.runner.release(EpisodeState.from_bytes(sample.episode).env_state)
 
     def close(self) -> None:
         self.runner.close()
@@ -302,7 +306,11 @@ def resume_note(env: EnvConfig) -> str:
         "whose worker died"
     )
     if is_verifiers(env.name):
-        return f"env {env.name}: {where} (a verifiers state holding a live object fails its sample)"
+        return (
+            f"env {env.name}: a state written down in full travels as JSON: an aborted episode resumes on "
+            "any worker; a state holding live objects stays with its worker: an aborted episode resumes "
+            "there, and restarts from its prompt if that worker dies"
+        )
     return f"env {env.name}: {where}"
 
 

@@ -26,6 +26,11 @@ delivered, never dropped; a running one is killed if running it again is harmles
 else left to finish and delivered. A step's `StepKey` reaches an environment whose `step` takes a `key`.
 An environment spec that cannot be loaded is a one-line EpisodeError at construction; a child that
 reports "fatal" fails every request from then on. Not thread-safe: one worker loop owns a runner.
+
+Live states (`april.episode.live_state`): a state an environment keeps in its process is at home in the
+child that answered it; its steps run there only, that child is never killed for a `cancel` (its job is
+waited for), `release(state)` frees it there (`{"t": "free", "state": S}`, no answer), and a step of a
+state whose child is gone fails (ENV_CRASHED).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.child_process import encode_line, serve
+from actors.child_process import JsonLinesChild, encode_line, serve
 from actors.python_env import PythonEnvironment
 from actors.supervisor import Slot, Supervisor
 from april.envs.calculator import CalculatorEnvironment
@@ -55,6 +60,7 @@ from april.episode import (
     answer_problem,
     check_environment,
     final_step_repeatable,
+    live_handle,
     load_environment,
     one_line,
     repeatable,
@@ -66,6 +72,7 @@ from april.episode import (
 from april.failures import Reason, failure
 
 PROTOCOL_VERSION = 1
+LOST = "environment state lost: the process that kept it (a live state) is gone"
 
 BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
     "calculator": CalculatorEnvironment,
@@ -139,6 +146,7 @@ class ToolRunner(Supervisor[_Job, ToolResult]):
         self.args = args
         self.settings = settings
         self._queue: dict[int, _Job] = {}  # waiting for a child, oldest first
+        self._homes: dict[str, JsonLinesChild] = {}  # live state handle -> the child that keeps it
         super().__init__(spec, [args], settings.processes, settings.startup_timeout_s)
 
     # -- public API ---------------------------------------------------------------------------------
@@ -159,6 +167,9 @@ class ToolRunner(Supervisor[_Job, ToolResult]):
             return
         if key in self._queue or any(s and s.job and s.job.key == key for s in self._slots):
             raise ValueError(f"tool runner key {key} is already pending")
+        if self._lost(request):
+            self._results.append(ToolResult(key, None, failure(Reason.ENV_CRASHED, LOST)))
+            return
         tools_s = step_timeout_s(self.tools, request.turn) if isinstance(request, StepRequest) else 0.0
         line = encode_line({"v": PROTOCOL_VERSION, "t": "run", "key": key, "request": request.to_json()})
         again = repeatable(self.tools, request, self.final_step_repeatable)
@@ -177,11 +188,35 @@ class ToolRunner(Supervisor[_Job, ToolResult]):
             return True
         for i, slot in enumerate(self._slots):
             if slot is not None and slot.job is not None and slot.job.key == key:
-                if not slot.job.repeatable:
+                if not slot.job.repeatable or slot.child in self._homes.values():  # (live states in it)
                     return False
                 slot.job = None
                 self._replace(i)
         return True
+
+    def release(self, state: str) -> None:
+        """Free a live state (an episode that ended without the step that frees it); others are no-ops."""
+        handle = live_handle(state)
+        child = self._homes.pop(handle, None) if handle is not None else None
+        if child is not None and any(s is not None and s.child is child for s in self._slots):
+            child.send({"v": PROTOCOL_VERSION, "t": "free", "state": state})
+
+    @property
+    def live_states(self) -> int:
+        """Live states kept in the children now."""
+        return len(self._homes)
+
+    def _home(self, request: EnvRequest) -> JsonLinesChild | None:
+        handle = live_handle(request.state) if isinstance(request, StepRequest) else None
+        return None if handle is None else self._homes.get(handle)
+
+    def _lost(self, request: EnvRequest) -> bool:
+        """A step of a live state that no child keeps (its child died, or another worker's state)."""
+        return (
+            isinstance(request, StepRequest)
+            and live_handle(request.state) is not None
+            and (self._home(request) is None)
+        )
 
     def wait_s(self) -> float:
         """The longest any running request may still take (its time limit left; 0 when none runs)."""
@@ -194,6 +229,12 @@ class ToolRunner(Supervisor[_Job, ToolResult]):
     def _failed(self, key: int, error: str) -> ToolResult:
         return ToolResult(key, None, error)
 
+    def _kill(self, i: int) -> None:
+        slot = self._slots[i]
+        if slot is not None:
+            self._homes = {h: c for h, c in self._homes.items() if c is not slot.child}  # lost with it
+        super()._kill(i)
+
     def _busy(self) -> bool:
         return bool(self._queue) or self.running > 0
 
@@ -205,7 +246,14 @@ class ToolRunner(Supervisor[_Job, ToolResult]):
         if kind != "done" or job is None or msg.get("key") != job.key:
             return False
         slot.job = None
-        self._results.append(self._result(job, msg))
+        result = self._result(job, msg)
+        handle = live_handle(result.step.state) if result.step is not None else None
+        asked = live_handle(job.request.state) if isinstance(job.request, StepRequest) else None
+        if asked is not None and asked != handle:  # its episode ended (or failed) with the step
+            self._homes.pop(asked, None)
+        if handle is not None:
+            self._homes[handle] = slot.child
+        self._results.append(result)
         return True
 
     def _result(self, job: _Job, msg: dict[str, Any]) -> ToolResult:
@@ -229,7 +277,17 @@ class ToolRunner(Supervisor[_Job, ToolResult]):
             if slot is None:
                 self._slots[i] = slot = self._spawn()
             if slot.ready and slot.job is None:
-                job = self._queue.pop(next(iter(self._queue)))
+                # the oldest job this child may run: a live state's step runs only in its home
+                child = slot.child
+                key = next(
+                    (k for k, j in self._queue.items() if self._home(j.request) in (None, child)), None
+                )
+                if key is None:
+                    continue
+                job = self._queue.pop(key)
+                if self._lost(job.request):  # its home died while it waited
+                    self._results.append(ToolResult(key, None, failure(Reason.ENV_CRASHED, LOST)))
+                    continue
                 job.started_at = time.monotonic()
                 slot.job = job
                 slot.child.send(job.line)
@@ -318,6 +376,11 @@ def _load(spec: str, args: str = "") -> tuple[Environment, bool]:
 
 
 def _answer(loaded: tuple[Environment, bool], msg: dict[str, Any], send: Callable[..., None]) -> None:
+    if msg.get("t") == "free":  # a live state's episode ended elsewhere: drop it
+        release = getattr(loaded[0], "release", None)
+        if callable(release):
+            release(str(msg.get("state", "")))
+        return
     try:
         request = request_from_json(msg["request"])
     except EpisodeError as exc:

@@ -376,7 +376,7 @@ class Worker:
         """Results and freed slots for the broker: into the outbox, sent once it is due (at once with
         result_hold_ms 0)."""
         if self.episodes is not None:
-            self.episodes.forget([lease_id for lease_id, _ in items])
+            self.episodes.forget(items)
         self.outbox.add(items, credit, time.monotonic())
         self._send_outbox_if_due()
 

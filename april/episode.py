@@ -221,9 +221,13 @@ class Environment(Protocol):
     depends only on (state, turn), where `turn` is the parsed model turn (`april.chat.parse_turn`). A `step`
     may also take a keyword `key: StepKey` (`run_step` passes it then). An environment may set
     `final_step_repeatable = False`: a step whose turn calls no tool (the final, scoring one) then has
-    effects, and an abort waits for it as for a non-repeatable tool (absent: True). An environment whose
-    reward needs the whole group sets `group_scored = True` and defines `score_group(finals) -> rewards`
-    over the done steps' states of a group's episodes; the learner calls it (`learner.group_rewards`)."""
+    effects, and an abort waits for it as for a non-repeatable tool (absent: True). A state that cannot
+    be written down (live objects) may stay in the environment's process: `step` answers
+    `live_state(handle)` for it, and the environment then has `release(state)`, called when the episode
+    ends without a step that frees it (the worker's tool runner routes its steps to that process). An
+    environment whose reward needs the whole group sets `group_scored = True` and defines
+    `score_group(finals) -> rewards` over the done steps' states of a group's episodes; the learner calls
+    it (`learner.group_rewards`)."""
 
     tools: tuple[Tool, ...]
 
@@ -337,6 +341,30 @@ class EpisodeState:
         return cls(env_state, turns, None if owed is None else Message.from_openai(owed))
 
 
+LIVE_STATE = "april-live:"  # an environment state kept in a worker's memory, named by the text after it
+
+
+def live_state(handle: str) -> str:
+    """The state text of a state the environment keeps in its process under `handle` (live objects)."""
+    return LIVE_STATE + handle
+
+
+def live_handle(state: str) -> str | None:
+    """The handle of a live state (`live_state`), or None for a state written down in full."""
+    return state[len(LIVE_STATE) :] if state.startswith(LIVE_STATE) else None
+
+
+def holds_live_state(episode: bytes) -> bool:
+    """Whether a sample's episode (`Sample.episode`) names a state kept in its worker's memory: such a
+    sample can resume only there (docs/protocol.md, "Pinned partials")."""
+    if LIVE_STATE.encode() not in episode:  # the common case, without parsing the state
+        return False
+    try:
+        return live_handle(EpisodeState.from_bytes(episode).env_state) is not None
+    except EpisodeError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------------------
 # helpers for environments
 
@@ -387,6 +415,8 @@ def answer_problem(request: EnvRequest, step: EnvStep) -> str:
     what = "reset" if isinstance(request, ResetRequest) else "step"
     if what == "reset" and not step.observation:
         return failure(Reason.ENV_EMPTY_RESET, "environment reset answered no messages: there is no prompt")
+    if live_handle(step.state) is not None:  # kept in the environment's process (`live_state`)
+        return ""
     try:
         json.loads(step.state)
     except ValueError:

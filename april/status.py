@@ -62,6 +62,7 @@ class WorkerStatus:
     messages: int = 0  # messages heard from it since its last WorkerHello (heartbeats, usage reports too)
     samples_returned: int = 0  # samples in its SampleResults since then (evaluation samples included)
     placement: str = ""  # where and how its engine runs ("cuda:0, cuda graphs"); "" until the engine is up
+    pinned: int = 0  # partials pinned to it (their environment state is in its memory), waiting for it
 
     @property
     def engine_label(self) -> str:
@@ -114,6 +115,8 @@ class Totals:
     tokens_generated: int  # new response tokens accepted from workers
     samples_finished: int  # results FINISHED or FAILED
     batches_acked: int
+    restarted: int = 0  # pinned partials restarted from their prompt (their worker was lost)
+    tokens_restarted: int = 0  # the model tokens those held, dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +255,7 @@ class BrokerStatus:
     leased_samples: int  # training samples leased now
     queued_samples: int  # samples waiting in the dispatch queue
     partial_groups: int
-    partial_buffer: int  # INTERRUPTED samples in the queue
+    partial_buffer: int  # INTERRUPTED samples waiting to resume (pinned ones included)
     partial_staleness: dict[str, int]  # "<staleness>" -> queued INTERRUPTED samples that have tokens
     complete_groups: int  # complete groups not yet in a batch
     unacked_batch: UnackedBatch | None
@@ -264,6 +267,8 @@ class BrokerStatus:
     # samples that settled with an error since this broker started, by reason (april.failures): failed
     # ones, and finished ones that met a non-fatal error (a tool call that timed out)
     errors: dict[str, int] = field(default_factory=dict)
+    pinned: int = 0  # partials pinned to a worker (WorkerStatus.pinned), waiting for it
+    restarts: dict[str, int] = field(default_factory=dict)  # pinned partials restarted, by cause
     error_lines: list[ErrorLine] = field(default_factory=list)  # distinct errors' first lines, newest last
     stopped: str = ""  # why the broker stopped the run ("" while it runs): every recent sample failed alike
 
@@ -282,6 +287,17 @@ class BrokerStatus:
         alive = [w for w in self.workers if w.alive]
         samples = sum(w.samples_returned for w in alive)
         return sum(w.messages for w in alive) / samples if samples else None
+
+    @property
+    def pinned_text(self) -> str:
+        """Pinned partials per worker and restarts from their prompt, in one line for people."""
+        per = ", ".join(f"{w.id} {w.pinned}" for w in self.workers if w.pinned)
+        causes = ", ".join(f"{cause.replace('_', ' ')} {n}" for cause, n in sorted(self.restarts.items()))
+        t = self.totals
+        return (
+            f"{self.pinned} samples{f' ({per})' if per else ''} · restarted from prompt "
+            f"{t.restarted}{f' ({causes})' if causes else ''}, {t.tokens_restarted} tokens"
+        )
 
     @property
     def step_figures(self) -> StepFigures:

@@ -136,8 +136,9 @@ class BrokerCore:
         self.behind_warned = 0  # the last version no worker with free slots served (warned once each)
         self.behind_since: float | None = None  # since when no worker with free slots may be leased work
         self._out: list[Decision] = []
-        if restored:
-            for worker_id in {lease.worker_id for lease in state.leases.values()}:
+        if restored:  # (a worker holding pinned partials is one too: lost if it never comes back)
+            holders = {lease.worker_id for lease in state.leases.values()} | set(state.pinned.values())
+            for worker_id in holders:
                 self.workers.register(worker_id, now, restored=True)
         else:
             self.evals.on_version(0)  # a baseline: the starting weights on the held-out prompts
@@ -167,12 +168,15 @@ class BrokerCore:
         """A worker (re-)registers: leases it no longer holds are reclaimed, its credit is its free slots
         (as it says, or its slots less the leases it kept)."""
         held = set(hello.held_leases.tolist())
+        old = self.workers.get(hello.worker_id)
         kept = 0
         for lease_id in self.leases_of(hello.worker_id):
             if lease_id in held:
                 kept += 1
             else:
                 self._reclaim(lease_id)
+        if old is not None and not old.restored and (old.pid, old.host) != (hello.pid, hello.host):
+            self._restart_pinned(hello.worker_id, "worker_restarted")  # a new process: its memory is new
         credit = hello.slots - kept if hello.credit < 0 else hello.credit
         peer = self.workers.register(
             hello.worker_id,
@@ -358,10 +362,25 @@ class BrokerCore:
         """A worker left, fell silent or never confirmed an abort: its leases go back as they were leased."""
         for lease_id in self.leases_of(worker_id):
             self._reclaim(lease_id)
+        self._restart_pinned(worker_id, "worker_lost")
         self.workers.remove(worker_id)
         if self.abort is not None:
             self.abort.deadline.pop(worker_id, None)
         self._out.append(WorkerLost(worker_id))
+
+    def _restart_pinned(self, worker_id: str, cause: str) -> None:
+        """The partials pinned to `worker_id` lost their environment state with its memory: each restarts
+        from its prompt, its tokens dropped and counted under `cause`."""
+        keys = self.state.pinned_of(worker_id)
+        if keys:
+            tokens = sum(self.state.restart(key, cause) for key in keys)
+            log.warning(
+                "worker %s (%s): %d pinned partials restarted from their prompt, %d tokens dropped",
+                worker_id,
+                cause.replace("_", " "),
+                len(keys),
+                tokens,
+            )
 
     def leases_of(self, worker_id: str) -> list[int]:
         """Every lease the worker holds: training and evaluation."""
@@ -384,7 +403,7 @@ class BrokerCore:
         stopped."""
         if self.abort is not None or len(self.workers) < self.cfg.min_workers or self.failures.stopped:
             return
-        if not self.evals.queued and not (train and self.state.leasable_samples()):
+        if not self.evals.queued and not (train and (self.state.leasable_samples() or self.state.pinned)):
             return  # nothing to lease: most results free a slot while admission holds new groups back
         peers = self.workers.with_credit()
         if not peers:
@@ -648,6 +667,8 @@ class BrokerCore:
             "trained_groups": state.trained,
             "aborted": state.totals.aborted,
             "resumed": state.totals.resumed,
+            "restarted": state.totals.restarted,  # pinned partials restarted from their prompt
+            "tokens_restarted": state.totals.tokens_restarted,
             "samples_finished": state.totals.samples_finished,
             "usage": self.usage.total.stats(),
             "ledger": state.ledger().to_json(),

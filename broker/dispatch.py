@@ -2,7 +2,9 @@
 
 `assign` takes the workers with credit (in registration order) and leases from the books and the running
 evaluation: evaluation samples first, up to each worker's credit in registration order (they are few and
-the evaluation waits for its slowest); then, with `algo.resume_affinity`, queued partials back to the
+the evaluation waits for its slowest); then each worker's pinned partials (their environment state is in its
+memory: `BrokerState.take_pinned`, never leased elsewhere); then, with `algo.resume_affinity`, queued
+partials back to the
 worker they left while it has room (`BrokerState.take_held_partials`); then training samples spread over
 the workers by free slots relative to size (`policy.spread_leases`), so no engine runs more sequences than
 its share while another idles; and what a worker could not take (a partial newer than its weights) to the
@@ -49,6 +51,11 @@ def _lease_training(
     queued for them); then what a worker left (take_work leaves a partial newer than its weights queued)
     to the current workers with credit left, most free first."""
     free = [p.credit - len(w) for p, w in zip(peers, work, strict=True)]
+    room = [f if ok else 0 for f, ok in zip(free, current, strict=True)]
+    pinned = state.take_pinned([p.peer_id for p in peers], room, [p.version for p in peers])
+    for i, items in enumerate(pinned):
+        work[i] += items
+        free[i] -= len(items)
     if state.algo.resume_affinity:
         room = [f if ok else 0 for f, ok in zip(free, current, strict=True)]
         held = state.take_held_partials([p.peer_id for p in peers], room, [p.version for p in peers])

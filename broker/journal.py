@@ -4,10 +4,11 @@ snapshot interval.
 
 `Journal` records in the poll loop what the books (`broker.state`) do: a group issued, a sample leased,
 a result taken, a lease reclaimed, queued samples parked, a round closed, a batch acked, weights set, an
-abort round begun or ended. `encode` packs a run of them into one journal record (a settled sample the
-log holds already is named by its key, any other sample travels inline); the snapshot writer's thread
-appends and fsyncs them. `replay` applies the records after a state file's journal position to the books
-restored from it, through the books' own methods, then queues what waits for a lease.
+abort round begun or ended, a pinned partial restarted from its prompt. `encode` packs a run of them
+into one journal record (a settled sample the log holds already is named by its key, any other sample
+travels inline); the snapshot writer's thread appends and fsyncs them. `replay` applies the records
+after a state file's journal position to the books restored from it, through the books' own methods,
+then queues what waits for a lease.
 
 Knows nothing of files, sockets or time: when a change is durable is `broker.snapshot_writer`'s, what a
 result's acknowledgement promises is docs/protocol.md's (section 11).
@@ -22,14 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from april.codec import Frame, Int64Array, UInt8Array, decode_body, encode_frames
+from april.codec import Frame, Int64Array, UInt8Array, decode_body, decode_file_version, encode_frames
 from april.records import SETTLED, Sample
 from april.wire_records import SampleBatch
 
 if TYPE_CHECKING:
     from broker.state import BrokerState
 
-JOURNAL_FORMAT = 1  # a journal record's codec version (its kind: JOURNAL_KIND in the log's records)
+JOURNAL_FORMAT = 2  # a journal record's codec version (its kind: JOURNAL_KIND in the log's records); 2:
+# the RESTART op
+READABLE_FORMATS = (2, 1)  # a format 1 record is a format 2 record without RESTART
 JOURNAL_KIND = 2
 Key = tuple[int, int]
 Event = tuple[Any, ...]  # (Op, arguments...) as `Journal` records them
@@ -48,6 +51,7 @@ class Op(enum.IntEnum):
     WEIGHTS = 8  # a: version, b: uri (names), c: sha256 (names)
     ABORT_BEGUN = 9  # a: round id
     ABORT_ENDED = 10
+    RESTART = 11  # a: group id, b: index, c: cause (names): a pinned partial restarted from its prompt
 
 
 _OPS = frozenset(map(int, Op))
@@ -121,6 +125,9 @@ class Journal:
     def abort_ended(self) -> None:
         self._events.append((Op.ABORT_ENDED,))
 
+    def restart(self, key: Key, cause: str) -> None:
+        self._events.append((Op.RESTART, key, cause))
+
 
 def encode(events: Iterable[Event], logged: Callable[[Key], bool]) -> list[Frame]:
     """The codec frames of one journal record of `events`; `logged(key)`: the log holds that settled
@@ -150,6 +157,9 @@ def encode(events: Iterable[Event], logged: Callable[[Key], bool]) -> list[Frame
         elif op == Op.WEIGHTS:
             _, version, uri, sha256 = event
             args = (version, name(uri), name(sha256))
+        elif op == Op.RESTART:
+            _, key, cause = event
+            args = (key[0], key[1], name(cause))
         else:
             args = tuple(event[1:])
         ops.append(int(op))
@@ -171,6 +181,7 @@ def encode(events: Iterable[Event], logged: Callable[[Key], bool]) -> list[Frame
 
 
 def decode(frames: Sequence[Frame], max_bytes: int) -> JournalRecord:
+    decode_file_version(frames, READABLE_FORMATS)
     record: JournalRecord = decode_body(JournalRecord, frames, max_bytes=max_bytes)
     return record
 
@@ -243,3 +254,5 @@ def _apply(
         state.abort_rounds = max(state.abort_rounds, a)
     elif op == Op.ABORT_ENDED:
         state.aborts_done += 1
+    elif op == Op.RESTART:
+        state.restart((a, b), names[c])

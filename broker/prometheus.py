@@ -31,7 +31,8 @@ GAUGES: tuple[tuple[str, str, Callable[[BrokerStatus], float]], ...] = (
     ("version", "weights version the broker serves", lambda s: s.version),
     ("in_flight_groups", "groups with a sample queued or leased", lambda s: s.in_flight_groups),
     ("partial_groups", "groups waiting to resume interrupted samples", lambda s: s.partial_groups),
-    ("partial_buffer_samples", "interrupted samples waiting in the queue", lambda s: s.partial_buffer),
+    ("partial_buffer_samples", "interrupted samples waiting to resume", lambda s: s.partial_buffer),
+    ("pinned_samples", "partials pinned to the worker that keeps their state", lambda s: s.pinned),
     ("complete_groups", "complete groups not yet in a batch", lambda s: s.complete_groups),
     ("leased_samples", "training samples leased to workers now", lambda s: s.leased_samples),
     ("queued_samples", "samples waiting in the dispatch queue", lambda s: s.queued_samples),
@@ -66,6 +67,7 @@ COUNTERS: tuple[tuple[str, str, Callable[[Totals], int]], ...] = (
     ),
     ("samples_finished", "training samples returned FINISHED or FAILED", lambda t: t.samples_finished),
     ("batches_acked", "batches the learner trained and acked", lambda t: t.batches_acked),
+    ("restarted_samples", "pinned partials restarted from their prompt (worker lost)", lambda t: t.restarted),
 )
 
 

@@ -66,6 +66,7 @@ READABLE_FORMATS = (7, 6, 5, 4, 3, 2)  # formats 2 and 3 also hold leased sample
 NO_JOURNAL = -1  # journal_segment of a state file no journal follows (written before format 7)
 BEFORE_7 = {"counters": {}, "journal_segment": NO_JOURNAL, "journal_offset": 0}  # what earlier formats lack
 SNAPSHOT_KIND = 0
+RESTARTS = "restarts:"  # counters: pinned partials restarted from their prompt, by cause ("restarts:CAUSE")
 FILE_NAME = "state.snap"
 
 
@@ -116,6 +117,7 @@ def counters_of(state: BrokerState) -> dict[str, int]:
     out = {f"round_{k}": v for k, v in dataclasses.asdict(state.round).items()}
     out.update({f"total_{k}": v for k, v in dataclasses.asdict(state.totals).items()})
     out["abort_rounds"], out["aborts_done"] = state.abort_rounds, state.aborts_done
+    out.update({f"{RESTARTS}{cause}": n for cause, n in state.restarts.items()})
     return out
 
 
@@ -126,6 +128,9 @@ def set_counters(state: BrokerState, counters: Mapping[str, int]) -> None:
         setattr(state.totals, name, counters.get(f"total_{name}", 0))
     state.abort_rounds = counters.get("abort_rounds", 0)
     state.aborts_done = counters.get("aborts_done", 0)
+    state.restarts = Counter(
+        {k.removeprefix(RESTARTS): n for k, n in counters.items() if k.startswith(RESTARTS)}
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import numpy as np
 
 from april.config import AlgoConfig, PromptOrder
 from april.data import PromptRecord, PromptSource
+from april.episode import holds_live_state
 from april.ledger import Ledger, LedgerError
 from april.records import (
     FINISHED_CODE,
@@ -157,6 +158,8 @@ class RoundCounters:
     resumed: int = 0  # samples leased with a partial response
     tokens_generated: int = 0  # new model tokens received (an episode's observations are not generated)
     samples_finished: int = 0
+    restarted: int = 0  # pinned partials restarted from their prompt (their worker was lost)
+    tokens_restarted: int = 0  # the model tokens those partials held, dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +176,9 @@ class BooksView:
     complete_groups: int
     leased_samples: int
     queued_samples: int
-    partial_buffer: int  # interrupted samples waiting to resume
+    partial_buffer: int  # interrupted samples waiting to resume (pinned ones included)
+    pinned: dict[str, int]  # pinned partials waiting for their worker, per worker
+    restarts: dict[str, int]  # pinned partials restarted from their prompt over the run, by cause
     partial_staleness: dict[int, int]  # partials with tokens, by staleness against `version`
     leases: dict[str, int]  # leases held per worker (with the evaluation's given to `view`)
     unacked: PendingBatch | None
@@ -221,6 +226,11 @@ class BrokerState:
         # the worker each queued partial came back from (resume affinity), until it is leased again. Not
         # in snapshots: after a restart partials resume anywhere
         self.holders: dict[tuple[int, int], str] = {}
+        # pinned partials: interrupted samples whose environment state lives in one worker's memory
+        # (`april.episode.holds_live_state`), waiting, outside the dispatch queue, for that worker. Not in
+        # snapshots as such: the sample names its worker (its last lease span), so a restore finds them
+        self.pinned: dict[tuple[int, int], str] = {}
+        self.restarts: Counter[str] = Counter()  # pinned partials restarted from their prompt, by cause
         self.abort_rounds = 0  # abort rounds begun in the run (the last one's id)
         self.aborts_done = 0  # abort rounds every worker confirmed
         self.journal: Journal | None = None  # told every change (the server's; None: nobody listens)
@@ -283,7 +293,7 @@ class BrokerState:
         self._moved(DONE, entry.state)
         for s in entry.samples:
             if s.status in (SampleStatus.PENDING, SampleStatus.INTERRUPTED):
-                self.queue.push(s.key, s.min_version)
+                self._wait(s)
 
     def _moved(self, before: GroupState, after: GroupState) -> None:
         if before is after:
@@ -310,6 +320,7 @@ class BrokerState:
         """The figures the status shows; `other_leases`: leases held outside the books (evaluations)."""
         partials = self.partial_samples()
         staleness = Counter(s.staleness(self.version) for s in partials if s.response_len)
+        pinned = Counter(self.pinned.values())
         leases = Counter(lease.worker_id for lease in self.leases.values())
         leases.update(other_leases or {})
         return BooksView(
@@ -324,6 +335,8 @@ class BrokerState:
             leased_samples=len(self.leases),
             queued_samples=len(self.queue),
             partial_buffer=len(partials),
+            pinned=dict(sorted(pinned.items())),
+            restarts=dict(sorted(self.restarts.items())),
             partial_staleness=dict(sorted(staleness.items())),
             leases=dict(leases),
             unacked=self.batch,
@@ -337,11 +350,13 @@ class BrokerState:
         return sum(s.model_tokens for g in self.groups.values() for s in g.samples)
 
     def partial_samples(self) -> list[Sample]:
-        return [
+        """Interrupted samples waiting to resume: the queued ones in dispatch order, then the pinned."""
+        queued = [
             self.groups[g].samples[i]
             for g, i in self.queue.ordered()
             if self.groups[g].samples[i].status == SampleStatus.INTERRUPTED
         ]
+        return queued + [self.groups[g].samples[i] for g, i in self.pinned]
 
     # ------------------------------------------------------------------ issuing and leasing
 
@@ -480,6 +495,7 @@ class BrokerState:
     def _hold(self, lease_id: int, worker_id: str, entry: GroupEntry, before: Sample) -> Sample:
         """Lease `before` (out of the queue) as `lease_id`; returns the sample as leased."""
         self.holders.pop(before.key, None)
+        self.pinned.pop(before.key, None)
         leased = before.resumed()
         self.leases[lease_id] = LeaseEntry(lease_id, worker_id, before)
         self._update(entry, leased)
@@ -502,10 +518,22 @@ class BrokerState:
     def requeue_waiting(self) -> None:
         """The dispatch queue rebuilt from the books: every sample of a generating group that waits."""
         self.queue = policy.DispatchQueue()
+        self.pinned = {}
         for entry in self.unfinished.values():
             for sample in entry.samples:
                 if sample.status in (PENDING_CODE, INTERRUPTED_CODE):
-                    self.queue.push(sample.key, sample.min_version)
+                    self._wait(sample)
+
+    def _wait(self, sample: Sample, worker_id: str = "") -> None:
+        """Let a sample that waits for a lease (PENDING or INTERRUPTED) be leased again: pinned to the
+        worker whose memory holds its environment state (`worker_id`, or the one that returned it last),
+        or queued for anyone."""
+        if sample.status == INTERRUPTED_CODE and sample.episode and holds_live_state(sample.episode):
+            holder = worker_id or (sample.leases[-1].worker if sample.leases else "")
+            if holder:
+                self.pinned[sample.key] = holder
+                return
+        self.queue.push(sample.key, sample.min_version)
 
     def _lease_fresh(
         self, worker_id: str, entry: GroupEntry, count: int, out: list[tuple[int, int, Sample]]
@@ -559,6 +587,63 @@ class BrokerState:
         self.queue.remove(taken)
         return out
 
+    def take_pinned(
+        self, worker_ids: list[str], free: list[int], versions: list[int | None]
+    ) -> list[list[tuple[int, int, Sample]]]:
+        """Pinned partials: lease each worker (up to its `free` slots) those pinned to it, oldest issued
+        first; no other worker is ever leased one (`docs/protocol.md`, "Pinned partials"). One list of
+        (lease_id, budget, leased sample) per worker."""
+        out: list[list[tuple[int, int, Sample]]] = [[] for _ in worker_ids]
+        if not self.pinned or not self.dispatch_allowed():
+            return out
+        index = {w: i for i, w in enumerate(worker_ids)}
+        left = list(free)
+        for key in sorted(k for k, w in self.pinned.items() if w in index):
+            i = index[self.pinned[key]]
+            entry = self.groups[key[0]]
+            before = entry.samples[key[1]]
+            version = versions[i]
+            newer = version is not None and before.segments and before.segments[-1].version > version
+            if left[i] <= 0 or newer:
+                continue
+            left[i] -= 1
+            out[i].append(self._lease(worker_ids[i], entry, before))
+        return out
+
+    def pinned_of(self, worker_id: str) -> list[tuple[int, int]]:
+        return [key for key, holder in self.pinned.items() if holder == worker_id]
+
+    def restart(self, key: tuple[int, int], cause: str) -> int:
+        """Restart pinned partial `key` from its prompt (its state was lost with its worker): its tokens are
+        dropped, counted under `cause`, and it waits in the queue as issued. Returns the tokens dropped."""
+        self.pinned.pop(key, None)
+        entry = self.groups[key[0]]
+        sample = entry.samples[key[1]]
+        if sample.status != INTERRUPTED_CODE:
+            raise ValueError(f"restart of sample {key}, which is {sample.status.name}, not a waiting partial")
+        if self.journal is not None:
+            self.journal.restart(key, cause)
+        self.queue.remove({key})  # (a pinned partial is not queued; a replayed one may be)
+        tokens = sample.model_tokens
+        for counters in (self.round, self.totals):
+            counters.restarted += 1
+            counters.tokens_restarted += tokens
+        self.restarts[cause] += 1
+        self._update(entry, self._as_issued(entry, sample))
+        self.queue.push(key, None)
+        return tokens
+
+    def _as_issued(self, entry: GroupEntry, sample: Sample) -> Sample:
+        """The sample as its group was issued (PENDING, no response, no episode)."""
+        if entry.cursor >= 0:
+            record = self.source.get(entry.cursor)
+            return new_group_samples(
+                entry.group_id, sample.index + 1, record.prompt_ids, record.text, record.metadata
+            )[sample.index]
+        return new_group_samples(
+            entry.group_id, sample.index + 1, sample.prompt_ids, sample.prompt_text, sample.metadata
+        )[sample.index]
+
     def new_lease_id(self) -> int:
         """The next lease id of this epoch (also for evaluation leases, so ids never collide)."""
         lease_id = self.next_lease
@@ -578,7 +663,7 @@ class BrokerState:
     def _requeue_as_leased(self, lease: LeaseEntry) -> None:
         restored = lease.at_lease  # PENDING or INTERRUPTED, exactly as it was queued
         self._update(self.groups[restored.group_id], restored)
-        self.queue.push(restored.key, restored.min_version)
+        self._wait(restored, lease.worker_id)  # a pinned partial stays with the worker it was leased to
 
     # ------------------------------------------------------------------ results
 
@@ -627,8 +712,9 @@ class BrokerState:
         if status == INTERRUPTED_CODE:
             self.round.aborted += 1
             self.totals.aborted += 1
-            self.queue.push(sample.key, sample.min_version)
-            self.holders[sample.key] = worker_id
+            self._wait(sample, worker_id)
+            if sample.key not in self.pinned:
+                self.holders[sample.key] = worker_id
         else:
             self.round.samples_finished += 1
             self.totals.samples_finished += 1
@@ -659,7 +745,7 @@ class BrokerState:
             check_continues(current, sample, self.algo.max_new_tokens, self.version)
         except ResultRejected as exc:
             raise ResultRejected("not_leased", f"{refused} ({exc.reason}: {exc})") from None
-        self.queue.remove({current.key})
+        self.queue.remove({current.key})  # (or pinned: `_hold` unpins it)
         self._hold(lease_id, worker_id, entry, current)
         return self.leases[lease_id]
 

@@ -71,6 +71,8 @@ def build_status(view: StatusView, now: float) -> BrokerStatus:
         queued_samples=books.queued_samples,
         partial_groups=books.partial_groups,
         partial_buffer=books.partial_buffer,
+        pinned=sum(books.pinned.values()),
+        restarts=dict(books.restarts),
         partial_staleness={str(k): n for k, n in books.partial_staleness.items()},
         complete_groups=books.complete_groups,
         unacked_batch=None
@@ -84,6 +86,8 @@ def build_status(view: StatusView, now: float) -> BrokerStatus:
             tokens_generated=books.totals.tokens_generated,
             samples_finished=books.totals.samples_finished,
             batches_acked=core.batches_acked,
+            restarted=books.totals.restarted,
+            tokens_restarted=books.totals.tokens_restarted,
         ),
         eval=core.eval,
         rejected=Rejected(
@@ -122,6 +126,7 @@ def _workers(view: StatusView, now: float) -> list[WorkerStatus]:
             messages=p.messages,
             samples_returned=p.samples_returned,
             placement=p.placement,
+            pinned=core.books.pinned.get(p.peer_id, 0),
         )
         for p in core.workers
     ]

@@ -261,6 +261,7 @@ def _rollout_panel(state: DashboardState, s: BrokerStatus, m: StepFigures) -> Pa
         ("in flight", f"{s.in_flight_groups} groups · {s.leased_samples} leased"),
         ("queued", f"{s.queued_samples} samples"),
         ("partial", f"{s.partial_buffer} samples · {s.partial_groups} groups"),
+        *([("pinned", _pinned(s))] if s.pinned or s.totals.restarted else []),
         ("complete", f"{s.complete_groups} groups waiting"),
         *_abort_rows(state, s, m),
         ("off-policy", f"{_pct(m.offpolicy_token_frac)} of tokens"),
@@ -271,6 +272,12 @@ def _rollout_panel(state: DashboardState, s: BrokerStatus, m: StepFigures) -> Pa
     if s.round.aborting:
         rows.append(("round", f"[bold yellow]abort round {s.round.id} running[/]"))
     return _panel(_pairs(rows), "rollouts")
+
+
+def _pinned(s: BrokerStatus) -> str:
+    """Pinned partials per worker and restarts from their prompt (`april status` says more)."""
+    per = ", ".join(f"{w.id} {w.pinned}" for w in s.workers if w.pinned)
+    return f"{s.pinned} samples{f' ({per})' if per else ''} · {s.totals.restarted} restarted"
 
 
 def _abort_rows(

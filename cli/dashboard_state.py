@@ -179,6 +179,16 @@ def _diff_events(state: DashboardState, prev: BrokerStatus, new: BrokerStatus, n
     abort = _abort_event(prev, new)
     if abort:
         add_event(state, now, abort, "yellow")
+    restarted = new.totals.restarted - prev.totals.restarted
+    if restarted > 0:
+        tokens = new.totals.tokens_restarted - prev.totals.tokens_restarted
+        add_event(
+            state,
+            now,
+            f"{restarted} pinned partials restarted from their prompt (their worker's memory was lost: "
+            f"{tokens} tokens dropped)",
+            "yellow",
+        )
     if new.version > prev.version:
         m = new.step_figures
         figures = f"reward {fmt(m.reward_mean)}, loss {fmt(m.loss, '.4g')}"

@@ -124,6 +124,8 @@ def render_status(status: BrokerStatus) -> Group:
         for w in status.workers
         if not w.engine_ok and w.engine_detail != protocol.ENGINE_STARTING
     ]
+    shown = status.pinned or status.totals.restarted
+    pinned = [Text(f"pinned partials: {status.pinned_text}")] if shown else []
     staleness = Table("staleness", "partial samples", title="partial buffer staleness")
     for k, v in status.partial_staleness.items():
         staleness.add_row(Text(k), str(v))
@@ -133,7 +135,7 @@ def render_status(status: BrokerStatus) -> Group:
         + ("-" if per_sample is None else f"{per_sample:.2f}")
         + " (worker.result_hold_ms and worker.usage_report_s lower it)"
     )
-    return Group(head, ledger_line, *_errors(status), learner_line, workers, cost, *down, staleness)
+    return Group(head, ledger_line, *pinned, *_errors(status), learner_line, workers, cost, *down, staleness)
 
 
 def _errors(status: BrokerStatus) -> list[Text]:

@@ -22,6 +22,7 @@ import pytest
 from april import codec
 from april.config import AlgoConfig, Mode
 from april.data import SyntheticPromptSource
+from april.episode import holds_live_state
 from april.records import FinishReason, LeaseSpan, Sample, SampleStatus, Segment, new_group_samples
 from april.wire_records import SampleBatch
 from broker import complete_log, snapshot
@@ -92,14 +93,21 @@ class Driver:
         queued = state.queue.ordered()
         live = [s for g in state.groups.values() for s in g.samples]
         waiting = {s.key for s in live if s.status in (SampleStatus.PENDING, SampleStatus.INTERRUPTED)}
-        assert len(set(queued)) == len(queued) and set(queued) == waiting
+        assert len(set(queued)) == len(queued) and not set(queued) & set(state.pinned)
+        assert set(queued) | set(state.pinned) == waiting
+        for key in state.pinned:  # pinned: exactly the waiting partials whose state is in a worker's memory
+            assert holds_live_state(state.groups[key[0]].samples[key[1]].episode)
+        assert not any(holds_live_state(state.groups[g].samples[i].episode) for g, i in queued if
+                       state.groups[g].samples[i].status == SampleStatus.INTERRUPTED)  # fmt: skip
         running = {s.key for s in live if s.status == SampleStatus.RUNNING}
         assert running == {lease.at_lease.key for lease in state.leases.values()}
         assert len(running) == len(state.leases)
         assert set(self.held) == set(state.leases)
 
     def take(self, credit: int = 1000, worker: str = "w0") -> list[tuple[int, int, Sample]]:
-        work = self.state.take_work(worker, credit)
+        (work,) = self.state.take_pinned([worker], [credit], [None])  # first, as broker.dispatch does
+        assert all(s.key not in self.state.pinned for _, _, s in work)
+        work += self.state.take_work(worker, credit - len(work))
         assert len(work) <= credit
         for lease_id, budget, sample in work:
             assert lease_id not in self.held
@@ -146,6 +154,19 @@ class Driver:
         self.held.pop(lease_id)
         self.state.reclaim(lease_id)
         self.check()
+
+    def lose(self, worker: str) -> int:
+        """`worker` is lost, as broker.core has it: its leases reclaimed, its pinned partials restarted
+        from their prompt. Returns how many were restarted."""
+        for lease_id in [lid for lid, (w, _, _) in self.held.items() if w == worker]:
+            self.reclaim(lease_id)
+        keys = self.state.pinned_of(worker)
+        for key in keys:
+            self.state.restart(key, "worker_lost")
+            assert key not in self.state.pinned
+            assert self.state.groups[key[0]].samples[key[1]].response_len == 0
+        self.check()
+        return len(keys)
 
     def lease_of(self, key: tuple[int, int]) -> int:
         (lease_id,) = [lid for lid, (_, s, _) in self.held.items() if s.key == key]
@@ -869,6 +890,7 @@ def assert_same_books(a: BrokerState, b: BrokerState) -> None:
     )
     assert (a.weights_uri, a.weights_sha256) == (b.weights_uri, b.weights_sha256)
     assert a.queue.ordered() == b.queue.ordered()
+    assert a.pinned == b.pinned and a.restarts == b.restarts
     assert list(a.complete) == list(b.complete)
     assert sorted(a.groups) == sorted(b.groups)
     for gid, entry in a.groups.items():

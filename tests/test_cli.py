@@ -284,6 +284,18 @@ def test_render_status_shows_a_down_engine_with_its_reason_and_the_engine_error_
     assert "gpu-node-7: engine down: sglang http://node7:30000 does not answer" in text
 
 
+def test_render_status_shows_pinned_partials_per_worker_and_restarts() -> None:
+    state = hand_state()
+    assert "pinned partials" not in render(state)
+    worker = dataclasses.replace(state.workers[0], pinned=2)
+    totals = dataclasses.replace(state.totals, restarted=1, tokens_restarted=17)
+    pinned = dataclasses.replace(
+        state, workers=[worker], pinned=2, restarts={"worker_restarted": 1}, totals=totals
+    )
+    line = next(x for x in render(pinned).splitlines() if "pinned partials" in x)
+    assert f"2 samples ({worker.id} 2)" in line and "restarted from prompt 1 (worker restarted 1), 17" in line
+
+
 def test_render_status_flags_an_unbalanced_ledger_and_a_dead_worker() -> None:
     state = hand_state()
     state = dataclasses.replace(

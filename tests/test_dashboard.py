@@ -563,3 +563,18 @@ def test_pub_address_defaults_to_the_brokers_host() -> None:
     assert pub_address("tcp://10.0.0.5:5556", "tcp://h:9") == "tcp://h:9"
     with pytest.raises(StatusError, match="--broker must look like"):
         pub_address("10.0.0.5", None)
+
+
+def test_pinned_partials_and_their_restarts_show_per_worker_with_an_event() -> None:
+    """Episodes whose state lives in a worker's memory: the rollouts panel counts them per worker and the
+    restarts from their prompt; a restart is an event line. Nothing shows while there are none."""
+    assert "pinned" not in text(fed(status()))
+    before = with_worker(status(10.0, pinned=3), 1, pinned=3)
+    restarted = dataclasses.replace(before.totals, restarted=2, tokens_restarted=240)
+    after = with_worker(status(11.0, pinned=3, restarts={"worker_lost": 2}, totals=restarted), 1, pinned=3)
+    out = text(fed(before, after))
+    row = line_with(out, "pinned")
+    assert "3 samples (w-b 3) · 2 restarted" in row
+    assert events_between(before, after) == [
+        "2 pinned partials restarted from their prompt (their worker's memory was lost: 240 tokens dropped)"
+    ]

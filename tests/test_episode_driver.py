@@ -139,7 +139,7 @@ class Loop:
                 self.turn_ended(sample, o)
             else:
                 self.out[o.request_id] = interrupted(sample, o)
-                self.driver.forget([o.request_id])
+                self.driver.forget([(o.request_id, self.out[o.request_id])])
         back, waited = self.driver.abort()
         for settled in back:
             self.out[settled.lease_id] = settled.sample

@@ -37,7 +37,7 @@ OPERATIONS = (
     ["take"] * 3
     + ["finish"] * 2
     + ["interrupt"] * 3
-    + ["fail", "reclaim", "round", "train", "abort", "resend"]
+    + ["fail", "reclaim", "round", "train", "abort", "resend", "lose"]
     + ["flush"] * 3
     + ["save", "crash"]
 )
@@ -241,6 +241,9 @@ def test_a_restart_restores_the_books_of_the_last_durable_write(
                 d.fail(lease_id)
             elif op == "reclaim" and lease_id is not None:
                 d.reclaim(lease_id)
+            elif op == "lose":  # a worker lost: its pinned partials restart from their prompt (journaled)
+                lost = d.lose(data.draw(st.sampled_from(["w0", "w1"]), label="lost worker"))
+                event(f"pinned partials restarted: {min(lost, 2)}")
             elif op == "round" and policy_for(mode).round_based:
                 d.end_round()
             elif op == "train" and train(run, step):

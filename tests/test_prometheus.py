@@ -60,6 +60,7 @@ def test_metrics_endpoint_serves_live_gauges_and_counters(cluster: Callable[...,
     assert m['april_broker_ledger_groups{state="trained"}'] == 8
     for gauge in ("in_flight_groups", "partial_groups", "partial_buffer_samples", "complete_groups"):
         assert f"april_broker_{gauge}" in m
+    assert m["april_broker_pinned_samples"] == 0 == m["april_broker_restarted_samples_total"]  # none here
     assert m["april_broker_samples_finished_total"] > 0 and m["april_broker_tokens_generated_total"] > 0
     assert "april_broker_aborted_samples_total" in m and "april_broker_resumed_samples_total" in m
 

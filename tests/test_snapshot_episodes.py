@@ -21,6 +21,7 @@ from test_broker_state import Driver, algo, assert_same_books, source
 from test_snapshot_formats import assert_identical
 
 from april.config import Mode
+from april.episode import EpisodeState, live_state
 from april.records import SETTLED, FinishReason, Sample
 from april.wire_records import SampleBatch
 from broker import complete_log, snapshot
@@ -30,7 +31,11 @@ from broker.state import BrokerState, PendingBatch
 MAX_NEW = 24
 # what the test does next, as often as listed: mostly leases and results, so that saves find episodes
 OPERATIONS = (
-    ["take"] * 3 + ["finish"] * 2 + ["interrupt"] * 3 + ["fail", "reclaim", "round", "train"] + ["save"] * 2
+    ["take"] * 3
+    + ["finish"] * 2
+    + ["interrupt"] * 3
+    + ["fail", "reclaim", "round", "train", "lose"]
+    + ["save"] * 2
 )
 
 
@@ -48,7 +53,10 @@ def worker_turns(draw: st.DrawFn, leased: Sample, version: int, budget: int) -> 
     for _ in range(draw(st.integers(0, 8), label="steps")):
         step = draw(st.sampled_from(["model", "observation", "state"]), label="step")
         if step == "state":
-            sample = sample.with_episode(draw(st.binary(max_size=24), label="episode state"))
+            # sometimes a state kept in the worker's memory: the partial is then pinned to that worker
+            live = EpisodeState(live_state(f"h{sample.group_id}-{sample.index}")).to_bytes()
+            state = draw(st.one_of(st.binary(max_size=24), st.just(live)), label="episode state")
+            sample = sample.with_episode(state)
             continue
         n = min(left, draw(st.integers(0, 4), label="tokens"))
         ids = draw(st.lists(TOKENS, min_size=n, max_size=n), label="ids")
@@ -125,6 +133,9 @@ def test_episodes_survive_snapshots_restarts_and_log_compaction(mode: Mode, data
                 d.fail(lease_id)  # it drops its group: rarely, or little would be trained
             elif op == "reclaim" and lease_id is not None:
                 d.reclaim(lease_id)
+            elif op == "lose":  # a worker lost: its pinned partials restart from their prompt
+                lost = d.lose(data.draw(st.sampled_from(["w0", "w1"]), label="lost worker"))
+                event(f"pinned partials restarted: {min(lost, 2)}")
             elif op == "round" and policy_for(mode).round_based:
                 d.end_round()
             elif op == "train" and d.train(step) is not None:

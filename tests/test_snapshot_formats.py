@@ -8,7 +8,8 @@ as that version held them in memory. `fixtures/books/make_books.py` made them. B
 have no lease spans (protocol 4 added them), before v5 no episode columns (protocol 3), and no state file
 before format 7 has the journal's position or the run's counters: each sample must come back exactly as
 it was, with no observations, no episode state and the lease spans it had, and the books must go on
-from there.
+from there. `fixtures/books/journal1` is a state file with a journal of format 1 after it (commit
+4c3c58a, `fixtures/books/make_journal.py`): replayed, it must give the books the current code holds.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from test_broker_state import Driver, algo, assert_same_books, source
+from test_broker_state import Driver, algo, assert_same_books, mid_run_april, source
 
 from april import codec
 from april.config import Mode
@@ -204,3 +205,39 @@ def test_the_size_limit_of_an_earlier_state_file_is_on_the_bytes_read(written: s
     with pytest.raises(codec.ProtocolError) as exc:
         complete_log.decode_upgraded(snapshot.BrokerSnapshot, frames, fields, size - 1, snapshot.BEFORE_7)
     assert exc.value.reason == "oversize"
+
+
+def test_a_journal_an_earlier_version_wrote_is_replayed_exactly(tmp_path: Path) -> None:
+    """`fixtures/books/journal1`: a state file and a journal of format 1 after it (before the RESTART op),
+    written by commit 4c3c58a (`fixtures/books/make_journal.py`). Restored and replayed, the books equal
+    those the current code holds after the same changes, counters too."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_journal", FIXTURES / "make_journal.py")
+    assert spec is not None and spec.loader is not None
+    make_journal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_journal)
+    directory = tmp_path / "broker"
+    shutil.copytree(FIXTURES / "journal1" / "broker", directory)
+    store = snapshot.SnapshotStore(directory)
+    records, _ = store.read_journal(store.load())
+    assert records, "the fixture's journal is empty"
+    (segment,) = sorted(directory.glob("complete.*.log"))
+    kinds = {int(msgpack.unpackb(frames[0])[1]): int(msgpack.unpackb(frames[0])[0])
+             for frames, _ in iter_records(segment)}  # fmt: skip
+    assert kinds[complete_log.JOURNAL_KIND] == 1  # written in format 1
+    algo_ = algo(b=1, over=5, n=2, dynamic=True)
+    restored = snapshot.resume(directory, Mode.APRIL, algo_, source())
+    d = mid_run_april()
+    make_journal.after(d)
+    assert_same_books(d.state, restored)
+    assert snapshot.counters_of(d.state) == snapshot.counters_of(restored)
+
+
+def iter_records(path: Path) -> list[tuple[list[bytes], int]]:
+    """Each record's frames in a log segment, with its end."""
+    data, pos, out = path.read_bytes(), 0, []
+    while pos < len(data):
+        frames, pos = complete_log.read_record(data, pos)
+        out.append((frames, pos))
+    return out

@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +22,13 @@ import pytest
 import verifiers as vf
 import verifiers_envs
 import verifiers_tool_env
-from test_up import check_run, run_up, wait_all_exited
+from test_up import REPO, check_run, child_pids, free_port_set, run_up, wait_all_exited
 
 from actors.tokenizer import HFTokenizer
 from april.chat import chat_format
 from april.envs import verifiers_adapter
 from april.envs.verifiers_adapter import INPUT_KEY, VerifiersEnvironment, VerifiersPromptSource
-from april.episode import EpisodeError, Message, Role, ToolCall
+from april.episode import EpisodeError, Message, Role, ToolCall, live_handle
 from april.rollouts import OBSERVATION
 
 TOOL_ENV = "verifiers:verifiers_tool_env"
@@ -138,12 +141,94 @@ def test_a_prompt_from_another_dataset_is_the_rollout_input() -> None:
     assert got == 1.0
 
 
-def test_a_live_object_in_the_state_fails_the_episode_with_one_line() -> None:
-    spec = "verifiers:verifiers_envs"
-    env = VerifiersEnvironment(spec, '{"live": true}')
-    with pytest.raises(EpisodeError) as info:
-        env.reset(VerifiersPromptSource(spec, '{"live": true}').get(0))
-    assert "state['lock'] holds a _thread.lock: not JSON" in str(info.value) and "\n" not in str(info.value)
+def test_a_live_object_in_the_state_stays_in_its_process_and_plays_as_its_own_rollout() -> None:
+    """The state holds a game object: it stays in the environment's process under a handle, only that
+    process can step it, and the reward is verifiers' own for the transcript; an ended episode's state
+    is freed, and so is one released."""
+    spec, args = "verifiers:verifiers_envs", '{"live": true}'
+    source = VerifiersPromptSource(spec, args)
+    env = VerifiersEnvironment(spec, args)
+    step = env.reset(source.get(3))
+    handle = live_handle(step.state)
+    assert handle is not None and list(env.live) == [handle]
+    turns = [Message(Role.ASSISTANT, t) for t in ("one", "three words here", "and the last")]
+    verifiers_adapter.load.cache_clear()
+    with pytest.raises(EpisodeError, match="this process keeps no such live state"):
+        VerifiersEnvironment(spec, args).step(step.state, turns[0])  # another process: not there
+    for turn in turns:
+        step = env.step(step.state, turn)
+        assert step.done or live_handle(step.state) == handle  # the same handle all along
+    assert step.done and not env.live  # freed with the episode
+    own = own_rollout(
+        verifiers_envs.load_environment(live=True), json.loads(source.get(3).metadata[INPUT_KEY]), turns
+    )
+    plain = own_rollout(
+        verifiers_envs.load_environment(), json.loads(source.get(3).metadata[INPUT_KEY]), turns
+    )
+    assert step.reward == pytest.approx(own["reward"]) != pytest.approx(plain["reward"])  # the game counted
+    env.release(env.reset(source.get(4)).state)
+    assert not env.live
+
+
+def test_the_tool_runner_steps_a_live_state_in_the_process_that_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two environment processes: every step of a live state runs in the one that answered its reset; an
+    abort never kills that process; a state whose process died fails its step with one line."""
+    from actors.tool_runner import ToolRunner, ToolRunnerSettings
+    from april.episode import ResetRequest, StepKey, StepRequest
+
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH")))))
+    spec, args = "verifiers:verifiers_envs", '{"live": true}'
+    source = VerifiersPromptSource(spec, args)
+
+    def answers(runner: ToolRunner, keys: set[int]) -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        for _ in range(600):
+            got |= {r.key: r for r in runner.poll(wait_s=0.1)}
+            if set(got) == keys:
+                return got
+        raise AssertionError(f"no answer for {keys - set(got)}")
+
+    def step(key: int, state: str, turn: int) -> StepRequest:
+        return StepRequest(state, Message(Role.ASSISTANT, f"turn {turn}"), StepKey(key, 0, turn))
+
+    with ToolRunner(spec, ToolRunnerSettings(processes=2), args) as runner:
+        for _ in range(600):  # both processes up (loading verifiers takes a while)
+            runner.poll()
+            if all(slot is not None and slot.ready for slot in runner._slots):
+                break
+            time.sleep(0.1)
+        for key in (0, 1, 2, 3):  # at once: both processes answer some
+            runner.submit(key, ResetRequest(source.get(key)))
+        states = {k: r.step.state for k, r in answers(runner, {0, 1, 2, 3}).items()}
+        assert runner.live_states == 4
+        homes = {key: runner._homes[str(live_handle(s))] for key, s in states.items()}
+        assert len(set(map(id, homes.values()))) == 2, "both processes should keep a state"
+        for turn in range(2):  # every step finds its state: none is "not kept here"
+            for key, state in states.items():
+                runner.submit(10 + key, step(key, state, turn))
+            results = answers(runner, {10, 11, 12, 13})
+            assert all(r.ok for r in results.values()), [r.error for r in results.values()]
+            states = {k - 10: r.step.state for k, r in results.items()}
+        runner.submit(20, step(0, states[0], 2))
+        assert runner.cancel(20) is False  # its process keeps live states: waited for, never killed
+        assert answers(runner, {20})[20].step.done
+        runner.release(states[1])
+        assert runner.live_states == 2
+        doomed = homes[2]
+        os.kill(doomed.proc.pid, signal.SIGKILL)  # the process that keeps state 2 dies
+        doomed.proc.wait(timeout=60)
+        for _ in range(600):  # the runner reads its end
+            runner.poll()
+            if str(live_handle(states[2])) not in runner._homes:
+                break
+            time.sleep(0.1)
+        runner.submit(30, step(2, states[2], 2))
+        result = answers(runner, {30})[30]
+        assert not result.ok and "environment state lost" in result.error and "\n" not in result.error
+        assert runner.live_states == sum(1 for k in (2, 3) if homes[k] is not doomed)
 
 
 @pytest.mark.parametrize(
@@ -180,16 +265,18 @@ def model_turns(row: dict[str, Any], chat: Any) -> list[Message]:
     return [chat.parse_turn(chat.turn_text(ids)) for ids in turns]
 
 
-def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> None:
+def vf_run_config(tmp_path: Path, args: str) -> tuple[Path, dict[str, str]]:
+    """An april run of `verifiers:verifiers_envs` (its `load_environment` arguments `args`): sim engines
+    on two workers, the tiny model's tokenizer; and the environment its processes need (tests/ on the
+    path)."""
     from april.hf import make_tiny_model
 
     model = make_tiny_model(tmp_path / "tiny", seed=0)
-    run_dir = tmp_path / "run"
     cfg = tmp_path / "vf.toml"
     cfg.write_text(
         '[run]\nmode = "april"\n'
         "[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 8\nn_samples_per_prompt = 4\n"
-        'max_new_tokens = 256\n[env]\nname = "verifiers:verifiers_envs"\nargs = \'{"n": 40}\'\n'
+        f"max_new_tokens = 256\n[env]\nname = \"verifiers:verifiers_envs\"\nargs = '{args}'\n"
         "max_turns = 8\nmax_turn_tokens = 8\ntool_processes = 1\n"
         f'[worker]\nengine = "sim"\nslots = 4\nmodel = "{model}"\n'
         # responses (observations included) longer than a whole episode: every turn has 8 tokens
@@ -198,19 +285,21 @@ def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> No
     )
     tests = str(Path(__file__).resolve().parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
-    code, out, children = run_up(["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], 300, env)
-    assert code == 0, out
-    assert "env verifiers:verifiers_envs: its state travels as JSON in the sample" in out  # the dashboard's
-    check_run(run_dir, 3, samples=8)  # the books balance at every step
+    return cfg, env
+
+
+def trained_rows(run_dir: Path, steps: int, live: bool) -> list[dict[str, Any]]:
+    """The run's trained episodes, each checked against verifiers' own rollout of its transcript: finished
+    by the environment after `TURNS` turns, with the reward verifiers' rubric gives."""
     rows = [
         r
         for f in sorted((run_dir / "rollouts" / "train").glob("*.parquet"))
         for r in pq.read_table(f).to_pylist()
     ]
-    assert len(rows) == 3 * 8
+    assert len(rows) == steps * 8
     assert any(r["aborts"] > 0 and r["turns"] > 1 for r in rows), "no episode was aborted mid-episode"
-    chat = chat_format(HFTokenizer(str(model)).tok)
-    reference = verifiers_envs.load_environment(n=40)
+    chat = chat_format(HFTokenizer(str(run_dir.parent / "tiny")).tok)
+    reference = verifiers_envs.load_environment(n=40, live=live)
     for row in rows:
         assert row["finish_reason"] == "stop" and row["status"] == "finished", (
             row["finish_reason"],
@@ -220,4 +309,70 @@ def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> No
         assert len(turns) == verifiers_envs.TURNS
         own = own_rollout(reference, json.loads(json.loads(row["metadata"])[INPUT_KEY]), turns)
         assert row["reward"] == pytest.approx(own["reward"]), turns
+    return rows
+
+
+def test_april_up_trains_verifiers_episodes_through_aborts(tmp_path: Path) -> None:
+    cfg, env = vf_run_config(tmp_path, '{"n": 40}')
+    run_dir = tmp_path / "run"
+    code, out, children = run_up(["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], 300, env)
+    assert code == 0, out
+    assert "env verifiers:verifiers_envs: a state written down in full travels as JSON" in out  # dashboard's
+    check_run(run_dir, 3, samples=8)  # the books balance at every step
+    rows = trained_rows(run_dir, 3, live=False)
+    moved = [r for r in rows if len({p["worker"] for p in r["pieces"] if p["worker"]}) > 1]
+    assert all(r["aborts"] for r in moved)  # (plain states may resume on either worker)
     assert not wait_all_exited(children)
+
+
+def test_april_up_keeps_live_object_episodes_with_their_worker(tmp_path: Path) -> None:
+    """A state holding a game object: every episode stays with the worker that started it across APRIL's
+    aborts (the two workers both train some), scores as verifiers scores its transcript, and nothing
+    is restarted while no worker dies."""
+    cfg, env = vf_run_config(tmp_path, '{"n": 40, "live": true}')
+    run_dir = tmp_path / "run"
+    code, out, children = run_up(["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], 300, env)
+    assert code == 0, out
+    assert "a state holding live objects stays with its worker" in out
+    check_run(run_dir, 3, samples=8)
+    rows = trained_rows(run_dir, 3, live=True)
+    workers = [{p["worker"] for p in r["pieces"] if p["worker"]} for r in rows]
+    assert all(len(w) == 1 for w in workers), workers  # each episode on one worker from start to end
+    assert len(set().union(*workers)) == 2  # both workers played episodes
+    resumed = [r for r in rows if r["aborts"] > 0 and r["turns"] > 1]
+    assert resumed, "no live episode was aborted mid-episode and resumed"
+    # (the workers leaving at the end restart what is pinned to them then: the totals of the last step)
+    totals = json.loads((run_dir / "broker_totals.json").read_text())["at_last_step"]
+    assert totals["restarted"] == 0 and totals["resumed"] > 0, totals
+    assert not wait_all_exited(children)
+
+
+def test_a_killed_worker_s_live_episodes_restart_from_their_prompt(tmp_path: Path) -> None:
+    """One worker is killed mid-run (`april up` starts it again under its id): the episodes whose live
+    state it held restart from their prompt, counted; the run finishes, the books balance at every step,
+    and every trained episode still scores as verifiers scores it."""
+    cfg, env = vf_run_config(tmp_path, '{"n": 40, "live": true}')
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from cli.main import main; main()", "up", "--headless", "--config", str(cfg),
+         "--run-dir", str(run_dir), "--steps", "5", *free_port_set()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 1):
+        time.sleep(0.1)
+    argv = {
+        pid: Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
+        for pid in child_pids(proc.pid)
+    }
+    workers = [pid for pid, args in argv.items() if args[3] == "worker"]  # python -c CODE ROLE ...
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    out = proc.communicate(timeout=600)[0].decode(errors="replace")
+    assert proc.returncode == 0, out
+    check_run(run_dir, 5, samples=8)  # balanced at every step, with the restarts
+    totals = json.loads((run_dir / "broker_totals.json").read_text())["at_last_step"]
+    assert totals["restarted"] > 0 and totals["tokens_restarted"] > 0, totals
+    assert "pinned partials restarted from their prompt" in (run_dir / "logs" / "broker-0.log").read_text()
+    trained_rows(run_dir, 5, live=True)

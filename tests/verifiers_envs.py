@@ -5,7 +5,8 @@
 `load_environment` here: a `MultiTurnEnv` that answers every model turn with a user message about it and
 stops after `TURNS` turns (a `@vf.stop` condition), its state a plain list, scored by a rubric whose
 reward depends on every model turn's text, so a transcript that lost or repeated anything scores
-differently. `live=True` keeps an object in the state (as a sandbox handle would be kept).
+differently. `live=True` keeps a game object in the state (a lock and the moves so far, as a sandbox
+handle would be kept): it cannot be written down, and the reward reads its moves.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from datasets import Dataset
 TURNS = 3
 
 
+class Game:
+    """A live object: what the environment's turns did to it, behind a lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.moves: list[int] = []
+
+
 class CountingEnv(vf.MultiTurnEnv):
     def __init__(self, live: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -27,7 +36,7 @@ class CountingEnv(vf.MultiTurnEnv):
     async def setup_state(self, state: vf.State) -> vf.State:
         state["lengths"] = []
         if self.live:
-            state["lock"] = threading.Lock()
+            state["game"] = Game()
         return state
 
     @vf.stop
@@ -37,13 +46,18 @@ class CountingEnv(vf.MultiTurnEnv):
     async def env_response(self, messages: vf.Messages, state: vf.State, **kwargs: Any) -> vf.Messages:
         text = str(messages[-1].content or "")
         state["lengths"].append(len(text))
+        if "game" in state:
+            with state["game"].lock:
+                state["game"].moves.append(len(text) % 7)
         return [vf.UserMessage(content=f"turn {len(state['lengths'])}: {len(text)} characters")]
 
 
 def turns_reward(completion: vf.Messages, state: vf.State) -> float:
     """Depends on every model turn's text and on the environment's own record of them."""
     said = [str(m.content or "") for m in completion if m.role == "assistant"]
-    return (sum(len(t) * (i + 1) for i, t in enumerate(said)) % 10) / 10 + 0.05 * len(state["lengths"])
+    reward = (sum(len(t) * (i + 1) for i, t in enumerate(said)) % 10) / 10 + 0.05 * len(state["lengths"])
+    game = state.get("game")
+    return reward + (0.01 * sum(game.moves) + 0.001 * len(game.moves) if game is not None else 0.0)
 
 
 def load_environment(n: int = 32, live: bool = False, **kwargs: Any) -> vf.Environment:

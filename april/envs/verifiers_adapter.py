@@ -7,9 +7,11 @@ through the environment's own hooks, in the order its `rollout` loop calls them:
 `get_prompt_messages` (its `env_response`: tool calls for a `ToolEnv`); at the end its cleanup handlers
 and `rubric.score_rollout`, whose reward ends the episode (a rubric with group-level reward functions:
 `score_group` of the episode alone, and the learner scores the whole group again with the rollout states
-the episodes ended with, `score_group`). The verifiers state travels in april's JSON
-state (`encode_state`): pydantic models by class, plain data as is; a state holding anything else (a live
-object) fails its sample with one line. `VerifiersPromptSource` serves the environment's dataset.
+the episodes ended with, `score_group`). The verifiers state travels in april's JSON state
+(`encode_state`): pydantic models by class, plain data as is. A state holding anything else (a live
+object: a lock, a file, a game) stays in this process (`april.episode.live_state`), so its episode
+resumes only on this worker and restarts from its prompt if the worker dies. `VerifiersPromptSource`
+serves the environment's dataset.
 
 Imports `verifiers` only when an environment is loaded (one line naming the extra when it is missing).
 """
@@ -20,13 +22,24 @@ import asyncio
 import functools
 import importlib
 import json
+import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
 from april.data.records import DatasetError, PromptRecord
-from april.episode import EnvStep, EpisodeError, Message, Role, Tool, one_line, prompt_messages
+from april.episode import (
+    EnvStep,
+    EpisodeError,
+    Message,
+    Role,
+    Tool,
+    live_handle,
+    live_state,
+    one_line,
+    prompt_messages,
+)
 
 PREFIX = "verifiers:"
 SOURCE = "verifiers"  # data.source: the environment's own dataset
@@ -105,6 +118,13 @@ class VerifiersEnvironment:
             Tool(t.name, t.description, dict(t.parameters), repeatable=False, timeout_s=TOOL_TIMEOUT_S)
             for t in self.env.tool_defs or []
         )
+        self.live: dict[str, Any] = {}  # live state handle -> a verifiers state that is not JSON
+
+    def release(self, state: str) -> None:
+        """Free a live state whose episode ended elsewhere (cut off, failed)."""
+        handle = live_handle(state)
+        if handle is not None:
+            self.live.pop(handle, None)
 
     def reset(self, prompt: PromptRecord) -> EnvStep:
         return _run(self._reset(prompt))
@@ -122,11 +142,31 @@ class VerifiersEnvironment:
             )
         messages = await env.get_prompt_messages(state)
         state[_PROMPT] = messages
-        return EnvStep(tuple(to_april(m) for m in messages), encode_state(state))
+        return EnvStep(tuple(to_april(m) for m in messages), self._written(state, ""))
+
+    def _written(self, state: Any, handle: str) -> str:
+        """The state as text: JSON when it can be written down, else kept here under `handle` (a new one
+        if "") and named by it."""
+        try:
+            return encode_state(state)
+        except EpisodeError:
+            handle = handle or uuid.uuid4().hex
+            self.live[handle] = state
+            return live_state(handle)
+
+    def _state(self, text: str) -> tuple[Any, str]:
+        """The verifiers state of `text` and its live handle ("" for a state written down)."""
+        handle = live_handle(text)
+        if handle is None:
+            return decode_state(self.vf, text), ""
+        state = self.live.pop(handle, None)  # a step that fails leaves nothing behind
+        if state is None:
+            raise EpisodeError(f"verifiers state {text[:60]!r}: this process keeps no such live state")
+        return state, handle
 
     async def _step(self, text: str, turn: Message) -> EnvStep:
         env = self.env
-        state = decode_state(self.vf, text)
+        state, handle = self._state(text)
         asked = state.pop(_PROMPT)
         await env.add_model_response(state, asked, self._response(turn))
         if not await env.is_completed(state):
@@ -134,12 +174,15 @@ class VerifiersEnvironment:
             if not await env.is_completed(state):  # a final_env_response ends it here
                 state[_PROMPT] = messages
                 seen = len(asked) + len(state["trajectory"][-1]["completion"])
-                return EnvStep(tuple(to_april(m) for m in messages[seen:]), encode_state(state))
+                return EnvStep(tuple(to_april(m) for m in messages[seen:]), self._written(state, handle))
         await env.cleanup(state)
         summary: dict[str, Any] = {}
         if self.group_scored:
             # the rollout as it ended, which the learner's `score_group` reads with the group's others
-            summary[FINAL_STATE] = encode_state(state)
+            try:
+                summary[FINAL_STATE] = encode_state(state)
+            except EpisodeError as exc:
+                raise EpisodeError(f"group-level rewards need the last state written down: {exc}") from None
             await env.rubric.score_group([state])
         else:
             await env.rubric.score_rollout(state)
