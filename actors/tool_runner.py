@@ -45,8 +45,8 @@ from april.envs.calculator import CalculatorEnvironment
 from april.envs.openenv_adapter import OpenEnvEnvironment, is_openenv
 from april.envs.verifiers_adapter import VerifiersEnvironment, is_verifiers
 from april.episode import (
-    Environment,
     EnvFailed,
+    Environment,
     EnvRequest,
     EnvStep,
     EpisodeError,

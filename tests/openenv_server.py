@@ -61,9 +61,7 @@ class CountEnvironment(Environment):
         return self._state
 
 
-app = create_app(
-    CountEnvironment, CountAction, CountObservation, env_name="count", max_concurrent_envs=64
-)
+app = create_app(CountEnvironment, CountAction, CountObservation, env_name="count", max_concurrent_envs=64)
 
 
 def replay(url: str) -> None:

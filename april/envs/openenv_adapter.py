@@ -48,9 +48,12 @@ def is_openenv(name: str) -> bool:
 def with_gateway(args: str, gateway: str) -> str:
     """`env.args` with `env.gateway` added as "gateway" (how the address reaches the tool runner's
     children, which are given the spec and its args)."""
-    obj = json.loads(args) if args.strip() else {}
-    if not isinstance(obj, dict):
+    try:
+        obj = json.loads(args) if args.strip() else {}
+    except ValueError:
         return args  # refused with its one line by Settings.parse
+    if not isinstance(obj, dict):
+        return args
     return json.dumps({**obj, "gateway": gateway} if gateway else obj)
 
 
@@ -80,12 +83,16 @@ class Settings:
             raise EpisodeError(f"env.args = {args[:80]!r}: expected a JSON object")
         unknown = sorted(set(obj) - _ARGS)
         if unknown:
-            raise EpisodeError(f"env.args: unknown key {unknown[0]!r}, expected some of {', '.join(sorted(_ARGS))}")
+            raise EpisodeError(
+                f"env.args: unknown key {unknown[0]!r}, expected some of {', '.join(sorted(_ARGS))}"
+            )
         fields = obj.get("observation_fields", [])
         if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
             raise EpisodeError(f"env.args observation_fields: got {fields!r}, expected a list of field names")
         if obj.get("reward", "sum") not in REWARDS:
-            raise EpisodeError(f"env.args reward: got {obj['reward']!r}, expected one of {', '.join(REWARDS)}")
+            raise EpisodeError(
+                f"env.args reward: got {obj['reward']!r}, expected one of {', '.join(REWARDS)}"
+            )
         reset = obj.get("reset", {})
         if not isinstance(reset, dict):
             raise EpisodeError(f"env.args reset: got {reset!r}, expected an object of reset's arguments")
@@ -208,7 +215,11 @@ class OpenEnvEnvironment:
                 f"env.args observation_fields: {missing[0]!r} is not in the observation ({', '.join(obs)})"
             )
         texts = {n: obs[n] if isinstance(obs[n], str) else json.dumps(obs[n], default=str) for n in names}
-        text = next(iter(texts.values())) if len(texts) == 1 else "\n".join(f"{n}: {t}" for n, t in texts.items())
+        text = (
+            next(iter(texts.values()))
+            if len(texts) == 1
+            else "\n".join(f"{n}: {t}" for n, t in texts.items())
+        )
         return Message(Role.USER, text)
 
     def _call(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -15,11 +15,13 @@ episodes, text or rewards (`april.envs.openenv_adapter`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,9 +78,10 @@ class Session:
 class Gateway:
     """The sessions and the requests on them; `serve` drives it from a ROUTER socket."""
 
-    def __init__(self, idle_s: float = 600.0) -> None:
+    def __init__(self, urls: tuple[str, ...], idle_s: float = 600.0) -> None:
         self.client = package()
         self.epoch = secrets.token_hex(4)
+        self.urls = tuple(u.rstrip("/") for u in urls)  # the servers it opens sessions on, no others
         self.idle_s = idle_s
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -106,12 +109,16 @@ class Gateway:
             return {"ok": False, "error": f"bad request: {one_line(exc)}"}
 
     def _open(self, url: str, reset: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        if url.rstrip("/") not in self.urls:
+            raise GatewayError(f"server {url!r}: this gateway serves {', '.join(self.urls)} only")
         try:
             ws = self.client.connect(
                 ws_url(url), open_timeout=min(CONNECT_TIMEOUT_S, timeout_s), max_size=MAX_MESSAGE_BYTES
             )
         except Exception as exc:
-            raise GatewayError(f"cannot connect to the OpenEnv server at {ws_url(url)}: {one_line(exc)}", True) from None
+            raise GatewayError(
+                f"cannot connect to the OpenEnv server at {ws_url(url)}: {one_line(exc)}", True
+            ) from None
         with self._lock:
             self._count += 1
             handle = f"{self.epoch}-{self._count}"
@@ -157,15 +164,19 @@ class Gateway:
         try:
             reply = json.loads(raw)
         except ValueError:
-            raise GatewayError(f"session {session.handle}: the server answered a {what} with non-JSON") from None
+            raise GatewayError(
+                f"session {session.handle}: the server answered a {what} with non-JSON"
+            ) from None
         if reply.get("type") == "error":
-            data = reply.get("data") or {}
-            detail = data.get("message", "?")
-            if data.get("errors"):
-                detail += f" {json.dumps(data['errors'], default=str)[:200]}"
+            error = reply.get("data") or {}
+            detail = str(error.get("message", "?"))
+            if error.get("errors"):
+                detail += f" {json.dumps(error['errors'], default=str)[:200]}"
             raise GatewayError(f"session {session.handle}: the OpenEnv server refused the {what}: {detail}")
         if reply.get("type") != "observation" or not isinstance(reply.get("data"), dict):
-            raise GatewayError(f"session {session.handle}: the server answered a {what} with {str(raw)[:80]!r}")
+            raise GatewayError(
+                f"session {session.handle}: the server answered a {what} with {str(raw)[:80]!r}"
+            )
         data: dict[str, Any] = reply["data"]
         return data
 
@@ -192,10 +203,8 @@ class Gateway:
         with self._lock:
             session = self.sessions.pop(handle, None)
         if session is not None:
-            try:
+            with contextlib.suppress(Exception):  # a connection gone already: closing it is all that is left
                 session.ws.send(json.dumps({"type": "close"}))
-            except Exception:
-                pass  # the connection is gone already: closing it is all that is left
             session.ws.close()
 
     def _drop(self, session: Session) -> None:
@@ -227,13 +236,16 @@ def _timeout(req: dict[str, Any]) -> float:
     return value
 
 
-def serve(address: str, idle_s: float = 600.0, stop: threading.Event | None = None) -> None:
-    """Run a gateway on a ROUTER bound at `address` until `stop` is set (or forever). Requests are one
-    msgpack frame each; answers carry the request's `id` back."""
-    gateway = Gateway(idle_s)
+def serve(gateway: Gateway, address: str, should_stop: Callable[[], bool]) -> None:
+    """Serve `gateway` on a ROUTER bound at `address` until `should_stop()`; its sessions are closed on
+    the way out. Requests are one msgpack frame each; answers carry the request's `id` back."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = configure(ctx.socket(zmq.ROUTER))
-    router.bind(address)
+    try:
+        router.bind(address)
+    except zmq.ZMQError as exc:
+        ctx.destroy(linger=0)
+        raise GatewayError(f"cannot bind the OpenEnv gateway at {address}: {exc}") from None
     done = configure(ctx.socket(zmq.PULL))
     done.bind(f"inproc://openenv-gateway-{gateway.epoch}")
     local = threading.local()
@@ -252,7 +264,7 @@ def serve(address: str, idle_s: float = 600.0, stop: threading.Event | None = No
     next_sweep = time.monotonic() + 1.0
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="openenv-session") as pool:
         try:
-            while stop is None or not stop.is_set():
+            while not should_stop():
                 events = dict(poller.poll(200))
                 if router in events:
                     while router.poll(0):
