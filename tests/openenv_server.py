@@ -4,8 +4,8 @@ served by `openenv.core.env_server.http_server.create_app` under uvicorn). Run w
 real openenv-core (`make .venv-openenv`):
 
     python tests/openenv_server.py serve PORT       the server, on 127.0.0.1:PORT
-    python tests/openenv_server.py replay URL       stdin: {"seed": int, "turns": [str]}; stdout: the
-                                                   rewards openenv's own client gets for those turns
+    python tests/openenv_server.py replay URL       stdin: [{"seed": int, "turns": [str]}, ...]; stdout:
+                                                   the rewards openenv's own client gets for each
 
 A counting game whose state lives only on the server: reset(seed) starts a count at seed % 5; each step
 adds the words of the message; the step's reward depends on the count so far; the episode ends after TURNS
@@ -67,14 +67,12 @@ app = create_app(CountEnvironment, CountAction, CountObservation, env_name="coun
 def replay(url: str) -> None:
     from openenv.core.generic_client import GenericEnvClient
 
-    job = json.loads(sys.stdin.read())
-    rewards = []
-    with GenericEnvClient(base_url=url).sync() as env:
-        result = env.reset(seed=job["seed"])
-        for turn in job["turns"]:
-            result = env.step({"message": turn})
-            rewards.append(result.reward)
-    print(json.dumps({"rewards": rewards, "done": result.done}))
+    out = []
+    for job in json.loads(sys.stdin.read()):
+        with GenericEnvClient(base_url=url).sync() as env:
+            env.reset(seed=job["seed"])
+            out.append([env.step({"message": turn}).reward for turn in job["turns"]])
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

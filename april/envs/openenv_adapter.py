@@ -37,7 +37,7 @@ from april.transport import configure
 
 PREFIX = "openenv:"
 REWARDS = ("sum", "last")
-DEFAULT_TIMEOUT_S = 8.0  # one gateway call (a reset or a step on the server); within env.step_timeout_s
+DEFAULT_TIMEOUT_S = 5.0  # a reset or step on the server; + 1 s for the gateway: under env.step_timeout_s
 _ARGS = {"action_field", "observation_fields", "reward", "reset", "timeout_s", "gateway"}
 
 
@@ -226,7 +226,7 @@ class OpenEnvEnvironment:
         s = self.settings
         if not s.gateway:
             raise EpisodeError("env.gateway is empty: the OpenEnv session gateway's address is needed")
-        answer = _client(s.gateway, os.getpid()).call({**request, "timeout_s": s.timeout_s}, s.timeout_s + 2)
+        answer = _client(s.gateway, os.getpid()).call({**request, "timeout_s": s.timeout_s}, s.timeout_s + 1)
         if not answer.get("ok"):
             reason = Reason.ENV_SESSION_LOST if answer.get("lost") else Reason.ENV_ERROR
             raise EnvFailed(reason, f"OpenEnv {request['t']}: {answer.get('error', '?')}")
