@@ -269,15 +269,15 @@ def open_episode_driver(
     tokenizer to render the conversation with, is a one-line EpisodeError."""
     if not env.name:
         return None
-    if not isinstance(tokenizer, HFTokenizer):
-        raise _needs_model(env)
-    if settings is None:
-        settings = ToolRunnerSettings(processes=env.tool_processes, step_timeout_s=env.step_timeout_s)
     if is_openenv(env.name) and not env.gateway:
         raise EpisodeError(
             f"env.gateway is empty: env.name = {env.name!r} needs the OpenEnv session gateway's "
             "tcp://HOST:PORT (`april up` starts one; elsewhere run `april openenv-gateway`)"
         )
+    if not isinstance(tokenizer, HFTokenizer):
+        raise _needs_model(env)
+    if settings is None:
+        settings = ToolRunnerSettings(processes=env.tool_processes, step_timeout_s=env.step_timeout_s)
     try:
         runner = ToolRunner(env.name, settings, runner_args(env))
     except EpisodeError as exc:

@@ -271,6 +271,23 @@ def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     assert "pip install 'april-rl[openenv]'" in str(info.value) and "\n" not in str(info.value)
 
 
+def test_start_up_errors_are_one_line() -> None:
+    from actors.episode_driver import open_episode_driver
+    from april.config import EnvConfig
+    from cli.openenv_cmd import GatewayStartError, check_bind, check_openenv
+
+    (port,) = free_ports(1)
+    with pytest.raises(GatewayStartError, match=f"no OpenEnv server answers http://127.0.0.1:{port}/health"):
+        check_openenv(EnvConfig(name=f"openenv:http://127.0.0.1:{port}"))  # april up without server_command
+    with pytest.raises(EpisodeError, match=r"env\.gateway is empty"):  # a worker started by hand, without one
+        open_episode_driver(EnvConfig(name=f"openenv:http://127.0.0.1:{port}"), object())  # type: ignore[arg-type]
+    with pytest.raises(GatewayStartError, match="not a loopback address"):
+        check_bind("tcp://10.1.2.3:5600", allow_remote=False)
+    check_bind("tcp://10.1.2.3:5600", allow_remote=True)
+    with pytest.raises(GatewayStartError, match="expected tcp://HOST:PORT"):
+        check_bind("127.0.0.1:5600", allow_remote=False)
+
+
 def test_an_unreachable_schema_is_one_line() -> None:
     openenv_adapter.action_field.cache_clear()
     with pytest.raises(EnvFailed, match=r"cannot read the action schema at http://127\.0\.0\.1:1/schema"):

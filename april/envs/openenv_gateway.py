@@ -123,8 +123,12 @@ class Gateway:
             self._count += 1
             handle = f"{self.epoch}-{self._count}"
             session = self.sessions[handle] = Session(handle, url, ws)
-        with session.lock:
-            result = self._call(session, {"type": "reset", "data": reset}, timeout_s)
+        try:
+            with session.lock:
+                result = self._call(session, {"type": "reset", "data": reset}, timeout_s)
+        except GatewayError:
+            self.close(handle)  # a refused reset: no one will hold this session
+            raise
         return {"ok": True, "handle": handle, "result": result}
 
     def _step(self, handle: str, key: object, action: dict[str, Any], timeout_s: float) -> dict[str, Any]:
