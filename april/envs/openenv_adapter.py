@@ -186,6 +186,7 @@ class OpenEnvEnvironment:
         answer = self._call({"t": "open", "url": s.url, "reset": reset})
         result = answer["result"]
         if result.get("done") is True:
+            self._call({"t": "close", "handle": answer["handle"]})
             raise EpisodeError(f"the OpenEnv environment at {s.url} ended the episode at reset")
         state = {"handle": answer["handle"], "rewards": []}
         return EnvStep((self.observation(result),), json.dumps(state))
