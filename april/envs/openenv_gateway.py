@@ -35,6 +35,7 @@ from april.transport import configure
 VERSION = 1
 INSTALL = "pip install 'april-rl[openenv]' (or: pip install 'websockets>=15')"
 CONNECT_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 1.0  # closing a session waits this long for the server's goodbye (its answers first)
 MAX_MESSAGE_BYTES = 100 * 2**20  # an observation may carry a screenshot (OpenEnv's client allows 100 MB)
 WORKERS = 64  # threads running server calls: sessions stepping at the same time
 
@@ -113,7 +114,10 @@ class Gateway:
             raise GatewayError(f"server {url!r}: this gateway serves {', '.join(self.urls)} only")
         try:
             ws = self.client.connect(
-                ws_url(url), open_timeout=min(CONNECT_TIMEOUT_S, timeout_s), max_size=MAX_MESSAGE_BYTES
+                ws_url(url),
+                open_timeout=min(CONNECT_TIMEOUT_S, timeout_s),
+                close_timeout=CLOSE_TIMEOUT_S,
+                max_size=MAX_MESSAGE_BYTES,
             )
         except Exception as exc:
             raise GatewayError(
