@@ -9,13 +9,14 @@ real openenv-core (`make .venv-openenv`):
 
 A counting game whose state lives only on the server: reset(seed) starts a count at seed % 5; each step
 adds the words of the message; the step's reward depends on the count so far; the episode ends after TURNS
-steps.
+steps. The message HANG makes a step take a minute.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from uuid import uuid4
 
 from openenv.core.env_server.http_server import create_app
@@ -24,6 +25,7 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 TURNS = 3
+HANG = "hang for a minute"  # a message the server takes a minute to answer
 
 
 class CountAction(Action):
@@ -48,6 +50,8 @@ class CountEnvironment(Environment):
         return CountObservation(prompt=f"The count is {self.count}. Say some words.", count=self.count)
 
     def step(self, action: CountAction) -> CountObservation:  # type: ignore[override]
+        if action.message == HANG:
+            time.sleep(60)  # a server that stops answering
         self._state.step_count += 1
         self.count += len(action.message.split())
         reward = (self.count % 7) / 7 + 0.25 * self._state.step_count

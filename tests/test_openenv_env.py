@@ -35,6 +35,7 @@ from april.ports import free_ports
 REPO = Path(__file__).resolve().parent.parent
 SERVER = Path(__file__).resolve().parent / "openenv_server.py"
 TURNS = 3  # tests/openenv_server.py's episode length
+APRIL = (sys.executable, "-c", "from cli.main import main; main()")
 PYTHON = os.environ.get("APRIL_OPENENV_PYTHON") or str(REPO / ".venv-openenv" / "bin" / "python")
 _venv = pytest.mark.skipif(
     not Path(PYTHON).exists(),
@@ -216,6 +217,43 @@ def test_a_gateway_that_is_down_fails_within_the_deadline(server: Server) -> Non
     )
     exc = lost(lambda: env.reset(record(0)))
     assert "did not answer a open within 1.5s" in str(exc)
+
+
+@needs_openenv
+def test_a_server_that_stops_answering_fails_within_the_deadline(
+    server: Server, gateway: RunningGateway
+) -> None:
+    env = make_env(server, gateway, {"timeout_s": 1})
+    step = env.reset(record(0))
+    exc = lost(lambda: env.step(step.state, turn("hang for a minute")))  # tests/openenv_server.py's HANG
+    assert "did not answer a step within 1s" in str(exc)
+    assert gateway.gateway.sessions == {}  # dropped: its connection is closed
+
+
+@needs_openenv
+def test_the_gateway_command_serves_until_sigterm(server: Server, tmp_path: Path) -> None:
+    from april.envs.openenv_adapter import GatewayClient
+
+    (port,) = free_ports(1)
+    address = f"tcp://127.0.0.1:{port}"
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*APRIL, "openenv-gateway", "--bind", address, "--set", f"env.name=openenv:{server.url}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    try:
+        answer = GatewayClient(address).call({"t": "ping"}, 60.0)
+        assert answer["ok"] is True and answer["sessions"] == 0
+        env = OpenEnvEnvironment(f"openenv:{server.url}", with_gateway("", address))
+        step = env.reset(record(4))
+        assert "count: 4" in step.observation[0].content
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+    assert f"OpenEnv gateway epoch {answer['epoch']} on {address}" in log.read_text()
 
 
 @needs_openenv
@@ -422,7 +460,7 @@ def test_april_up_goes_on_when_its_gateway_restarts(tmp_path: Path) -> None:
         *free_port_set(),
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from cli.main import main; main()", "up", "--headless", *argv],
+        [*APRIL, "up", "--headless", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=REPO,
