@@ -227,9 +227,9 @@ class Gateway:
             idle = [
                 h for h, s in self.sessions.items() if now - s.used_at > self.idle_s and not s.lock.locked()
             ]
+            self.closed_idle += len(idle)  # counted before they go: whoever sees them gone sees the count
         for handle in idle:
             self.close(handle)
-        self.closed_idle += len(idle)
         return idle
 
     def close_all(self) -> None:
