@@ -37,7 +37,7 @@ INSTALL = "pip install 'april-rl[openenv]' (or: pip install 'websockets>=15')"
 CONNECT_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 1.0  # closing a session waits this long for the server's goodbye (its answers first)
 MAX_MESSAGE_BYTES = 100 * 2**20  # an observation may carry a screenshot (OpenEnv's client allows 100 MB)
-WORKERS = 64  # threads running server calls: sessions stepping at the same time
+WORKERS = 256  # threads running server calls (each waits on its server): sessions stepping at once
 
 
 class GatewayError(Exception):
