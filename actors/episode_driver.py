@@ -30,6 +30,7 @@ from actors.tool_runner import ToolResult, ToolRunner, ToolRunnerSettings, load_
 from april.chat import ChatFormat, chat_format
 from april.config import EnvConfig
 from april.data import PromptRecord
+from april.envs.openenv_adapter import is_openenv, with_gateway
 from april.envs.verifiers_adapter import is_verifiers
 from april.episode import (
     EnvStep,
@@ -272,12 +273,17 @@ def open_episode_driver(
     tokenizer to render the conversation with, is a one-line EpisodeError."""
     if not env.name:
         return None
+    if is_openenv(env.name) and not env.gateway:
+        raise EpisodeError(
+            f"env.gateway is empty: env.name = {env.name!r} needs the OpenEnv session gateway's "
+            "tcp://HOST:PORT (`april up` starts one; elsewhere run `april openenv-gateway`)"
+        )
     if not isinstance(tokenizer, HFTokenizer):
         raise _needs_model(env)
     if settings is None:
         settings = ToolRunnerSettings(processes=env.tool_processes, step_timeout_s=env.step_timeout_s)
     try:
-        runner = ToolRunner(env.name, settings, env.args)
+        runner = ToolRunner(env.name, settings, runner_args(env))
     except EpisodeError as exc:
         raise EpisodeError(f"env.name: {exc}") from None
     return EpisodeDriver(env, chat_format(tokenizer.tok, tokenizer.eos_token_ids), runner)
@@ -291,9 +297,14 @@ def check_env(env: EnvConfig, model: str) -> None:
     if not model:
         raise _needs_model(env)
     try:
-        load_env(env.name, env.args)
+        load_env(env.name, runner_args(env))
     except EpisodeError as exc:
         raise EpisodeError(f"env.name: {exc}") from None
+
+
+def runner_args(env: EnvConfig) -> str:
+    """The args the environment is made with: `env.args`, and for `openenv:URL` the gateway's address."""
+    return with_gateway(env.args, env.gateway) if is_openenv(env.name) else env.args
 
 
 def resume_note(env: EnvConfig) -> str:
@@ -305,6 +316,11 @@ def resume_note(env: EnvConfig) -> str:
         "its state travels as JSON in the sample: an aborted episode resumes on any worker, and so does one "
         "whose worker died"
     )
+    if is_openenv(env.name):
+        return (
+            f"env {env.name}: its state is a session the OpenEnv gateway holds: an aborted episode resumes "
+            "on any worker, and so does one whose worker died; a server or gateway restart fails it"
+        )
     if is_verifiers(env.name):
         return (
             f"env {env.name}: a state written down in full travels as JSON: an aborted episode resumes on "

@@ -6,7 +6,7 @@ exactly one `RewardResult` unless it is cancelled: a finite float, or None with 
 starts with its reason (`april.failures`); nothing is silently scored 0. This module owns the scoring
 rules (timeouts counted from the child's start of a sample, who is blamed on a crash, what is re-sent);
 `actors.supervisor` owns the children themselves. The child's pipe and the failure policy are
-docs/protocol.md, section 17. Not thread-safe: one worker loop owns a runner. Knows nothing about
+docs/protocol.md, section 18. Not thread-safe: one worker loop owns a runner. Knows nothing about
 samples, sockets or the broker.
 """
 

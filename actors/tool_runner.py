@@ -46,8 +46,10 @@ from actors.child_process import JsonLinesChild, encode_line, serve
 from actors.python_env import PythonEnvironment
 from actors.supervisor import Slot, Supervisor
 from april.envs.calculator import CalculatorEnvironment
+from april.envs.openenv_adapter import OpenEnvEnvironment, is_openenv
 from april.envs.verifiers_adapter import VerifiersEnvironment, is_verifiers
 from april.episode import (
+    EnvFailed,
     Environment,
     EnvRequest,
     EnvStep,
@@ -81,10 +83,10 @@ BUILTIN_ENVIRONMENTS: dict[str, Callable[[], Environment]] = {
 
 
 def load_env(spec: str, args: str = "") -> Environment:
-    """The environment `spec` names (a built-in, `module:Class`, or `verifiers:MODULE` made with `args`),
-    or a one-line EpisodeError."""
-    if is_verifiers(spec):
-        env = VerifiersEnvironment(spec, args)
+    """The environment `spec` names (a built-in, `module:Class`, `verifiers:MODULE` or `openenv:URL`, the
+    last two made with `args`), or a one-line EpisodeError."""
+    if is_verifiers(spec) or is_openenv(spec):
+        env: Environment = (VerifiersEnvironment if is_verifiers(spec) else OpenEnvEnvironment)(spec, args)
         check_environment(spec, env)
         return env
     return load_environment(spec, BUILTIN_ENVIRONMENTS)
@@ -358,6 +360,8 @@ def _run(env: Environment, request: EnvRequest, with_key: bool) -> dict[str, Any
             if isinstance(request, ResetRequest)
             else run_step(env, request, with_key)
         )
+    except EnvFailed as exc:  # the environment names the reason itself
+        return {"error": failure(exc.reason, f"environment {what}: {exc}")}
     except BaseException as exc:  # SystemExit/KeyboardInterrupt in an environment are its errors too
         return {"error": failure(Reason.ENV_ERROR, f"environment {what} raised {one_line(exc)}")}
     if not isinstance(step, EnvStep):

@@ -552,15 +552,28 @@ class WeightsConfig:
 
 @dataclass(frozen=True, slots=True)
 class EnvConfig:
-    name: str = ""  # episodes' environment: a built-in, module:Class or verifiers:MODULE; empty: single-turn
-    args: str = ""  # verifiers:MODULE: JSON object of load_environment's keyword arguments
+    name: str = ""  # the environment: built-in, module:Class, verifiers:MODULE, openenv:URL; "": one turn
+    args: str = ""  # verifiers:MODULE: JSON of load_environment's arguments; openenv:URL: JSON of settings
     max_turns: int = 16  # model turns an episode may take at most
     max_turn_tokens: int = 4096  # tokens one model turn may generate at most (within algo.max_new_tokens)
     tool_processes: int = 4  # per worker: child processes running resets and tool steps, one at a time each
     step_timeout_s: float = 10.0  # a reset or a step's own code, on top of its tools' own time-outs
+    gateway: str = ""  # openenv:URL: the session gateway (tcp://HOST:PORT); empty: `april up` starts one
+    server_command: str = ""  # openenv:URL: a command `april up` runs to serve URL; empty: it runs already
+    server_start_s: float = 120.0  # openenv:URL: the server answers URL/health within this after its start
+    session_idle_s: float = 600.0  # openenv:URL: the gateway closes a session unused this long
 
     def __post_init__(self) -> None:
-        _positive(self, "env", "max_turns", "max_turn_tokens", "tool_processes", "step_timeout_s")
+        _positive(
+            self,
+            "env",
+            "max_turns",
+            "max_turn_tokens",
+            "tool_processes",
+            "step_timeout_s",
+            "server_start_s",
+            "session_idle_s",
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,15 @@ class EpisodeError(Exception):
     """Bad episode input (a message, a spec, a state, an environment's answer); the message is one line."""
 
 
+class EnvFailed(EpisodeError):
+    """Raised by an environment's reset or step to fail its sample for `reason` (`april.failures`) with
+    this one-line message, instead of the `env_error` any other exception gives."""
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class ToolError(Exception):
     """Raised by a tool handler for a bad call: the model sees `error: <message>`, the episode goes on."""
 

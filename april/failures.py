@@ -27,6 +27,9 @@ class Reason(enum.StrEnum):
     ENV_BAD_STATE = "env_bad_state"  # a reset or step answered a state that is not JSON text
     ENV_TIMEOUT = "env_timeout"  # a reset or a step calling no tool overran env.step_timeout_s
     ENV_CRASHED = "env_crashed"  # the environment's process died, broke its protocol or did not start
+    ENV_SESSION_LOST = (
+        "env_session_lost"  # a remote environment's session is gone (server or gateway restart)
+    )
     TOOL_TIMEOUT = "tool_timeout"  # a tool call overran its timeout_s; the model is told, the episode goes on
     EPISODE_STATE = "episode_state"  # a sample's episode state that this worker cannot read
     REWARD_ERROR = "reward_error"  # the reward raised, or returned something that is not a finite number

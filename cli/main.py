@@ -172,6 +172,21 @@ def data_inspect(
     print(render(inspect_dataset(cfg, model, sample)))
 
 
+@app.command("openenv-gateway")
+def openenv_gateway(
+    bind: Annotated[str, typer.Option("--bind", help="Address to serve on (tcp://HOST:PORT).")],
+    allow_remote: Annotated[
+        bool, typer.Option("--allow-remote", help="Bind a non-loopback address (a private network).")
+    ] = False,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Hold the OpenEnv sessions of env.name's server for the workers (env.gateway = its address)."""
+    from cli.openenv_cmd import run_gateway
+
+    run_gateway(resolve_config(config, set_), bind, allow_remote)
+
+
 @app.command()
 def up(
     config: ConfigOpt = None,

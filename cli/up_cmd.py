@@ -31,6 +31,7 @@ from typing import Any
 
 from april.config import BrokerConfig, Config, Mode, WeightsTransport, write_config
 from april.devices import check_device
+from april.envs.openenv_adapter import is_openenv
 from april.files import read_jsonl
 from april.hf import TINY_MODEL
 from april.keys import configured_client_keys, server_keys, weights_client_keys, weights_server_keys
@@ -39,6 +40,7 @@ from april.startup import STARTUP_EXIT
 from cli.dashboard import export_svg
 from cli.dashboard_feed import StatusFeed, run_headless, watch
 from cli.dashboard_state import DashboardState, add_alert, add_event, add_start_error
+from cli.openenv_cmd import GATEWAY, SERVER, check_openenv, openenv_specs, server_answers, server_url
 from cli.options import USAGE_EXIT, UserError, resolve_config
 from cli.sglang_servers import (
     ServerGate,
@@ -46,8 +48,10 @@ from cli.sglang_servers import (
     is_server,
     server_of,
     server_specs,
-    server_url,
     worker_of,
+)
+from cli.sglang_servers import (
+    server_url as sglang_url,
 )
 from cli.supervisor import ChildExit, ChildSpec, Supervisor
 from learner.checkpoint import latest as latest_checkpoint
@@ -172,6 +176,7 @@ def preflight(config: Config) -> None:
         check_simulated(config)
     check_env(config.env, config.worker.model)
     group_rewards(config)  # a group-scored environment and what it rules out
+    check_openenv(config.env)  # the gateway's package, and the server unless april up starts it
     if config.learner.backend != "sim":  # the simulated learner has no model, nor device
         check_model_dir(config.learner.model)
         check_device(config.learner.device, "learner.device")
@@ -228,6 +233,10 @@ def plan(
     specs = []
     if placement.starts_sglang:
         specs += server_specs(config, run_dir, placement.engines, placement.learner, MAX_RESTARTS)
+    gateway = ""
+    if is_openenv(config.env.name):
+        openenv, gateway = openenv_specs(config, config_path, run_dir, MAX_RESTARTS)
+        specs += openenv
     args: tuple[str, ...]
     for p in placement.processes():
         env = placement.env(p.gpus)
@@ -239,7 +248,9 @@ def plan(
             i = int(p.name.removeprefix("worker-"))
             args = ("worker", *common, "--set", f"worker.worker_id={config.run.name}-w{i}")
             if placement.starts_sglang:
-                args += ("--set", f"worker.sglang_urls={server_url(config.worker, i)}")
+                args += ("--set", f"worker.sglang_urls={sglang_url(config.worker, i)}")
+            if gateway:
+                args += ("--set", f"env.gateway={gateway}")
             specs.append(ChildSpec(p.name, args, args, logs / f"{p.name}.log", MAX_RESTARTS, env))
         elif p.role is Role.LEARNER:
             args = ("learner", *common, "--run-dir", str(run_dir))
@@ -294,7 +305,7 @@ class Run:
         if self.resume_note:
             add_event(self.state, time.time(), self.resume_note)
         for spec in self.specs:
-            if is_server(spec.name) or spec.name == BROKER:
+            if is_server(spec.name) or spec.name in (BROKER, GATEWAY, SERVER):
                 self._start(spec)
         deadline = time.monotonic() + BROKER_START_S
         while feed.poll(200) is None:
@@ -305,11 +316,38 @@ class Run:
             if time.monotonic() > deadline:
                 self.outcome = f"failed: the broker published nothing within {BROKER_START_S:.0f}s"
                 return
+        if not self._wait_openenv_server():
+            return
         for spec in self.specs:
-            if not (is_server(spec.name) or spec.name == BROKER or self.gate.has_server(spec.name)):
+            if not (
+                is_server(spec.name)
+                or spec.name in (BROKER, GATEWAY, SERVER)
+                or self.gate.has_server(spec.name)
+            ):
                 self._start(spec)
         self._started = True
         self._check_servers()
+
+    def _wait_openenv_server(self) -> bool:
+        """With `env.server_command`: wait until the OpenEnv server answers (workers reset at once), within
+        `env.server_start_s`. False: the run failed (`outcome` says why)."""
+        if not any(s.name == SERVER for s in self.specs):
+            return True
+        url = server_url(self.config.env)
+        deadline = time.monotonic() + self.config.env.server_start_s
+        while not server_answers(url):
+            self._check_exits()
+            if self.outcome:
+                return False
+            if time.monotonic() > deadline:
+                self.outcome = (
+                    f"failed: the OpenEnv server did not answer {url}/health within "
+                    f"{self.config.env.server_start_s:g}s (log {self._log(SERVER)})"
+                )
+                return False
+            time.sleep(0.5)
+        add_event(self.state, time.time(), f"OpenEnv server answers at {url}", "green")
+        return True
 
     def _start(self, spec: ChildSpec) -> None:
         self.supervisor.start(spec)
@@ -445,7 +483,7 @@ class Run:
     def stop(self) -> None:
         workers = [s.name for s in self.specs if s.name.startswith("worker-")]
         self.gate.close()
-        self.supervisor.stop([[LEARNER, *workers], [*self.gate.urls, BROKER]])
+        self.supervisor.stop([[LEARNER, *workers], [*self.gate.urls, BROKER, GATEWAY, SERVER]])
 
 
 def run_up(opts: UpOptions) -> int:

