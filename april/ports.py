@@ -1,10 +1,11 @@
 """Free TCP ports on 127.0.0.1: the ports a run, a benchmark or a test binds when it must not collide with
 whatever else runs on the machine (the OS picks them; they were free a moment ago); this machine's
-address on its route to another host, which peers there can reach it at; and whether an address a user
-gave is one a ZeroMQ socket can connect to."""
+address on its route to another host, which peers there can reach it at; whether an address a user
+gave is one a ZeroMQ socket can connect to; and whether a host to bind is this machine's loopback."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 
@@ -57,3 +58,11 @@ def route_address(host: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(target)
         return str(probe.getsockname()[0])
+
+
+def is_loopback(host: str) -> bool:
+    """`host` ("localhost" or an IP address) reaches only this machine; a name or anything else: False."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 from pathlib import Path
 
 import zmq
 
 from april.config import Config, write_config
+from april.ports import is_loopback
 from broker.server import Broker
 from broker.snapshot import SnapshotError
 from cli.options import UserError
@@ -22,11 +22,7 @@ class BrokerStartError(UserError):
 
 def check_bind_host(host: str, curve_keys_dir: str) -> None:
     """Loopback is always allowed; any other address only with CurveZMQ keys (encrypted, authenticated)."""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not curve_keys_dir:
+    if not is_loopback(host) and not curve_keys_dir:
         raise BrokerStartError(
             f"broker.bind_host = {host!r}: binding a non-loopback address needs CurveZMQ keys: run "
             "`april keys generate DIR` and set broker.curve_keys_dir = DIR (or bind 127.0.0.1 and tunnel)"

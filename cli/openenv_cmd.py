@@ -10,7 +10,6 @@ a free loopback port unless `env.gateway` is set; the server when `env.server_co
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import shlex
 import urllib.request
@@ -21,7 +20,7 @@ from april.config import Config, EnvConfig
 from april.envs.openenv_adapter import PREFIX, is_openenv
 from april.envs.openenv_gateway import Gateway, GatewayError, package, serve
 from april.episode import one_line
-from april.ports import free_ports
+from april.ports import free_ports, is_loopback
 from cli.options import UserError
 from cli.process import setup_logging, stop_requested
 from cli.supervisor import ChildSpec
@@ -38,11 +37,7 @@ def check_bind(address: str, allow_remote: bool) -> None:
     parts = urlparse(address)
     if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
         raise GatewayStartError(f"--bind {address!r}: expected tcp://HOST:PORT")
-    try:
-        loopback = parts.hostname == "localhost" or ipaddress.ip_address(parts.hostname).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not allow_remote:
+    if not is_loopback(parts.hostname) and not allow_remote:
         raise GatewayStartError(
             f"--bind {address!r}: not a loopback address; anyone who reaches it can play sessions on the "
             "server, so say --allow-remote to bind it (on a private network)"

@@ -37,7 +37,6 @@ Does not publish weights (`learner.weights`), announce them (`learner.loop`) or 
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
 import mmap
 import os
@@ -55,7 +54,7 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import ConfigError, WeightsConfig, WeightsTransport
 from april.keys import ServerKeys
-from april.ports import route_address
+from april.ports import is_loopback, route_address
 from april.transport import configure, curve_server
 from april.weights_uri import WeightsLocation, file_version, published_versions, version_path
 from april.zap import ZapHandler
@@ -69,13 +68,6 @@ RECENT_REQUESTS = 100_000  # requests remembered for stats() (fault-injection te
 
 class WeightServiceError(ConfigError):
     """The weight service cannot start as configured (busy port, non-loopback bind without keys)."""
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def advertised_host(cfg: WeightsConfig, broker_host: str) -> str:

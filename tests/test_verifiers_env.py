@@ -265,8 +265,8 @@ def model_turns(row: dict[str, Any], chat: Any) -> list[Message]:
     return [chat.parse_turn(chat.turn_text(ids)) for ids in turns]
 
 
-def vf_run_config(tmp_path: Path, args: str) -> tuple[Path, dict[str, str]]:
-    """An april run of `verifiers:verifiers_envs` (its `load_environment` arguments `args`): sim engines
+def vf_run_config(tmp_path: Path, args: str, module: str = "verifiers_envs") -> tuple[Path, dict[str, str]]:
+    """An april run of `verifiers:MODULE` (its `load_environment` arguments `args`): sim engines
     on two workers, the tiny model's tokenizer; and the environment its processes need (tests/ on the
     path)."""
     from april.hf import make_tiny_model
@@ -276,7 +276,7 @@ def vf_run_config(tmp_path: Path, args: str) -> tuple[Path, dict[str, str]]:
     cfg.write_text(
         '[run]\nmode = "april"\n'
         "[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 8\nn_samples_per_prompt = 4\n"
-        f"max_new_tokens = 256\n[env]\nname = \"verifiers:verifiers_envs\"\nargs = '{args}'\n"
+        f"max_new_tokens = 256\n[env]\nname = \"verifiers:{module}\"\nargs = '{args}'\n"
         "max_turns = 8\nmax_turn_tokens = 8\ntool_processes = 1\n"
         f'[worker]\nengine = "sim"\nslots = 4\nmodel = "{model}"\n'
         # responses (observations included) longer than a whole episode: every turn has 8 tokens

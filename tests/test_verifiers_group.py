@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import verifiers_group_env
 from test_up import check_run, run_up, wait_all_exited
-from test_verifiers_env import ScriptedClient, model_turns
+from test_verifiers_env import ScriptedClient, model_turns, vf_run_config
 
 from actors.tokenizer import HFTokenizer
 from april import protocol
@@ -110,22 +109,8 @@ def test_dynamic_sampling_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_april_up_trains_with_group_rewards_through_aborts(tmp_path: Path) -> None:
-    from april.hf import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    cfg, env = vf_run_config(tmp_path, '{"n": 40}', "verifiers_group_env")
     run_dir = tmp_path / "run"
-    cfg = tmp_path / "vf.toml"
-    cfg.write_text(
-        '[run]\nmode = "april"\n'
-        "[algo]\nrollout_batch_size = 2\nover_sampling_batch_size = 8\nn_samples_per_prompt = 4\n"
-        f'max_new_tokens = 256\n[env]\nname = "{SPEC}"\nargs = \'{{"n": 40}}\'\n'
-        "max_turns = 8\nmax_turn_tokens = 8\ntool_processes = 1\n"
-        f'[worker]\nengine = "sim"\nslots = 4\nmodel = "{model}"\n'
-        'sim_lengths = "lognormal:median=120,sigma=0.2,cap=160"\nsim_time_scale = 1.0\nsim_decode_ms = 15.0\n'
-        f'[learner]\nmodel = "{model}"\nbackend = "sim"\nsim_step_s = 0.2\n'
-    )
-    tests = str(Path(__file__).resolve().parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tests, os.environ.get("PYTHONPATH"))))}
     code, out, children = run_up(["--config", str(cfg), "--run-dir", str(run_dir), "--steps", "3"], 300, env)
     assert code == 0, out
     check_run(run_dir, 3, samples=8)
@@ -136,7 +121,7 @@ def test_april_up_trains_with_group_rewards_through_aborts(tmp_path: Path) -> No
     ]
     assert len(rows) == 3 * 8
     assert any(r["aborts"] > 0 for r in rows), "no episode was aborted"
-    chat = chat_format(HFTokenizer(str(model)).tok)
+    chat = chat_format(HFTokenizer(str(tmp_path / "tiny")).tok)
     reference = verifiers_group_env.load_environment(n=40)
     groups: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
