@@ -20,10 +20,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from actors.tool_runner import load_env
 from april import protocol
 from april.config import Config
-from april.envs.verifiers_adapter import is_verifiers
+from april.envs.verifiers_adapter import VerifiersEnvironment, is_verifiers
 from april.episode import EpisodeError, EpisodeState, one_line
 from april.records import FinishReason
 
@@ -72,12 +71,12 @@ def group_rewards(config: Config) -> GroupRewards | None:
     groups of one."""
     if not is_verifiers(config.env.name):
         return None
-    env = load_env(config.env.name, config.env.args)
-    if not getattr(env, "group_scored", False):
+    env = VerifiersEnvironment(config.env.name, config.env.args)
+    if not env.group_scored:
         return None
     if config.algo.dynamic_sampling:
         raise EpisodeError(
             f"algo.dynamic_sampling = true with env {config.env.name!r}, whose rewards are scored by group "
             "in the learner: the broker would filter groups by each episode's own reward; expected false"
         )
-    return GroupRewards(env.score_group)  # type: ignore[attr-defined]
+    return GroupRewards(env.score_group)

@@ -275,7 +275,8 @@ def test_broker_killed_twice_mid_episode_reruns_no_step_it_had(
         after = c.status()
         assert after.epoch == before.epoch + 1 and after.ledger_balanced, after.ledger
         assert after.round.id >= before.round.id - 1  # abort rounds go on (the last may not be durable)
-        assert after.totals.aborted > 0 and after.totals.resumed > 0  # the run's counters, not this process'
+        # the run's counters, not this process' (the kill may come before any partial was resumed)
+        assert after.totals.aborted + after.totals.resumed > 0, after.totals
         restored += after.ledger.partial
     assert restored > 0  # episodes restored unfinished, with their transcripts and states
     assert c.wait_exit("learner", 240) == 0, (c.tmp / "broker.log").read_text()[-3000:]
