@@ -18,6 +18,7 @@ from harness import Cluster
 ENVIRONMENT_PACKAGES = {
     "test_reasoning_gym.py": "reasoning_gym",
     "test_verifiers_env.py": "verifiers",
+    "test_verifiers_group.py": "verifiers",
     "test_openenv_env.py": "websockets",  # the gateway's (its server's openenv-core is in .venv-openenv)
 }
 collect_ignore = [test for test, pkg in ENVIRONMENT_PACKAGES.items() if not importlib.util.find_spec(pkg)]
