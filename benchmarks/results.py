@@ -65,6 +65,8 @@ class Step:
     smoke: str = ""  # the command at tiny sizes (run --smoke); empty: not run by --smoke
 
 
+# configs/chain_sum.toml's data.options: the model is taught the questions the run asks
+CHAIN_SUM_OPTIONS = '{"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}'
 BENCH_FILES = ("bench/bench.json", "bench/bench.md", "bench/bench.png")
 PAPER = "april bench --engine sim --workload math-long-tail --steps 5 --max-staleness 1,2 --slots 64"
 # issue 17's options on and off, with real processes, each against the same sync run (the simulator's
@@ -93,15 +95,30 @@ STEPS: tuple[Step, ...] = (
     Step(
         "calculator-run",
         "results/calculator-run",
-        "python benchmarks/calculator_run.py --out {work}/calc",
+        "python benchmarks/learning_run.py --config configs/calculator.toml --out {work}/calc",
         collect=(
-            "calc/run/metrics.jsonl",
-            "calc/run/eval.jsonl",
-            "calc/run/summary.json",
-            "calc/run/config.toml",
-            "calc/calculator_run.json",
+            "calc/april/metrics.jsonl",
+            "calc/april/eval.jsonl",
+            "calc/april/summary.json",
+            "calc/april/config.toml",
+            "calc/learning_run.json",
         ),
         minutes=6,
+    ),
+    Step(
+        "sft-chain-sum",
+        "results/sft-chain-sum",
+        f"april sft --task reasoning_gym:chain_sum --options '{CHAIN_SUM_OPTIONS}' --threads 1 "
+        "--report {out}/sft.json",
+        minutes=8,
+    ),
+    Step(
+        "chain-sum-run",
+        "results/chain-sum-run",
+        "python benchmarks/learning_run.py --config configs/chain_sum.toml --modes sync,april,async "
+        "--out {work}/rg",
+        collect=("rg/learning_run.json",),
+        minutes=12,
     ),
     Step(
         "simulate",
@@ -402,17 +419,20 @@ def block_up_run(step: str = "up-run") -> str:
 
 
 def block_calculator_held_out() -> str:
-    doc = load("results/calculator-run/calculator_run.json")
+    doc = load("results/calculator-run/learning_run.json")
     rows = [
         "| weights | sampled at T=1 | by numbers to sum (2 / 3 / 4 / 5-10) | greedy |",
         "|---|---|---|---|",
     ]
-    for version, ev in doc["held_out"].items():
+    (mode,) = doc["modes"]
+    final = doc["runs"][mode]["final_version"]
+    for name, ev in doc["held_out"].items():
         s = ev["sampled"]
         by = {int(k): v for k, v in s["by_numbers"].items()}
         tail = [v for k, v in by.items() if k >= 5]
         long = sum(a * n for a, n in tail) / max(1, sum(n for _, n in tail))
         parts = " / ".join(f"{by[k][0]:.2f}" for k in (2, 3, 4) if k in by) + f" / {long:.2f}"
+        version = name if name == "v0" else f"v{final}"
         rows.append(f"| {version} | {s['accuracy']:.3f} | {parts} | {ev['greedy']['accuracy']:.3f} |")
     return "\n".join(
         [
@@ -420,9 +440,84 @@ def block_calculator_held_out() -> str:
             "",
             f"The first {doc['eval_prompts']} held-out calculator prompts (seed 0, never trained on), "
             f"{doc['eval_samples']} samples each at T=1, and once greedily; v0 is models/tiny-calculator as "
-            f"shipped, v{doc['final_version']} the run's final weights.",
+            f"shipped, v{final} the run's final weights.",
             "",
             source("calculator-run"),
+        ]
+    )
+
+
+def block_sft_chain_sum() -> str:
+    doc = load("results/sft-chain-sum/sft.json")
+    d = doc["demonstrations"]
+    evals = [
+        f"{m} {doc['eval'][m]['accuracy']:.3f} over {doc['eval'][m]['samples']} answers"
+        for m in ("greedy", "sampled")
+    ]
+    return "\n".join(
+        [
+            f"{doc['parameters'] / 1e6:.2f}M parameters ({doc['size_mib']:.1f} MiB), {doc['steps']} steps, "
+            f"{doc['wall_s']:.0f} s, final loss {doc['final_loss']:.3f}; held-out accuracy "
+            f"{'; '.join(evals)}. Demonstrations from generator seeds {d['generator_seeds_from']} to "
+            f"{d['generator_seeds_below'] - 1}; held-out questions from seed {d['held_out_seeds_from']} on.",
+            "",
+            source("sft-chain-sum"),
+        ]
+    )
+
+
+def block_chain_sum_run() -> str:
+    """Each mode's run at equal steps: held-out accuracy of its final weights, wall time, throughput."""
+    doc = load("results/chain-sum-run/learning_run.json")
+    v0 = doc["held_out"]["v0"]
+    rows = [
+        "| weights | held-out sampled (T=1) | held-out greedy | steps | wall s | trained samples/s "
+        "| load before / after |",
+        "|---|---|---|---|---|---|---|",
+        f"| v0 (models/tiny-chain-sum) | {v0['sampled']['accuracy']:.3f} | "
+        f"{v0['greedy']['accuracy']:.3f} | | | | |",
+    ]
+    for mode in doc["modes"]:
+        r, ev = doc["runs"][mode], doc["held_out"][mode]
+        sm = r["summary"]
+        rows.append(
+            f"| {mode}, v{r['final_version']} | {ev['sampled']['accuracy']:.3f} | "
+            f"{ev['greedy']['accuracy']:.3f} | {sm['steps']} | {sm['wall_s']:.0f} | "
+            f"{sm['samples_per_s']:.1f} | "
+            f"{r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |"
+        )
+    steps = doc["runs"][doc["modes"][0]]["curve"]["steps"]
+    windows = [(w, w + 9) for w in range(0, len(steps), 10)]
+    curve = [
+        "| training accuracy (T=1), steps | " + " | ".join(f"{a}-{b}" for a, b in windows) + " |",
+        "|---" * (len(windows) + 1) + "|",
+    ]
+    for mode in doc["modes"]:
+        acc = [x["accuracy"] for x in doc["runs"][mode]["curve"]["steps"]]
+        curve.append(
+            f"| {mode} | "
+            + " | ".join(num(statistics.fmean(acc[a : b + 1]), ".2f") for a, b in windows)
+            + " |"
+        )
+    evals = "; ".join(
+        f"{mode} "
+        + ", ".join(f"v{e['version']} {e['accuracy']:.2f}" for e in doc["runs"][mode]["curve"]["greedy_eval"])
+        for mode in doc["modes"]
+    )
+    n = doc["runs"][doc["modes"][0]]["curve"]["greedy_eval"]
+    return "\n".join(
+        [
+            *rows,
+            "",
+            *curve,
+            "",
+            f"Held out: the first {doc['eval_prompts']} questions from generator seeds past the run's "
+            f"training ones, {doc['eval_samples']} samples each at T=1 and once greedily, played after the "
+            f"runs by every policy alike. The broker's greedy evaluations during the runs "
+            f"({n[0]['n'] if n else 0} held-out questions): {evals}. The modes ran one after another on "
+            "the same shared machine (load average before and after each in the table).",
+            "",
+            source("chain-sum-run"),
         ]
     )
 
@@ -1149,6 +1244,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "calculator-run": lambda: block_up_run("calculator-run"),
     "calculator-held-out": block_calculator_held_out,
     "sft-calculator": block_sft_calculator,
+    "sft-chain-sum": block_sft_chain_sum,
+    "chain-sum-run": block_chain_sum_run,
     "simulate": block_simulate,
     "paper-config": block_paper_config,
     "paper-config-gain": block_paper_config_gain,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,9 +24,12 @@ import numpy as np
 import typer
 
 from actors.engine import GenerationRequest, SamplingParams
+from actors.rewards import exact_reward
 from april.chat import chat_format
-from april.data import export_jsonl
+from april.config import DataConfig
+from april.data import PromptRecord, export_jsonl
 from april.envs.calculator import CalculatorEnvironment, CalculatorPromptSource, parse_numbers
+from april.envs.reasoning_gym import ReasoningGymError, ReasoningGymSource
 from april.files import write_text_atomic
 from april.provenance import provenance
 from april.records import FinishReason
@@ -37,12 +41,19 @@ from learner.sft import (
     SftResult,
     SftSettings,
     SftTask,
+    default_model_dir,
+    parse_task,
+    reasoning_demonstrations,
     train_sft,
 )
+
+RewardFn = Callable[[str, str, dict[str, str]], float]  # (response text, answer, metadata) -> reward
 
 EVAL_SEED = 0  # held-out prompts: the task source an RL run with run.seed = 0 draws from
 TURN_TOKENS = 96  # calculator evaluation: tokens a turn may take (a call is about 60 bytes)
 MAX_TURNS = 12  # calculator evaluation: turns an episode may take (ten numbers take ten)
+RG_RUN_SIZE = DataConfig().size  # reasoning-gym evaluation: the held-out set of a run with default data.size
+RG_MAX_NEW_TOKENS = 32  # reasoning-gym evaluation: the answers demonstrated are a line of a few tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,23 +67,24 @@ class EvalResult:
 
 def evaluate(
     model_dir: Path | str,
-    prompts: int = 200,
+    records: Sequence[PromptRecord],
+    reward: RewardFn,
     *,
     greedy: bool,
     samples_per_prompt: int = 1,
     max_new_tokens: int = MAX_NEW_TOKENS,
     slots: int = 32,
     seed: int = 0,
+    weights: Path | None = None,
 ) -> EvalResult:
-    """Generate for the first `prompts` task prompts (task seed EVAL_SEED) and score with `exact`."""
+    """Generate for `records` (text prompts, encoded as a worker does) and score each response with
+    `reward(text, answer, metadata)`, as a worker does. `weights`: a weights file a run published,
+    loaded over `model_dir`'s (whose tokenizer is used)."""
     from actors.engine import run_to_completion
     from actors.engines.torch_engine import TorchEngine
-    from actors.rewards import exact_reward
     from actors.tokenizer import HFTokenizer
 
     tokenizer = HFTokenizer(model_dir)
-    source = TaskPromptSource(seed=EVAL_SEED)
-    records = [source.get(i) for i in range(prompts)]
     requests = [
         GenerationRequest(
             i * samples_per_prompt + k, tokenizer.encode_prompt(r.text, r.metadata), max_new_tokens
@@ -82,6 +94,8 @@ def evaluate(
     ]
     sampling = SamplingParams(temperature=1.0, stop_token_ids=tokenizer.eos_token_ids, seed=seed)
     engine = TorchEngine(model_dir, slots, sampling, greedy=greedy)
+    if weights is not None:
+        engine.load_weights(weights, 1)
     started = time.perf_counter()
     outputs = run_to_completion(engine, requests)
     elapsed = time.perf_counter() - started
@@ -89,7 +103,8 @@ def evaluate(
     rewards, lengths, truncated = [], [], 0
     for out in outputs:
         record = records[out.request_id // samples_per_prompt]
-        rewards.append(exact_reward(tokenizer.decode(out.token_ids), record.metadata["answer"], {}))
+        text = tokenizer.decode(out.token_ids)
+        rewards.append(reward(text, record.metadata.get("answer", ""), dict(record.metadata)))
         lengths.append(int(out.token_ids.shape[0]))
         truncated += out.finish_reason == FinishReason.LENGTH
     return EvalResult(
@@ -99,6 +114,21 @@ def evaluate(
         sum(lengths) / max(elapsed, 1e-9),
         len(outputs),
     )
+
+
+def task_held_out(prompts: int) -> list[PromptRecord]:
+    """The built-in task's first `prompts` prompts under task seed EVAL_SEED."""
+    source = TaskPromptSource(seed=EVAL_SEED)
+    return [source.get(i) for i in range(prompts)]
+
+
+def reasoning_held_out(
+    source: str, options: str, prompts: int, size: int = RG_RUN_SIZE, seed: int = 0
+) -> list[PromptRecord]:
+    """The first `prompts` held-out questions of an RL run on `source` with data.size `size` and data.seed
+    `seed` (`ReasoningGymSource.held_out`: generator seeds past every training entry's)."""
+    held = ReasoningGymSource(source, size, seed, options).held_out(prompts)
+    return [held.get(i) for i in range(prompts)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,10 +241,19 @@ def run_sft(out_dir: Path, settings: SftSettings, eval_prompts: int, report: Pat
                 f"{episodes.unanswered:.3f}, {episodes.tokens_per_s:.0f} tokens/s"
             )
             continue
-        ev = evaluate(out_dir, eval_prompts, greedy=greedy, samples_per_prompt=samples)
+        if settings.task is SftTask.REASONING_GYM:
+            from actors.rewards import reasoning_gym_reward
+
+            records = reasoning_held_out(settings.source, settings.options, eval_prompts)
+            budget, reward = RG_MAX_NEW_TOKENS, reasoning_gym_reward
+        else:
+            records, budget, reward = task_held_out(eval_prompts), MAX_NEW_TOKENS, exact_reward
+        ev = evaluate(
+            out_dir, records, reward, greedy=greedy, samples_per_prompt=samples, max_new_tokens=budget
+        )
         evals["greedy" if greedy else "sampled"] = dataclasses.asdict(ev)
         print(
-            f"sft eval ({mode}, {ev.samples} samples, max_new_tokens {MAX_NEW_TOKENS}): accuracy "
+            f"sft eval ({mode}, {ev.samples} samples, max_new_tokens {budget}): accuracy "
             f"{ev.accuracy:.3f}, mean length {ev.mean_tokens:.1f} tokens, truncated {ev.truncated:.3f}, "
             f"{ev.tokens_per_s:.0f} tokens/s"
         )
@@ -228,10 +267,26 @@ def run_sft(out_dir: Path, settings: SftSettings, eval_prompts: int, report: Pat
             "size_mib": size_mb,
             "eval": evals,
             "settings": dataclasses.asdict(settings),
+            **(
+                {"demonstrations": demonstration_seeds(settings)}
+                if settings.task is SftTask.REASONING_GYM
+                else {}
+            ),
             "provenance": provenance(),
         }
         write_text_atomic(report, json.dumps(figures, indent=2) + "\n")
     return result
+
+
+def demonstration_seeds(settings: SftSettings) -> dict[str, Any]:
+    """Which generator seeds the demonstrations came from, and the held-out ones scored: disjoint."""
+    source = reasoning_demonstrations(settings)
+    held = ReasoningGymSource(settings.source, RG_RUN_SIZE, 0, settings.options).held_out(1)
+    return {
+        "generator_seeds_from": source.seed,
+        "generator_seeds_below": source.seed + source.size,
+        "held_out_seeds_from": held.seed,
+    }
 
 
 def export_task(out: Path, count: int, seed: int) -> None:
@@ -254,12 +309,16 @@ def sft_command(
     out: OutDirOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Init, data and batch-order seed.")] = 0,
     task: Annotated[
-        SftTask,
+        str,
         typer.Option(
             "--task",
-            help="Demonstrations: task (the built-in task's chains) or calculator (tool-calling episodes).",
+            help="Demonstrations: task (the built-in task's chains), calculator (tool-calling episodes) or "
+            "reasoning_gym:TASK[,TASK...] (the generators' own question -> answer entries).",
         ),
-    ] = SftTask.TASK,
+    ] = SftTask.TASK.value,
+    options: Annotated[
+        str, typer.Option("--options", help="reasoning_gym tasks: their options, as data.options (JSON).")
+    ] = "",
     steps: Annotated[int, typer.Option("--steps", help="Optimizer steps.", min=1)] = DEFAULT_STEPS,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate.", min=0.0)] = DEFAULT_LR,
     threads: Annotated[
@@ -272,9 +331,17 @@ def sft_command(
         Path | None, typer.Option("--report", help="Also write the figures as JSON here.", dir_okay=False)
     ] = None,
 ) -> None:
-    """Warm-start a tiny model on a built-in task: models/tiny, or models/tiny-calculator (--task)."""
-    settings = SftSettings(seed=seed, task=task, steps=steps, lr=lr, threads=threads)
-    run_sft(out or task.model_dir, settings, eval_prompts, report)
+    """Warm-start a tiny model on a task: models/tiny, models/tiny-calculator or models/tiny-<TASK>."""
+    try:
+        kind, source = parse_task(task)
+        settings = SftSettings(
+            seed=seed, task=kind, steps=steps, lr=lr, threads=threads, source=source, options=options
+        )
+        if kind is SftTask.REASONING_GYM:
+            reasoning_demonstrations(settings)  # a bad task name or option: one line, before training
+    except (ValueError, ReasoningGymError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    run_sft(out or default_model_dir(kind, source), settings, eval_prompts, report)
 
 
 task_app = typer.Typer(
