@@ -11,7 +11,7 @@ reasoning-gym source's held-out questions (generator seeds past every training e
 The modes run one after another on the same machine; each run's wall time, samples per second and the
 load average around it are recorded beside its accuracy.
 
-    python benchmarks/learning_run.py --config configs/chain_sum.toml --modes sync,april,async --out DIR
+    python benchmarks/learning_run.py --config configs/spell_backward.toml --modes sync,april,async --out DIR
     python benchmarks/learning_run.py --smoke     # 2 steps, 4 held-out prompts (the suite runs it)
 
 Writes DIR/<mode>/ (the run directories) and DIR/learning_run.json. Not a test: nothing is asserted.

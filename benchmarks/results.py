@@ -65,8 +65,8 @@ class Step:
     smoke: str = ""  # the command at tiny sizes (run --smoke); empty: not run by --smoke
 
 
-# configs/chain_sum.toml's data.options: the model is taught the questions the run asks
-CHAIN_SUM_OPTIONS = '{"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}'
+# configs/spell_backward.toml's data.options: the model is taught the questions the run asks
+SPELL_BACKWARD_OPTIONS = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
 BENCH_FILES = ("bench/bench.json", "bench/bench.md", "bench/bench.png")
 PAPER = "april bench --engine sim --workload math-long-tail --steps 5 --max-staleness 1,2 --slots 64"
 # issue 17's options on and off, with real processes, each against the same sync run (the simulator's
@@ -106,16 +106,16 @@ STEPS: tuple[Step, ...] = (
         minutes=6,
     ),
     Step(
-        "sft-chain-sum",
-        "results/sft-chain-sum",
-        f"april sft --task reasoning_gym:chain_sum --options '{CHAIN_SUM_OPTIONS}' --threads 1 "
+        "sft-spell-backward",
+        "results/sft-spell-backward",
+        f"april sft --task reasoning_gym:spell_backward --options '{SPELL_BACKWARD_OPTIONS}' --steps 600 --threads 1 "
         "--report {out}/sft.json",
         minutes=8,
     ),
     Step(
-        "chain-sum-run",
-        "results/chain-sum-run",
-        "python benchmarks/learning_run.py --config configs/chain_sum.toml --modes sync,april,async "
+        "spell-backward-run",
+        "results/spell-backward-run",
+        "python benchmarks/learning_run.py --config configs/spell_backward.toml --modes sync,april,async "
         "--out {work}/rg",
         collect=("rg/learning_run.json",),
         minutes=12,
@@ -447,8 +447,8 @@ def block_calculator_held_out() -> str:
     )
 
 
-def block_sft_chain_sum() -> str:
-    doc = load("results/sft-chain-sum/sft.json")
+def block_sft_spell_backward() -> str:
+    doc = load("results/sft-spell-backward/sft.json")
     d = doc["demonstrations"]
     evals = [
         f"{m} {doc['eval'][m]['accuracy']:.3f} over {doc['eval'][m]['samples']} answers"
@@ -461,20 +461,20 @@ def block_sft_chain_sum() -> str:
             f"{'; '.join(evals)}. Demonstrations from generator seeds {d['generator_seeds_from']} to "
             f"{d['generator_seeds_below'] - 1}; held-out questions from seed {d['held_out_seeds_from']} on.",
             "",
-            source("sft-chain-sum"),
+            source("sft-spell-backward"),
         ]
     )
 
 
-def block_chain_sum_run() -> str:
+def block_spell_backward_run() -> str:
     """Each mode's run at equal steps: held-out accuracy of its final weights, wall time, throughput."""
-    doc = load("results/chain-sum-run/learning_run.json")
+    doc = load("results/spell-backward-run/learning_run.json")
     v0 = doc["held_out"]["v0"]
     rows = [
         "| weights | held-out sampled (T=1) | held-out greedy | steps | wall s | trained samples/s "
         "| load before / after |",
         "|---|---|---|---|---|---|---|",
-        f"| v0 (models/tiny-chain-sum) | {v0['sampled']['accuracy']:.3f} | "
+        f"| v0 (models/tiny-spell-backward) | {v0['sampled']['accuracy']:.3f} | "
         f"{v0['greedy']['accuracy']:.3f} | | | | |",
     ]
     for mode in doc["modes"]:
@@ -517,7 +517,7 @@ def block_chain_sum_run() -> str:
             f"({n[0]['n'] if n else 0} held-out questions): {evals}. The modes ran one after another on "
             "the same shared machine (load average before and after each in the table).",
             "",
-            source("chain-sum-run"),
+            source("spell-backward-run"),
         ]
     )
 
@@ -1244,8 +1244,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "calculator-run": lambda: block_up_run("calculator-run"),
     "calculator-held-out": block_calculator_held_out,
     "sft-calculator": block_sft_calculator,
-    "sft-chain-sum": block_sft_chain_sum,
-    "chain-sum-run": block_chain_sum_run,
+    "sft-spell-backward": block_sft_spell_backward,
+    "spell-backward-run": block_spell_backward_run,
     "simulate": block_simulate,
     "paper-config": block_paper_config,
     "paper-config-gain": block_paper_config_gain,

@@ -92,7 +92,7 @@ def parse_task(text: str) -> tuple[SftTask, str]:
 
 def default_model_dir(task: SftTask, source: str = "") -> Path:
     """Where `april sft --task` writes by default: the shipped model of the task; for reasoning-gym
-    models/tiny-<tasks>, underscores and commas as hyphens (models/tiny-chain-sum)."""
+    models/tiny-<tasks>, underscores and commas as hyphens (models/tiny-spell-backward)."""
     if task is SftTask.REASONING_GYM:
         name = source.removeprefix(reasoning_gym.PREFIX).replace("_", "-").replace(",", "-")
         return TINY_MODEL.with_name(f"tiny-{name}")

@@ -305,7 +305,7 @@ def check_learning_run(tmp_path: Path) -> None:
     """The reasoning-gym run in all three modes at 2 steps each: every policy scored on the same held-out
     questions, each run's books balanced."""
     out = tmp_path / "learn"
-    extra = ["--config", "configs/chain_sum.toml", "--modes", "sync,april,async"]
+    extra = ["--config", "configs/spell_backward.toml", "--modes", "sync,april,async"]
     run_smoke("learning_run.py", out, tmp_path, extra=extra)
     doc = json.loads((out / "learning_run.json").read_text())
     assert doc["modes"] == ["sync", "april", "async"] and set(doc["held_out"]) == {"v0", *doc["modes"]}

@@ -42,8 +42,8 @@ from learner.sft import (
 
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "tiny"
 SHIPPED_CALCULATOR = SHIPPED.with_name("tiny-calculator")
-SHIPPED_CHAIN_SUM = SHIPPED.with_name("tiny-chain-sum")
-CHAIN_SUM = '{"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}}'
+SHIPPED_SPELL_BACKWARD = SHIPPED.with_name("tiny-spell-backward")
+SPELL_BACKWARD = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
 TINY = SftSettings(
     steps=3,
     warmup_steps=1,
@@ -160,11 +160,11 @@ def test_sft_command_names_a_wrong_task_in_one_line(tmp_path: Path) -> None:
         "april: error: Invalid value: --task: got 'calculater', expected task, calculator or "
         "reasoning_gym:TASK[,TASK...]"
     ]
-    bad = ["--task", "reasoning_gym:chain_sum", "--options", '{"chain_sum": {"max_termz": 2}}']
+    bad = ["--task", "reasoning_gym:spell_backward", "--options", '{"spell_backward": {"max_word_lenn": 2}}']
     result = CliRunner().invoke(app, ["sft", "--out", str(tmp_path / "m"), *bad])
     assert result.exit_code == 2 and not (tmp_path / "m").exists()
     (line,) = result.output.strip().splitlines()
-    assert "data.options for 'chain_sum'" in line and "max_termz" in line
+    assert "data.options for 'spell_backward'" in line and "max_word_lenn" in line
     with pytest.raises(
         ValueError,
         match=r"^SftSettings\.task = 'calculater', expected one of task, calculator, reasoning_gym$",
@@ -178,7 +178,9 @@ def test_reasoning_gym_demonstrations_are_the_generators_answers_from_unseen_see
     """Question -> the entry's own answer and the end token, trained on the answer only; the response scores
     1.0 with the reward an RL run uses; the seeds are none of an RL run's (training or held out)."""
     tok = load_tokenizer(SHIPPED)
-    settings = SftSettings(task=SftTask.REASONING_GYM, source="reasoning_gym:chain_sum", options=CHAIN_SUM)
+    settings = SftSettings(
+        task=SftTask.REASONING_GYM, source="reasoning_gym:spell_backward", options=SPELL_BACKWARD
+    )
     row = demonstrations(tok, settings, 2)
     source = reasoning_demonstrations(settings)
     assert source.seed == RG_SEED_BASE
@@ -189,15 +191,18 @@ def test_reasoning_gym_demonstrations_are_the_generators_answers_from_unseen_see
         assert ids[:prompt] == HFTokenizer(SHIPPED).encode_prompt(record.text, record.metadata).tolist()
         assert ids[-1] == 2 and all(mask[prompt:])
         response = str(tok.decode(ids[prompt:-1]))
-        assert response == record.metadata["answer"] and record.text.endswith("=")
+        assert response == record.metadata["answer"] == record.text.rsplit(" ", 1)[1][::-1]
         assert reasoning_gym_reward(response, "", record.metadata) == 1.0
     seeds = demonstration_seeds(settings)
     run = DataConfig()  # an RL run's training seeds [0, size) and held-out seeds from size on
     assert seeds["held_out_seeds_from"] == run.size < seeds["generator_seeds_from"]
     held = reasoning_held_out(settings.source, settings.options, 3)
     assert [json.loads(r.metadata["reasoning_gym"])["seed"] for r in held] == [run.size] * 3
-    assert parse_task("reasoning_gym:chain_sum") == (SftTask.REASONING_GYM, "reasoning_gym:chain_sum")
-    assert default_model_dir(SftTask.REASONING_GYM, "reasoning_gym:chain_sum") == SHIPPED_CHAIN_SUM
+    assert parse_task("reasoning_gym:spell_backward") == (
+        SftTask.REASONING_GYM,
+        "reasoning_gym:spell_backward",
+    )
+    assert default_model_dir(SftTask.REASONING_GYM, "reasoning_gym:spell_backward") == SHIPPED_SPELL_BACKWARD
 
 
 def test_sft_command_trains_and_export_command_writes_jsonl(tmp_path: Path) -> None:
