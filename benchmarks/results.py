@@ -67,6 +67,13 @@ class Step:
 
 # configs/spell_backward.toml's data.options: the model is taught the questions the run asks
 SPELL_BACKWARD_OPTIONS = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
+
+
+def braced(text: str) -> str:
+    """`text` inside a step's command template, whose `{out}` and `{work}` are filled by str.format."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 BENCH_FILES = ("bench/bench.json", "bench/bench.md", "bench/bench.png")
 PAPER = "april bench --engine sim --workload math-long-tail --steps 5 --max-staleness 1,2 --slots 64"
 # issue 17's options on and off, with real processes, each against the same sync run (the simulator's
@@ -108,8 +115,8 @@ STEPS: tuple[Step, ...] = (
     Step(
         "sft-spell-backward",
         "results/sft-spell-backward",
-        f"april sft --task reasoning_gym:spell_backward --options '{SPELL_BACKWARD_OPTIONS}' --steps 600 --threads 1 "
-        "--report {out}/sft.json",
+        f"april sft --task reasoning_gym:spell_backward --options '{braced(SPELL_BACKWARD_OPTIONS)}' "
+        "--steps 600 --threads 1 --report {out}/sft.json",
         minutes=8,
     ),
     Step(
