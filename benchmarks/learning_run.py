@@ -33,10 +33,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from april.config import Config, load_config  # noqa: E402
+from april.config import Config  # noqa: E402
 from april.files import write_text_atomic  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from april.weights_uri import version_path  # noqa: E402
+from cli.options import resolve_config  # noqa: E402
 
 MODES = ("sync", "april", "async")
 
@@ -76,18 +77,29 @@ def held_out_accuracy(
 
 
 def curve(run_dir: Path) -> dict[str, Any]:
-    """The run's learning curve: per learner step its training accuracy and throughput, and the broker's
-    greedy held-out evaluations by version."""
+    """The run's learning curve: per learner step its training accuracy (reward > 0), mean reward and
+    throughput, and the broker's greedy held-out evaluations by version."""
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     eval_file = run_dir / "eval.jsonl"
     evals = (
         [json.loads(x) for x in eval_file.read_text().splitlines() if x.strip()] if eval_file.exists() else []
     )
     t0 = lines[0]["time"] - lines[0]["step_time_s"] if lines else 0.0
-    keys = ("step", "accuracy", "samples_per_s", "aborted", "offpolicy_token_frac", "response_len_mean")
+    keys = (
+        "step",
+        "accuracy",
+        "reward_mean",
+        "samples_per_s",
+        "aborted",
+        "offpolicy_token_frac",
+        "response_len_mean",
+    )
     return {
         "steps": [{**{k: x[k] for k in keys}, "time_s": x["time"] - t0} for x in lines],
-        "greedy_eval": [{"version": e["version"], "accuracy": e["accuracy"], "n": e["n"]} for e in evals],
+        "greedy_eval": [
+            {"version": e["version"], "accuracy": e["accuracy"], "reward_mean": e["reward_mean"], "n": e["n"]}
+            for e in evals
+        ],
     }
 
 
@@ -144,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     config_path = args.config or "configs/calculator.toml"
-    base = load_config(REPO / config_path)
+    base = resolve_config(REPO / config_path, args.sets)  # what the runs will resolve
     modes = args.modes.split(",") if args.modes else [base.run.mode]
     unknown = [m for m in modes if m not in MODES]
     if unknown:

@@ -58,7 +58,10 @@ RG_MAX_NEW_TOKENS = 32  # reasoning-gym evaluation: the answers demonstrated are
 
 @dataclass(frozen=True, slots=True)
 class EvalResult:
-    accuracy: float  # mean `exact` reward
+    accuracy: (
+        float  # mean reward (the `exact` reward's is 0 or 1; reasoning-gym tasks may give partial credit)
+    )
+    solved: float  # fraction of samples with the full reward, 1.0
     mean_tokens: float  # response tokens per sample
     truncated: float  # fraction of samples that ran into max_new_tokens
     tokens_per_s: float  # generation throughput of the torch engine
@@ -109,6 +112,7 @@ def evaluate(
         truncated += out.finish_reason == FinishReason.LENGTH
     return EvalResult(
         float(np.mean(rewards)),
+        float(np.mean([r >= 1.0 for r in rewards])),
         float(np.mean(lengths)),
         truncated / len(outputs),
         sum(lengths) / max(elapsed, 1e-9),
@@ -254,7 +258,8 @@ def run_sft(out_dir: Path, settings: SftSettings, eval_prompts: int, report: Pat
         evals["greedy" if greedy else "sampled"] = dataclasses.asdict(ev)
         print(
             f"sft eval ({mode}, {ev.samples} samples, max_new_tokens {budget}): accuracy "
-            f"{ev.accuracy:.3f}, mean length {ev.mean_tokens:.1f} tokens, truncated {ev.truncated:.3f}, "
+            f"{ev.accuracy:.3f}, solved {ev.solved:.3f}, mean length {ev.mean_tokens:.1f} tokens, "
+            f"truncated {ev.truncated:.3f}, "
             f"{ev.tokens_per_s:.0f} tokens/s"
         )
     if report is not None:
