@@ -478,55 +478,59 @@ def block_sft_spell_backward() -> str:
 
 
 def block_spell_backward_run() -> str:
-    """Each mode's run at equal steps: held-out accuracy of its final weights, wall time, throughput."""
+    """Each mode's run at equal steps: held-out score of its final weights, wall time, throughput, and
+    the curves (training mean reward by windows of ten steps, the broker's greedy evaluations)."""
     doc = load("results/spell-backward-run/learning_run.json")
-    v0 = doc["held_out"]["v0"]
+
+    def scores(ev: dict[str, Any]) -> str:
+        sampled, greedy = ev["sampled"], ev["greedy"]
+        return (
+            f"{sampled['accuracy']:.3f} | {sampled['solved']:.3f} | {greedy['accuracy']:.3f} | "
+            f"{greedy['solved']:.3f}"
+        )
+
     rows = [
-        "| weights | held-out sampled (T=1) | held-out greedy | steps | wall s | trained samples/s "
-        "| load before / after |",
-        "|---|---|---|---|---|---|---|",
-        f"| v0 (models/tiny-spell-backward) | {v0['sampled']['accuracy']:.3f} | "
-        f"{v0['greedy']['accuracy']:.3f} | | | | |",
+        "| weights | sampled: mean reward | sampled: solved | greedy: mean reward | greedy: solved "
+        "| wall s | trained samples/s | load before / after |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| v0 (models/tiny-spell-backward) | {scores(doc['held_out']['v0'])} | | | |",
     ]
     for mode in doc["modes"]:
-        r, ev = doc["runs"][mode], doc["held_out"][mode]
-        sm = r["summary"]
+        r, sm = doc["runs"][mode], doc["runs"][mode]["summary"]
         rows.append(
-            f"| {mode}, v{r['final_version']} | {ev['sampled']['accuracy']:.3f} | "
-            f"{ev['greedy']['accuracy']:.3f} | {sm['steps']} | {sm['wall_s']:.0f} | "
-            f"{sm['samples_per_s']:.1f} | "
-            f"{r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |"
+            f"| {mode}, v{r['final_version']} | {scores(doc['held_out'][mode])} | {sm['wall_s']:.0f} | "
+            f"{sm['samples_per_s']:.1f} | {r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |"
         )
     steps = doc["runs"][doc["modes"][0]]["curve"]["steps"]
-    windows = [(w, w + 9) for w in range(0, len(steps), 10)]
+    windows = [(w, min(w + 9, len(steps) - 1)) for w in range(0, len(steps), 10)]
     curve = [
-        "| training accuracy (T=1), steps | " + " | ".join(f"{a}-{b}" for a, b in windows) + " |",
+        "| training mean reward (T=1), steps | " + " | ".join(f"{a}-{b}" for a, b in windows) + " |",
         "|---" * (len(windows) + 1) + "|",
     ]
     for mode in doc["modes"]:
-        acc = [x["accuracy"] for x in doc["runs"][mode]["curve"]["steps"]]
-        curve.append(
-            f"| {mode} | "
-            + " | ".join(num(statistics.fmean(acc[a : b + 1]), ".2f") for a, b in windows)
-            + " |"
-        )
+        got = [x["reward_mean"] for x in doc["runs"][mode]["curve"]["steps"]]
+        means = [num(statistics.fmean(got[a : b + 1]), ".2f") if got[a : b + 1] else "" for a, b in windows]
+        curve.append(f"| {mode} | " + " | ".join(means) + " |")
     evals = "; ".join(
-        f"{mode} "
-        + ", ".join(f"v{e['version']} {e['accuracy']:.2f}" for e in doc["runs"][mode]["curve"]["greedy_eval"])
+        f"{mode}: "
+        + ", ".join(
+            f"v{e['version']} {e['reward_mean']:.2f}" for e in doc["runs"][mode]["curve"]["greedy_eval"]
+        )
         for mode in doc["modes"]
     )
-    n = doc["runs"][doc["modes"][0]]["curve"]["greedy_eval"]
+    first = doc["runs"][doc["modes"][0]]["curve"]["greedy_eval"]
     return "\n".join(
         [
             *rows,
             "",
             *curve,
             "",
-            f"Held out: the first {doc['eval_prompts']} questions from generator seeds past the run's "
+            f"Held out: the first {doc['eval_prompts']} questions from generator seeds past the runs' "
             f"training ones, {doc['eval_samples']} samples each at T=1 and once greedily, played after the "
-            f"runs by every policy alike. The broker's greedy evaluations during the runs "
-            f"({n[0]['n'] if n else 0} held-out questions): {evals}. The modes ran one after another on "
-            "the same shared machine (load average before and after each in the table).",
+            "runs by every policy alike; mean reward is the task's score (partial credit included), solved "
+            "the fraction scored 1.0. The broker's greedy evaluations during the runs (mean reward over "
+            f"{first[0]['n'] if first else 0} held-out questions): {evals}. The modes ran one after "
+            "another on the same shared machine (load average before and after each in the table).",
             "",
             source("spell-backward-run"),
         ]
