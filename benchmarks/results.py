@@ -430,13 +430,9 @@ def block_calculator_held_out() -> str:
         "| weights | sampled at T=1 | by numbers to sum (2 / 3 / 4 / 5-10) | greedy |",
         "|---|---|---|---|",
     ]
-    if (DOCS / "results/calculator-run/learning_run.json").exists():
-        doc = load("results/calculator-run/learning_run.json")
-        (mode,) = doc["modes"]
-        final = doc["runs"][mode]["final_version"]
-    else:  # the artifact benchmarks/calculator_run.py wrote before learning_run.py replaced it
-        doc = load("results/calculator-run/calculator_run.json")
-        final = doc["final_version"]
+    doc = load("results/calculator-run/learning_run.json")
+    (mode,) = doc["modes"]
+    final = doc["runs"][mode]["final_version"]
     for name, ev in doc["held_out"].items():
         s = ev["sampled"]
         by = {int(k): v for k, v in s["by_numbers"].items()}
