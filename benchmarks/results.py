@@ -66,7 +66,7 @@ class Step:
 
 
 # configs/spell_backward.toml's data.options: the model is taught the questions the run asks
-SPELL_BACKWARD_OPTIONS = '{"spell_backward": {"min_word_len": 3, "max_word_len": 5}}'
+SPELL_BACKWARD_OPTIONS = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
 
 
 def braced(text: str) -> str:

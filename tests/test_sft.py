@@ -43,7 +43,7 @@ from learner.sft import (
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "tiny"
 SHIPPED_CALCULATOR = SHIPPED.with_name("tiny-calculator")
 SHIPPED_SPELL_BACKWARD = SHIPPED.with_name("tiny-spell-backward")
-SPELL_BACKWARD = '{"spell_backward": {"min_word_len": 3, "max_word_len": 5}}'
+SPELL_BACKWARD = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
 TINY = SftSettings(
     steps=3,
     warmup_steps=1,
