@@ -67,6 +67,8 @@ class Step:
 
 # configs/spell_backward.toml's data.options: the model is taught the questions the run asks
 SPELL_BACKWARD_OPTIONS = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
+# configs/letter_counting.toml's data.options
+LETTER_COUNTING_OPTIONS = '{"letter_counting": {"min_words": 3, "max_words": 6}}'
 
 
 def braced(text: str) -> str:
@@ -111,6 +113,21 @@ STEPS: tuple[Step, ...] = (
             "calc/learning_run.json",
         ),
         minutes=6,
+    ),
+    Step(
+        "sft-letter-counting",
+        "results/sft-letter-counting",
+        f"april sft --task reasoning_gym:letter_counting --options '{braced(LETTER_COUNTING_OPTIONS)}' "
+        "--steps 400 --threads 1 --report {out}/sft.json",
+        minutes=6,
+    ),
+    Step(
+        "letter-counting-run",
+        "results/letter-counting-run",
+        "python benchmarks/learning_run.py --config configs/letter_counting.toml --modes sync,april,async "
+        "--out {work}/rg",
+        collect=("rg/learning_run.json",),
+        minutes=10,
     ),
     Step(
         "sft-spell-backward",
@@ -454,29 +471,33 @@ def block_calculator_held_out() -> str:
     )
 
 
-def block_sft_spell_backward() -> str:
-    doc = load("results/sft-spell-backward/sft.json")
+def block_sft_reasoning_gym(name: str) -> str:
+    """An `april sft --task reasoning_gym:TASK` report: the model, its training and its held-out score
+    (and, where the report has it, the fraction solved exactly)."""
+    doc = load(f"results/{name}/sft.json")
     d = doc["demonstrations"]
     evals = [
-        f"{m} {doc['eval'][m]['accuracy']:.3f} over {doc['eval'][m]['samples']} answers"
+        f"{m} {doc['eval'][m]['accuracy']:.3f}"
+        + (f" (solved {doc['eval'][m]['solved']:.3f})" if "solved" in doc["eval"][m] else "")
+        + f" over {doc['eval'][m]['samples']} answers"
         for m in ("greedy", "sampled")
     ]
     return "\n".join(
         [
             f"{doc['parameters'] / 1e6:.2f}M parameters ({doc['size_mib']:.1f} MiB), {doc['steps']} steps, "
-            f"{doc['wall_s']:.0f} s, final loss {doc['final_loss']:.3f}; held-out accuracy "
+            f"{doc['wall_s']:.0f} s, final loss {doc['final_loss']:.3f}; held-out mean reward "
             f"{'; '.join(evals)}. Demonstrations from generator seeds {d['generator_seeds_from']} to "
             f"{d['generator_seeds_below'] - 1}; held-out questions from seed {d['held_out_seeds_from']} on.",
             "",
-            source("sft-spell-backward"),
+            source(name),
         ]
     )
 
 
-def block_spell_backward_run() -> str:
+def block_reasoning_gym_run(name: str, model: str) -> str:
     """Each mode's run at equal steps: held-out score of its final weights, wall time, throughput, and
     the curves (training mean reward by windows of ten steps, the broker's greedy evaluations)."""
-    doc = load("results/spell-backward-run/learning_run.json")
+    doc = load(f"results/{name}/learning_run.json")
 
     def scores(ev: dict[str, Any]) -> str:
         sampled, greedy = ev["sampled"], ev["greedy"]
@@ -489,7 +510,7 @@ def block_spell_backward_run() -> str:
         "| weights | sampled: mean reward | sampled: solved | greedy: mean reward | greedy: solved "
         "| wall s | trained samples/s | load before / after |",
         "|---|---|---|---|---|---|---|---|",
-        f"| v0 (models/tiny-spell-backward) | {scores(doc['held_out']['v0'])} | | | |",
+        f"| v0 ({model}) | {scores(doc['held_out']['v0'])} | | | |",
     ]
     for mode in doc["modes"]:
         r, sm = doc["runs"][mode], doc["runs"][mode]["summary"]
@@ -528,7 +549,7 @@ def block_spell_backward_run() -> str:
             f"{first[0]['n'] if first else 0} held-out questions): {evals}. The modes ran one after "
             "another on the same shared machine (load average before and after each in the table).",
             "",
-            source("spell-backward-run"),
+            source(name),
         ]
     )
 
@@ -1255,8 +1276,12 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "calculator-run": lambda: block_up_run("calculator-run"),
     "calculator-held-out": block_calculator_held_out,
     "sft-calculator": block_sft_calculator,
-    "sft-spell-backward": block_sft_spell_backward,
-    "spell-backward-run": block_spell_backward_run,
+    "sft-letter-counting": lambda: block_sft_reasoning_gym("sft-letter-counting"),
+    "letter-counting-run": lambda: block_reasoning_gym_run(
+        "letter-counting-run", "models/tiny-letter-counting"
+    ),
+    "sft-spell-backward": lambda: block_sft_reasoning_gym("sft-spell-backward"),
+    "spell-backward-run": lambda: block_reasoning_gym_run("spell-backward-run", "models/tiny-spell-backward"),
     "simulate": block_simulate,
     "paper-config": block_paper_config,
     "paper-config-gain": block_paper_config_gain,
