@@ -67,8 +67,8 @@ class Step:
 
 # configs/spell_backward.toml's data.options: the model is taught the questions the run asks
 SPELL_BACKWARD_OPTIONS = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
-# configs/letter_counting.toml's data.options
-LETTER_COUNTING_OPTIONS = '{"letter_counting": {"min_words": 3, "max_words": 6}}'
+# configs/rotate_matrix.toml's data.options
+ROTATE_MATRIX_OPTIONS = '{"rotate_matrix": {"min_n": 2, "max_n": 2, "min_rotations": 0, "max_rotations": 3}}'
 
 
 def braced(text: str) -> str:
@@ -115,16 +115,16 @@ STEPS: tuple[Step, ...] = (
         minutes=6,
     ),
     Step(
-        "sft-letter-counting",
-        "results/sft-letter-counting",
-        f"april sft --task reasoning_gym:letter_counting --options '{braced(LETTER_COUNTING_OPTIONS)}' "
+        "sft-rotate-matrix",
+        "results/sft-rotate-matrix",
+        f"april sft --task reasoning_gym:rotate_matrix --options '{braced(ROTATE_MATRIX_OPTIONS)}' "
         "--steps 400 --threads 1 --report {out}/sft.json",
         minutes=6,
     ),
     Step(
-        "letter-counting-run",
-        "results/letter-counting-run",
-        "python benchmarks/learning_run.py --config configs/letter_counting.toml --modes sync,april,async "
+        "rotate-matrix-run",
+        "results/rotate-matrix-run",
+        "python benchmarks/learning_run.py --config configs/rotate_matrix.toml --modes sync,april,async "
         "--out {work}/rg",
         collect=("rg/learning_run.json",),
         minutes=10,
@@ -1276,10 +1276,8 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "calculator-run": lambda: block_up_run("calculator-run"),
     "calculator-held-out": block_calculator_held_out,
     "sft-calculator": block_sft_calculator,
-    "sft-letter-counting": lambda: block_sft_reasoning_gym("sft-letter-counting"),
-    "letter-counting-run": lambda: block_reasoning_gym_run(
-        "letter-counting-run", "models/tiny-letter-counting"
-    ),
+    "sft-rotate-matrix": lambda: block_sft_reasoning_gym("sft-rotate-matrix"),
+    "rotate-matrix-run": lambda: block_reasoning_gym_run("rotate-matrix-run", "models/tiny-rotate-matrix"),
     "sft-spell-backward": lambda: block_sft_reasoning_gym("sft-spell-backward"),
     "spell-backward-run": lambda: block_reasoning_gym_run("spell-backward-run", "models/tiny-spell-backward"),
     "simulate": block_simulate,
