@@ -67,8 +67,8 @@ class Step:
 
 # configs/spell_backward.toml's data.options: the model is taught the questions the run asks
 SPELL_BACKWARD_OPTIONS = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
-# configs/rotate_matrix.toml's data.options
-ROTATE_MATRIX_OPTIONS = '{"rotate_matrix": {"min_n": 2, "max_n": 2, "min_rotations": 0, "max_rotations": 3}}'
+# configs/word_sequence_reversal.toml's data.options
+WORD_SEQUENCE_REVERSAL_OPTIONS = '{"word_sequence_reversal": {"min_words": 2, "max_words": 2}}'
 
 
 def braced(text: str) -> str:
@@ -115,16 +115,16 @@ STEPS: tuple[Step, ...] = (
         minutes=6,
     ),
     Step(
-        "sft-rotate-matrix",
-        "results/sft-rotate-matrix",
-        f"april sft --task reasoning_gym:rotate_matrix --options '{braced(ROTATE_MATRIX_OPTIONS)}' "
-        "--steps 400 --threads 1 --report {out}/sft.json",
-        minutes=6,
+        "sft-word-sequence-reversal",
+        "results/sft-word-sequence-reversal",
+        f"april sft --task reasoning_gym:word_sequence_reversal --options '{braced(WORD_SEQUENCE_REVERSAL_OPTIONS)}' "
+        "--steps 1000 --threads 1 --report {out}/sft.json",
+        minutes=10,
     ),
     Step(
-        "rotate-matrix-run",
-        "results/rotate-matrix-run",
-        "python benchmarks/learning_run.py --config configs/rotate_matrix.toml --modes sync,april,async "
+        "word-sequence-reversal-run",
+        "results/word-sequence-reversal-run",
+        "python benchmarks/learning_run.py --config configs/word_sequence_reversal.toml --modes sync,april,async "
         "--out {work}/rg",
         collect=("rg/learning_run.json",),
         minutes=10,
@@ -1276,8 +1276,10 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "calculator-run": lambda: block_up_run("calculator-run"),
     "calculator-held-out": block_calculator_held_out,
     "sft-calculator": block_sft_calculator,
-    "sft-rotate-matrix": lambda: block_sft_reasoning_gym("sft-rotate-matrix"),
-    "rotate-matrix-run": lambda: block_reasoning_gym_run("rotate-matrix-run", "models/tiny-rotate-matrix"),
+    "sft-word-sequence-reversal": lambda: block_sft_reasoning_gym("sft-word-sequence-reversal"),
+    "word-sequence-reversal-run": lambda: block_reasoning_gym_run(
+        "word-sequence-reversal-run", "models/tiny-word-sequence-reversal"
+    ),
     "sft-spell-backward": lambda: block_sft_reasoning_gym("sft-spell-backward"),
     "spell-backward-run": lambda: block_reasoning_gym_run("spell-backward-run", "models/tiny-spell-backward"),
     "simulate": block_simulate,

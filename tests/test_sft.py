@@ -43,8 +43,10 @@ from learner.sft import (
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "tiny"
 SHIPPED_CALCULATOR = SHIPPED.with_name("tiny-calculator")
 SHIPPED_SPELL_BACKWARD = SHIPPED.with_name("tiny-spell-backward")
-SHIPPED_ROTATE_MATRIX = SHIPPED.with_name("tiny-rotate-matrix")
-ROTATE_MATRIX = '{"rotate_matrix": {"min_n": 2, "max_n": 2, "min_rotations": 0, "max_rotations": 3}}'  # configs/rotate_matrix.toml
+SHIPPED_WORD_SEQUENCE_REVERSAL = SHIPPED.with_name("tiny-word-sequence-reversal")
+WORD_SEQUENCE_REVERSAL = (
+    '{"word_sequence_reversal": {"min_words": 2, "max_words": 2}}'  # configs/word_sequence_reversal.toml
+)
 SPELL_BACKWARD = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
 TINY = SftSettings(
     steps=3,
@@ -313,16 +315,16 @@ def test_shipped_spell_backward_model_has_learned_the_task() -> None:
     assert hit_rate(load_model(SHIPPED_SPELL_BACKWARD)) > 0.5  # shipped: 0.67; random init: 0.0
 
 
-def test_shipped_rotate_matrix_model_has_learned_the_task() -> None:
+def test_shipped_word_sequence_reversal_model_has_learned_the_task() -> None:
     """On held-out questions (the generator seeds a default run holds out), the shipped model's greedy first
     answer token is the right count on many questions, and it is not one count for every question (a
     forward pass with teacher forcing; the sampled score is measured by `april sft`, not asserted here)."""
-    tok = load_tokenizer(SHIPPED_ROTATE_MATRIX)
-    records = reasoning_held_out("reasoning_gym:rotate_matrix", ROTATE_MATRIX, 100)
+    tok = load_tokenizer(SHIPPED_WORD_SEQUENCE_REVERSAL)
+    records = reasoning_held_out("reasoning_gym:word_sequence_reversal", WORD_SEQUENCE_REVERSAL, 100)
     rows = [encode(tok, r.text, r.metadata["answer"], 2) for r in records]
-    files = {p.name: p.stat().st_size for p in SHIPPED_ROTATE_MATRIX.iterdir()}
+    files = {p.name: p.stat().st_size for p in SHIPPED_WORD_SEQUENCE_REVERSAL.iterdir()}
     assert sum(files.values()) < 8 * 2**20
-    model = load_model(SHIPPED_ROTATE_MATRIX)
+    model = load_model(SHIPPED_WORD_SEQUENCE_REVERSAL)
     firsts = []
     for ids, prompt in rows:
         with torch.no_grad():
