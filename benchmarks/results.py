@@ -117,15 +117,16 @@ STEPS: tuple[Step, ...] = (
     Step(
         "sft-word-sequence-reversal",
         "results/sft-word-sequence-reversal",
-        f"april sft --task reasoning_gym:word_sequence_reversal --options '{braced(WORD_SEQUENCE_REVERSAL_OPTIONS)}' "
+        "april sft --task reasoning_gym:word_sequence_reversal "
+        f"--options '{braced(WORD_SEQUENCE_REVERSAL_OPTIONS)}' "
         "--steps 1000 --threads 1 --report {out}/sft.json",
         minutes=10,
     ),
     Step(
         "word-sequence-reversal-run",
         "results/word-sequence-reversal-run",
-        "python benchmarks/learning_run.py --config configs/word_sequence_reversal.toml --modes sync,april,async "
-        "--out {work}/rg",
+        "python benchmarks/learning_run.py --config configs/word_sequence_reversal.toml "
+        "--modes sync,april,async --out {work}/rg",
         collect=("rg/learning_run.json",),
         minutes=10,
     ),

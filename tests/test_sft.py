@@ -316,18 +316,19 @@ def test_shipped_spell_backward_model_has_learned_the_task() -> None:
 
 
 def test_shipped_word_sequence_reversal_model_has_learned_the_task() -> None:
-    """On held-out questions (the generator seeds a default run holds out), the shipped model's greedy first
-    answer token is the right count on many questions, and it is not one count for every question (a
-    forward pass with teacher forcing; the sampled score is measured by `april sft`, not asserted here)."""
+    """On held-out questions (the generator seeds a default run holds out), the shipped model's greedy next
+    token is the reversed list's on most answer tokens (a forward pass with teacher forcing; the sampled
+    score is measured by `april sft`, not asserted here)."""
     tok = load_tokenizer(SHIPPED_WORD_SEQUENCE_REVERSAL)
-    records = reasoning_held_out("reasoning_gym:word_sequence_reversal", WORD_SEQUENCE_REVERSAL, 100)
+    records = reasoning_held_out("reasoning_gym:word_sequence_reversal", WORD_SEQUENCE_REVERSAL, 64)
     rows = [encode(tok, r.text, r.metadata["answer"], 2) for r in records]
     files = {p.name: p.stat().st_size for p in SHIPPED_WORD_SEQUENCE_REVERSAL.iterdir()}
     assert sum(files.values()) < 8 * 2**20
     model = load_model(SHIPPED_WORD_SEQUENCE_REVERSAL)
-    firsts = []
+    hits = total = 0
     for ids, prompt in rows:
         with torch.no_grad():
-            firsts.append((model(torch.tensor([ids[:prompt]])).logits[0, -1].argmax().item(), ids[prompt]))
-    assert sum(p == t for p, t in firsts) / len(firsts) > THRESHOLD
-    assert len({p for p, _ in firsts}) > 1
+            predicted = model(torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
+        hits += sum(p == t for p, t in zip(predicted[prompt - 1 :], ids[prompt:], strict=True))
+        total += len(ids) - prompt
+    assert hits / total > THRESHOLD  # shipped: MEASURED; random init: 0.0
