@@ -65,6 +65,17 @@ class Step:
     smoke: str = ""  # the command at tiny sizes (run --smoke); empty: not run by --smoke
 
 
+# configs/spell_backward.toml's data.options: the model is taught the questions the run asks
+SPELL_BACKWARD_OPTIONS = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
+# configs/word_sequence_reversal.toml's data.options
+WORD_SEQUENCE_REVERSAL_OPTIONS = '{"word_sequence_reversal": {"min_words": 2, "max_words": 2}}'
+
+
+def braced(text: str) -> str:
+    """`text` inside a step's command template, whose `{out}` and `{work}` are filled by str.format."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 BENCH_FILES = ("bench/bench.json", "bench/bench.md", "bench/bench.png")
 PAPER = "april bench --engine sim --workload math-long-tail --steps 5 --max-staleness 1,2 --slots 64"
 # issue 17's options on and off, with real processes, each against the same sync run (the simulator's
@@ -93,15 +104,46 @@ STEPS: tuple[Step, ...] = (
     Step(
         "calculator-run",
         "results/calculator-run",
-        "python benchmarks/calculator_run.py --out {work}/calc",
+        "python benchmarks/learning_run.py --config configs/calculator.toml --out {work}/calc",
         collect=(
-            "calc/run/metrics.jsonl",
-            "calc/run/eval.jsonl",
-            "calc/run/summary.json",
-            "calc/run/config.toml",
-            "calc/calculator_run.json",
+            "calc/april/metrics.jsonl",
+            "calc/april/eval.jsonl",
+            "calc/april/summary.json",
+            "calc/april/config.toml",
+            "calc/learning_run.json",
         ),
         minutes=6,
+    ),
+    Step(
+        "sft-word-sequence-reversal",
+        "results/sft-word-sequence-reversal",
+        "april sft --task reasoning_gym:word_sequence_reversal "
+        f"--options '{braced(WORD_SEQUENCE_REVERSAL_OPTIONS)}' "
+        "--steps 1000 --threads 1 --report {out}/sft.json",
+        minutes=10,
+    ),
+    Step(
+        "word-sequence-reversal-run",
+        "results/word-sequence-reversal-run",
+        "python benchmarks/learning_run.py --config configs/word_sequence_reversal.toml "
+        "--modes sync,april,async --out {work}/rg",
+        collect=("rg/learning_run.json",),
+        minutes=10,
+    ),
+    Step(
+        "sft-spell-backward",
+        "results/sft-spell-backward",
+        f"april sft --task reasoning_gym:spell_backward --options '{braced(SPELL_BACKWARD_OPTIONS)}' "
+        "--steps 600 --threads 1 --report {out}/sft.json",
+        minutes=8,
+    ),
+    Step(
+        "spell-backward-run",
+        "results/spell-backward-run",
+        "python benchmarks/learning_run.py --config configs/spell_backward.toml --modes sync,april,async "
+        "--out {work}/rg",
+        collect=("rg/learning_run.json",),
+        minutes=12,
     ),
     Step(
         "simulate",
@@ -402,17 +444,20 @@ def block_up_run(step: str = "up-run") -> str:
 
 
 def block_calculator_held_out() -> str:
-    doc = load("results/calculator-run/calculator_run.json")
     rows = [
         "| weights | sampled at T=1 | by numbers to sum (2 / 3 / 4 / 5-10) | greedy |",
         "|---|---|---|---|",
     ]
-    for version, ev in doc["held_out"].items():
+    doc = load("results/calculator-run/learning_run.json")
+    (mode,) = doc["modes"]
+    final = doc["runs"][mode]["final_version"]
+    for name, ev in doc["held_out"].items():
         s = ev["sampled"]
         by = {int(k): v for k, v in s["by_numbers"].items()}
         tail = [v for k, v in by.items() if k >= 5]
         long = sum(a * n for a, n in tail) / max(1, sum(n for _, n in tail))
         parts = " / ".join(f"{by[k][0]:.2f}" for k in (2, 3, 4) if k in by) + f" / {long:.2f}"
+        version = name if name == "v0" else f"v{final}"
         rows.append(f"| {version} | {s['accuracy']:.3f} | {parts} | {ev['greedy']['accuracy']:.3f} |")
     return "\n".join(
         [
@@ -420,9 +465,92 @@ def block_calculator_held_out() -> str:
             "",
             f"The first {doc['eval_prompts']} held-out calculator prompts (seed 0, never trained on), "
             f"{doc['eval_samples']} samples each at T=1, and once greedily; v0 is models/tiny-calculator as "
-            f"shipped, v{doc['final_version']} the run's final weights.",
+            f"shipped, v{final} the run's final weights.",
             "",
             source("calculator-run"),
+        ]
+    )
+
+
+def block_sft_reasoning_gym(name: str) -> str:
+    """An `april sft --task reasoning_gym:TASK` report: the model, its training and its held-out score
+    (and, where the report has it, the fraction solved exactly)."""
+    doc = load(f"results/{name}/sft.json")
+    d = doc["demonstrations"]
+    evals = [
+        f"{m} {doc['eval'][m]['accuracy']:.3f}"
+        + (f" (solved {doc['eval'][m]['solved']:.3f})" if "solved" in doc["eval"][m] else "")
+        + f" over {doc['eval'][m]['samples']} answers"
+        for m in ("greedy", "sampled")
+    ]
+    return "\n".join(
+        [
+            f"{doc['parameters'] / 1e6:.2f}M parameters ({doc['size_mib']:.1f} MiB), {doc['steps']} steps, "
+            f"{doc['wall_s']:.0f} s, final loss {doc['final_loss']:.3f}; held-out mean reward "
+            f"{'; '.join(evals)}. Demonstrations from generator seeds {d['generator_seeds_from']} to "
+            f"{d['generator_seeds_below'] - 1}; held-out questions from seed {d['held_out_seeds_from']} on.",
+            "",
+            source(name),
+        ]
+    )
+
+
+def block_reasoning_gym_run(name: str, model: str) -> str:
+    """Each mode's run at equal steps: held-out score of its final weights, wall time, throughput, and
+    the curves (training mean reward by windows of ten steps, the broker's greedy evaluations)."""
+    doc = load(f"results/{name}/learning_run.json")
+
+    def scores(ev: dict[str, Any]) -> str:
+        sampled, greedy = ev["sampled"], ev["greedy"]
+        return (
+            f"{sampled['accuracy']:.3f} | {sampled['solved']:.3f} | {greedy['accuracy']:.3f} | "
+            f"{greedy['solved']:.3f}"
+        )
+
+    rows = [
+        "| weights | sampled: mean reward | sampled: solved | greedy: mean reward | greedy: solved "
+        "| wall s | trained samples/s | load before / after |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| v0 ({model}) | {scores(doc['held_out']['v0'])} | | | |",
+    ]
+    for mode in doc["modes"]:
+        r, sm = doc["runs"][mode], doc["runs"][mode]["summary"]
+        rows.append(
+            f"| {mode}, v{r['final_version']} | {scores(doc['held_out'][mode])} | {sm['wall_s']:.0f} | "
+            f"{sm['samples_per_s']:.1f} | {r['load_avg_1m_before']:.1f} / {r['load_avg_1m_after']:.1f} |"
+        )
+    steps = doc["runs"][doc["modes"][0]]["curve"]["steps"]
+    windows = [(w, min(w + 9, len(steps) - 1)) for w in range(0, len(steps), 10)]
+    curve = [
+        "| training mean reward (T=1), steps | " + " | ".join(f"{a}-{b}" for a, b in windows) + " |",
+        "|---" * (len(windows) + 1) + "|",
+    ]
+    for mode in doc["modes"]:
+        got = [x["reward_mean"] for x in doc["runs"][mode]["curve"]["steps"]]
+        means = [num(statistics.fmean(got[a : b + 1]), ".2f") if got[a : b + 1] else "" for a, b in windows]
+        curve.append(f"| {mode} | " + " | ".join(means) + " |")
+    evals = "; ".join(
+        f"{mode}: "
+        + ", ".join(
+            f"v{e['version']} {e['reward_mean']:.2f}" for e in doc["runs"][mode]["curve"]["greedy_eval"]
+        )
+        for mode in doc["modes"]
+    )
+    first = doc["runs"][doc["modes"][0]]["curve"]["greedy_eval"]
+    return "\n".join(
+        [
+            *rows,
+            "",
+            *curve,
+            "",
+            f"Held out: the first {doc['eval_prompts']} questions from generator seeds past the runs' "
+            f"training ones, {doc['eval_samples']} samples each at T=1 and once greedily, played after the "
+            "runs by every policy alike; mean reward is the task's score (partial credit included), solved "
+            "the fraction scored 1.0. The broker's greedy evaluations during the runs (mean reward over "
+            f"{first[0]['n'] if first else 0} held-out questions): {evals}. The modes ran one after "
+            "another on the same shared machine (load average before and after each in the table).",
+            "",
+            source(name),
         ]
     )
 
@@ -1149,6 +1277,12 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "calculator-run": lambda: block_up_run("calculator-run"),
     "calculator-held-out": block_calculator_held_out,
     "sft-calculator": block_sft_calculator,
+    "sft-word-sequence-reversal": lambda: block_sft_reasoning_gym("sft-word-sequence-reversal"),
+    "word-sequence-reversal-run": lambda: block_reasoning_gym_run(
+        "word-sequence-reversal-run", "models/tiny-word-sequence-reversal"
+    ),
+    "sft-spell-backward": lambda: block_sft_reasoning_gym("sft-spell-backward"),
+    "spell-backward-run": lambda: block_reasoning_gym_run("spell-backward-run", "models/tiny-spell-backward"),
     "simulate": block_simulate,
     "paper-config": block_paper_config,
     "paper-config-gain": block_paper_config_gain,

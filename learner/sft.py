@@ -1,7 +1,9 @@
 """Supervised warm start: a tiny Llama-style model taught a built-in task's demonstrations.
 
-Owns `SftSettings`, `SftTask` (what the demonstrations are: the built-in task's worked chains, or the
-calculator task's tool-calling episodes), the token encoding of examples for training, the
+Owns `SftSettings`, `SftTask` (what the demonstrations are: the built-in task's worked chains, the
+calculator task's tool-calling episodes, or a reasoning-gym generator's own question -> answer entries,
+from generator seeds `RG_SEED_BASE + seed` on, far from any RL run's training and held-out seeds),
+the token encoding of examples for training, the
 length-bucketed batch order and `train_sft`, which writes a random tiny model with
 `april.hf.make_tiny_model`, loads it back through `april.hf.load_model` (the path every HF checkpoint
 takes), trains it with plain torch AdamW on next-token cross-entropy over the model's own tokens (a
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from april.chat import chat_format
-from april.envs import calculator
+from april.envs import calculator, reasoning_gym
 from april.hf import TINY_CALCULATOR_MODEL, TINY_MODEL
 from april.task import TaskSpec, demonstration, make_example
 
@@ -50,6 +52,11 @@ DEFAULT_STEPS = 900
 DEFAULT_LR = 3e-3
 DEFAULT_SLIP_RATE = 0.25
 DEFAULT_THREADS = 2  # fixed, not the core count: another thread count may change the last bits
+# reasoning-gym demonstrations: generator seeds RG_SEED_BASE + seed + i, i < RG_SIZE. An RL run's training
+# entries use seeds [data.seed, data.seed + data.size) and its held-out ones the seeds just past them, so
+# runs with data.seed + data.size + eval_size < RG_SEED_BASE never meet a demonstrated entry's seed
+RG_SEED_BASE = 1_000_000
+RG_SIZE = 1_000_000
 
 
 class SftTask(enum.StrEnum):
@@ -57,6 +64,7 @@ class SftTask(enum.StrEnum):
 
     TASK = "task"  # the built-in task's worked chains (april.task): models/tiny
     CALCULATOR = "calculator"  # the calculator task's episodes (april.envs.calculator)
+    REASONING_GYM = "reasoning_gym"  # a reasoning-gym generator's entries (`SftSettings.source`)
 
     @property
     def context(self) -> int:
@@ -71,10 +79,24 @@ class SftTask(enum.StrEnum):
         40-byte calls); the built-in task's is byte-level."""
         return calculator.WORDS if self is SftTask.CALCULATOR else ()
 
-    @property
-    def model_dir(self) -> Path:
-        """Where `april sft --task` writes by default: the shipped model of the task."""
-        return TINY_CALCULATOR_MODEL if self is SftTask.CALCULATOR else TINY_MODEL
+
+def parse_task(text: str) -> tuple[SftTask, str]:
+    """`april sft --task`: "task", "calculator" or "reasoning_gym:TASK[,TASK...]" -> (kind, source);
+    source is "" but for reasoning-gym. ValueError (one line) otherwise."""
+    if reasoning_gym.is_reasoning_gym(text):
+        return SftTask.REASONING_GYM, text
+    if text in (SftTask.TASK, SftTask.CALCULATOR):
+        return SftTask(text), ""
+    raise ValueError(f"--task: got {text!r}, expected task, calculator or reasoning_gym:TASK[,TASK...]")
+
+
+def default_model_dir(task: SftTask, source: str = "") -> Path:
+    """Where `april sft --task` writes by default: the shipped model of the task; for reasoning-gym
+    models/tiny-<tasks>, underscores and commas as hyphens (models/tiny-spell-backward)."""
+    if task is SftTask.REASONING_GYM:
+        name = source.removeprefix(reasoning_gym.PREFIX).replace("_", "-").replace(",", "-")
+        return TINY_MODEL.with_name(f"tiny-{name}")
+    return TINY_CALCULATOR_MODEL if task is SftTask.CALCULATOR else TINY_MODEL
 
 
 Row = tuple[list[int], list[bool]]  # a demonstration's token ids and its loss mask (True: trained on)
@@ -109,6 +131,8 @@ class SftSettings:
     save_dtype: str = "bfloat16"  # on-disk dtype; `load_model` upcasts to float32 on CPU
     slip_rate: float = DEFAULT_SLIP_RATE  # chance that a demonstrated sum is off (a chain's or a call's)
     spec: TaskSpec = field(default_factory=TaskSpec)  # the built-in task's shape (task `task` only)
+    source: str = ""  # task `reasoning_gym`: "reasoning_gym:TASK[,TASK...]", as data.source
+    options: str = ""  # task `reasoning_gym`: the generators' options, as data.options (JSON)
 
     def __post_init__(self) -> None:
         for name in ("steps", "lr", "batch_tokens", "pool_size", "hidden", "layers", "heads"):
@@ -116,6 +140,11 @@ class SftSettings:
                 raise ValueError(f"SftSettings.{name} = {getattr(self, name)!r}, expected > 0")
         if not isinstance(self.task, SftTask):
             raise ValueError(f"SftSettings.task = {self.task!r}, expected one of {', '.join(SftTask)}")
+        if (self.task is SftTask.REASONING_GYM) != bool(self.source):
+            raise ValueError(
+                f"SftSettings.source = {self.source!r}: expected a reasoning_gym: source exactly when "
+                f"task is reasoning_gym (task {self.task})"
+            )
         if self.save_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"SftSettings.save_dtype = {self.save_dtype!r}, expected float32 or bfloat16")
 
@@ -169,6 +198,19 @@ def demonstrations(tokenizer: Any, settings: SftSettings, eos_id: int) -> Callab
 
         return episode
 
+    if settings.task is SftTask.REASONING_GYM:
+        source = reasoning_demonstrations(settings)
+
+        def entry(index: int) -> Row:
+            # the generator's own answer, alone on the response's only line: what the reward reads
+            # (`actors.rewards.extract_final_answer`'s last non-empty line; no <answer> tag to spend
+            # tokens on). Slips do not apply: the answer is the generator's, right or absent.
+            record = source.get(index)
+            ids, prompt_len = encode(tokenizer, record.text, record.metadata["answer"], eos_id)
+            return ids, [False] * prompt_len + [True] * (len(ids) - prompt_len)
+
+        return entry
+
     def chain(index: int) -> Row:
         ex = make_example(seed, index, settings.spec)
         response = demonstration(ex, settings.slip_rate, np.random.default_rng((seed, index, 1)))
@@ -176,6 +218,13 @@ def demonstrations(tokenizer: Any, settings: SftSettings, eos_id: int) -> Callab
         return ids, [False] * prompt_len + [True] * (len(ids) - prompt_len)
 
     return chain
+
+
+def reasoning_demonstrations(settings: SftSettings) -> reasoning_gym.ReasoningGymSource:
+    """The reasoning-gym entries demonstrated for `settings` (seeds RG_SEED_BASE + seed on)."""
+    return reasoning_gym.ReasoningGymSource(
+        settings.source, RG_SIZE, RG_SEED_BASE + settings.seed, settings.options
+    )
 
 
 def batches(tokenizer: Any, settings: SftSettings, eos_id: int) -> Iterator[list[Row]]:

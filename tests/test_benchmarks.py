@@ -301,19 +301,31 @@ def check_weight_sync(tmp_path: Path) -> None:
     assert "sglang disk / broadcast" in printed
 
 
-def check_calculator_run(tmp_path: Path) -> None:
-    out = tmp_path / "calc"
-    run_smoke("calculator_run.py", out, tmp_path)
-    doc = json.loads((out / "calculator_run.json").read_text())
-    final = doc["final_version"]
-    assert final == 2 and set(doc["held_out"]) == {"v0", f"v{final}"}
+def check_learning_run(tmp_path: Path) -> None:
+    """The reasoning-gym run at 2 steps in a mode not its config's: the starting and final policies scored
+    on the same held-out questions, the run's books balanced, its curve read."""
+    out = tmp_path / "learn"
+    extra = ["--config", "configs/spell_backward.toml", "--modes", "async"]
+    run_smoke("learning_run.py", out, tmp_path, extra=extra)
+    doc = json.loads((out / "learning_run.json").read_text())
+    assert doc["modes"] == ["async"] and set(doc["held_out"]) == {"v0", "async"}
     for ev in doc["held_out"].values():
         for mode, samples in (("sampled", 4 * 4), ("greedy", 4)):
             r = ev[mode]
             assert r["samples"] == samples and finite(r["accuracy"]) and 0 <= r["accuracy"] <= 1
-            assert sum(n for _, n in r["by_numbers"].values()) == samples
-    lines = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [0, 1] and all(0 <= x["accuracy"] <= 1 for x in lines)
+            assert 0 <= r["solved"] <= r["accuracy"] <= 1 and 0 <= r["truncated"] <= 1
+    for mode in doc["modes"]:
+        run = doc["runs"][mode]
+        assert run["final_version"] == 2 and f"--mode {mode}" in run["command"]
+        ledger = run["summary"]["ledger"]
+        assert 0 < ledger["trained"] <= run["summary"]["samples_trained"] // 8  # groups of 8 samples
+        assert ledger["issued"] == sum(v for k, v in ledger.items() if k not in ("issued", "dropped")) + sum(
+            ledger["dropped"].values()
+        )
+        curve = run["curve"]
+        assert [x["step"] for x in curve["steps"]] == [0, 1]
+        assert all(0 <= x["reward_mean"] <= x["accuracy"] <= 1 for x in curve["steps"])
+        assert [e["version"] for e in curve["greedy_eval"]][:1] == [0]
 
 
 def check_accuracy(tmp_path: Path) -> None:
@@ -800,7 +812,7 @@ CHECKS: dict[str, Callable[[Path], None]] = {
     "learner_memory.py": check_learner_memory,
     "weight_sync.py": check_weight_sync,
     "accuracy.py": check_accuracy,
-    "calculator_run.py": check_calculator_run,
+    "learning_run.py": check_learning_run,
     "soak.py": check_soak,
     "scheduling.py": check_scheduling,
     "results.py": check_results,

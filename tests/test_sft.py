@@ -12,30 +12,42 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from actors.rewards import reasoning_gym_reward
 from actors.tokenizer import HFTokenizer
 from april.chat import chat_format
+from april.config import DataConfig
 from april.data import FilePromptSource
 from april.envs import calculator
 from april.episode import Message, Role, ToolCall
 from april.hf import load_model, load_tokenizer, make_tiny_tokenizer
 from april.task import TaskPromptSource, TaskSpec, make_example
 from cli.main import app
-from cli.sft_cmd import MAX_TURNS, evaluate_episodes
+from cli.sft_cmd import MAX_TURNS, demonstration_seeds, evaluate_episodes, reasoning_held_out
 from learner.sft import (
     IGNORE_INDEX,
+    RG_SEED_BASE,
     SftSettings,
     SftTask,
     batch_order,
     collate,
     data_seed,
+    default_model_dir,
     demonstrations,
     encode,
     lr_factor,
+    parse_task,
+    reasoning_demonstrations,
     train_sft,
 )
 
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "tiny"
 SHIPPED_CALCULATOR = SHIPPED.with_name("tiny-calculator")
+SHIPPED_SPELL_BACKWARD = SHIPPED.with_name("tiny-spell-backward")
+SHIPPED_WORD_SEQUENCE_REVERSAL = SHIPPED.with_name("tiny-word-sequence-reversal")
+WORD_SEQUENCE_REVERSAL = (
+    '{"word_sequence_reversal": {"min_words": 2, "max_words": 2}}'  # configs/word_sequence_reversal.toml
+)
+SPELL_BACKWARD = '{"spell_backward": {"min_word_len": 3, "max_word_len": 8}}'
 TINY = SftSettings(
     steps=3,
     warmup_steps=1,
@@ -149,12 +161,52 @@ def test_sft_command_names_a_wrong_task_in_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["sft", "--out", str(tmp_path / "m"), "--task", "calculater"])
     assert result.exit_code == 2 and not (tmp_path / "m").exists()
     assert result.output.strip().splitlines() == [
-        "april: error: Invalid value for '--task': 'calculater' is not one of 'task', 'calculator'."
+        "april: error: Invalid value: --task: got 'calculater', expected task, calculator or "
+        "reasoning_gym:TASK[,TASK...]"
     ]
+    bad = ["--task", "reasoning_gym:spell_backward", "--options", '{"spell_backward": {"max_word_lenn": 2}}']
+    result = CliRunner().invoke(app, ["sft", "--out", str(tmp_path / "m"), *bad])
+    assert result.exit_code == 2 and not (tmp_path / "m").exists()
+    (line,) = result.output.strip().splitlines()
+    assert "data.options for 'spell_backward'" in line and "max_word_lenn" in line
     with pytest.raises(
-        ValueError, match=r"^SftSettings\.task = 'calculater', expected one of task, calculator$"
+        ValueError,
+        match=r"^SftSettings\.task = 'calculater', expected one of task, calculator, reasoning_gym$",
     ):
         SftSettings(task="calculater")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^SftSettings\.source = '': expected a reasoning_gym: source"):
+        SftSettings(task=SftTask.REASONING_GYM)
+
+
+def test_reasoning_gym_demonstrations_are_the_generators_answers_from_unseen_seeds() -> None:
+    """Question -> the entry's own answer and the end token, trained on the answer only; the response scores
+    1.0 with the reward an RL run uses; the seeds are none of an RL run's (training or held out)."""
+    tok = load_tokenizer(SHIPPED)
+    settings = SftSettings(
+        task=SftTask.REASONING_GYM, source="reasoning_gym:spell_backward", options=SPELL_BACKWARD
+    )
+    row = demonstrations(tok, settings, 2)
+    source = reasoning_demonstrations(settings)
+    assert source.seed == RG_SEED_BASE
+    for index in range(5):
+        record = source.get(index)
+        ids, mask = row(index)
+        prompt = sum(not m for m in mask)
+        assert ids[:prompt] == HFTokenizer(SHIPPED).encode_prompt(record.text, record.metadata).tolist()
+        assert ids[-1] == 2 and all(mask[prompt:])
+        response = str(tok.decode(ids[prompt:-1]))
+        assert response == record.metadata["answer"] == record.text.rsplit(" ", 1)[1][::-1]
+        assert reasoning_gym_reward(response, "", record.metadata) == 1.0
+    seeds = demonstration_seeds(settings)
+    run = DataConfig()  # an RL run's training seeds [0, size) and held-out seeds from size on
+    assert seeds["held_out_seeds_from"] == run.size < seeds["generator_seeds_from"]
+    held = reasoning_held_out(settings.source, settings.options, 3)
+    assert [json.loads(r.metadata["reasoning_gym"])["seed"] for r in held] == [run.size] * 3
+    assert parse_task("reasoning_gym:spell_backward") == (
+        SftTask.REASONING_GYM,
+        "reasoning_gym:spell_backward",
+    )
+    assert default_model_dir(SftTask.REASONING_GYM, "reasoning_gym:spell_backward") == SHIPPED_SPELL_BACKWARD
 
 
 def test_sft_command_trains_and_export_command_writes_jsonl(tmp_path: Path) -> None:
@@ -239,3 +291,44 @@ def test_shipped_calculator_model_has_learned_the_task() -> None:
         hits += sum(p == t for p, t in trained)
         total += len(trained)
     assert hits / total > 0.95, hits / total
+
+
+def test_shipped_spell_backward_model_has_learned_the_task() -> None:
+    """On held-out questions (the generator seeds a default run holds out), the shipped model's greedy next
+    token is the reversed word's on most answer tokens (a forward pass with teacher forcing; the sampled
+    score is measured by `april sft`, not asserted here)."""
+    tok = load_tokenizer(SHIPPED_SPELL_BACKWARD)
+    records = reasoning_held_out("reasoning_gym:spell_backward", SPELL_BACKWARD, 64)
+    rows = [encode(tok, r.text, r.metadata["answer"], 2) for r in records]
+    files = {p.name: p.stat().st_size for p in SHIPPED_SPELL_BACKWARD.iterdir()}
+    assert sum(files.values()) < 8 * 2**20
+
+    def hit_rate(model: torch.nn.Module) -> float:
+        hits = total = 0
+        for ids, prompt in rows:
+            with torch.no_grad():
+                predicted = model(torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
+            hits += sum(p == t for p, t in zip(predicted[prompt - 1 :], ids[prompt:], strict=True))
+            total += len(ids) - prompt
+        return hits / total
+
+    assert hit_rate(load_model(SHIPPED_SPELL_BACKWARD)) > 0.5  # shipped: 0.67; random init: 0.0
+
+
+def test_shipped_word_sequence_reversal_model_has_learned_the_task() -> None:
+    """On held-out questions (the generator seeds a default run holds out), the shipped model's greedy next
+    token is the reversed list's on most answer tokens (a forward pass with teacher forcing; the sampled
+    score is measured by `april sft`, not asserted here)."""
+    tok = load_tokenizer(SHIPPED_WORD_SEQUENCE_REVERSAL)
+    records = reasoning_held_out("reasoning_gym:word_sequence_reversal", WORD_SEQUENCE_REVERSAL, 64)
+    rows = [encode(tok, r.text, r.metadata["answer"], 2) for r in records]
+    files = {p.name: p.stat().st_size for p in SHIPPED_WORD_SEQUENCE_REVERSAL.iterdir()}
+    assert sum(files.values()) < 8 * 2**20
+    model = load_model(SHIPPED_WORD_SEQUENCE_REVERSAL)
+    hits = total = 0
+    for ids, prompt in rows:
+        with torch.no_grad():
+            predicted = model(torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
+        hits += sum(p == t for p, t in zip(predicted[prompt - 1 :], ids[prompt:], strict=True))
+        total += len(ids) - prompt
+    assert hits / total > 0.9  # shipped: 0.996; random init: 0.0
