@@ -242,11 +242,19 @@ def test_answered_episodes_take_freed_slots_before_leases_held_unstarted() -> No
 
 
 def test_max_turns_and_tokens_per_turn_bound_the_plan() -> None:
+    """Five turns drawn, two allowed, 30 tokens a turn: turn 1 (0-30 ms), its tool (1 ms), turn 2
+    (31-61 ms), then the step of turn 2 runs (61-62 ms) and, not done, the episode is cut off without its
+    answer: LENGTH and reward 0, the rule of the episode driver (tests/test_episode_driver.py)."""
     episodes = workload("fixed:5", "fixed:100", "fixed:1", "fixed:4")
     fields = {"env.max_turns": "2", "env.max_turn_tokens": "30"}
-    _, (s,) = run_with_samples(config(Mode.SYNC, fields=fields), episodes)
+    result, (s,) = run_with_samples(config(Mode.SYNC, fields=fields), episodes)
     assert s.segments == (Segment(0, 0, 30), Segment(0, 34, 64)) and s.observations == (Span(30, 34),)
-    assert s.finish_reason == FinishReason.STOP
+    assert s.response_len == 64  # the last call's answer is not appended
+    assert (s.finish_reason, s.reward) == (FinishReason.LENGTH, 0.0)
+    assert result.figures.wall_s == pytest.approx(62 * MS)
+    plans = EpisodePlans(episodes, 0, max_turns=2, max_turn_tokens=30)
+    assert plans(s) == EpisodePlan((30, 30), (0.001, 0.001), (4,), cut=True)
+    assert EpisodePlans(episodes, 0, max_turns=5, max_turn_tokens=30)(s).cut is False
 
 
 def test_the_episode_budget_counts_observations() -> None:
@@ -255,7 +263,8 @@ def test_the_episode_budget_counts_observations() -> None:
     assert s.response_len == 20 and s.model_tokens == 16  # 10, an answer of 4, then 6 of 10: cut
     assert s.finish_reason == FinishReason.LENGTH
     _, (s,) = run_with_samples(config(Mode.SYNC, max_new=12), episodes)
-    assert s.observations == (Span(10, 12),) and s.finish_reason == FinishReason.LENGTH  # answer cut to fit
+    # an answer (4) that leaves no budget for another turn (2 left) ends the episode, not appended
+    assert s.observations == () and s.response_len == 10 and s.finish_reason == FinishReason.LENGTH
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -321,7 +330,8 @@ def test_recorded_episodes(tmp_path: Path) -> None:
     assert recorded.episodes == (((5, 6, 7), (100.0, 2000.5), (3, 4)), ((9,), (), None))
     plans = EpisodePlans(EpisodeWorkload(recorded, LengthSpec.parse("fixed:8")), 0, 2, 6)
     seen = {plans(fresh(g)) for g in range(40)}
-    assert seen == {EpisodePlan((5, 6), (0.1,), (3,)), EpisodePlan((6,))}  # max 2 turns of 6 tokens
+    # max 2 turns of 6 tokens: the three-turn episode is cut after the call that follows its second turn
+    assert seen == {EpisodePlan((5, 6), (0.1, 2.0005), (3,), cut=True), EpisodePlan((6,))}
     for line, error in [
         ('{"turns": []}', '"turns", a non-empty'),
         ('{"turns": [3, 0], "tool_ms": [1]}', '"turns" = '),

@@ -22,8 +22,9 @@ appended as an observation and the episode waits for a slot, ahead of leases the
 (a lease that finds no free slot, because an answered episode took a slot granted as credit, waits in
 `queued`); its next turn prefills what the cache lacks: the observation, at least. Budgets: a turn
 generates at most its planned tokens (`env.max_turn_tokens` applied in the plan) and the lease's budget
-(model + observation tokens); an observation is cut to the budget left, and an episode with no budget
-left for another turn finishes (LENGTH). An abort returns running turns as partials, answered episodes
+(model + observation tokens). Cut off as the episode driver cuts (docs/episodes.md): an answer that
+would leave no budget for another turn, or the call after the last turn `env.max_turns` allows, ends the
+episode (LENGTH) without being appended. An abort returns running turns as partials, answered episodes
 and unstarted leases as they are, and tool calls as the tools allow: a repeatable one is killed (the
 sample, owing it, runs it again when leased), a non-repeatable one is waited for and its sample goes
 back with the answer when it comes (`waited_for`: the AbortDone names those leases as still owed).
@@ -247,13 +248,15 @@ class EngineModel:
         out: list[Output] = []
         for e in answered:
             del self.tools[e.lease.lease_id]
-            room = e.lease.cap - e.sample.response_len
-            observed = min(e.lease.plan.observations[e.call], room)
-            e.sample = e.sample.observed(np.zeros(observed, dtype=np.int32))
-            if observed == room:  # no budget left for another turn
+            plan = e.lease.plan
+            # cut off (the episode driver's rule): the call after the last allowed turn, or an answer that
+            # leaves no budget for another turn; the answer is not appended
+            if plan.ends_with_call(e.call) or plan.observations[e.call] >= e.lease.cap - e.sample.response_len:
                 out.append((e.lease.lease_id, _settle(e.sample, FinishReason.LENGTH)))
                 self.plans.forget(e.sample)
-            elif e.returning:
+                continue
+            e.sample = e.sample.observed(np.zeros(plan.observations[e.call], dtype=np.int32))
+            if e.returning:
                 out.append((e.lease.lease_id, _settle(e.sample, FinishReason.ABORT)))
             else:
                 self.waiting.append(e)
@@ -336,7 +339,7 @@ class EngineModel:
         """Start `sample`'s next turn in a free slot (its tokens to go appended to `remaining`), or its
         owed tool call (no slot); an Output when it has nothing to generate."""
         turn, left = lease.plan.turn_of(sample.model_tokens, len(sample.observations))
-        last = turn == len(lease.plan.turns) - 1
+        last = lease.plan.ends_after(turn)
         if left <= 0 and not last:  # an abort killed its tool call: it is run again
             self._call_tool(lease, sample, turn)
             return None
