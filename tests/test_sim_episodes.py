@@ -216,7 +216,7 @@ def test_an_abort_returns_answered_episodes_and_unstarted_leases_as_they_are() -
     assert out[1].observations == (Span(10, 14),) and out[1].response_len == 17  # its next turn's 3
     assert out[2].observations == (Span(10, 14),) and out[2].response_len == 14  # as it waited
     assert out[3].response_len == 3 and out[5].response_len == 0
-    assert model.credit == model.slots and not model.waiting and not model.queued
+    assert model.credit == model.slots and not model.waiting
 
 
 def test_answered_episodes_take_freed_slots_before_leases_held_unstarted() -> None:
@@ -229,12 +229,33 @@ def test_answered_episodes_take_freed_slots_before_leases_held_unstarted() -> No
     model.complete_tools(model.t_base + 0.05)
     assert model.fill() == [] and [s.lease_id for s in model.seqs] == [3, 1]  # 1 takes the other
     model.admit([(5, 1000, fresh(4))])  # on the credit 1 took: it waits in the worker
-    assert [e.lease.lease_id for e in model.waiting] == [2] and len(model.queued) == 1
+    assert [w.lease.lease_id for w in model.waiting] == [2, 5]  # the answered episode first
     steps(model, 10)  # 3 ends its first turn, 1 its last: two slots free
     (finished,) = model.take_finished()
     assert finished[0] == 1 and finished[1].status == SampleStatus.FINISHED
     assert model.fill() == [] and [s.lease_id for s in model.seqs] == [2, 5]  # the episode first
     assert model.grant() == 0  # nothing was left to grant
+
+
+def test_an_owed_call_runs_at_lease_and_its_episode_waits_as_unstarted() -> None:
+    """The episode driver's rules (actors/episode_driver.py `lease`, april.turn_queue): a lease owing a
+    step runs it at once, holding no slot, even with the engine full; answered, the episode has not had a
+    turn on this worker, so it waits behind the leases held unstarted before it and behind every episode
+    answered after a turn here."""
+    model = engine()
+    model.admit([(1, 1000, fresh(0)), (2, 1000, fresh(1))])
+    steps(model, 10)
+    model.take_finished()  # 1's and 2's tools run
+    model.admit([(3, 1000, fresh(2)), (4, 1000, fresh(3))])  # on the two slots granted: both full
+    killed = dict(model.abort())[1]  # (2 is killed too; 3 and 4 come back as partials)
+    assert killed.response_len == 10 and killed.observations == ()
+    model.admit([(5, 1000, fresh(4)), (6, 1000, fresh(5))])  # two slots again: 5 and 6 run
+    model.admit([(7, 1000, fresh(6)), (8, 990, killed.resumed())])  # the engine is full
+    assert model.active == 2 and list(model.tools) == [8]  # 8's owed call runs now, 7 waits
+    steps(model, 10)  # 5 and 6 end their first turns; their tools run
+    model.take_finished()
+    model.complete_tools(model.t_base + 1.0)  # every call answers: 8's, then 5's and 6's
+    assert [w.lease.lease_id for w in model.waiting] == [5, 6, 7, 8]
 
 
 # ---------------------------------------------------------------------------------------------------
