@@ -1,11 +1,11 @@
 """The worker's episode driver: multi-turn samples played against an environment, turn by turn.
 
 Owns every leased episode that is not in the engine: its reset or tool step running in the tool runner
-(`actors.tool_runner`), or its next turn waiting for a slot (answered episodes before unstarted leases).
-It builds each turn's engine request (prompt + response so far, budget the least of the turn's and the
-episode's tokens left), reads a turn that ended (parse, step), appends the observation (`Sample.observed`)
-and the new state (`Sample.episode`), and settles an episode that is done (the environment's reward), cut
-off (LENGTH, reward 0) or broken (FAILED). Each step runs under its `StepKey` (the sample's identity, the
+(`actors.tool_runner`), or its next turn waiting for a slot (in `april.turn_queue`'s order). It builds
+each turn's engine request (prompt + response so far, budget the least of the turn's and the episode's
+tokens left), reads a turn that ended (parse, step), appends the observation (`Sample.observed`) and the
+new state (`Sample.episode`), and settles an episode that is done (the environment's reward), cut off
+(LENGTH, reward 0) or broken (FAILED). Each step runs under its `StepKey` (the sample's identity, the
 step's index). On an abort it gives back what it holds, applying first every step result already in (a
 result read is never dropped), killing a repeatable step that runs (owed on resume) and waiting for any
 other. The rules are docs/episodes.md's "The episode driver".
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ from april.episode import (
 )
 from april.failures import Reason, failure
 from april.records import FinishReason, Sample, SampleStatus
+from april.turn_queue import TurnQueue
 
 CUT_OFF_REWARD = 0.0  # an episode the driver ends (budget, max_turns) before the environment does
 
@@ -85,8 +85,7 @@ class EpisodeDriver:
         self.chat = chat
         self.runner = runner
         self.episodes: dict[int, Episode] = {}  # lease id -> every episode leased and not settled
-        self._answered: deque[int] = deque()  # READY after a turn on this worker: first to get a slot
-        self._unstarted: deque[int] = deque()  # READY, leased and not yet in this worker's engine
+        self._waiting: TurnQueue[int] = TurnQueue()  # lease ids of READY episodes
 
     # ------------------------------------------------------------------ what the worker asks
 
@@ -97,7 +96,7 @@ class EpisodeDriver:
 
     @property
     def ready(self) -> int:
-        return len(self._answered) + len(self._unstarted)
+        return len(self._waiting)
 
     def lease_ids(self) -> list[int]:
         """Leases held here, outside the engine (a WorkerHello names them)."""
@@ -117,15 +116,15 @@ class EpisodeDriver:
         if ep.state.owed is not None:
             self._step(ep, ep.state.owed)
         else:
-            self._unstarted.append(lease_id)
+            self._waiting.put(lease_id, started=False)
 
     def next_request(self) -> tuple[GenerationRequest, Sample] | None:
         """The next turn to start (answered episodes first) and the sample the engine continues; the
         episode is the worker's until `turn_ended` or its return."""
-        queue = self._answered or self._unstarted
-        if not queue:
+        lease_id = self._waiting.take()
+        if lease_id is None:
             return None
-        ep = self.episodes[queue.popleft()]
+        ep = self.episodes[lease_id]
         ep.phase, ep.started = Phase.ENGINE, True
         s = ep.sample
         turn_left = self.env.max_turn_tokens - (s.response_len - _turn_start(s))
@@ -252,7 +251,7 @@ class EpisodeDriver:
         if ep.phase is Phase.RETURNING:
             return _interrupted(ep.sample)
         ep.phase = Phase.READY
-        (self._answered if ep.started else self._unstarted).append(ep.lease_id)
+        self._waiting.put(ep.lease_id, started=ep.started)
         return None
 
     def _settle(self, ep: Episode, sample: Sample, credit: int = 0) -> Settled:
@@ -262,7 +261,7 @@ class EpisodeDriver:
     def _drop(self, lease_id: int) -> None:
         ep = self.episodes.pop(lease_id, None)
         if ep is not None and ep.phase is Phase.READY:
-            (self._answered if lease_id in self._answered else self._unstarted).remove(lease_id)
+            self._waiting.remove(lease_id)
 
 
 def open_episode_driver(

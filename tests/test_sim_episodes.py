@@ -216,7 +216,7 @@ def test_an_abort_returns_answered_episodes_and_unstarted_leases_as_they_are() -
     assert out[1].observations == (Span(10, 14),) and out[1].response_len == 17  # its next turn's 3
     assert out[2].observations == (Span(10, 14),) and out[2].response_len == 14  # as it waited
     assert out[3].response_len == 3 and out[5].response_len == 0
-    assert model.credit == model.slots and not model.waiting and not model.queued
+    assert model.credit == model.slots and not model.waiting
 
 
 def test_answered_episodes_take_freed_slots_before_leases_held_unstarted() -> None:
@@ -229,7 +229,7 @@ def test_answered_episodes_take_freed_slots_before_leases_held_unstarted() -> No
     model.complete_tools(model.t_base + 0.05)
     assert model.fill() == [] and [s.lease_id for s in model.seqs] == [3, 1]  # 1 takes the other
     model.admit([(5, 1000, fresh(4))])  # on the credit 1 took: it waits in the worker
-    assert [e.lease.lease_id for e in model.waiting] == [2] and len(model.queued) == 1
+    assert [w.lease.lease_id for w in model.waiting] == [2, 5]  # the answered episode first
     steps(model, 10)  # 3 ends its first turn, 1 its last: two slots free
     (finished,) = model.take_finished()
     assert finished[0] == 1 and finished[1].status == SampleStatus.FINISHED
@@ -237,16 +237,45 @@ def test_answered_episodes_take_freed_slots_before_leases_held_unstarted() -> No
     assert model.grant() == 0  # nothing was left to grant
 
 
+def test_an_owed_call_runs_at_lease_and_its_episode_waits_as_unstarted() -> None:
+    """The episode driver's rules (actors/episode_driver.py `lease`, april.turn_queue): a lease owing a
+    step runs it at once, holding no slot, even with the engine full; answered, the episode has not had a
+    turn on this worker, so it waits behind the leases held unstarted before it and behind every episode
+    answered after a turn here."""
+    model = engine()
+    model.admit([(1, 1000, fresh(0)), (2, 1000, fresh(1))])
+    steps(model, 10)
+    model.take_finished()  # 1's and 2's tools run
+    model.admit([(3, 1000, fresh(2)), (4, 1000, fresh(3))])  # on the two slots granted: both full
+    killed = dict(model.abort())[1]  # (2 is killed too; 3 and 4 come back as partials)
+    assert killed.response_len == 10 and killed.observations == ()
+    model.admit([(5, 1000, fresh(4)), (6, 1000, fresh(5))])  # two slots again: 5 and 6 run
+    model.admit([(7, 1000, fresh(6)), (8, 990, killed.resumed())])  # the engine is full
+    assert model.active == 2 and list(model.tools) == [8]  # 8's owed call runs now, 7 waits
+    steps(model, 10)  # 5 and 6 end their first turns; their tools run
+    model.take_finished()
+    model.complete_tools(model.t_base + 1.0)  # every call answers: 8's, then 5's and 6's
+    assert [w.lease.lease_id for w in model.waiting] == [5, 6, 7, 8]
+
+
 # ---------------------------------------------------------------------------------------------------
 # budgets
 
 
 def test_max_turns_and_tokens_per_turn_bound_the_plan() -> None:
+    """Five turns drawn, two allowed, 30 tokens a turn: turn 1 (0-30 ms), its tool (1 ms), turn 2
+    (31-61 ms), then the step of turn 2 runs (61-62 ms) and, not done, the episode is cut off without its
+    answer: LENGTH and reward 0, the rule of the episode driver (tests/test_episode_driver.py)."""
     episodes = workload("fixed:5", "fixed:100", "fixed:1", "fixed:4")
     fields = {"env.max_turns": "2", "env.max_turn_tokens": "30"}
-    _, (s,) = run_with_samples(config(Mode.SYNC, fields=fields), episodes)
+    result, (s,) = run_with_samples(config(Mode.SYNC, fields=fields), episodes)
     assert s.segments == (Segment(0, 0, 30), Segment(0, 34, 64)) and s.observations == (Span(30, 34),)
-    assert s.finish_reason == FinishReason.STOP
+    assert s.response_len == 64  # the last call's answer is not appended
+    assert (s.finish_reason, s.reward) == (FinishReason.LENGTH, 0.0)
+    assert result.figures.wall_s == pytest.approx(62 * MS)
+    plans = EpisodePlans(episodes, 0, max_turns=2, max_turn_tokens=30)
+    assert plans(s) == EpisodePlan((30, 30), (0.001, 0.001), (4,), cut=True)
+    assert EpisodePlans(episodes, 0, max_turns=5, max_turn_tokens=30)(s).cut is False
 
 
 def test_the_episode_budget_counts_observations() -> None:
@@ -255,7 +284,8 @@ def test_the_episode_budget_counts_observations() -> None:
     assert s.response_len == 20 and s.model_tokens == 16  # 10, an answer of 4, then 6 of 10: cut
     assert s.finish_reason == FinishReason.LENGTH
     _, (s,) = run_with_samples(config(Mode.SYNC, max_new=12), episodes)
-    assert s.observations == (Span(10, 12),) and s.finish_reason == FinishReason.LENGTH  # answer cut to fit
+    # an answer (4) that leaves no budget for another turn (2 left) ends the episode, not appended
+    assert s.observations == () and s.response_len == 10 and s.finish_reason == FinishReason.LENGTH
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -321,7 +351,8 @@ def test_recorded_episodes(tmp_path: Path) -> None:
     assert recorded.episodes == (((5, 6, 7), (100.0, 2000.5), (3, 4)), ((9,), (), None))
     plans = EpisodePlans(EpisodeWorkload(recorded, LengthSpec.parse("fixed:8")), 0, 2, 6)
     seen = {plans(fresh(g)) for g in range(40)}
-    assert seen == {EpisodePlan((5, 6), (0.1,), (3,)), EpisodePlan((6,))}  # max 2 turns of 6 tokens
+    # max 2 turns of 6 tokens: the three-turn episode is cut after the call that follows its second turn
+    assert seen == {EpisodePlan((5, 6), (0.1, 2.0005), (3,), cut=True), EpisodePlan((6,))}
     for line, error in [
         ('{"turns": []}', '"turns", a non-empty'),
         ('{"turns": [3, 0], "tool_ms": [1]}', '"turns" = '),

@@ -18,12 +18,15 @@ one model turn. When a turn that is not the last ends, its slot is free again (t
 as credit unless an episode waits for it) and the episode runs its tool call, holding no slot, for the
 call's latency; the engine's prefix cache keeps the context (stored as an interrupted prefix is, so a
 weight update under resume_kv "recompute", or eviction, costs its re-prefill). The tool's answer is
-appended as an observation and the episode waits for a slot, ahead of leases the worker holds unstarted
-(a lease that finds no free slot, because an answered episode took a slot granted as credit, waits in
-`queued`); its next turn prefills what the cache lacks: the observation, at least. Budgets: a turn
+appended as an observation and the episode waits for a slot in `april.turn_queue`'s order, the episode
+driver's (ahead of leases the worker holds unstarted, such as a lease that found no free slot because an
+answered episode took a slot granted as credit); its next turn prefills what the cache lacks: the
+observation, at least. A lease that owes a tool call (an abort killed it) runs it at once, holding no
+slot, as the driver runs an owed step. Budgets: a turn
 generates at most its planned tokens (`env.max_turn_tokens` applied in the plan) and the lease's budget
-(model + observation tokens); an observation is cut to the budget left, and an episode with no budget
-left for another turn finishes (LENGTH). An abort returns running turns as partials, answered episodes
+(model + observation tokens). Cut off as the episode driver cuts (docs/episodes.md): an answer that
+would leave no budget for another turn, or the call after the last turn `env.max_turns` allows, ends the
+episode (LENGTH) without being appended. An abort returns running turns as partials, answered episodes
 and unstarted leases as they are, and tool calls as the tools allow: a repeatable one is killed (the
 sample, owing it, runs it again when leased), a non-repeatable one is waited for and its sample goes
 back with the answer when it comes (`waited_for`: the AbortDone names those leases as still owed).
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +57,7 @@ from april.records import FinishReason, Sample
 from april.sim.byte_tokenizer import ByteTokenizer
 from april.sim.engine_cost import EngineCost
 from april.sim.prefix_cache import PrefixCache
+from april.turn_queue import TurnQueue
 from broker.decisions import LeaseOut, Work
 from broker.sim.episodes import EpisodePlan, EpisodePlans, Plans, SingleTurn
 from broker.sim.figures import Meter
@@ -95,13 +98,22 @@ class _Seq:
 
 @dataclass(slots=True)
 class _Episode:
-    """An episode between two turns, holding no slot: in its tool call until `due`, then waiting."""
+    """An episode in its tool call until `due`, holding no slot."""
 
     lease: _Lease
-    sample: Sample  # RUNNING: its last turn appended (and, once the tool answered, the observation)
+    sample: Sample  # RUNNING: its last turn appended
     call: int  # which of the plan's tool calls
     due: float  # when the tool answers (s)
+    started: bool  # it has had a turn in this engine (a resumed lease's owed call: not yet)
     returning: bool = False  # aborted while its non-repeatable tool ran: back to the broker when answered
+
+
+@dataclass(frozen=True, slots=True)
+class _Waiting:
+    """A turn waiting for a slot: an episode its tool answered, or a lease not started here."""
+
+    lease: _Lease
+    sample: Sample
 
 
 class EngineModel:
@@ -144,8 +156,7 @@ class EngineModel:
         self.stale_kv_tokens = 0  # tokens generated attending to KV of older weights than the loaded ones
         self.stale_seqs = 0  # running sequences attending to such KV (kept up to date: advance is hot)
         self.tools: dict[int, _Episode] = {}  # lease id -> episode in a tool call
-        self.waiting: deque[_Episode] = deque()  # answered, waiting for a slot (before `queued`)
-        self.queued: deque[tuple[int, int, Sample]] = deque()  # leased when no slot was free
+        self.waiting: TurnQueue[_Waiting] = TurnQueue()  # turns waiting for a slot, in the worker's order
         self.credit = slots  # free slots the broker holds as this worker's credit, as the worker reckons
         self.started_tools: list[float] = []  # when tool calls started since the driver last took them end
 
@@ -158,7 +169,7 @@ class EngineModel:
         """Model tokens generated in current leases and not yet returned to the broker."""
         running = int(self.produced.sum())
         running += sum(seq.sample.model_tokens - seq.lease.leased_model for seq in self.seqs)
-        held = [*self.tools.values(), *self.waiting]
+        held: list[_Episode | _Waiting] = [*self.tools.values(), *self.waiting]
         return running + sum(e.sample.model_tokens - e.lease.leased_model for e in held)
 
     # ------------------------------------------------------------------ the step grid
@@ -230,11 +241,13 @@ class EngineModel:
             if sample.prompt_ids.shape[0] == 0:  # a text prompt: tokenized as the sim engine's worker does
                 ids = BYTES.encode_prompt(sample.prompt_text, sample.metadata)
                 sample = dataclasses.replace(sample, prompt_ids=ids)
-            if self.active >= self.slots:
-                self.queued.append((lease_id, budget, sample))
-                continue
-            out = self._start(self._lease(lease_id, budget, sample), sample, remaining)
-            if out is not None:
+            lease = self._lease(lease_id, budget, sample)
+            turn, left = lease.plan.turn_of(sample.model_tokens, len(sample.observations))
+            if left <= 0 and not lease.plan.ends_after(turn):  # an abort killed its call: it runs again now
+                self._call_tool(lease, sample, turn, started=False)
+            elif self.active >= self.slots:
+                self.waiting.put(_Waiting(lease, sample), started=False)
+            elif (out := self._start(lease, sample, remaining)) is not None:
                 ready.append(out)
         self._commit(before, remaining)
         return ready
@@ -247,16 +260,19 @@ class EngineModel:
         out: list[Output] = []
         for e in answered:
             del self.tools[e.lease.lease_id]
+            plan = e.lease.plan
+            # cut off (the episode driver's rule): the call after the last allowed turn, or an answer that
+            # leaves no budget for another turn; the answer is not appended
             room = e.lease.cap - e.sample.response_len
-            observed = min(e.lease.plan.observations[e.call], room)
-            e.sample = e.sample.observed(np.zeros(observed, dtype=np.int32))
-            if observed == room:  # no budget left for another turn
+            if plan.ends_with_call(e.call) or plan.observations[e.call] >= room:
                 out.append((e.lease.lease_id, _settle(e.sample, FinishReason.LENGTH)))
                 self.plans.forget(e.sample)
-            elif e.returning:
-                out.append((e.lease.lease_id, _settle(e.sample, FinishReason.ABORT)))
+                continue
+            sample = e.sample.observed(np.zeros(plan.observations[e.call], dtype=np.int32))
+            if e.returning:
+                out.append((e.lease.lease_id, _settle(sample, FinishReason.ABORT)))
             else:
-                self.waiting.append(e)
+                self.waiting.put(_Waiting(e.lease, sample), started=e.started)
         return out
 
     def tool_due(self, now: float) -> bool:
@@ -267,14 +283,8 @@ class EngineModel:
         """Free slots to answered episodes first, then to leases held unstarted. Returns those of the
         latter with nothing to generate."""
         before, ready, remaining = self.active, [], list[int]()
-        while self.active < self.slots and (self.waiting or self.queued):
-            if self.waiting:
-                e = self.waiting.popleft()
-                out = self._start(e.lease, e.sample, remaining)
-            else:
-                lease_id, budget, sample = self.queued.popleft()
-                out = self._start(self._lease(lease_id, budget, sample), sample, remaining)
-            if out is not None:
+        while self.active < self.slots and (w := self.waiting.take()) is not None:
+            if (out := self._start(w.lease, w.sample, remaining)) is not None:
                 ready.append(out)
         self._commit(before, remaining)
         return ready
@@ -299,10 +309,7 @@ class EngineModel:
             self.cache.store(s.key, kv, seq.kv_version)
         self._keep(np.zeros(self.active, dtype=bool))
         self.prefill = self.reprefill = 0
-        out += [(e.lease.lease_id, _settle(e.sample, FinishReason.ABORT)) for e in self.waiting]
-        out += [(lease_id, _settle(s, FinishReason.ABORT)) for lease_id, _, s in self.queued]
-        self.waiting.clear()
-        self.queued.clear()
+        out += [(w.lease.lease_id, _settle(w.sample, FinishReason.ABORT)) for w in self.waiting.drain()]
         for lease_id, e in list(self.tools.items()):
             if self.repeatable_tools:
                 out.append((lease_id, _settle(e.sample, FinishReason.ABORT)))
@@ -333,13 +340,10 @@ class EngineModel:
         return _Lease(lease_id, sample.response_len + budget, sample.model_tokens, self.plans(sample))
 
     def _start(self, lease: _Lease, sample: Sample, remaining: list[int]) -> Output | None:
-        """Start `sample`'s next turn in a free slot (its tokens to go appended to `remaining`), or its
-        owed tool call (no slot); an Output when it has nothing to generate."""
+        """Start `sample`'s next turn in a free slot (its tokens to go appended to `remaining`); an Output
+        when it has nothing to generate."""
         turn, left = lease.plan.turn_of(sample.model_tokens, len(sample.observations))
-        last = turn == len(lease.plan.turns) - 1
-        if left <= 0 and not last:  # an abort killed its tool call: it is run again
-            self._call_tool(lease, sample, turn)
-            return None
+        last = lease.plan.ends_after(turn)
         budget = lease.cap - sample.response_len
         n = max(0, min(left, budget))
         finish = (FinishReason.STOP if last else FinishReason.NONE) if left <= budget else FinishReason.LENGTH
@@ -372,11 +376,11 @@ class EngineModel:
         """A turn with turns to come ended: its context's KV stays in the prefix cache, its tool runs."""
         sample = _output(seq, produced, FinishReason.NONE)
         self.cache.store(sample.key, int(sample.prompt_ids.shape[0]) + sample.response_len, seq.kv_version)
-        self._call_tool(seq.lease, sample, len(sample.observations))
+        self._call_tool(seq.lease, sample, len(sample.observations), started=True)
 
-    def _call_tool(self, lease: _Lease, sample: Sample, call: int) -> None:
+    def _call_tool(self, lease: _Lease, sample: Sample, call: int, started: bool) -> None:
         due = self.t_base + lease.plan.tool_s[call]
-        self.tools[lease.lease_id] = _Episode(lease, sample, call, due)
+        self.tools[lease.lease_id] = _Episode(lease, sample, call, due, started)
         self.started_tools.append(due)
 
     def _keep(self, mask: npt.NDArray[np.bool_]) -> None:
