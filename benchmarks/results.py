@@ -119,7 +119,7 @@ STEPS: tuple[Step, ...] = (
         "results/sft-word-sequence-reversal",
         "april sft --task reasoning_gym:word_sequence_reversal "
         f"--options '{braced(WORD_SEQUENCE_REVERSAL_OPTIONS)}' "
-        "--steps 400 --threads 1 --report {out}/sft.json",
+        "--steps 650 --threads 1 --report {out}/sft.json",
         minutes=10,
     ),
     Step(
