@@ -119,7 +119,7 @@ STEPS: tuple[Step, ...] = (
         "results/sft-word-sequence-reversal",
         "april sft --task reasoning_gym:word_sequence_reversal "
         f"--options '{braced(WORD_SEQUENCE_REVERSAL_OPTIONS)}' "
-        "--steps 1000 --threads 1 --report {out}/sft.json",
+        "--steps 650 --threads 1 --report {out}/sft.json",
         minutes=10,
     ),
     Step(
@@ -927,6 +927,8 @@ def block_headline() -> str:
     minutes = (lines[-1]["time"] - t0) / 60
     aborted = statistics.fmean(r["aborted"] for r in lines)
     seeds = len(next(iter(acc["modes"].values()))["seeds"])
+    rg = load("results/word-sequence-reversal-run/learning_run.json")
+    rg_after = [rg["held_out"][m]["sampled"]["solved"] for m in rg["modes"]]
     return (
         f"`make up` lifts the tiny model's sampled training accuracy from {first:.2f} (steps 0-9) to "
         f"{last:.2f} (the last 10 of {len(lines)} steps) in {minutes:.1f} minutes, with {aborted:.0f} "
@@ -936,7 +938,11 @@ def block_headline() -> str:
         f"({x(speed['async-eta2'])} at `max_staleness` 2) the samples/s of sync, with {wasted} tokens "
         f"wasted; the simulator predicted those runs within {error:.1%}. Over {seeds} seeds x "
         f"{acc['steps']} steps on the built-in task, mean training accuracy over the last "
-        f"{acc['final_window']} steps: {finals}. A {soak['duration_s'] / 60:.0f}-minute soak with "
+        f"{acc['final_window']} steps: {finals}. On reasoning-gym's `word_sequence_reversal`, a task no "
+        "one here wrote, each mode raised the solve rate at T=1 on held-out questions from "
+        f"{rg['held_out']['v0']['sampled']['solved']:.3f} to {min(rg_after):.3f}-{max(rg_after):.3f} "
+        f"in {rg['runs'][rg['modes'][0]]['final_version']} steps. "
+        f"A {soak['duration_s'] / 60:.0f}-minute soak with "
         f"{sum(soak['kills'].values())} random SIGKILLs of workers, learner and broker lost "
         f"{soak['samples_lost']} samples."
     )

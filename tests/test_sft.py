@@ -331,4 +331,4 @@ def test_shipped_word_sequence_reversal_model_has_learned_the_task() -> None:
             predicted = model(torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
         hits += sum(p == t for p, t in zip(predicted[prompt - 1 :], ids[prompt:], strict=True))
         total += len(ids) - prompt
-    assert hits / total > 0.9  # shipped: 0.996; random init: 0.0
+    assert hits / total > 0.9  # shipped: 0.956; random init: 0.0
