@@ -293,42 +293,28 @@ def test_shipped_calculator_model_has_learned_the_task() -> None:
     assert hits / total > 0.95, hits / total
 
 
-def test_shipped_spell_backward_model_has_learned_the_task() -> None:
+@pytest.mark.parametrize(
+    ("model_dir", "task", "options", "least"),
+    [
+        (SHIPPED_SPELL_BACKWARD, "spell_backward", SPELL_BACKWARD, 0.5),  # shipped: 0.67
+        (SHIPPED_WORD_SEQUENCE_REVERSAL, "word_sequence_reversal", WORD_SEQUENCE_REVERSAL, 0.9),  # 0.956
+    ],
+)
+def test_shipped_reasoning_gym_models_have_learned_their_task(
+    model_dir: Path, task: str, options: str, least: float
+) -> None:
     """On held-out questions (the generator seeds a default run holds out), the shipped model's greedy next
-    token is the reversed word's on most answer tokens (a forward pass with teacher forcing; the sampled
-    score is measured by `april sft`, not asserted here)."""
-    tok = load_tokenizer(SHIPPED_SPELL_BACKWARD)
-    records = reasoning_held_out("reasoning_gym:spell_backward", SPELL_BACKWARD, 64)
+    token is the answer's on most answer tokens (a forward pass with teacher forcing; random init: 0.0; the
+    sampled score is measured by `april sft`, not asserted here)."""
+    tok = load_tokenizer(model_dir)
+    records = reasoning_held_out(f"reasoning_gym:{task}", options, 64)
     rows = [encode(tok, r.text, r.metadata["answer"], 2) for r in records]
-    files = {p.name: p.stat().st_size for p in SHIPPED_SPELL_BACKWARD.iterdir()}
-    assert sum(files.values()) < 8 * 2**20
-
-    def hit_rate(model: torch.nn.Module) -> float:
-        hits = total = 0
-        for ids, prompt in rows:
-            with torch.no_grad():
-                predicted = model(torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
-            hits += sum(p == t for p, t in zip(predicted[prompt - 1 :], ids[prompt:], strict=True))
-            total += len(ids) - prompt
-        return hits / total
-
-    assert hit_rate(load_model(SHIPPED_SPELL_BACKWARD)) > 0.5  # shipped: 0.67; random init: 0.0
-
-
-def test_shipped_word_sequence_reversal_model_has_learned_the_task() -> None:
-    """On held-out questions (the generator seeds a default run holds out), the shipped model's greedy next
-    token is the reversed list's on most answer tokens (a forward pass with teacher forcing; the sampled
-    score is measured by `april sft`, not asserted here)."""
-    tok = load_tokenizer(SHIPPED_WORD_SEQUENCE_REVERSAL)
-    records = reasoning_held_out("reasoning_gym:word_sequence_reversal", WORD_SEQUENCE_REVERSAL, 64)
-    rows = [encode(tok, r.text, r.metadata["answer"], 2) for r in records]
-    files = {p.name: p.stat().st_size for p in SHIPPED_WORD_SEQUENCE_REVERSAL.iterdir()}
-    assert sum(files.values()) < 8 * 2**20
-    model = load_model(SHIPPED_WORD_SEQUENCE_REVERSAL)
+    assert sum(p.stat().st_size for p in model_dir.iterdir()) < 8 * 2**20
+    model = load_model(model_dir)
     hits = total = 0
     for ids, prompt in rows:
         with torch.no_grad():
             predicted = model(torch.tensor([ids])).logits[0, :-1].argmax(-1).tolist()
         hits += sum(p == t for p, t in zip(predicted[prompt - 1 :], ids[prompt:], strict=True))
         total += len(ids) - prompt
-    assert hits / total > 0.9  # shipped: 0.956; random init: 0.0
+    assert hits / total > least
