@@ -430,16 +430,21 @@ def test_the_default_run_on_the_tiny_model(tmp_path: Path) -> None:
     assert len(children) == 4 and not wait_all_exited(children)
 
 
-def test_a_killed_worker_is_restarted_and_the_run_carries_on(tmp_path: Path) -> None:
-    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+def up_and_kill_a_worker(
+    cfg: Path, run_dir: Path, steps: int, after_steps: int, env: dict[str, str] | None = None
+) -> str:
+    """`april up --headless` on `cfg` for `steps` steps; once `after_steps` are in its metrics, one of its
+    two workers is SIGKILLed. Returns the run's output, once it has exited 0."""
     proc = subprocess.Popen(
         [sys.executable, "-c", "from cli.main import main; main()", "up", "--headless", "--config", str(cfg),
-         "--run-dir", str(run_dir), "--steps", "12", *free_port_set()],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+         "--run-dir", str(run_dir), "--steps", str(steps), *free_port_set()],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, env=env,
     )  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+    while time.monotonic() < deadline and (
+        not metrics.exists() or len(metrics.read_text().splitlines()) < after_steps
+    ):
         time.sleep(0.1)
     argv = {
         pid: Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
@@ -448,9 +453,14 @@ def test_a_killed_worker_is_restarted_and_the_run_carries_on(tmp_path: Path) -> 
     workers = [pid for pid, args in argv.items() if args[3] == "worker"]  # python -c CODE ROLE ...
     assert len(workers) == 2
     os.kill(workers[0], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=600)
-    text = out.decode(errors="replace")
+    text = proc.communicate(timeout=600)[0].decode(errors="replace")
     assert proc.returncode == 0, text
+    return text
+
+
+def test_a_killed_worker_is_restarted_and_the_run_carries_on(tmp_path: Path) -> None:
+    cfg, run_dir = sim_run_config(tmp_path, "april"), tmp_path / "run"
+    text = up_and_kill_a_worker(cfg, run_dir, steps=12, after_steps=2)
     assert "exited -9: restarted (1/3)" in text
     check_run(run_dir, 12, samples=4)
 

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import verifiers as vf
 import verifiers_envs
 import verifiers_tool_env
-from test_up import REPO, check_run, child_pids, free_port_set, run_up, wait_all_exited
+from test_up import check_run, run_up, up_and_kill_a_worker, wait_all_exited
 
 from actors.tokenizer import HFTokenizer
 from april.chat import chat_format
@@ -353,24 +352,7 @@ def test_a_killed_worker_s_live_episodes_restart_from_their_prompt(tmp_path: Pat
     and every trained episode still scores as verifiers scores it."""
     cfg, env = vf_run_config(tmp_path, '{"n": 40, "live": true}')
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from cli.main import main; main()", "up", "--headless", "--config", str(cfg),
-         "--run-dir", str(run_dir), "--steps", "5", *free_port_set()],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-    )  # fmt: skip
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 1):
-        time.sleep(0.1)
-    argv = {
-        pid: Path(f"/proc/{pid}/cmdline").read_text(errors="replace").split("\0")
-        for pid in child_pids(proc.pid)
-    }
-    workers = [pid for pid, args in argv.items() if args[3] == "worker"]  # python -c CODE ROLE ...
-    assert len(workers) == 2
-    os.kill(workers[0], signal.SIGKILL)
-    out = proc.communicate(timeout=600)[0].decode(errors="replace")
-    assert proc.returncode == 0, out
+    up_and_kill_a_worker(cfg, run_dir, steps=5, after_steps=1, env=env)
     check_run(run_dir, 5, samples=8)  # balanced at every step, with the restarts
     totals = json.loads((run_dir / "broker_totals.json").read_text())["at_last_step"]
     assert totals["restarted"] > 0 and totals["tokens_restarted"] > 0, totals
