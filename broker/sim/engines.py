@@ -13,23 +13,23 @@ the sim engine follows too: the same re-prefill for the same events). `busy_s` a
 give the re-prefill share of engine time; `stale_kv_tokens` counts tokens generated while attending to
 KV computed under older weights than the loaded ones (what resume_kv "reuse" costs in exactness).
 
-Episodes (`broker.sim.episodes`: a single-turn sample is an episode of one turn). A sequence decodes
-one model turn. When a turn that is not the last ends, its slot is free again (the worker grants it back
-as credit unless an episode waits for it) and the episode runs its tool call, holding no slot, for the
+Episodes (`broker.sim.episodes`: a single-turn sample is an episode of one turn). A sequence decodes one
+model turn. When a turn that is not the last ends, its slot is free again (the worker grants it back as
+credit unless an episode waits for it) and the episode runs its tool call, holding no slot, for the
 call's latency; the engine's prefix cache keeps the context (stored as an interrupted prefix is, so a
 weight update under resume_kv "recompute", or eviction, costs its re-prefill). The tool's answer is
 appended as an observation and the episode waits for a slot in `april.turn_queue`'s order, the episode
 driver's (ahead of leases the worker holds unstarted, such as a lease that found no free slot because an
 answered episode took a slot granted as credit); its next turn prefills what the cache lacks: the
 observation, at least. A lease that owes a tool call (an abort killed it) runs it at once, holding no
-slot, as the driver runs an owed step. Budgets: a turn
-generates at most its planned tokens (`env.max_turn_tokens` applied in the plan) and the lease's budget
-(model + observation tokens). Cut off as the episode driver cuts (docs/episodes.md): an answer that
-would leave no budget for another turn, or the call after the last turn `env.max_turns` allows, ends the
-episode (LENGTH) without being appended. An abort returns running turns as partials, answered episodes
-and unstarted leases as they are, and tool calls as the tools allow: a repeatable one is killed (the
-sample, owing it, runs it again when leased), a non-repeatable one is waited for and its sample goes
-back with the answer when it comes (`waited_for`: the AbortDone names those leases as still owed).
+slot, as the driver runs an owed step. Budgets: a turn generates at most its planned tokens
+(`env.max_turn_tokens` applied in the plan) and the lease's budget (model + observation tokens). Cut off
+as the episode driver cuts (docs/episodes.md): an answer that would leave no budget for another turn, or
+the call after the last turn `env.max_turns` allows, ends the episode (LENGTH) without being appended. An
+abort returns running turns as partials, answered episodes and unstarted leases as they are, and tool
+calls as the tools allow: a repeatable one is killed (the sample, owing it, runs it again when leased), a
+non-repeatable one is waited for and its sample goes back with the answer when it comes (`waited_for`:
+the AbortDone names those leases as still owed).
 
 Vectorised: all sequences of an engine advance together, so between two events an engine is an
 arithmetic progression of step boundaries (the first step longer by its prefill). It is woken only at a
