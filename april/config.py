@@ -277,6 +277,10 @@ class DataConfig:
             f"must be >= data.synthetic_prompt_len_min ({self.synthetic_prompt_len_min})",
         )
 
+    def generator_seed(self, run_seed: int) -> int:
+        """The reasoning_gym generators' seed: `seed`, or the run's when it is -1."""
+        return run_seed if self.seed == -1 else self.seed
+
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:

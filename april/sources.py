@@ -43,8 +43,9 @@ def open_source(data_config: DataConfig, seed: int, env: EnvConfig | None = None
             raise DatasetError(f"data.source = 'verifiers' needs env.name = 'verifiers:MODULE', got {got!r}")
         return VerifiersPromptSource(env.name, env.args)
     if data_config.source.startswith("reasoning_gym:"):
-        data_seed = seed if data_config.seed == -1 else data_config.seed
-        return ReasoningGymSource(data_config.source, data_config.size, data_seed, data_config.options)
+        return ReasoningGymSource(
+            data_config.source, data_config.size, data_config.generator_seed(seed), data_config.options
+        )
     if data_config.source == "calculator":
         return CalculatorPromptSource(seed=seed)
     if data_config.source == "task":

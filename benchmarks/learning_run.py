@@ -60,7 +60,7 @@ def held_out_accuracy(
         )
     from actors.rewards import reasoning_gym_reward
 
-    seed = config.data.seed if config.data.seed >= 0 else config.run.seed
+    seed = config.data.generator_seed(config.run.seed)
     records = sft_cmd.reasoning_held_out(
         config.data.source, config.data.options, prompts, config.data.size, seed
     )
