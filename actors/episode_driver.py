@@ -1,29 +1,24 @@
 """The worker's episode driver: multi-turn samples played against an environment, turn by turn.
 
-Owns every leased episode that is not in the engine: its reset or tool step running in the tool runner
-(`actors.tool_runner`), or its next turn waiting for a slot (in `april.turn_queue`'s order). It builds
-each turn's engine request (prompt + response so far, budget the least of the turn's and the episode's
-tokens left), reads a turn that ended (parse, step), appends the observation (`Sample.observed`) and the
-new state (`Sample.episode`), and settles an episode that is done (the environment's reward), cut off
-(LENGTH, reward 0) or broken (FAILED). Each step runs under its `StepKey` (the sample's identity, the
-step's index). On an abort it gives back what it holds, applying first every step result already in (a
-result read is never dropped), killing a repeatable step that runs (owed on resume) and waiting for any
-other. The rules are docs/episodes.md's "The episode driver".
+Carries out the worker core's steps (`april.worker_core`: every rule of which lease goes where) against
+the environment: runs each reset and step in the tool runner (`actors.tool_runner`) under its `StepKey`
+(the sample's identity, the step's index), parses the turn that ended into the step's message, renders
+a reset's prompt and a step's observation into token ids (`april.chat`), keeps each episode's state
+(`Sample.episode`), and tells the core what answered. On an abort it applies first every result already
+in (a result read is never dropped), kills the repeatable steps that run (the sample owes its step) and
+lets the core wait for any other. The rules are docs/episodes.md's "The episode driver".
 
-Knows nothing of sockets, credit or the engine's API: the worker (actors/worker.py) adds the requests,
-feeds back the turns that ended, and sends what is settled.
+Knows nothing of sockets, credit or the engine's API: the worker (actors/worker.py) carries out the
+core's other decisions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from actors.engine import GenerationRequest
 from actors.tokenizer import HFTokenizer, Tokenizer
 from actors.tool_runner import ToolResult, ToolRunner, ToolRunnerSettings, load_env
 from april.chat import ChatFormat, chat_format
@@ -32,7 +27,6 @@ from april.data import PromptRecord
 from april.envs.openenv_adapter import is_openenv, with_gateway
 from april.envs.verifiers_adapter import is_verifiers
 from april.episode import (
-    EnvStep,
     EpisodeError,
     EpisodeState,
     Message,
@@ -42,50 +36,18 @@ from april.episode import (
     holds_live_state,
 )
 from april.failures import Reason, failure
-from april.records import FinishReason, Sample, SampleStatus
-from april.turn_queue import TurnQueue
-
-CUT_OFF_REWARD = 0.0  # an episode the driver ends (budget, max_turns) before the environment does
-
-
-class Phase(enum.Enum):
-    RESET = "reset"  # the environment's reset runs: the prompt comes from it
-    STEP = "step"  # a turn's step runs
-    READY = "ready"  # its next turn waits for a slot
-    ENGINE = "engine"  # the worker has its turn in the engine
-    RETURNING = "returning"  # aborted while a step it cannot kill runs: back to the broker once answered
-
-
-@dataclass(slots=True)
-class Episode:
-    lease_id: int
-    sample: Sample
-    cap: int  # the response length the lease allows (its length at lease + budget)
-    greedy: bool
-    phase: Phase
-    state: EpisodeState | None = None  # None until the reset answered
-    turn: Message | None = None  # the turn whose step runs (Phase.STEP, RETURNING)
-    started: bool = False  # had a turn in this worker's engine (answered episodes go before new leases)
-
-
-@dataclass(frozen=True, slots=True)
-class Settled:
-    """An episode that leaves the driver: finished, failed, or back unfinished (INTERRUPTED). `credit`:
-    1 when its lease never reached the engine, so the slot its lease took from the broker's credit was
-    never used (nor freed) and is granted back with it."""
-
-    lease_id: int
-    sample: Sample
-    credit: int = 0
+from april.records import Sample, SampleStatus
+from april.worker_core import Begin, Decision, Held, Phase, RunStep, StepAnswer, WorkerCore
 
 
 class EpisodeDriver:
-    def __init__(self, env: EnvConfig, chat: ChatFormat, runner: ToolRunner) -> None:
+    def __init__(self, env: EnvConfig, chat: ChatFormat, runner: ToolRunner, slots: int) -> None:
         self.env = env
         self.chat = chat
         self.runner = runner
-        self.episodes: dict[int, Episode] = {}  # lease id -> every episode leased and not settled
-        self._waiting: TurnQueue[int] = TurnQueue()  # lease ids of READY episodes
+        self.core = WorkerCore(slots, True, env.max_turns, env.max_turn_tokens)
+        self.states: dict[int, EpisodeState] = {}  # lease id -> its state (once its reset answered)
+        self.turn: dict[int, Message] = {}  # lease id -> the turn whose step runs
 
     # ------------------------------------------------------------------ what the worker asks
 
@@ -95,181 +57,133 @@ class EpisodeDriver:
         return self.runner.pending > 0
 
     @property
-    def ready(self) -> int:
-        return len(self._waiting)
+    def episodes(self) -> dict[int, Held]:
+        """Every episode leased and not settled."""
+        return self.core.held
 
     def lease_ids(self) -> list[int]:
         """Leases held here, outside the engine (a WorkerHello names them)."""
-        return [i for i, e in self.episodes.items() if e.phase is not Phase.ENGINE]
+        return [i for i, h in self.core.held.items() if h.phase is not Phase.ENGINE]
 
-    def lease(self, lease_id: int, budget: int, greedy: bool, sample: Sample) -> None:
-        """Take a leased episode: reset it (a new one), run the step it owes, or queue its next turn."""
-        ep = Episode(lease_id, sample, sample.response_len + budget, greedy, Phase.READY)
-        self.episodes[lease_id] = ep
-        if not sample.episode or sample.prompt_ids.shape[0] == 0:
-            if sample.episode:  # its state is kept: only the prompt's tokens come from the reset
-                ep.state = EpisodeState.from_bytes(sample.episode)
-            ep.phase = Phase.RESET
-            self.runner.submit(lease_id, ResetRequest(_record(sample)))
-            return
-        ep.state = EpisodeState.from_bytes(sample.episode)
-        if ep.state.owed is not None:
-            self._step(ep, ep.state.owed)
-        else:
-            self._waiting.put(lease_id, started=False)
+    def lease(self, lease_id: int, budget: int, greedy: bool, sample: Sample) -> list[Decision]:
+        """Take a leased episode: reset it (a new one), run the step it owes, or queue its next turn. A
+        state this worker cannot read raises EpisodeError (nothing is kept)."""
+        begin, state = Begin.of_episode(sample)
+        if state is not None:
+            self.states[lease_id] = state
+        turns = state.turns if state is not None else 0
+        return self.run_steps(self.core.lease(lease_id, budget, greedy, sample, begin, turns))
 
-    def next_request(self) -> tuple[GenerationRequest, Sample] | None:
-        """The next turn to start (answered episodes first) and the sample the engine continues; the
-        episode is the worker's until `turn_ended` or its return."""
-        lease_id = self._waiting.take()
-        if lease_id is None:
-            return None
-        ep = self.episodes[lease_id]
-        ep.phase, ep.started = Phase.ENGINE, True
-        s = ep.sample
-        turn_left = self.env.max_turn_tokens - (s.response_len - _turn_start(s))
-        budget = max(0, min(turn_left, ep.cap - s.response_len))
-        return GenerationRequest(ep.lease_id, s.resume_input(), budget, ep.greedy), s
+    def run_steps(self, decisions: list[Decision]) -> list[Decision]:
+        """Run the decisions' resets and steps; the others are the worker's."""
+        rest: list[Decision] = []
+        for d in decisions:
+            if isinstance(d, RunStep):
+                self._run(d)
+            else:
+                rest.append(d)
+        return rest
 
-    def turn_ended(self, lease_id: int, sample: Sample, reason: FinishReason) -> Settled | None:
-        """A turn left the engine with `reason` STOP or LENGTH (`sample`: with its tokens, RUNNING): the
-        episode is cut off (its budget is spent), or its step starts (None)."""
-        ep = self.episodes[lease_id]
-        ep.sample = sample
-        if reason == FinishReason.LENGTH and sample.response_len >= ep.cap:
-            return self._settle(ep, _finished(sample, FinishReason.LENGTH, CUT_OFF_REWARD))
-        text = self.chat.turn_text(sample.response_ids[_turn_start(sample) :].tolist())
-        self._step(ep, self.chat.parse_turn(text))
-        return None
-
-    def poll(self) -> list[Settled]:
-        """Apply the resets and steps that answered; return the episodes that settled."""
-        settled = []
+    def poll(self) -> list[Decision]:
+        """Tell the core the resets and steps that answered; its decisions (its steps run)."""
+        out: list[Decision] = []
         for result in self.runner.poll():
-            ep = self.episodes.get(result.key)
-            if ep is None:
-                continue
-            try:
-                done = self._answer(ep, result)
-            except EpisodeError as exc:  # a state the driver cannot read: the sample is broken
-                done = ep.sample.failed(failure(Reason.EPISODE_STATE, f"episode: {exc}"))
-            if done is not None:
-                unused = not ep.started and ep.phase is not Phase.RETURNING  # (an abort reset the credit)
-                settled.append(self._settle(ep, done, credit=int(unused)))
-        return settled
+            if result.key in self.core.held:
+                out += self.run_steps(self._answered(result.key, result))
+        return out
 
-    def abort(self) -> tuple[list[Settled], list[int]]:
-        """Give back every episode outside the engine: first the resets and steps that answered are
-        applied (their results are kept, never run again), then waiting ones go back as they are, resets
-        and repeatable steps still running are killed (a killed step is owed), others are waited for.
-        Returns (back now, leases waited for); a waited-for one settles from `poll` once it answers. The
-        credit of what goes back is 0: the AbortDone that follows sets the worker's credit."""
-        back = [dataclasses.replace(s, credit=0) for s in self.poll()]
-        waited = []
-        for ep in list(self.episodes.values()):
-            if ep.phase is Phase.ENGINE:
-                continue
-            if ep.phase in (Phase.RESET, Phase.STEP) and not self.runner.cancel(ep.lease_id):
-                ep.phase = Phase.RETURNING
-                waited.append(ep.lease_id)
-                continue
-            if ep.phase is Phase.RETURNING:
-                waited.append(ep.lease_id)
-                continue
-            s = ep.sample
-            if ep.phase is Phase.STEP:
-                assert ep.state is not None and ep.turn is not None
-                s = s.with_episode(dataclasses.replace(ep.state, owed=ep.turn).to_bytes())
-            back.append(self._settle(ep, _interrupted(s)))
-        return back, waited
+    def abort(self) -> tuple[list[Decision], list[int]]:
+        """Give back every episode outside the engine (`WorkerCore.abort`): first the resets and steps that
+        answered are applied (their results are kept, never run again), then a reset or repeatable step
+        still running is killed (a killed step is owed). Returns (decisions, leases waited for); a
+        waited-for one settles from `poll` once it answers. The credit is the AbortDone's."""
+        out = self.poll()
+        killed: dict[int, Sample] = {}
+        for lease_id in self.core.in_phase(Phase.RESET, Phase.STEP):
+            if self.runner.cancel(lease_id):
+                s = self.core.held[lease_id].sample
+                turn = self.turn.get(lease_id)
+                if turn is not None:  # the killed step is owed: the resume runs it first
+                    owed = dataclasses.replace(self.states[lease_id], owed=turn)
+                    s = s.with_episode(owed.to_bytes())
+                killed[lease_id] = s
+        back, waited = self.core.abort(killed)
+        return out + list(back), waited
 
     def forget(self, returned: Sequence[tuple[int, Sample]]) -> None:
-        """Leases the worker returns (settled here, or engine partials and failures): a live state whose
-        episode ended is freed; an interrupted one's stays, for its resume on this worker."""
+        """Leases the worker returns: a live state whose episode ended is freed; an interrupted one's
+        stays, for its resume on this worker."""
         for lease_id, sample in returned:
-            self._drop(lease_id)
+            self.core.forget(lease_id)
+            self.states.pop(lease_id, None)
+            self.turn.pop(lease_id, None)
             if sample.status is not SampleStatus.INTERRUPTED and holds_live_state(sample.episode):
                 self.runner.release(EpisodeState.from_bytes(sample.episode).env_state)
 
     def close(self) -> None:
         self.runner.close()
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ resets and steps
 
-    def _step(self, ep: Episode, turn: Message) -> None:
-        """Run `turn`'s step under its key; the state's `turns` counts it once the step is applied."""
-        assert ep.state is not None
-        ep.phase, ep.turn = Phase.STEP, turn
-        ep.state = dataclasses.replace(ep.state, owed=None)
-        key = StepKey(ep.sample.group_id, ep.sample.index, ep.state.turns)
-        self.runner.submit(ep.lease_id, StepRequest(ep.state.env_state, turn, key))
+    def _run(self, d: RunStep) -> None:
+        """Submit the lease's reset, or the step of its owed turn or of the turn that ended, under its key."""
+        held = self.core.held[d.lease_id]
+        s = held.sample
+        if d.reset:
+            self.runner.submit(d.lease_id, ResetRequest(_record(s)))
+            return
+        state = self.states[d.lease_id]
+        turn = state.owed
+        if turn is None:
+            turn_start = s.observations[-1].end if s.observations else 0
+            turn = self.chat.parse_turn(self.chat.turn_text(s.response_ids[turn_start:].tolist()))
+        self.states[d.lease_id] = dataclasses.replace(state, owed=None)
+        self.turn[d.lease_id] = turn
+        key = StepKey(s.group_id, s.index, state.turns)
+        self.runner.submit(d.lease_id, StepRequest(state.env_state, turn, key))
 
-    def _answer(self, ep: Episode, result: ToolResult) -> Sample | None:
-        """The sample settled by `result`, or None when the episode goes on (READY)."""
+    def _answered(self, lease_id: int, result: ToolResult) -> list[Decision]:
+        held = self.core.held[lease_id]
         if result.step is None:
-            return ep.sample.failed(result.error[:500])
-        if result.timed_out:  # the model is told; the sample carries it, so that it is counted
-            ep.sample = ep.sample.noted(result.error)
-        if ep.turn is None:  # a reset (its phase may be RETURNING: an abort came after it answered)
-            return self._reset_answered(ep, result.step)
-        return self._step_answered(ep, result.step)
-
-    def _reset_answered(self, ep: Episode, step: EnvStep) -> Sample | None:
-        s = ep.sample
-        if s.prompt_ids.shape[0] == 0:
-            ids = np.asarray(self.chat.prompt_ids(step.observation, self.runner.tools), dtype=np.int32)
-            s = dataclasses.replace(s, prompt_ids=ids)
-        if ep.state is None:
-            ep.state = EpisodeState(step.state)
-        ep.sample = s.with_episode(ep.state.to_bytes())
-        if ep.phase is Phase.RETURNING:  # aborted: back with its prompt, a step it owes still owed
-            return _interrupted(ep.sample)
-        if ep.state.owed is not None:
-            self._step(ep, ep.state.owed)
-            return None
-        return self._ready(ep)
-
-    def _step_answered(self, ep: Episode, step: EnvStep) -> Sample | None:
-        assert ep.state is not None
-        turns = ep.state.turns + 1
-        state = EpisodeState(step.state, turns)
-        s = ep.sample.with_episode(state.to_bytes())
-        ep.turn = None
-        if step.done:
-            assert step.reward is not None
-            return _finished(s, FinishReason.STOP, step.reward)
-        after_stop = s.response_len > 0 and int(s.response_ids[-1]) in self.chat.stop_ids
-        obs = self.chat.observation_ids(step.observation, after_stop=after_stop)
-        # no turn after the last one allowed, nor after an observation that leaves no room for one
-        if turns >= self.env.max_turns or s.response_len + len(obs) >= ep.cap:
-            return _finished(s, FinishReason.LENGTH, CUT_OFF_REWARD)
-        ep.sample = s.observed(obs)
-        ep.state = state
-        return self._ready(ep)
-
-    def _ready(self, ep: Episode) -> Sample | None:
-        if ep.phase is Phase.RETURNING:
-            return _interrupted(ep.sample)
-        ep.phase = Phase.READY
-        self._waiting.put(ep.lease_id, started=ep.started)
-        return None
-
-    def _settle(self, ep: Episode, sample: Sample, credit: int = 0) -> Settled:
-        self._drop(ep.lease_id)
-        return Settled(ep.lease_id, sample, credit)
-
-    def _drop(self, lease_id: int) -> None:
-        ep = self.episodes.pop(lease_id, None)
-        if ep is not None and ep.phase is Phase.READY:
-            self._waiting.remove(lease_id)
+            return self.core.fail(lease_id, held.sample.failed(result.error[:500]))
+        note = result.error if result.timed_out else ""  # the model is told; the sample carries it
+        step = result.step
+        try:
+            if self.turn.pop(lease_id, None) is None:  # a reset (RETURNING when an abort came after it)
+                s = held.sample.noted(note) if note else held.sample
+                if s.prompt_ids.shape[0] == 0:
+                    ids = np.asarray(
+                        self.chat.prompt_ids(step.observation, self.runner.tools), dtype=np.int32
+                    )
+                    s = dataclasses.replace(s, prompt_ids=ids)
+                state = self.states.setdefault(lease_id, EpisodeState(step.state))
+                return self.core.reset_answered(
+                    lease_id, s.with_episode(state.to_bytes()), state.owed is not None
+                )
+            state = EpisodeState(step.state, self.states[lease_id].turns + 1)
+            self.states[lease_id] = state
+            if step.done:
+                return self.core.step_answered(
+                    lease_id, StepAnswer(state.to_bytes(), True, step.reward, note=note)
+                )
+            s = held.sample
+            after_stop = s.response_len > 0 and int(s.response_ids[-1]) in self.chat.stop_ids
+            obs = np.asarray(
+                self.chat.observation_ids(step.observation, after_stop=after_stop), dtype=np.int32
+            )
+            return self.core.step_answered(lease_id, StepAnswer(state.to_bytes(), observation=obs, note=note))
+        except EpisodeError as exc:  # a state the driver cannot read: the sample is broken
+            return self.core.fail(
+                lease_id, held.sample.failed(failure(Reason.EPISODE_STATE, f"episode: {exc}"))
+            )
 
 
 def open_episode_driver(
-    env: EnvConfig, tokenizer: Tokenizer, settings: ToolRunnerSettings | None = None
+    env: EnvConfig, tokenizer: Tokenizer, slots: int, settings: ToolRunnerSettings | None = None
 ) -> EpisodeDriver | None:
-    """The driver `env` asks for (None: single-turn), its environment loaded and its tool processes
-    started (`settings`, or `env.tool_processes` and `env.step_timeout_s`). A bad `env.name`, or no
-    tokenizer to render the conversation with, is a one-line EpisodeError."""
+    """The driver `env` asks for (None: single-turn) for a worker of `slots` engine slots, its environment
+    loaded and its tool processes started (`settings`, or `env.tool_processes` and `env.step_timeout_s`).
+    A bad `env.name`, or no tokenizer to render the conversation with, is a one-line EpisodeError."""
     if not env.name:
         return None
     if is_openenv(env.name) and not env.gateway:
@@ -285,7 +199,7 @@ def open_episode_driver(
         runner = ToolRunner(env.name, settings, runner_args(env))
     except EpisodeError as exc:
         raise EpisodeError(f"env.name: {exc}") from None
-    return EpisodeDriver(env, chat_format(tokenizer.tok, tokenizer.eos_token_ids), runner)
+    return EpisodeDriver(env, chat_format(tokenizer.tok, tokenizer.eos_token_ids), runner, slots)
 
 
 def check_env(env: EnvConfig, model: str) -> None:
@@ -342,18 +256,3 @@ def _record(sample: Sample) -> PromptRecord:
         sample.prompt_text,
         dict(sample.metadata),
     )
-
-
-def _turn_start(sample: Sample) -> int:
-    """Where the current model turn starts in the response: after the last observation."""
-    return sample.observations[-1].end if sample.observations else 0
-
-
-def _finished(sample: Sample, reason: FinishReason, reward: float) -> Sample:
-    version = sample.segments[-1].version if sample.segments else 0
-    return sample.extend([], [], version, reason).scored(reward)
-
-
-def _interrupted(sample: Sample) -> Sample:
-    version = sample.segments[-1].version if sample.segments else 0
-    return sample.extend([], [], version, FinishReason.ABORT)

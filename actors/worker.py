@@ -35,8 +35,10 @@ holds its launch weights; a newer one still being fetched follows when it is rea
 again. Samples being scored are not the engine's and are
 unaffected. `actors.engine_health` keeps the schedule and the counts.
 
-With `env.name` set every lease is an episode: `actors.episode_driver` holds it between turns (resets,
-tool steps, waiting for a slot); the worker adds its turns to the engine and sends what settles.
+Which lease goes where is the worker core's (`april.worker_core`, the rules `april simulate`'s workers
+follow too): the loop feeds it the leases, the turns that ended and, after each engine step, the steps
+that answered, then lets it fill free slots and grant credit; it carries out the core's decisions. With
+`env.name` set every lease is an episode whose resets and steps `actors.episode_driver` runs.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -83,18 +84,11 @@ from april.keys import ClientKeys
 from april.peer_link import PeerLink
 from april.records import FinishReason, Sample
 from april.sim.sample_draw import prompt_key
+from april.worker_core import Begin, Decision, Phase, RunStep, Settle, StartTurn, WorkerCore
 
 log = logging.getLogger("april.worker")
 EngineFactory = Callable[[SamplingParams, int], Engine]  # (sampling, starting version) -> engine
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-
-@dataclass(slots=True)
-class Held:
-    """A leased sample inside the engine: the sample as leased (prompt ids filled in)."""
-
-    lease_id: int
-    sample: Sample
 
 
 def apply_output(sample: Sample, out: GenerationOutput) -> Sample:
@@ -147,7 +141,9 @@ class Worker:
         self.seed = seed
         self.engine: Engine | None = None
         self.meter: SlotMeter | None = None  # slot usage, reported as EngineUsage (from the engine's start)
-        self.held: dict[int, Held] = {}  # lease id -> sample in the engine
+        # every lease held, and the rules of where each goes (the episode driver's core when episodic)
+        self.core = episodes.core if episodes is not None else WorkerCore(cfg.slots, episodic=False)
+        self.core.down = True  # until the engine is built
         self.scoring: dict[int, Sample] = {}  # lease id -> finished sample waiting for its reward
         # results and credit owed to the broker, held up to result_hold_ms and sent as one message
         self.outbox = Outbox(cfg.result_hold_ms / 1e3, max_samples=cfg.slots)
@@ -180,13 +176,13 @@ class Worker:
                 stepping = self.episodes is not None and self.episodes.busy
                 self._read_broker(0 if busy else self._idle_wait_ms(5 if self.sync.busy or stepping else 50))
                 self._sync_weights()
-                self._drive_episodes()
                 self._meter_usage()
                 if self.health.down:
                     self._probe(time.monotonic())
                 elif busy:
                     self._step()
                     self._meter_usage()
+                self._drive()
                 self._send_scored()
                 self._send_outbox_if_due()
                 self._report_health()
@@ -268,37 +264,32 @@ class Worker:
                 strict=True,
             )
         )
-        if self.episodes is not None and not self.health.down and self.engine is not None:
-            for lease_id, budget, greedy, sample in leased:
-                self._lease_episode(lease_id, budget, bool(greedy), sample)
-            self._fill_slots()
+        self.core.leased(len(leased))
+        if self.health.down or self.engine is None:  # leased before the broker heard: back, as leased
+            self._return_unstarted([(lease_id, s) for lease_id, _, _, s in leased])
             return
-        failed: list[tuple[int, Sample]] = []
-        for i, (lease_id, budget, greedy, sample) in enumerate(leased):
-            if self.health.down or self.engine is None:  # leased before the broker heard: back, as leased
-                self._return_unstarted([(lid, s) for lid, _, _, s in leased[i:]])
-                break
+        for lease_id, budget, greedy, sample in leased:
             try:
-                if sample.prompt_ids.shape[0] == 0:  # text-only prompt: tokenize once, resumes reuse the ids
-                    ids = self.tokenizer.encode_prompt(sample.prompt_text, sample.metadata)
-                    sample = dataclasses.replace(sample, prompt_ids=ids)
-                self.held[lease_id] = Held(lease_id, sample)
-                self.engine.add([GenerationRequest(lease_id, sample.resume_input(), budget, bool(greedy))])
-            except EngineUnavailable as exc:  # this sample is held: it goes back with the others
-                self._engine_down(exc, exc.partials)
-            except (EngineError, ValueError) as exc:  # one bad request fails one sample, not the worker
-                self.held.pop(lease_id, None)
+                if self.episodes is not None:
+                    decisions = self.episodes.lease(lease_id, budget, bool(greedy), sample)
+                else:
+                    if (
+                        sample.prompt_ids.shape[0] == 0
+                    ):  # a text prompt: tokenized once, resumes reuse the ids
+                        ids = self.tokenizer.encode_prompt(sample.prompt_text, sample.metadata)
+                        sample = dataclasses.replace(sample, prompt_ids=ids)
+                    decisions = self.core.lease(lease_id, budget, bool(greedy), sample, Begin.TURN)
+            except EpisodeError as exc:  # a state this worker cannot read: the sample, not the worker, fails
+                log.warning("sample %s cannot be resumed: %s", sample.key, exc)
+                decisions = [
+                    Settle(lease_id, sample.failed(failure(Reason.EPISODE_STATE, f"episode: {exc}")))
+                ]
+            except ValueError as exc:  # the tokenizer's: one bad prompt fails one sample
                 log.warning("sample %s cannot be generated: %s", sample.key, exc)
-                if isinstance(exc, EngineError):  # (a ValueError is the tokenizer's)
-                    self.health.failed += 1
-                failed.append(
-                    (
-                        lease_id,
-                        sample.failed(failure(Reason.ENGINE_REJECTED, f"engine rejected the request: {exc}")),
-                    )
-                )
-        if failed:
-            self._owe(failed, credit=0 if self.health.down else len(failed))
+                rejected = failure(Reason.ENGINE_REJECTED, f"engine rejected the request: {exc}")
+                decisions = [Settle(lease_id, sample.failed(rejected))]
+            self._carry_out(decisions, grant=False)  # (granted once every lease is in)
+        self._fill_slots()
 
     def _step(self) -> None:
         """One engine step. An EngineError no request was blamed for leaves the engine in a state the
@@ -320,38 +311,36 @@ class Worker:
         self._on_outputs(outputs, asked=False)
 
     def _on_outputs(self, outputs: Sequence[GenerationOutput], asked: bool) -> None:
-        """Samples leave the engine, each freeing its slot: finished ones are scored (and streamed when
-        scored); ABORT ones go back as partials (an engine error, or an abort behind our back on a shared
-        server, when not `asked` by an Abort); failed requests fail their sample."""
-        done: list[tuple[int, Sample]] = []
-        finished = 0
-        settled: list[tuple[int, Sample]] = []  # episodes ended by a turn (their reward is set)
+        """Samples leave the engine, each freeing its slot: a turn that ended goes to the core (scored when
+        single-turn; an episode's step runs); ABORT ones go back as partials (an engine error, or an abort
+        behind our back on a shared server, when not `asked` by an Abort); failed requests fail their
+        sample. What they owe is sent with the credit `_drive` grants once the freed slots are filled (an
+        abort's AbortDone sets the credit instead)."""
+        decisions: list[Decision] = []
         for out in outputs:
-            held = self.held.pop(out.request_id, None)
-            if held is None:  # a request of a lease already returned (after an engine failure)
+            held = self.core.held.get(out.request_id)
+            if held is None or held.phase is not Phase.ENGINE:  # a request of a lease already returned
                 log.warning("engine returned request %d, which this worker no longer holds", out.request_id)
                 continue
             if out.finish_reason == FinishReason.ABORT:
-                done.append((out.request_id, apply_output(held.sample, out)))
+                decisions.append(Settle(out.request_id, apply_output(held.sample, out)))
                 if out.error or not asked:  # not the broker's Abort: the engine's doing
                     self.health.returned += 1
                     log.warning("sample %s back as a partial: %s", held.sample.key, out.error or "aborted")
             elif out.error:
                 log.warning("sample %s failed by the engine: %s", held.sample.key, out.error)
-                done.append((out.request_id, failed_by_engine(apply_output(held.sample, out), out.error)))
+                decisions.append(
+                    Settle(out.request_id, failed_by_engine(apply_output(held.sample, out), out.error))
+                )
                 self.health.failed += 1
-            elif self.episodes is not None:
-                settled += self._turn_ended(out.request_id, held.sample, out)
-                finished += 1
             else:
-                self._score(out.request_id, apply_output(held.sample, out))
-                finished += 1
-        if self.episodes is not None and not asked:  # a freed slot goes to an episode waiting, else credit
-            finished = max(0, finished - self._fill_slots())
-        if done:
-            self._owe(done, credit=0 if asked else len(done))
-        if finished or settled:
-            self._owe(settled, finished)
+                decisions += self._turn_ended(held.sample, out)
+        self._carry_out(decisions, grant=False)  # (granted once the freed slots are filled: `_drive`)
+
+    def _turn_ended(self, sample: Sample, out: GenerationOutput) -> list[Decision]:
+        """A turn ended (STOP or LENGTH): the core says what follows."""
+        turn = apply_output(sample, dataclasses.replace(out, finish_reason=FinishReason.NONE))
+        return self.core.turn_ended(out.request_id, turn, out.finish_reason)
 
     def _score(self, lease_id: int, sample: Sample) -> None:
         self.scoring[lease_id] = sample
@@ -372,13 +361,34 @@ class Worker:
         if done:
             self._owe(done)
 
-    def _owe(self, items: list[tuple[int, Sample]], credit: int = 0) -> None:
-        """Results and freed slots for the broker: into the outbox, sent once it is due (at once with
-        result_hold_ms 0)."""
+    def _carry_out(self, decisions: Sequence[Decision], grant: bool = True) -> None:
+        """The core's decisions: turns into the engine, steps run, samples scored or owed to the broker
+        (with the credit the core grants now, unless `grant` is off: an abort's AbortDone sets it)."""
+        settled: list[tuple[int, Sample]] = []
+        for d in decisions:
+            match d:
+                case StartTurn():
+                    self._start_turn(d)
+                case RunStep():
+                    assert self.episodes is not None
+                    self.episodes.run_steps([d])
+                case Settle(to_score=True):
+                    self._score(d.lease_id, d.sample)
+                case Settle():
+                    settled.append((d.lease_id, d.sample))
+        self._owe(settled, grant)
+
+    def _owe(self, items: list[tuple[int, Sample]], grant: bool = True) -> None:
+        """Results for the broker into the outbox; with `grant`, the free slots the core grants too, and
+        the outbox sent once it is due (at once with result_hold_ms 0). Without, they wait for the next
+        grant (or for the next message the worker sends: nothing overtakes them)."""
+        for lease_id, _ in items:
+            self.core.forget(lease_id)
         if self.episodes is not None:
             self.episodes.forget(items)
-        self.outbox.add(items, credit, time.monotonic())
-        self._send_outbox_if_due()
+        self.outbox.add(items, self.core.grant() if grant else 0, time.monotonic())
+        if grant:
+            self._send_outbox_if_due()
 
     def _send_outbox_if_due(self) -> None:
         if self.outbox.due(time.monotonic()):
@@ -393,69 +403,45 @@ class Worker:
         if msg is not None:
             self.link.send(msg)
 
-    # ------------------------------------------------------------------ episodes
+    # ------------------------------------------------------------------ turns and episodes
 
-    def _lease_episode(self, lease_id: int, budget: int, greedy: bool, sample: Sample) -> None:
-        assert self.episodes is not None
-        try:
-            self.episodes.lease(lease_id, budget, greedy, sample)
-        except EpisodeError as exc:  # a state this worker cannot read: the sample, not the worker, fails
-            log.warning("sample %s cannot be resumed: %s", sample.key, exc)
-            self._owe([(lease_id, sample.failed(failure(Reason.EPISODE_STATE, f"episode: {exc}")))], credit=1)
+    def _drive(self) -> None:
+        """After the engine's step (its turns that ended), as `april simulate`'s engines at a step
+        boundary: the steps and resets that answered, then free slots to waiting turns, then the credit
+        the core grants, sent with what settled."""
+        if self.episodes is not None:
+            self._carry_out(self.episodes.poll(), grant=False)
+        self._fill_slots()
 
-    def _turn_ended(self, lease_id: int, sample: Sample, out: GenerationOutput) -> list[tuple[int, Sample]]:
-        """An episode's turn finished (STOP or LENGTH): its step starts, or it settles (returned)."""
-        assert self.episodes is not None
-        turn = apply_output(sample, dataclasses.replace(out, finish_reason=FinishReason.NONE))
-        ended = self.episodes.turn_ended(lease_id, turn, out.finish_reason)
-        return [] if ended is None else [(ended.lease_id, ended.sample)]
-
-    def _drive_episodes(self) -> None:
-        """Steps and resets that answered: settled episodes to the broker, the rest into free slots."""
-        if self.episodes is None:
+    def _fill_slots(self) -> None:
+        """Start waiting turns in free engine slots (the core's order). While the engine is down they go
+        back as partials."""
+        if self.engine is None:
             return
-        settled = self.episodes.poll()
-        if settled:
-            credit = 0 if self.health.down else sum(e.credit for e in settled)
-            self._owe([(e.lease_id, e.sample) for e in settled], credit)
-        if self.episodes.ready:
-            self._fill_slots()
+        if self.health.down:
+            back = self.core.return_waiting()
+            self.health.returned += len(back)
+            self._carry_out(back)
+            return
+        self._carry_out(self.core.fill())
 
-    def _fill_slots(self) -> int:
-        """Start episodes' next turns in free engine slots, answered episodes before unstarted leases
-        (those wait when an answered episode took the slot their credit was for). While the engine is
-        down they go back as partials. Returns how many started."""
-        assert self.episodes is not None
-        started = 0
-        while self.episodes.ready and self.engine is not None:
-            if self.health.down:
-                back = []
-                while (nxt := self.episodes.next_request()) is not None:
-                    back.append((nxt[0].request_id, interrupted(nxt[1], None)))
-                self.health.returned += len(back)
-                self._owe(back)
-                break
-            if self.engine.active >= self.engine.slots:
-                break
-            nxt = self.episodes.next_request()
-            assert nxt is not None
-            request, sample = nxt
-            self.held[request.request_id] = Held(request.request_id, sample)
-            try:
-                self.engine.add([request])
-                started += 1
-            except EngineUnavailable as exc:
-                self._engine_down(exc, exc.partials)
-            except EngineError as exc:
-                self.held.pop(request.request_id, None)
-                self.health.failed += 1
-                log.warning("sample %s cannot be generated: %s", sample.key, exc)
-                failed = sample.failed(failure(Reason.ENGINE_REJECTED, f"engine rejected the request: {exc}"))
-                self._owe([(request.request_id, failed)], credit=1)
-        return started
-
-    def _episodes_held(self) -> bool:
-        return self.episodes is not None and bool(self.episodes.episodes)
+    def _start_turn(self, d: StartTurn) -> None:
+        """Add a turn to the engine; a request it rejects fails its sample (one bad request, not the
+        worker); an engine that cannot serve takes it back with the others."""
+        assert self.engine is not None
+        held = self.core.held.get(d.lease_id)
+        if held is None or held.phase is not Phase.ENGINE:  # the engine went down since: it went back
+            return
+        try:
+            self.engine.add([GenerationRequest(d.lease_id, d.sample.resume_input(), d.budget, d.greedy)])
+        except EngineUnavailable as exc:
+            self._engine_down(exc, exc.partials)
+        except EngineError as exc:
+            self.core.forget(d.lease_id)
+            self.health.failed += 1
+            log.warning("sample %s cannot be generated: %s", d.sample.key, exc)
+            rejected = failure(Reason.ENGINE_REJECTED, f"engine rejected the request: {exc}")
+            self._owe([(d.lease_id, d.sample.failed(rejected))])
 
     def _idle_wait_ms(self, wait_ms: int) -> int:
         """How long an idle loop may block on the broker socket: `wait_ms`, or until the outbox is due."""
@@ -466,13 +452,15 @@ class Worker:
         """Return every unfinished sample as a partial; confirm once the engine is idle (a down engine
         is: it holds nothing, and grants no credit)."""
         returned = self._drain_engine()
-        waited: list[int] = []
-        if self.episodes is not None:  # episodes between turns: back, or waited for (named as scoring is)
-            back, waited = self.episodes.abort()
-            self._owe([(e.lease_id, e.sample) for e in back])
-            returned += len(back)
+        # what waits for a slot goes back as it is; episodes in a step: back, or waited for (named as
+        # scoring is)
+        back, waited = self.episodes.abort() if self.episodes is not None else self.core.abort({})
+        self._carry_out(back, grant=False)
+        returned += sum(1 for d in back if isinstance(d, Settle))
         scoring = np.array(sorted([*self.scoring, *waited]), dtype=np.int64)
-        self._send(protocol.AbortDone(round_id, 0 if self.health.down else self.cfg.slots, scoring))
+        credit = 0 if self.health.down else self.cfg.slots
+        self.core.set_credit(credit)
+        self._send(protocol.AbortDone(round_id, credit, scoring))
         log.info(
             "abort %d: engine idle, %d partials returned, %d still scoring",
             round_id,
@@ -485,7 +473,7 @@ class Worker:
         many samples went back."""
         if self.engine is None or self.health.down:
             return 0
-        held = len(self.held)
+        held = self.core.active
         try:
             outputs = self.engine.abort()
         except EngineError as exc:  # the samples still go back, as far as the engine told us
@@ -608,43 +596,42 @@ class Worker:
     def _engine_down(self, exc: EngineError, partials: Sequence[GenerationOutput]) -> None:
         """The engine cannot serve: the broker hears it first (so that it leases nothing more when the
         samples come back), then every sample the engine held goes back, with the tokens `partials`
-        bring (one that finished is scored), and probing starts."""
+        bring (a turn that ended goes on: a single-turn sample is scored, an episode's step runs), and
+        probing starts."""
         outputs = {o.request_id: o for o in partials}
-        back: list[tuple[int, Sample]] = []
-        failed: list[tuple[int, Sample]] = []
-        settled: list[tuple[int, Sample]] = []  # episodes a finished turn ended
-        for lease_id, held in self.held.items():
-            out = outputs.get(lease_id)
+        decisions: list[Decision] = []
+        back = failed = 0
+        for lease_id in self.core.in_phase(Phase.ENGINE):
+            sample, out = self.core.held[lease_id].sample, outputs.get(lease_id)
             if out is not None and out.error and out.finish_reason == FinishReason.NONE:
                 # refused before the engine went down: the request is at fault, a retry would fail again
-                failed.append((lease_id, failed_by_engine(held.sample, out.error)))
+                decisions.append(Settle(lease_id, failed_by_engine(sample, out.error)))
+                failed += 1
             elif (
                 out is not None
                 and not out.error
                 and out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
             ):
-                if self.episodes is None:
-                    self._score(lease_id, apply_output(held.sample, out))
-                    continue
-                settled += self._turn_ended(lease_id, held.sample, out)
+                decisions += self._turn_ended(sample, out)
             else:
-                back.append((lease_id, interrupted(held.sample, out)))
-        self.held.clear()
+                decisions.append(Settle(lease_id, interrupted(sample, out)))
+                back += 1
         was_down = self.health.down
         self.sync.rejoin_broadcast()  # its servers leave the learner's group until they serve again
         if isinstance(exc, WeightsLost):
             self._weights_lost(exc)
-        self.health.returned += len(back)
-        self.health.failed += len(failed)
+        self.health.returned += back
+        self.health.failed += failed
         self.health.go_down(str(exc), time.monotonic())
+        self.core.down = True  # the broker sets the credit to 0 when it hears: nothing more until it serves
+        self.core.set_credit(0)
         self._report_health()
-        if back or failed or settled:
-            self._owe(settled + failed + back)  # credit 0: nothing more until the engine serves
+        self._carry_out(decisions)
         if not was_down:
             log.error(
                 "engine down (%s): %d samples returned, leasing nothing until it serves again",
                 self.health.detail,
-                len(back),
+                back,
             )
 
     def _weights_lost(self, exc: WeightsLost) -> None:
@@ -713,13 +700,14 @@ class Worker:
         if self.engine.active:  # left behind by a failure that was not EngineUnavailable
             self._on_outputs(self.engine.abort(), asked=True)
         self.health.come_up()
+        self.core.down = False
         log.info("engine serves again: leasing resumes")
         self._report_health()
         self.sync.rejoin_broadcast()  # a restarted server joins the learner's group with the others
         if self.ready is not None and self.ready.version >= self.engine.version:
             self._load(self.ready)
         if not self.health.down:
-            self._send(protocol.LeaseRequest(max(0, self.cfg.slots - len(self.held))))
+            self._send(protocol.LeaseRequest(self.core.grant()))
 
     def _report_health(self) -> None:
         report = self.health.unsent()
@@ -733,13 +721,13 @@ class Worker:
         unacknowledged results' too) and its free slots, its engine's health when that is not the broker's
         default (up, nothing lost), then its unacknowledged results again, in order, without credit (the
         hello's counts the slots they freed)."""
-        episodes = self.episodes.lease_ids() if self.episodes is not None else []
         resent = [i for r in self.unacked.values() for i in r.lease_ids.tolist()]
         held = np.array(
-            sorted({*self.held, *self.scoring, *self.outbox.lease_ids(), *episodes, *resent}), dtype=np.int64
+            sorted({*self.core.held, *self.scoring, *self.outbox.lease_ids(), *resent}), dtype=np.int64
         )
         version = self.engine.version if self.engine is not None else 0
-        free = 0 if self.health.down or self.engine is None else max(0, self.cfg.slots - len(self.held))
+        free = 0 if self.engine is None else self.core.free()
+        self.core.set_credit(free)  # what the broker holds once it read the hello
         self.outbox.drop_credit()
         hello = protocol.WorkerHello(
             self.worker_id,
@@ -764,17 +752,16 @@ class Worker:
     def _shutdown(self) -> None:
         """Leave cleanly: partials back to the broker, scored samples sent if they come quickly."""
         self._drain_engine()
-        if self.episodes is not None:
-            back, _ = self.episodes.abort()
-            self._owe([(e.lease_id, e.sample) for e in back])
+        back, _ = self.episodes.abort() if self.episodes is not None else self.core.abort({})
+        self._carry_out(back, grant=False)
         wait_s = min(self.cfg.reward_timeout_s, 5.0)
         if self.episodes is not None:  # a step an abort cannot kill runs once: its result is waited for
             wait_s = max(wait_s, self.episodes.runner.wait_s())
         deadline = time.monotonic() + wait_s
-        while (self.scoring or self._episodes_held()) and time.monotonic() < deadline:
+        while (self.scoring or self.core.held) and time.monotonic() < deadline:
             time.sleep(0.01)
             self._send_scored()
-            self._drive_episodes()
+            self._drive()
         self._send(protocol.Disconnect("shutdown"))
         self.rewards.close()
         if self.episodes is not None:
@@ -791,6 +778,6 @@ class Worker:
 
     def identify(self, request: GenerationRequest) -> SampleIdentity:
         """Sample identity for the sim engine: stable across resumes and workers."""
-        sample = self.held[request.request_id].sample
+        sample = self.core.held[request.request_id].sample
         ids = sample.prompt_ids
         return SampleIdentity.of_sample(sample.group_id, sample.index, int(ids.shape[0]), prompt_key(ids))

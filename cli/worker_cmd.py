@@ -29,7 +29,7 @@ def run_worker(config: Config, build_engine: EngineBuilder = make_engine) -> Non
     check_worker(cfg)  # an unknown engine would only fail at the first lease
     cfg = on_device(cfg)  # "auto" resolved; a GPU torch sees and cannot use is one line, before connecting
     tokenizer = make_tokenizer(cfg)
-    episodes = open_episode_driver(config.env, tokenizer)  # a bad env.name: one error line, exit 2
+    episodes = open_episode_driver(config.env, tokenizer, cfg.slots)  # a bad env.name: one error line, exit 2
     rewards = RewardRunner(cfg.reward, cfg.reward_timeout_s)
     worker: Worker
 

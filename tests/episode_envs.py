@@ -25,6 +25,8 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from april.data import PromptRecord
 from april.episode import EnvStep, Message, Role, StepKey, Tool
 
@@ -112,3 +114,42 @@ class HangingToolEnv(CountingEnv):
         if any(call.name == "wait" for call in turn.tool_calls):
             time.sleep(3600)
         return super().step(state, turn)
+
+
+class PlanEnv:
+    """Answers each step as `april simulate` plays it (broker/sim/episodes.py): the plan drawn for the
+    sample (its StepKey's group and index) from the workload in `$APRIL_TEST_PLAN` (JSON: turns,
+    turn_tokens, tool_ms, observations length specs, seed, max_turns, max_turn_tokens, repeatable).
+    A step after the plan's last turn ends the episode (reward 0.0); any other answers an observation of
+    the planned length in bytes (one token each in the sim engine's byte chat). No latency: the test that
+    uses it decides when an answer is seen."""
+
+    tools: tuple[Tool, ...] = ()
+
+    def __init__(self) -> None:
+        from actors.lengths import LengthSpec
+        from broker.sim.episodes import DrawnEpisodes, EpisodePlans, EpisodeWorkload
+
+        spec = json.loads(os.environ["APRIL_TEST_PLAN"])
+        obs = LengthSpec.parse(spec["observations"])
+        sampler = DrawnEpisodes(
+            LengthSpec.parse(spec["turns"]),
+            LengthSpec.parse(spec["turn_tokens"]),
+            LengthSpec.parse(spec["tool_ms"]),
+            obs,
+        )
+        workload = EpisodeWorkload(sampler, obs)
+        self.plans = EpisodePlans(workload, spec["seed"], spec["max_turns"], spec["max_turn_tokens"])
+        self.final_step_repeatable = bool(spec["repeatable"])
+
+    def reset(self, prompt: PromptRecord) -> EnvStep:
+        return EnvStep((Message(Role.USER, prompt.text),), "{}")
+
+    def step(self, state: str, turn: Message, key: StepKey) -> EnvStep:
+        from april.records import Sample
+
+        empty = np.zeros(0, dtype=np.int32)
+        plan = self.plans(Sample(group_id=key.group_id, index=key.index, prompt_ids=empty))
+        if plan.ends_after(key.step):
+            return EnvStep((), state, done=True, reward=0.0)
+        return EnvStep((Message(Role.TOOL, "x" * plan.observations[key.step]),), state)

@@ -33,7 +33,7 @@ from scripted_engine import EngineScript, ScriptedEngine, fails, response_length
 
 from actors.engine import EngineError, EngineUnavailable, GenerationOutput, SamplingParams
 from actors.reward_runner import RewardResult
-from actors.worker import Held, Worker
+from actors.worker import Worker
 from april import protocol
 from april.config import WeightsConfig, WorkerConfig
 from april.peer_link import BACKOFF_MIN_S
@@ -42,6 +42,7 @@ from april.records import FinishReason, Sample, SampleStatus
 from april.sim.byte_tokenizer import ByteTokenizer
 from april.sim.sample_draw import sample_key
 from april.wire_records import SampleBatch
+from april.worker_core import Begin
 
 DEADLINE_S = 60.0  # "did not hang", never "was fast"
 NOISE = (protocol.Heartbeat, protocol.EngineUsage)  # what a worker sends on its own between the rest
@@ -475,20 +476,23 @@ def test_an_engine_down_fails_a_request_it_had_refused_and_returns_the_others() 
         seed=0,  # type: ignore[arg-type]
     )
     sent: list[tuple[list[tuple[int, Sample]], int]] = []
-    worker._owe = lambda items, credit=0: sent.append((items, credit))  # type: ignore[method-assign]
+    worker.outbox.add = lambda items, credit, now: sent.append((list(items), credit))  # type: ignore[method-assign]
     worker._report_health = lambda: None  # type: ignore[method-assign]
     fresh = {
         lid: Sample(group_id=lid, index=0, prompt_ids=PROMPT, status=SampleStatus.RUNNING)
         for lid in (1, 2, 3)
     }
-    worker.held = {lid: Held(lid, s) for lid, s in fresh.items()}
+    worker.core.down = False  # serving, its three requests in the engine
+    for lid, s in fresh.items():
+        worker.core.lease(lid, 8, False, s, Begin.TURN)
+    assert [d.lease_id for d in worker.core.fill()] == [1, 2, 3]
     refused = GenerationOutput.of(1, [], [], [], FinishReason.NONE, error="HTTP 400: input is too long")
     cut = GenerationOutput.of(2, [5, 6], [-0.1, -0.2], [0, 0], FinishReason.ABORT)
     try:
         worker._engine_down(EngineUnavailable("connection refused", [refused, cut]), [refused, cut])
         ((items, credit),) = sent
         back = dict(items)
-        assert credit == 0 and not worker.held and worker.health.down
+        assert credit == 0 and not worker.core.held and worker.health.down
         assert back[1].status == SampleStatus.FAILED and "input is too long" in back[1].error
         assert back[2].status == SampleStatus.INTERRUPTED and back[2].response_ids.tolist() == [5, 6]
         assert back[3].status == SampleStatus.INTERRUPTED and back[3].response_len == 0

@@ -13,15 +13,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 from episode_envs import HANG_TOOL_S, TURNS
 
-from actors.engine import Engine, GenerationOutput, SamplingParams
-from actors.episode_driver import EpisodeDriver, Phase, open_episode_driver
+from actors.engine import Engine, GenerationOutput, GenerationRequest, SamplingParams
+from actors.episode_driver import EpisodeDriver, open_episode_driver
 from actors.tokenizer import HFTokenizer
 from actors.tool_runner import ToolRunnerSettings
 from actors.worker import apply_output, interrupted
@@ -29,6 +29,7 @@ from april.chat import chat_format
 from april.config import ConfigError, EnvConfig
 from april.episode import EpisodeState, Message, Role, ToolCall
 from april.records import FinishReason, Sample, SampleStatus
+from april.worker_core import Decision, Phase, Settle, StartTurn
 
 torch = pytest.importorskip("torch")
 from actors.engines.torch_engine import TorchEngine  # noqa: E402
@@ -80,7 +81,7 @@ def make_driver(tokenizer: HFTokenizer) -> Iterator[object]:
     made: list[EpisodeDriver] = []
 
     def make(env: EnvConfig = ENV) -> EpisodeDriver:
-        driver = open_episode_driver(env, tokenizer, ToolRunnerSettings(processes=1))
+        driver = open_episode_driver(env, tokenizer, 2, ToolRunnerSettings(processes=1))
         assert driver is not None
         made.append(driver)
         return driver
@@ -100,17 +101,20 @@ class Loop:
         self.out: dict[int, Sample] = {}
 
     def lease(self, lease_id: int, sample: Sample) -> None:
-        self.driver.lease(lease_id, MAX_NEW - sample.response_len, True, sample)
+        self.carry_out(self.driver.lease(lease_id, MAX_NEW - sample.response_len, True, sample))
+
+    def carry_out(self, decisions: Sequence[Decision]) -> None:
+        for d in self.driver.run_steps(list(decisions)):
+            if isinstance(d, StartTurn):
+                self.held[d.lease_id] = d.sample
+                self.engine.add([GenerationRequest(d.lease_id, d.sample.resume_input(), d.budget, d.greedy)])
+            elif isinstance(d, Settle):
+                self.out[d.lease_id] = d.sample
+                self.driver.forget([(d.lease_id, d.sample)])
 
     def tick(self) -> None:
-        for settled in self.driver.poll():
-            self.out[settled.lease_id] = settled.sample
-        while self.driver.ready and self.engine.active < self.engine.slots:
-            nxt = self.driver.next_request()
-            assert nxt is not None
-            request, sample = nxt
-            self.held[request.request_id] = sample
-            self.engine.add([request])
+        self.carry_out(self.driver.poll())
+        self.carry_out(self.driver.core.fill())
         if self.engine.active:
             for o in self.engine.step():
                 self.turn_ended(self.held.pop(o.request_id), o)
@@ -119,9 +123,7 @@ class Loop:
 
     def turn_ended(self, sample: Sample, o: GenerationOutput) -> None:
         turn = apply_output(sample, dataclasses.replace(o, finish_reason=FinishReason.NONE))
-        ended = self.driver.turn_ended(o.request_id, turn, o.finish_reason)
-        if ended is not None:
-            self.out[ended.lease_id] = ended.sample
+        self.carry_out(self.driver.core.turn_ended(o.request_id, turn, o.finish_reason))
 
     def run(self, until: object = None, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -141,8 +143,7 @@ class Loop:
                 self.out[o.request_id] = interrupted(sample, o)
                 self.driver.forget([(o.request_id, self.out[o.request_id])])
         back, waited = self.driver.abort()
-        for settled in back:
-            self.out[settled.lease_id] = settled.sample
+        self.carry_out(back)
         return waited
 
 
@@ -176,7 +177,7 @@ def assert_same_transcript(got: Sample, want: Sample) -> None:
 
 
 def test_the_env_section_sizes_the_tool_runner(tokenizer: HFTokenizer) -> None:
-    driver = open_episode_driver(dataclasses.replace(ENV, tool_processes=3, step_timeout_s=2.5), tokenizer)
+    driver = open_episode_driver(dataclasses.replace(ENV, tool_processes=3, step_timeout_s=2.5), tokenizer, 2)
     assert driver is not None
     try:
         assert driver.runner.settings == ToolRunnerSettings(processes=3, step_timeout_s=2.5)
@@ -242,7 +243,7 @@ def test_a_tool_past_its_timeout_is_carried_by_the_sample(engine, tokenizer) -> 
     s = s.extend(ids, np.full(len(ids), -0.5, np.float32), 0, FinishReason.ABORT)
     owing = s.with_episode(EpisodeState('{"k": 0, "chars": 0}', 0, turn).to_bytes())
     env = dataclasses.replace(ENV, name="episode_envs:HangingToolEnv")
-    driver = open_episode_driver(env, tokenizer, ToolRunnerSettings(processes=1, step_timeout_s=0.5))
+    driver = open_episode_driver(env, tokenizer, 2, ToolRunnerSettings(processes=1, step_timeout_s=0.5))
     assert driver is not None
     try:
         done = play(driver, engine, {1: resume(owing)})[1]

@@ -318,7 +318,7 @@ def test_start_up_errors_are_one_line() -> None:
     with pytest.raises(GatewayStartError, match=f"no OpenEnv server answers http://127.0.0.1:{port}/health"):
         check_openenv(EnvConfig(name=f"openenv:http://127.0.0.1:{port}"))  # april up without server_command
     with pytest.raises(EpisodeError, match=r"env\.gateway is empty"):  # a worker started by hand, without one
-        open_episode_driver(EnvConfig(name=f"openenv:http://127.0.0.1:{port}"), object())  # type: ignore[arg-type]
+        open_episode_driver(EnvConfig(name=f"openenv:http://127.0.0.1:{port}"), object(), 1)  # type: ignore[arg-type]
     with pytest.raises(GatewayStartError, match="not a loopback address"):
         check_bind("tcp://10.1.2.3:5600", allow_remote=False)
     check_bind("tcp://10.1.2.3:5600", allow_remote=True)

@@ -109,12 +109,20 @@ def worker_on(hold_ms: float) -> tuple[Worker, SentLink]:
     return worker, sent
 
 
+def owe(worker: Worker, items: list[tuple[int, Sample]], credit: int) -> None:
+    """The worker owes `items` with `credit` freed slots: the broker's credit is `credit` short of the
+    worker's free slots, so its core grants that many."""
+    worker.core.down = False
+    worker.core.set_credit(worker.core.free() - credit)
+    worker._owe(items)
+
+
 def test_a_holding_worker_sends_what_it_owes_once_due_and_before_anything_else(clock: FakeClock) -> None:
     worker, link = worker_on(hold_ms=100)
-    worker._owe([], 1)  # a finish frees a slot
+    owe(worker, [], 1)  # a finish frees a slot
     clock.now += 0.04
-    worker._owe([(11, finished(1))])  # its scored result
-    worker._owe([(12, finished(2))], 1)  # a failure: result and slot at once
+    owe(worker, [(11, finished(1))], 0)  # its scored result
+    owe(worker, [(12, finished(2))], 1)  # a failure: result and slot at once
     worker._send_outbox_if_due()
     assert link.sent == []  # nothing is due within the hold
     clock.now += 0.07
@@ -123,7 +131,7 @@ def test_a_holding_worker_sends_what_it_owes_once_due_and_before_anything_else(c
     assert isinstance(msg, protocol.SampleResult)
     assert msg.lease_ids.tolist() == [11, 12] and msg.credit == 2
     # held again, then any other message of the worker goes out after it: nothing overtakes a result
-    worker._owe([(13, finished(3))], 1)
+    owe(worker, [(13, finished(3))], 1)
     worker._send(protocol.AbortDone(5, SLOTS, np.zeros(0, np.int64)))
     again, done = link.sent[1:]
     assert isinstance(again, protocol.SampleResult) and again.lease_ids.tolist() == [13]
@@ -138,16 +146,16 @@ def test_results_are_kept_until_acknowledged_and_a_hello_sends_them_again(clock:
     worker, link = worker_on(hold_ms=0)
     worker.engine = types.SimpleNamespace(version=2)  # type: ignore[assignment]
     worker.health.down = False
-    worker._owe([(11, finished(1))], 1)
-    worker._owe([(12, finished(2))], 1)
+    owe(worker, [(11, finished(1))], 1)
+    owe(worker, [(12, finished(2))], 1)
     first, second = link.sent
     assert isinstance(first, protocol.SampleResult) and isinstance(second, protocol.SampleResult)
     assert (first.seq, second.seq) == (1, 2) and list(worker.unacked) == [1, 2]
     worker._handle(protocol.ResultAck(1))
     assert list(worker.unacked) == [2]
     worker.outbox.hold_s = 1.0  # the next ones are held
-    worker._owe([(13, finished(3))], 1)
-    worker._owe([], 2)
+    owe(worker, [(13, finished(3))], 1)
+    owe(worker, [], 2)
     hello, again = worker._hello()
     assert isinstance(hello, protocol.WorkerHello) and hello.held_leases.tolist() == [12, 13]
     assert hello.credit == SLOTS and worker.outbox.credit == 0  # no lease in the engine: every slot
@@ -171,7 +179,7 @@ def test_usage_reports_while_generating_leave_held_results_held(clock: FakeClock
     worker.engine = types.SimpleNamespace(active=2)  # type: ignore[assignment]
     worker.meter = SlotMeter(SLOTS, clock.now, worker.cfg.usage_report_s)
     worker.health.come_up()
-    worker._owe([(11, finished(1))], 1)
+    owe(worker, [(11, finished(1))], 1)
     for _ in range(3):
         clock.now += 0.15
         worker._meter_usage()
@@ -181,8 +189,8 @@ def test_usage_reports_while_generating_leave_held_results_held(clock: FakeClock
 
 def test_a_worker_without_the_hold_sends_every_result_and_credit_at_once(clock: FakeClock) -> None:
     worker, link = worker_on(hold_ms=0)
-    worker._owe([], 2)
-    worker._owe([(11, finished(1))])
+    owe(worker, [], 2)
+    owe(worker, [(11, finished(1))], 0)
     assert link.sent[0] == protocol.LeaseRequest(2)
     assert isinstance(link.sent[1], protocol.SampleResult) and link.sent[1].lease_ids.tolist() == [11]
     assert len(link.sent) == 2 and worker._idle_wait_ms(50) == 50  # nothing held: it may block
@@ -190,7 +198,7 @@ def test_a_worker_without_the_hold_sends_every_result_and_credit_at_once(clock: 
 
 def test_an_idle_worker_blocks_no_longer_than_its_outbox_may_wait(clock: FakeClock) -> None:
     worker, _ = worker_on(hold_ms=100)
-    worker._owe([(11, finished(1))])
+    owe(worker, [(11, finished(1))], 0)
     clock.now += 0.0625
     assert worker._idle_wait_ms(50) == 38  # 37.5 ms left, rounded up: never woken before it is due
     assert worker._idle_wait_ms(5) == 5
@@ -209,7 +217,8 @@ def test_an_abort_finds_every_held_result_sent_before_its_abort_done() -> None:
         w.broker.send(lease([(1, short[0]), (2, short[1]), (3, long)]))
         # both short ones finished and scored: held in the outbox (unless a stalled machine let the hold run
         # out; the rules below hold either way)
-        wait_for(lambda: list(w.worker.held) == [3] and not w.worker.scoring, 10, "both short ones scored")
+        held = w.worker.core.held
+        wait_for(lambda: list(held) == [3] and not w.worker.scoring, 10, "both short ones scored")
         w.broker.send(protocol.Abort(7))
         back: dict[int, Sample] = {}
         credit = 0

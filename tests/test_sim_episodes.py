@@ -216,7 +216,7 @@ def test_an_abort_returns_answered_episodes_and_unstarted_leases_as_they_are() -
     assert out[1].observations == (Span(10, 14),) and out[1].response_len == 17  # its next turn's 3
     assert out[2].observations == (Span(10, 14),) and out[2].response_len == 14  # as it waited
     assert out[3].response_len == 3 and out[5].response_len == 0
-    assert model.credit == model.slots and not model.waiting
+    assert model.core.credit == model.slots and not model.core.ready
 
 
 def test_answered_episodes_take_freed_slots_before_leases_held_unstarted() -> None:
@@ -229,9 +229,10 @@ def test_answered_episodes_take_freed_slots_before_leases_held_unstarted() -> No
     model.complete_tools(model.t_base + 0.05)
     assert model.fill() == [] and [s.lease_id for s in model.seqs] == [3, 1]  # 1 takes the other
     model.admit([(5, 1000, fresh(4))])  # on the credit 1 took: it waits in the worker
-    assert [w.lease.lease_id for w in model.waiting] == [2, 5]  # the answered episode first
+    assert list(model.core.waiting) == [2, 5]  # the answered episode first
     steps(model, 10)  # 3 ends its first turn, 1 its last: two slots free
-    (finished,) = model.take_finished()
+    assert model.take_finished() == []  # their steps run: 3's tool call, 1's end (answered at once)
+    (finished,) = model.complete_tools(model.t_base)
     assert finished[0] == 1 and finished[1].status == SampleStatus.FINISHED
     assert model.fill() == [] and [s.lease_id for s in model.seqs] == [2, 5]  # the episode first
     assert model.grant() == 0  # nothing was left to grant
@@ -255,7 +256,7 @@ def test_an_owed_call_runs_at_lease_and_its_episode_waits_as_unstarted() -> None
     steps(model, 10)  # 5 and 6 end their first turns; their tools run
     model.take_finished()
     model.complete_tools(model.t_base + 1.0)  # every call answers: 8's, then 5's and 6's
-    assert [w.lease.lease_id for w in model.waiting] == [5, 6, 7, 8]
+    assert list(model.core.waiting) == [5, 6, 7, 8]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -274,8 +275,7 @@ def test_max_turns_and_tokens_per_turn_bound_the_plan() -> None:
     assert (s.finish_reason, s.reward) == (FinishReason.LENGTH, 0.0)
     assert result.figures.wall_s == pytest.approx(62 * MS)
     plans = EpisodePlans(episodes, 0, max_turns=2, max_turn_tokens=30)
-    assert plans(s) == EpisodePlan((30, 30), (0.001, 0.001), (4,), cut=True)
-    assert EpisodePlans(episodes, 0, max_turns=5, max_turn_tokens=30)(s).cut is False
+    assert plans(s) == EpisodePlan((30,) * 5, (0.001,) * 4, (4,) * 4)  # the cut is the worker core's
 
 
 def test_the_episode_budget_counts_observations() -> None:
@@ -351,8 +351,8 @@ def test_recorded_episodes(tmp_path: Path) -> None:
     assert recorded.episodes == (((5, 6, 7), (100.0, 2000.5), (3, 4)), ((9,), (), None))
     plans = EpisodePlans(EpisodeWorkload(recorded, LengthSpec.parse("fixed:8")), 0, 2, 6)
     seen = {plans(fresh(g)) for g in range(40)}
-    # max 2 turns of 6 tokens: the three-turn episode is cut after the call that follows its second turn
-    assert seen == {EpisodePlan((5, 6), (0.1, 2.0005), (3,), cut=True), EpisodePlan((6,))}
+    # turns of at most 6 tokens (max_turns is the worker core's to apply)
+    assert seen == {EpisodePlan((5, 6, 6), (0.1, 2.0005), (3, 4)), EpisodePlan((6,))}
     for line, error in [
         ('{"turns": []}', '"turns", a non-empty'),
         ('{"turns": [3, 0], "tool_ms": [1]}', '"turns" = '),

@@ -1,35 +1,28 @@
 """Simulated rollout engines for `april simulate`: slots and decode steps in virtual time, vectorised, and
-the episodes their workers hold between turns.
+the worker around each, which holds the real worker's core.
 
-Owns the engine side of the simulation: which leased samples each engine is decoding, how many tokens
-each has produced, when its next step boundary falls, and the broker messages it has not read yet; and
-what the worker around it keeps (actors/worker.py and its episode driver, docs/design.md section 3).
+Owns the engine side of the simulation: which turns each engine is decoding, how many tokens each has
+produced, when its next step boundary falls, the tool calls its worker has running and when each
+answers, and the broker messages it has not read yet. Every decision a worker makes (which lease goes
+where, which waiting turn a free slot goes to, what a turn that ended or a step that answered leads to,
+the cut-offs, what an abort gives back or waits for, the credit granted) is `april.worker_core`'s, the
+real worker's (actors/worker.py): this module feeds it the events a real worker would see, in its order
+(at a step boundary: the turns that ended, then the tool calls that answered, then free slots filled,
+then credit granted; then the messages read), and carries out its decisions.
 
 Cost model: `april.sim.engine_cost.EngineCost`, the one the sim engine a worker runs also uses (a decode
-step over `active` sequences, plus the prefill of every input token admitted in that step). A fresh
-sample's input is its prompt; a resumed partial re-prefills prompt + the response so far (the resume
-hand-off cost), less what this engine's prefix cache still holds of it (`april.sim.prefix_cache`, the rule
-the sim engine follows too: the same re-prefill for the same events). `busy_s` and `reprefill_tokens`
-give the re-prefill share of engine time; `stale_kv_tokens` counts tokens generated while attending to
-KV computed under older weights than the loaded ones (what resume_kv "reuse" costs in exactness).
+step over `active` sequences, plus the prefill of every input token admitted in that step). A turn's
+input is prompt + response so far, less what this engine's prefix cache still holds of it
+(`april.sim.prefix_cache`): a resumed partial pays its re-prefill (the resume hand-off cost), an
+episode's next turn its observation at least. `busy_s` and `reprefill_tokens` give the re-prefill share
+of engine time; `stale_kv_tokens` counts tokens generated while attending to KV computed under older
+weights than the loaded ones (what resume_kv "reuse" costs in exactness).
 
-Episodes (`broker.sim.episodes`: a single-turn sample is an episode of one turn). A sequence decodes one
-model turn. When a turn that is not the last ends, its slot is free again (the worker grants it back as
-credit unless an episode waits for it) and the episode runs its tool call, holding no slot, for the
-call's latency; the engine's prefix cache keeps the context (stored as an interrupted prefix is, so a
-weight update under resume_kv "recompute", or eviction, costs its re-prefill). The tool's answer is
-appended as an observation and the episode waits for a slot in `april.turn_queue`'s order, the episode
-driver's (ahead of leases the worker holds unstarted, such as a lease that found no free slot because an
-answered episode took a slot granted as credit); its next turn prefills what the cache lacks: the
-observation, at least. A lease that owes a tool call (an abort killed it) runs it at once, holding no
-slot, as the driver runs an owed step. Budgets: a turn generates at most its planned tokens
-(`env.max_turn_tokens` applied in the plan) and the lease's budget (model + observation tokens). Cut off
-as the episode driver cuts (docs/episodes.md): an answer that would leave no budget for another turn, or
-the call after the last turn `env.max_turns` allows, ends the episode (LENGTH) without being appended. An
-abort returns running turns as partials, answered episodes and unstarted leases as they are, and tool
-calls as the tools allow: a repeatable one is killed (the sample, owing it, runs it again when leased), a
-non-repeatable one is waited for and its sample goes back with the answer when it comes (`waited_for`:
-the AbortDone names those leases as still owed).
+Episodes (`broker.sim.episodes`' plans: a single-turn sample is a plan of one turn): a reset answers at
+once; a turn decodes its planned tokens (within its budget); its step runs as a tool call holding no
+slot, the context kept in the prefix cache, and answers after the call's latency with the planned
+observation (the episode's last step at the next boundary, done). A call an abort kills leaves the
+sample owing it, as the episode driver marks it (`EpisodeState.owed`).
 
 Vectorised: all sequences of an engine advance together, so between two events an engine is an
 arithmetic progression of step boundaries (the first step longer by its prefill). It is woken only at a
@@ -46,74 +39,53 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from april.episode import EpisodeState, Message, Role
 from april.protocol import Abort, WeightsReady
-from april.records import FinishReason, Sample
+from april.records import FinishReason, Sample, SampleStatus
 from april.sim.byte_tokenizer import ByteTokenizer
 from april.sim.engine_cost import EngineCost
 from april.sim.prefix_cache import PrefixCache
-from april.turn_queue import TurnQueue
+from april.worker_core import Begin, Decision, Phase, RunStep, Settle, StartTurn, StepAnswer, WorkerCore
 from broker.decisions import LeaseOut, Work
-from broker.sim.episodes import EpisodePlan, EpisodePlans, Plans, SingleTurn
+from broker.sim.episodes import EpisodePlans, Plans, SingleTurn
 from broker.sim.figures import Meter
 
 LengthOf = Callable[[Sample], int]  # the drawn total response length of a sample
 Output = tuple[int, Sample]  # (lease id, the sample as returned to the broker)
 BYTES = ByteTokenizer()  # the sim engine's tokenizer (actors.factory): a text prompt's ids, one a byte
 _EPS = 1e-9  # float slack when placing a time on the step grid
+RESET_STATE = EpisodeState(
+    "{}"
+).to_bytes()  # a simulated episode's state once reset (the plan holds the rest)
+OWED_TURN = Message(Role.ASSISTANT, "")  # what a simulated episode whose step an abort killed owes
 
 
 ToEngine = LeaseOut | Abort | WeightsReady  # what the broker core sends an engine (broker.decisions)
 
 
-@dataclass(frozen=True, slots=True)
-class _Lease:
-    """What the worker keeps of a lease across the turns it runs."""
-
-    lease_id: int
-    cap: int  # response tokens the sample may reach in this lease (as leased + the lease's budget)
-    leased_model: int  # model tokens it had when leased
-    plan: EpisodePlan
-
-
 @dataclass(slots=True)
 class _Seq:
-    lease: _Lease
+    lease_id: int
     sample: Sample  # as this turn started (RUNNING): as leased, or with the lease's earlier turns
-    finish: FinishReason  # once its tokens are out: STOP or LENGTH (finished), NONE (a tool call follows)
+    finish: FinishReason  # once its tokens are out: STOP or LENGTH
     marks: list[tuple[int, int]]  # (tokens produced in this turn, version from then on)
     cached: int = 0  # input tokens the prefix cache gave back
     kv_version: int = 0  # weights version of the oldest KV it attends to
     prefilled: bool = False  # its first step ran: the KV of its whole input exists
 
-    @property
-    def lease_id(self) -> int:
-        return self.lease.lease_id
-
-
-@dataclass(slots=True)
-class _Episode:
-    """An episode in its tool call until `due`, holding no slot."""
-
-    lease: _Lease
-    sample: Sample  # RUNNING: its last turn appended
-    call: int  # which of the plan's tool calls
-    due: float  # when the tool answers (s)
-    started: bool  # it has had a turn in this engine (a resumed lease's owed call: not yet)
-    returning: bool = False  # aborted while its non-repeatable tool ran: back to the broker when answered
-
 
 @dataclass(frozen=True, slots=True)
-class _Waiting:
-    """A turn waiting for a slot: an episode its tool answered, or a lease not started here."""
+class _Call:
+    """A tool call running until `due`, holding no slot: the step after turn `call` of its episode."""
 
-    lease: _Lease
-    sample: Sample
+    call: int
+    due: float  # when the tool answers (s)
 
 
 class EngineModel:
@@ -137,6 +109,13 @@ class EngineModel:
         self.meter = meter
         self.plans: Plans = plans if isinstance(plans, EpisodePlans | SingleTurn) else SingleTurn(plans)
         self.repeatable_tools = repeatable_tools
+        # the worker's rules: which lease goes where, what an abort gives back, the credit it grants
+        p = self.plans
+        self.core = (
+            WorkerCore(slots, True, p.max_turns, p.max_turn_tokens)
+            if isinstance(p, EpisodePlans)
+            else WorkerCore(slots, False)
+        )
         self.version = 0
         self.seqs: list[_Seq] = []
         self.produced = np.zeros(0, dtype=np.int64)  # (active,) tokens of each sequence in this turn
@@ -155,9 +134,9 @@ class EngineModel:
         self.busy_s = 0.0  # time spent in decode steps
         self.stale_kv_tokens = 0  # tokens generated attending to KV of older weights than the loaded ones
         self.stale_seqs = 0  # running sequences attending to such KV (kept up to date: advance is hot)
-        self.tools: dict[int, _Episode] = {}  # lease id -> episode in a tool call
-        self.waiting: TurnQueue[_Waiting] = TurnQueue()  # turns waiting for a slot, in the worker's order
-        self.credit = slots  # free slots the broker holds as this worker's credit, as the worker reckons
+        self.tools: dict[int, _Call] = {}  # lease id -> its tool call (killed ones dropped)
+        self.leased_model: dict[int, int] = {}  # lease id -> the model tokens its sample had when leased
+        self._ended_kv: dict[int, int] = {}  # lease id -> KV version of a turn that just ended here
         self.started_tools: list[float] = []  # when tool calls started since the driver last took them end
 
     @property
@@ -167,10 +146,8 @@ class EngineModel:
     @property
     def in_engine_tokens(self) -> int:
         """Model tokens generated in current leases and not yet returned to the broker."""
-        running = int(self.produced.sum())
-        running += sum(seq.sample.model_tokens - seq.lease.leased_model for seq in self.seqs)
-        held: list[_Episode | _Waiting] = [*self.tools.values(), *self.waiting]
-        return running + sum(e.sample.model_tokens - e.lease.leased_model for e in held)
+        held = sum(h.sample.model_tokens - self.leased_model[i] for i, h in self.core.held.items())
+        return int(self.produced.sum()) + held
 
     # ------------------------------------------------------------------ the step grid
 
@@ -213,115 +190,97 @@ class EngineModel:
             self.prefill = self.reprefill = 0
         self.t_base = now
 
-    # ------------------------------------------------------------------ sequences
+    # ------------------------------------------------------------------ the worker's events
 
     def take_finished(self) -> list[Output]:
-        """Sequences whose turn ended: out of their slots. A finished sample is returned (FINISHED); an
-        episode with turns to come starts its tool call (at t_base)."""
+        """Sequences whose turn ended: out of their slots, told to the worker core (a single-turn sample
+        is returned; an episode's step starts, at t_base)."""
         done = np.flatnonzero(self.remaining <= 0)
         if done.shape[0] == 0:
             return []
-        out = []
-        for i in done.tolist():
-            seq, produced = self.seqs[i], int(self.produced[i])
-            if seq.finish == FinishReason.NONE:
-                self._end_turn(seq, produced)
-            else:
-                out.append((seq.lease_id, _output(seq, produced, seq.finish)))
-                self.plans.forget(seq.sample)
+        ended = [(self.seqs[i], int(self.produced[i])) for i in done.tolist()]
         self._keep(self.remaining > 0)
+        self._ended_kv = {seq.lease_id: seq.kv_version for seq, _ in ended}  # for their steps' prefix cache
+        out: list[Output] = []
+        for seq, produced in ended:
+            turn = _output(seq, produced, FinishReason.NONE)
+            out += self._carry_out(self.core.turn_ended(seq.lease_id, turn, seq.finish))
         return out
 
     def admit(self, work: Work) -> list[Output]:
-        """Start leased samples (prefilled in the next step), or hold them while no slot is free. Returns
-        those with nothing to generate."""
-        self.credit -= len(work)
-        before, ready, remaining = self.active, [], list[int]()
+        """Leased samples, to the worker core: an owed tool call runs at once, the rest take free slots
+        (prefilled in the next step) or wait for one. Returns those with nothing to generate."""
+        self.core.leased(len(work))
+        out: list[Output] = []
         for lease_id, budget, sample in work:
             if sample.prompt_ids.shape[0] == 0:  # a text prompt: tokenized as the sim engine's worker does
                 ids = BYTES.encode_prompt(sample.prompt_text, sample.metadata)
                 sample = dataclasses.replace(sample, prompt_ids=ids)
-            lease = self._lease(lease_id, budget, sample)
-            turn, left = lease.plan.turn_of(sample.model_tokens, len(sample.observations))
-            if left <= 0 and not lease.plan.ends_after(turn):  # an abort killed its call: it runs again now
-                self._call_tool(lease, sample, turn, started=False)
-            elif self.active >= self.slots:
-                self.waiting.put(_Waiting(lease, sample), started=False)
-            elif (out := self._start(lease, sample, remaining)) is not None:
-                ready.append(out)
-        self._commit(before, remaining)
-        return ready
+            self.leased_model[lease_id] = sample.model_tokens
+            if self.core.episodic:  # (the episode driver's rule: reset, owed step, or next turn)
+                begin, state = Begin.of_episode(sample)
+                turns = state.turns if state is not None else 0
+            else:
+                begin, turns = Begin.TURN, 0
+            out += self._carry_out(self.core.lease(lease_id, budget, False, sample, begin, turns))
+        return out + self.fill()
 
     def complete_tools(self, now: float) -> list[Output]:
-        """Tool calls answered by `now`: each answer becomes an observation and its episode waits for a
-        slot. Returns what goes back to the broker instead: episodes left without budget for another turn
-        (FINISHED) and those an abort waited for (INTERRUPTED)."""
-        answered = sorted((e for e in self.tools.values() if e.due <= now), key=lambda e: e.due)
+        """Tool calls answered by `now`, to the worker core (its observation, of the planned tokens).
+        Returns what goes back to the broker: episodes cut off, and those an abort waited for."""
+        answered = sorted(((c.due, i) for i, c in self.tools.items() if c.due <= now))
         out: list[Output] = []
-        for e in answered:
-            del self.tools[e.lease.lease_id]
-            plan = e.lease.plan
-            # cut off (the episode driver's rule): the call after the last allowed turn, or an answer that
-            # leaves no budget for another turn; the answer is not appended
-            room = e.lease.cap - e.sample.response_len
-            if plan.ends_with_call(e.call) or plan.observations[e.call] >= room:
-                out.append((e.lease.lease_id, _settle(e.sample, FinishReason.LENGTH)))
-                self.plans.forget(e.sample)
-                continue
-            sample = e.sample.observed(np.zeros(plan.observations[e.call], dtype=np.int32))
-            if e.returning:
-                out.append((e.lease.lease_id, _settle(sample, FinishReason.ABORT)))
+        for _, lease_id in answered:
+            call = self.tools.pop(lease_id)
+            plan = self.plans(self.core.held[lease_id].sample)
+            state = EpisodeState("{}", call.call + 1).to_bytes()  # (the plan holds the rest)
+            if plan.ends_after(call.call):  # the episode's end (reward 0.0: no task here)
+                answer = StepAnswer(state, done=True, reward=0.0)
             else:
-                self.waiting.put(_Waiting(e.lease, sample), started=e.started)
+                answer = StepAnswer(state, observation=np.zeros(plan.observations[call.call], dtype=np.int32))
+            out += self._carry_out(self.core.step_answered(lease_id, answer))
         return out
 
     def tool_due(self, now: float) -> bool:
         """Whether a tool call (not killed since) has answered by `now`."""
-        return any(e.due <= now for e in self.tools.values())
+        return any(c.due <= now for c in self.tools.values())
 
     def fill(self) -> list[Output]:
-        """Free slots to answered episodes first, then to leases held unstarted. Returns those of the
-        latter with nothing to generate."""
-        before, ready, remaining = self.active, [], list[int]()
-        while self.active < self.slots and (w := self.waiting.take()) is not None:
-            if (out := self._start(w.lease, w.sample, remaining)) is not None:
-                ready.append(out)
-        self._commit(before, remaining)
-        return ready
+        """Free slots to waiting turns, in the worker core's order. Returns those with nothing to
+        generate."""
+        return self._carry_out(self.core.fill())
 
     def grant(self) -> int:
-        """Free slots the broker does not hold as credit yet: granted now (the worker's LeaseRequest, or
-        the credit of a SampleResult)."""
-        fresh = max(0, self.slots - self.active - self.credit)
-        self.credit += fresh
-        return fresh
+        """Free slots the broker does not hold as credit yet, granted now (the worker's LeaseRequest, or
+        the credit of a SampleResult): the worker core's count."""
+        return self.core.grant()
 
     def abort(self) -> list[Output]:
-        """Every running sequence back as an INTERRUPTED partial with the tokens it has; answered episodes,
-        unstarted leases and killed (repeatable) tool calls back as they are. A non-repeatable tool call
-        is waited for (`waited_for`). The worker's AbortDone then grants every slot."""
+        """Every running sequence back as an INTERRUPTED partial with the tokens it has; the rest as the
+        worker core gives them back: repeatable tool calls are killed (the sample owes the call), a
+        non-repeatable one is waited for (`waited_for`). The worker's AbortDone then grants every slot."""
         out = []
         for seq, n in zip(self.seqs, self.produced.tolist(), strict=True):
             out.append((seq.lease_id, _output(seq, n, FinishReason.ABORT)))
+            self._left(seq.lease_id)
             # its KV stays on the engine: all of it once prefilled, else only what the cache gave back
             s = seq.sample
             kv = int(s.prompt_ids.shape[0]) + s.response_len + n if seq.prefilled else seq.cached
             self.cache.store(s.key, kv, seq.kv_version)
         self._keep(np.zeros(self.active, dtype=bool))
         self.prefill = self.reprefill = 0
-        out += [(w.lease.lease_id, _settle(w.sample, FinishReason.ABORT)) for w in self.waiting.drain()]
-        for lease_id, e in list(self.tools.items()):
-            if self.repeatable_tools:
-                out.append((lease_id, _settle(e.sample, FinishReason.ABORT)))
-                del self.tools[lease_id]
-            else:
-                e.returning = True
-        self.credit = self.slots
+        stepping = self.core.in_phase(Phase.STEP)
+        killed = {i: _owing(self.core.held[i].sample) for i in stepping} if self.repeatable_tools else {}
+        for lease_id in killed:
+            del self.tools[lease_id]
+        back, _ = self.core.abort(killed)
+        out += self._carry_out(back)
+        self.core.set_credit(self.slots)
         return out
 
     def waited_for(self) -> list[int]:
         """Leases whose non-repeatable tool call an abort waits for: they come back when it answers."""
-        return [lease_id for lease_id, e in self.tools.items() if e.returning]
+        return self.core.in_phase(Phase.RETURNING)
 
     def load(self, version: int) -> None:
         """New weights: tokens from the next step on carry `version`."""
@@ -336,20 +295,39 @@ class EngineModel:
             else:
                 seq.marks.append((n, version))
 
-    def _lease(self, lease_id: int, budget: int, sample: Sample) -> _Lease:
-        return _Lease(lease_id, sample.response_len + budget, sample.model_tokens, self.plans(sample))
+    # ------------------------------------------------------------------ the worker core's decisions
 
-    def _start(self, lease: _Lease, sample: Sample, remaining: list[int]) -> Output | None:
-        """Start `sample`'s next turn in a free slot (its tokens to go appended to `remaining`); an Output
-        when it has nothing to generate."""
-        turn, left = lease.plan.turn_of(sample.model_tokens, len(sample.observations))
-        last = lease.plan.ends_after(turn)
-        budget = lease.cap - sample.response_len
-        n = max(0, min(left, budget))
-        finish = (FinishReason.STOP if last else FinishReason.NONE) if left <= budget else FinishReason.LENGTH
-        seq = _Seq(lease, sample, finish, [(0, self.version)])
+    def _carry_out(self, decisions: Sequence[Decision]) -> list[Output]:
+        """Turns into slots, tool calls started, settled samples out (a single-turn one scored 0.0: no
+        task here). Returns what goes back to the broker."""
+        out: list[Output] = []
+        before, remaining = self.active, list[int]()
+        for d in decisions:
+            match d:
+                case StartTurn():
+                    out += self._start(d, remaining)
+                case RunStep():
+                    out += self._call_tool(d)
+                case Settle():
+                    sample = d.sample.scored(0.0) if d.to_score else d.sample
+                    out.append((d.lease_id, sample))
+                    self._left(d.lease_id)
+                    if sample.status is not SampleStatus.INTERRUPTED:
+                        self.plans.forget(sample)
+        self._commit(before, remaining)
+        return out
+
+    def _start(self, d: StartTurn, remaining: list[int]) -> list[Output]:
+        """Start `d.sample`'s next turn in a free slot (its tokens to go appended to `remaining`); its end
+        at once when it has nothing to generate."""
+        sample = d.sample
+        plan = self.plans(sample)
+        _, left = plan.turn_of(sample.model_tokens, len(sample.observations))
+        n = max(0, min(left, d.budget))
+        finish = FinishReason.LENGTH if left > d.budget or not d.budget else FinishReason.STOP
+        seq = _Seq(d.lease_id, sample, finish, [(0, self.version)])
         if n == 0:
-            return (lease.lease_id, _output(seq, 0, finish if budget else FinishReason.LENGTH))
+            return self._carry_out(self.core.turn_ended(d.lease_id, sample, finish))
         self.seqs.append(seq)
         remaining.append(n)
         prompt = int(sample.prompt_ids.shape[0])
@@ -363,7 +341,31 @@ class EngineModel:
         self.reprefill += max(0, seen - hit.tokens)
         self.stale_seqs += seq.kv_version < self.version
         self.admitted = True
-        return None
+        return []
+
+    def _call_tool(self, d: RunStep) -> list[Output]:
+        """A reset answers at once (the plan has the prompt). The step after a turn runs as a tool call,
+        holding no slot, answered at a step boundary (`complete_tools`): the episode's end at this one,
+        a tool call after its latency, the context's KV kept in the prefix cache meanwhile."""
+        lease_id = d.lease_id
+        sample = self.core.held[lease_id].sample
+        if d.reset:
+            return self._carry_out(
+                self.core.reset_answered(lease_id, sample.with_episode(RESET_STATE), False)
+            )
+        plan = self.plans(sample)
+        call = len(sample.observations)
+        kv_version = self._ended_kv.pop(lease_id, None)
+        if plan.ends_after(call):
+            due = self.t_base
+        else:
+            if kv_version is not None:  # its turn just left this engine: the context's KV is here
+                kv = int(sample.prompt_ids.shape[0]) + sample.response_len
+                self.cache.store(sample.key, kv, kv_version)
+            due = self.t_base + plan.tool_s[call]
+        self.tools[lease_id] = _Call(call, due)
+        self.started_tools.append(due)
+        return []
 
     def _commit(self, before: int, remaining: list[int]) -> None:
         """The sequences `_start` appended join the step arrays."""
@@ -372,17 +374,6 @@ class EngineModel:
             self.remaining = np.concatenate([self.remaining, np.asarray(remaining, dtype=np.int64)])
         self.meter.engine_changed(before, self.active, self.slots)
 
-    def _end_turn(self, seq: _Seq, produced: int) -> None:
-        """A turn with turns to come ended: its context's KV stays in the prefix cache, its tool runs."""
-        sample = _output(seq, produced, FinishReason.NONE)
-        self.cache.store(sample.key, int(sample.prompt_ids.shape[0]) + sample.response_len, seq.kv_version)
-        self._call_tool(seq.lease, sample, len(sample.observations), started=True)
-
-    def _call_tool(self, lease: _Lease, sample: Sample, call: int, started: bool) -> None:
-        due = self.t_base + lease.plan.tool_s[call]
-        self.tools[lease.lease_id] = _Episode(lease, sample, call, due, started)
-        self.started_tools.append(due)
-
     def _keep(self, mask: npt.NDArray[np.bool_]) -> None:
         before = self.active
         self.seqs = [seq for seq, keep in zip(self.seqs, mask.tolist(), strict=True) if keep]
@@ -390,6 +381,11 @@ class EngineModel:
         self.produced = self.produced[mask]
         self.remaining = self.remaining[mask]
         self.meter.engine_changed(before, self.active, self.slots)
+
+    def _left(self, lease_id: int) -> None:
+        """The lease left the worker: the core forgets it (a partial the engine returned)."""
+        self.core.forget(lease_id)
+        self.leased_model.pop(lease_id, None)
 
 
 def _output(seq: _Seq, produced: int, reason: FinishReason) -> Sample:
@@ -411,3 +407,9 @@ def _settle(s: Sample, reason: FinishReason) -> Sample:
     last_version = s.segments[-1].version if s.segments else 0
     s = s.extend([], [], last_version, reason)
     return s if reason in (FinishReason.ABORT, FinishReason.NONE) else s.scored(0.0)
+
+
+def _owing(s: Sample) -> Sample:
+    """`s`, whose step an abort killed, owing it (as the episode driver marks it)."""
+    state = EpisodeState.from_bytes(s.episode)
+    return s.with_episode(dataclasses.replace(state, owed=OWED_TURN).to_bytes())

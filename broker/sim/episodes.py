@@ -3,11 +3,10 @@
 Owns `EpisodePlan` (a sample's model turns, the tool calls between them and their observations) and
 `EpisodePlans`, the rule that gives every sample its plan: drawn once from (seed, group, index) by an
 `EpisodeSampler` (distributions, `DrawnEpisodes`; or recorded episodes, `actors.lengths.EpisodeFile`),
-then held to the env config's budgets (`env.max_turn_tokens` tokens a turn; an episode of more than
-`env.max_turns` turns is cut after the tool call of its last allowed turn, as the episode driver cuts it:
-that call runs, its answer is not appended, and the sample ends LENGTH). Every mode of one seed sees the
-same episodes. `SingleTurn` is a single-turn sample as a plan of
-one turn (its drawn response length), so the engines run both through one path.
+its turns held to `env.max_turn_tokens` tokens (what the model generates under that limit). Cutting an
+episode off (`env.max_turns`, budgets) is the worker core's (`april.worker_core`), as for a real worker.
+Every mode of one seed sees the same episodes. `SingleTurn` is a single-turn sample as a plan of one
+turn (its drawn response length), so the engines run both through one path.
 
 Knows nothing of engines, time or scheduling: `broker.sim.engines` plays the plans out.
 """
@@ -30,22 +29,15 @@ EPISODE_SALT = 0x6570  # keeps an episode's draws apart from the sample's single
 @dataclass(frozen=True, slots=True)
 class EpisodePlan:
     """One sample's episode: `turns[k]` model tokens in turn k (>= 1), then, between turns k and k + 1,
-    a tool call of `tool_s[k]` seconds whose result is `observations[k]` tokens (>= 1). `cut`: the
-    episode is cut off by `env.max_turns`: its last turn is followed by one more tool call (`tool_s[-1]`),
-    whose answer ends it (LENGTH)."""
+    a tool call of `tool_s[k]` seconds whose result is `observations[k]` tokens (>= 1)."""
 
     turns: tuple[int, ...]
     tool_s: tuple[float, ...] = ()
     observations: tuple[int, ...] = ()
-    cut: bool = False
 
     def ends_after(self, turn: int) -> bool:
         """Whether the episode ends with turn `turn` (no tool call follows it)."""
-        return turn == len(self.turns) - 1 and not self.cut
-
-    def ends_with_call(self, call: int) -> bool:
-        """Whether tool call `call` is the one that cuts the episode off (its answer is not appended)."""
-        return self.cut and call == len(self.turns) - 1
+        return turn == len(self.turns) - 1
 
     def turn_of(self, model_tokens: int, calls_done: int) -> tuple[int, int]:
         """Where a sample with `model_tokens` generated and `calls_done` observations stands: (its turn,
@@ -120,14 +112,10 @@ class EpisodePlans:
         turns, tool_ms, observations = self.sampler.episode(rng)
         if observations is None:
             observations = self.observation_tokens.sample(rng, len(turns) - 1).tolist()
-        n = min(len(turns), self.max_turns)
-        cut = len(turns) > n  # the step of turn n runs and is not done: the driver ends it there
-        calls = n if cut else n - 1
         return EpisodePlan(
-            tuple(min(int(t), self.max_turn_tokens) for t in turns[:n]),
-            tuple(float(ms) / 1000.0 for ms in tool_ms[:calls]),
-            tuple(int(o) for o in observations[: n - 1]),
-            cut,
+            tuple(min(int(t), self.max_turn_tokens) for t in turns),
+            tuple(float(ms) / 1000.0 for ms in tool_ms[: len(turns) - 1]),
+            tuple(int(o) for o in observations[: len(turns) - 1]),
         )
 
 
