@@ -19,10 +19,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from actors.sim_tools import SIM_ENV, SimTools
 from actors.tokenizer import HFTokenizer, Tokenizer
 from actors.tool_runner import ToolResult, ToolRunner, ToolRunnerSettings, load_env
 from april.chat import ChatFormat, chat_format
-from april.config import EnvConfig
+from april.config import EnvConfig, WorkerConfig
 from april.data import PromptRecord
 from april.envs.openenv_adapter import is_openenv, with_gateway
 from april.envs.verifiers_adapter import is_verifiers
@@ -37,11 +38,13 @@ from april.episode import (
 )
 from april.failures import Reason, failure
 from april.records import Sample, SampleStatus
+from april.sim.byte_chat import ByteChat
+from april.sim.byte_tokenizer import ByteTokenizer
 from april.worker_core import Begin, Decision, Held, Phase, RunStep, StepAnswer, WorkerCore
 
 
 class EpisodeDriver:
-    def __init__(self, env: EnvConfig, chat: ChatFormat, runner: ToolRunner, slots: int) -> None:
+    def __init__(self, env: EnvConfig, chat: ChatFormat, runner: ToolRunner | SimTools, slots: int) -> None:
         self.env = env
         self.chat = chat
         self.runner = runner
@@ -55,6 +58,10 @@ class EpisodeDriver:
     def busy(self) -> bool:
         """A reset or step is running (the worker's loop should look again soon)."""
         return self.runner.pending > 0
+
+    def next_answer_s(self) -> float | None:
+        """Seconds until a step is known to answer (simulated tools know; None: poll)."""
+        return self.runner.next_answer_s()
 
     @property
     def episodes(self) -> dict[int, Held]:
@@ -179,13 +186,22 @@ class EpisodeDriver:
 
 
 def open_episode_driver(
-    env: EnvConfig, tokenizer: Tokenizer, slots: int, settings: ToolRunnerSettings | None = None
+    env: EnvConfig,
+    tokenizer: Tokenizer,
+    slots: int,
+    settings: ToolRunnerSettings | None = None,
+    sim: SimTools | None = None,
 ) -> EpisodeDriver | None:
     """The driver `env` asks for (None: single-turn) for a worker of `slots` engine slots, its environment
-    loaded and its tool processes started (`settings`, or `env.tool_processes` and `env.step_timeout_s`).
-    A bad `env.name`, or no tokenizer to render the conversation with, is a one-line EpisodeError."""
+    loaded and its tool processes started (`settings`, or `env.tool_processes` and `env.step_timeout_s`);
+    for `env.name = "sim"`, `sim`'s simulated tools in the byte chat. A bad `env.name`, or no tokenizer to
+    render the conversation with, is a one-line EpisodeError."""
     if not env.name:
         return None
+    if env.name == SIM_ENV:
+        if sim is None or not isinstance(tokenizer, ByteTokenizer):
+            raise _sim_only(None)
+        return EpisodeDriver(env, ByteChat(tokenizer), sim, slots)
     if is_openenv(env.name) and not env.gateway:
         raise EpisodeError(
             f"env.gateway is empty: env.name = {env.name!r} needs the OpenEnv session gateway's "
@@ -202,12 +218,21 @@ def open_episode_driver(
     return EpisodeDriver(env, chat_format(tokenizer.tok, tokenizer.eos_token_ids), runner, slots)
 
 
-def check_env(env: EnvConfig, model: str) -> None:
+def check_env(env: EnvConfig, worker: WorkerConfig) -> None:
     """What `open_episode_driver` would refuse, checked where no worker runs yet (`april up`'s preflight):
-    a `env.name` that does not load, or no `worker.model` (the tokenizer comes from it). One line."""
+    a `env.name` that does not load, or no `worker.model` (the tokenizer comes from it); the simulated
+    episodes on anything but the sim engine without a model. One line."""
     if not env.name:
         return
-    if not model:
+    if env.name == SIM_ENV:
+        if worker.engine != "sim" or worker.model:
+            raise _sim_only(worker)
+        if not (worker.sim_turns or worker.sim_episodes):
+            raise EpisodeError(
+                "env.name = 'sim' plays simulated episodes: set worker.sim_turns or worker.sim_episodes"
+            )
+        return
+    if not worker.model:
         raise _needs_model(env)
     try:
         load_env(env.name, runner_args(env))
@@ -241,6 +266,15 @@ def resume_note(env: EnvConfig) -> str:
             "there, and restarts from its prompt if that worker dies"
         )
     return f"env {env.name}: {where}"
+
+
+def _sim_only(worker: WorkerConfig | None) -> EpisodeError:
+    got = (
+        "" if worker is None else f" (got worker.engine = {worker.engine!r}, worker.model = {worker.model!r})"
+    )
+    return EpisodeError(
+        f"env.name = 'sim' plays simulated episodes: worker.engine = 'sim', no worker.model{got}"
+    )
 
 
 def _needs_model(env: EnvConfig) -> EpisodeError:

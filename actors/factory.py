@@ -16,6 +16,7 @@ from april.config import ResumeKV, WorkerConfig
 from april.devices import check_device, init_cuda, resolve_device
 from april.hf import check_model_dir
 from april.sim.byte_tokenizer import ByteTokenizer
+from april.sim.episode_plans import EpisodePlans
 
 DEVICE_ENGINES = ("torch", "vllm")  # engines on worker.device (sim runs on none, sglang on its servers')
 
@@ -110,8 +111,15 @@ def worker_seed(seed: int, worker_id: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(worker_id.encode("utf-8"))) % (1 << 63)
 
 
-def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify, version: int) -> Engine:
-    """The configured engine, its heavy imports done here and nowhere else."""
+def make_engine(
+    cfg: WorkerConfig,
+    sampling: SamplingParams,
+    identify: Identify,
+    version: int,
+    plans: EpisodePlans | None = None,
+) -> Engine:
+    """The configured engine, its heavy imports done here and nowhere else; the sim engine plays `plans`'
+    episodes when given (env.name = "sim")."""
     if cfg.engine == "sim":
         from actors.engines.sim_engine import SimEngine
 
@@ -128,6 +136,7 @@ def make_engine(cfg: WorkerConfig, sampling: SamplingParams, identify: Identify,
             identify=identify,
             prompt_corr=cfg.sim_prompt_corr,
             keep_kv_across_updates=cfg.resume_kv is ResumeKV.REUSE,
+            plans=plans,
         )
     if cfg.engine == "torch":
         from actors.engines.torch_engine import TorchEngine

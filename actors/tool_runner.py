@@ -178,6 +178,10 @@ class ToolRunner(Supervisor[_Job, ToolResult]):
         self._queue[key] = _Job(key, request, line, tools_s, again)
         self._pump()
 
+    def next_answer_s(self) -> float | None:
+        """Unknown: a step answers when its child does (the worker polls)."""
+        return None
+
     def cancel(self, key: int) -> bool:
         """Withdraw request `key`. True: no result will come (it was queued, or running and repeatable and
         is killed, or is unknown). False: its result will come from `poll`: it has been answered (a result

@@ -170,11 +170,7 @@ class Worker:
         try:
             while not should_stop():
                 busy = self.engine is not None and not self.health.down and self.engine.active > 0
-                # idle, the loop waits on the broker socket; a fetch finishing (or a tool step) does not
-                # wake it, so it looks every 5 ms while one is on its way (a version loads promptly, sync_s
-                # is honest), and no longer than what the outbox holds may wait
-                stepping = self.episodes is not None and self.episodes.busy
-                self._read_broker(0 if busy else self._idle_wait_ms(5 if self.sync.busy or stepping else 50))
+                self._read_broker(0 if busy else self._idle_wait_ms())
                 self._sync_weights()
                 self._meter_usage()
                 if self.health.down:
@@ -289,7 +285,7 @@ class Worker:
                 rejected = failure(Reason.ENGINE_REJECTED, f"engine rejected the request: {exc}")
                 decisions = [Settle(lease_id, sample.failed(rejected))]
             self._carry_out(decisions, grant=False)  # (granted once every lease is in)
-        self._fill_slots()
+        self._drive()
 
     def _step(self) -> None:
         """One engine step. An EngineError no request was blamed for leaves the engine in a state the
@@ -443,10 +439,20 @@ class Worker:
             rejected = failure(Reason.ENGINE_REJECTED, f"engine rejected the request: {exc}")
             self._owe([(d.lease_id, d.sample.failed(rejected))])
 
-    def _idle_wait_ms(self, wait_ms: int) -> int:
-        """How long an idle loop may block on the broker socket: `wait_ms`, or until the outbox is due."""
-        left = self.outbox.wait_s(time.monotonic())
-        return wait_ms if left is None else min(wait_ms, math.ceil(left * 1e3))
+    def _idle_wait_ms(self) -> int:
+        """How long an idle loop may block on the broker socket. A fetch finishing or a step answering does
+        not wake it, so it looks every 5 ms while one is on its way (a version loads promptly, sync_s is
+        honest), or at the moment a simulated step answers; and no longer than the outbox may hold."""
+        wait_s = 0.05
+        if self.sync.busy or (self.episodes is not None and self.episodes.busy):
+            wait_s = 0.005
+        answer_s = self.episodes.next_answer_s() if self.episodes is not None else None
+        if answer_s is not None:
+            wait_s = min(wait_s, answer_s)
+        held_s = self.outbox.wait_s(time.monotonic())
+        if held_s is not None:
+            wait_s = min(wait_s, held_s)
+        return math.ceil(wait_s * 1e3)
 
     def _on_abort(self, round_id: int) -> None:
         """Return every unfinished sample as a partial; confirm once the engine is idle (a down engine
@@ -778,6 +784,12 @@ class Worker:
 
     def identify(self, request: GenerationRequest) -> SampleIdentity:
         """Sample identity for the sim engine: stable across resumes and workers."""
-        sample = self.core.held[request.request_id].sample
-        ids = sample.prompt_ids
-        return SampleIdentity.of_sample(sample.group_id, sample.index, int(ids.shape[0]), prompt_key(ids))
+        s = self.core.held[request.request_id].sample
+        ids = s.prompt_ids
+        identity = SampleIdentity.of_sample(s.group_id, s.index, int(ids.shape[0]), prompt_key(ids))
+        if self.episodes is None:
+            return identity
+        unseen = s.response_len - (s.segments[-1].end if s.segments else 0)  # an answer appended since
+        return dataclasses.replace(
+            identity, model_tokens=s.model_tokens, calls=len(s.observations), unseen=unseen
+        )

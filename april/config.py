@@ -556,7 +556,7 @@ class WeightsConfig:
 
 @dataclass(frozen=True, slots=True)
 class EnvConfig:
-    name: str = ""  # the environment: built-in, module:Class, verifiers:MODULE, openenv:URL; "": one turn
+    name: str = ""  # environment: a built-in, module:Class, verifiers:MODULE, openenv:URL, sim; "": one turn
     args: str = ""  # verifiers:MODULE: JSON of load_environment's arguments; openenv:URL: JSON of settings
     max_turns: int = 16  # model turns an episode may take at most
     max_turn_tokens: int = 4096  # tokens one model turn may generate at most (within algo.max_new_tokens)

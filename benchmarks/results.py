@@ -181,6 +181,14 @@ STEPS: tuple[Step, ...] = (
         minutes=9,
     ),
     Step(
+        "agentic-sim",
+        "bench/agentic-sim",
+        "april bench --engine sim --episodes agentic --sweep worker.sim_tool_repeatable=true,false --steps 5 "
+        "--target-s 100 --out {work}/bench",
+        collect=BENCH_FILES,
+        minutes=12,
+    ),
+    Step(
         "scheduling-paper",
         "bench/scheduling-paper",
         "april bench --engine sim --workload math-long-tail --steps 8 --max-staleness 1,2 --slots 64 "
@@ -1294,6 +1302,7 @@ BLOCKS: dict[str, Callable[[], str]] = {
     "paper-config-gain": block_paper_config_gain,
     "paper-sim": lambda: bench_table("paper-sim"),
     "saturated-sim": lambda: bench_table("saturated-sim"),
+    "agentic-sim": lambda: bench_table("agentic-sim"),
     "torch-tiny": lambda: bench_table("torch-tiny"),
     "scheduling-paper": lambda: bench_table("scheduling-paper"),
     "scheduling-short": lambda: bench_table("scheduling-short"),

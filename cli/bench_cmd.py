@@ -20,6 +20,7 @@ from typing import Annotated
 import typer
 
 from actors.lengths import EmpiricalLength, LengthSpec
+from actors.sim_tools import SIM_ENV
 from april.config import Config, ConfigError, replace_fields
 from april.hf import check_model_dir
 from broker.sim.figures import Figures, with_speedups
@@ -39,6 +40,7 @@ from cli.sim_options import (
     MODES,
     PANEL,
     DatasetSize,
+    EpisodesOpt,
     MaxNewTokens,
     Modes,
     OverSamplingBatchSize,
@@ -50,6 +52,7 @@ from cli.sim_options import (
     Seed,
     Slots,
     Steps,
+    episode_fields,
     parse_modes,
     resolve,
     resolve_lengths,
@@ -95,6 +98,7 @@ def bench_command(
             "only its histogram; the model decides the lengths)."
         ),
     ] = None,
+    episodes: EpisodesOpt = None,
     out: Annotated[
         Path, typer.Option(help="Output directory (bench.json, bench.md, bench.png, runs/).")
     ] = Path("runs/bench"),
@@ -165,9 +169,14 @@ def bench_command(
         raise ConfigError(f"--engine: got {engine!r}, expected sim or torch")
     chosen = tuple(parse_modes(modes))
     model_dir = None if model is None else str(Path(model).resolve())
+    if episodes and engine != "sim":
+        raise ConfigError("--episodes: simulated episodes run on the sim engine (--engine sim)")
+    # --episodes' fields are set first, so that --set can change any of them; the workers play them
+    # with the simulated tools (env.name = "sim")
+    played = {**episode_fields(episodes), "env.name": SIM_ENV} if episodes else {}
     base = resolve(
         config,
-        set_,
+        [*(f"{k}={v}" for k, v in played.items()), *(set_ or [])],
         bench_base(engine),
         run__steps=steps,
         run__seed=seed,
@@ -191,13 +200,14 @@ def bench_command(
     staleness = staleness_bounds(max_staleness, base)
     if staleness:
         base = replace_fields(base, {"algo.max_staleness": staleness[0]})
-    name = workload or DEFAULT_WORKLOAD[engine]
+    name = workload or (base.worker.sim_lengths if episodes else DEFAULT_WORKLOAD[engine])
     setting = BenchSetting(
         engine=engine,
         modes=chosen,
         config=base,
         workload=name,
         lengths=_absolute(resolve_lengths(name, option="--workload")),
+        episodes=episodes or "",
         engines=engines or DEFAULT_ENGINES[engine],
         real_learner=real_learner,
         async_staleness=staleness,

@@ -33,7 +33,7 @@ from april.config import (
 from april.hf import TINY_MODEL
 from broker.sim.figures import Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
-from cli.sim_options import paper_config
+from cli.sim_options import paper_config, resolve_episodes
 
 ENGINES = ("sim", "torch")
 TASK_WORKLOAD = "tiny-task"  # the built-in task's lengths on the tiny model (workloads/tiny-task.txt)
@@ -105,6 +105,7 @@ class BenchSetting:
     async_staleness: tuple[int, ...] = ()  # async once per bound (eta), labelled async-etaN; () = config's
     variants: tuple[BenchRun, ...] = ()  # more runs after the modes' (--variant)
     sweep: tuple[tuple[tuple[str, str], ...], ...] = ()  # --sweep points: each mode but sync once per point
+    episodes: str = ""  # sim: what --episodes named ("": single-turn samples)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -146,6 +147,7 @@ class BenchSetting:
         out: dict[str, object] = {
             "engine": self.engine,
             "workload": self.workload,
+            **({"episodes": self.episodes} if self.episodes else {}),
             "lengths": self.lengths.describe(),
             "rollout_batch_size": a.rollout_batch_size,
             "over_sampling_batch_size": a.over_sampling_batch_size,
@@ -184,11 +186,12 @@ class BenchSetting:
 def run_config(setting: BenchSetting, bench_run: BenchRun, name: str) -> Config:
     """The `april up` config of one run (ports are the runner's): the base with the run's mode and fields,
     and what every benchmark run needs: every engine registered before the first lease (as simulated), no
-    checkpoints or TensorBoard; sim: the sim engine with the workload and time scale, the simulated
-    learner (or, with a real learner, the model on the sim engine's tokens); torch: one evaluation at the
-    end (and the broker's baseline at v0, the same work in every mode) gives accuracy_final."""
+    checkpoints, TensorBoard or rollout records (learner I/O the simulator does not model); sim: the sim
+    engine with the workload and time scale, the simulated learner (or, with a real learner, the model on
+    the sim engine's tokens); torch: one evaluation at the end (and the broker's baseline at v0, the same
+    work in every mode) gives accuracy_final."""
     c = setting.config
-    run = dataclasses.replace(c.run, name=name, mode=bench_run.mode)
+    run = dataclasses.replace(c.run, name=name, mode=bench_run.mode, rollout_records=False)
     broker = dataclasses.replace(c.broker, min_workers=setting.engines)
     learner = dataclasses.replace(c.learner, checkpoint_every=0, tensorboard=False)
     worker, data = c.worker, c.data
@@ -215,8 +218,13 @@ def sim_config(setting: BenchSetting, run: BenchRun) -> SimConfig:
 
 
 def predict(setting: BenchSetting) -> dict[str, Figures]:
-    """`april simulate`'s figures of the same runs, in simulated seconds (the same samples)."""
-    by_mode = {r.label: simulate(sim_config(setting, r), setting.lengths).figures for r in setting.runs()}
+    """`april simulate`'s figures of the same runs, in simulated seconds (the same samples and episodes)."""
+    by_mode = {}
+    for r in setting.runs():
+        cfg = sim_config(setting, r)
+        by_mode[r.label] = simulate(
+            cfg, setting.lengths, resolve_episodes(cfg.config, setting.lengths)
+        ).figures
     return with_speedups(by_mode)
 
 

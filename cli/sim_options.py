@@ -22,6 +22,7 @@ from typing import Annotated
 import typer
 
 from actors.lengths import EmpiricalLength, EpisodeFile, LengthSpec, LengthSpecError
+from actors.sim_tools import episode_workload
 from april.config import (
     AlgoConfig,
     Config,
@@ -37,7 +38,7 @@ from april.config import (
     replace_fields,
     write_config,
 )
-from broker.sim.episodes import DrawnEpisodes, EpisodeSampler, EpisodeWorkload
+from april.sim.episode_plans import EpisodeWorkload
 from cli.options import UserError, resolve_config
 
 WORKLOADS = Path(__file__).resolve().parent.parent / "workloads"
@@ -104,6 +105,16 @@ def _load_file(path: Path, option: str) -> LengthSpec:
     return LengthSpec.parse(spec)
 
 
+EpisodesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--episodes",
+        help="Multi-turn episodes: a workload (workloads/: agentic) or .toml setting worker.sim_lengths "
+        "(each turn), sim_turns, sim_tool_ms, sim_observation_tokens; or a JSONL file of recorded "
+        "episodes (worker.sim_episodes; format in docs/bench.md). --set changes any of them.",
+    ),
+]
+
 # --episodes: a workload TOML's keys and the config fields they set
 EPISODE_KEYS = {
     "lengths": "worker.sim_lengths",
@@ -144,19 +155,8 @@ def episode_fields(value: str, workloads: Path = WORKLOADS) -> dict[str, str]:
 
 def resolve_episodes(config: Config, lengths: LengthSpec) -> EpisodeWorkload | None:
     """The episodes `config` simulates (worker.sim_turns or worker.sim_episodes; each turn's tokens from
-    `lengths`), or None: single-turn samples. Errors name the field."""
-    w = config.worker
-    if not (w.sim_turns or w.sim_episodes):
-        return None
-    observations = resolve_lengths(w.sim_observation_tokens, option="worker.sim_observation_tokens")
-    sampler: EpisodeSampler
-    if w.sim_episodes:
-        sampler = EpisodeFile.load(w.sim_episodes)
-    else:
-        turns = resolve_lengths(w.sim_turns, option="worker.sim_turns")
-        tool_ms = resolve_lengths(w.sim_tool_ms, option="worker.sim_tool_ms") if w.sim_tool_ms else None
-        sampler = DrawnEpisodes(turns, lengths, tool_ms, observations)
-    return EpisodeWorkload(sampler, observations)
+    `lengths`), or None: single-turn samples. Specs may name workloads; errors name the field."""
+    return episode_workload(config.worker, lengths, lambda spec, field: resolve_lengths(spec, option=field))
 
 
 def _toml(path: Path, option: str) -> dict[str, object]:

@@ -20,7 +20,7 @@ from rich.table import Table
 
 from actors.lengths import LengthSpec
 from april.config import Mode, OverSampling, replace_fields
-from broker.sim.episodes import EpisodeWorkload
+from april.sim.episode_plans import EpisodeWorkload
 from broker.sim.figures import ARRIVAL_WINDOW_S, Figures, with_speedups
 from broker.sim.model import SimConfig, simulate
 from cli.options import ConfigOpt, SetOpt
@@ -29,6 +29,7 @@ from cli.sim_options import (
     PANEL,
     DatasetSize,
     Engines,
+    EpisodesOpt,
     MaxNewTokens,
     Modes,
     OverSamplingBatchSize,
@@ -246,15 +247,7 @@ def simulate_command(
             "file:PATH) or a FILE of lengths (one integer per line, or JSONL with response_len) from a run.",
         ),
     ] = None,
-    episodes: Annotated[
-        str | None,
-        typer.Option(
-            "--episodes",
-            help="Multi-turn episodes: a workload (workloads/: agentic) or .toml setting worker.sim_lengths "
-            "(each turn), sim_turns, sim_tool_ms, sim_observation_tokens; or a JSONL file of recorded "
-            "episodes (worker.sim_episodes; format in docs/bench.md). --set changes any of them.",
-        ),
-    ] = None,
+    episodes: EpisodesOpt = None,
     per_sample_lengths: Annotated[
         bool,
         typer.Option(

@@ -174,7 +174,7 @@ def preflight(config: Config) -> None:
     check_worker(config.worker)  # the worker's device too
     if config.worker.engine == "sim":
         check_simulated(config)
-    check_env(config.env, config.worker.model)
+    check_env(config.env, config.worker)
     group_rewards(config)  # a group-scored environment and what it rules out
     check_openenv(config.env)  # the gateway's package, and the server unless april up starts it
     if config.learner.backend != "sim":  # the simulated learner has no model, nor device

@@ -117,7 +117,7 @@ class HangingToolEnv(CountingEnv):
 
 
 class PlanEnv:
-    """Answers each step as `april simulate` plays it (broker/sim/episodes.py): the plan drawn for the
+    """Answers each step as `april simulate` plays it (april/sim/episode_plans.py): the plan drawn for the
     sample (its StepKey's group and index) from the workload in `$APRIL_TEST_PLAN` (JSON: turns,
     turn_tokens, tool_ms, observations length specs, seed, max_turns, max_turn_tokens, repeatable).
     A step after the plan's last turn ends the episode (reward 0.0); any other answers an observation of
@@ -128,7 +128,7 @@ class PlanEnv:
 
     def __init__(self) -> None:
         from actors.lengths import LengthSpec
-        from broker.sim.episodes import DrawnEpisodes, EpisodePlans, EpisodeWorkload
+        from april.sim.episode_plans import DrawnEpisodes, EpisodePlans, EpisodeWorkload
 
         spec = json.loads(os.environ["APRIL_TEST_PLAN"])
         obs = LengthSpec.parse(spec["observations"])

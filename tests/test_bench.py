@@ -127,6 +127,22 @@ def test_bench_smoke_with_real_processes(tmp_path: Path) -> None:
         assert (tmp_path / "runs" / mode / "metrics.jsonl").exists()
 
 
+def test_bench_runs_simulated_episodes_in_real_processes(tmp_path: Path) -> None:
+    """`april bench --episodes agentic`: the workers play the simulated episodes (env.name = "sim": the
+    sim engine's turns, the simulated tools' latencies and answers), and `april simulate` predicts the
+    same episodes."""
+    args = ["--episodes", "agentic", "--engines", "1", "--slots", "8", "--rollout-batch-size", "2"]
+    args += ["--over-sampling-batch-size", "4", "--n-samples-per-prompt", "2", "--max-new-tokens", "2048"]
+    doc = run_bench(tmp_path, *args, "--modes", "sync,april", "--steps", "1", "--target-s", "3")
+    assert doc["workload"]["episodes"] == "agentic"
+    assert doc["workload"]["lengths"] == "lognormal:median=400,sigma=0.8,cap=4096"  # each turn's
+    assert set(doc["predicted"]) == set(doc["modes"]) == {"sync", "april"}
+    runs = tmp_path / "runs"
+    config = (runs / "sync" / "config.toml").read_text()
+    assert 'name = "sim"' in config and 'sim_turns = "uniform:min=2,max=10"' in config
+    assert all(f["wasted_tokens"] == 0 for f in doc["modes"].values())
+
+
 def setting_of(*modes: Mode, steps: int = 2, **fields: Any) -> BenchSetting:
     """A sim bench of `modes` on 2 engines x 4 slots, fixed:8 lengths, small batches; `fields`: more."""
     base = replace_fields(

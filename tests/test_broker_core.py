@@ -24,6 +24,7 @@ from april.config import AlgoConfig, Config, ConfigError, Mode, RunConfig, repla
 from april.data import SyntheticPromptSource
 from april.records import FinishReason, Sample
 from april.sim.engine_cost import EngineCost
+from april.sim.episode_plans import DrawnEpisodes, EpisodeWorkload
 from april.wire_records import SampleBatch
 from broker.core import BrokerCore
 from broker.decisions import (
@@ -38,7 +39,6 @@ from broker.decisions import (
     WorkerLost,
 )
 from broker.server import Broker
-from broker.sim.episodes import DrawnEpisodes, EpisodeWorkload
 from broker.sim.model import Simulation
 from broker.state import BrokerState
 

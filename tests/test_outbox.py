@@ -193,15 +193,19 @@ def test_a_worker_without_the_hold_sends_every_result_and_credit_at_once(clock: 
     owe(worker, [(11, finished(1))], 0)
     assert link.sent[0] == protocol.LeaseRequest(2)
     assert isinstance(link.sent[1], protocol.SampleResult) and link.sent[1].lease_ids.tolist() == [11]
-    assert len(link.sent) == 2 and worker._idle_wait_ms(50) == 50  # nothing held: it may block
+    assert len(link.sent) == 2 and worker._idle_wait_ms() == 50  # nothing held: it may block
 
 
 def test_an_idle_worker_blocks_no_longer_than_its_outbox_may_wait(clock: FakeClock) -> None:
     worker, _ = worker_on(hold_ms=100)
     owe(worker, [(11, finished(1))], 0)
     clock.now += 0.0625
-    assert worker._idle_wait_ms(50) == 38  # 37.5 ms left, rounded up: never woken before it is due
-    assert worker._idle_wait_ms(5) == 5
+    assert worker._idle_wait_ms() == 38  # 37.5 ms left, rounded up: never woken before it is due
+    # a step on its way: it looks every 5 ms, or when a simulated step is due to answer
+    worker.episodes = types.SimpleNamespace(busy=True, next_answer_s=lambda: None)  # type: ignore[assignment]
+    assert worker._idle_wait_ms() == 5
+    worker.episodes = types.SimpleNamespace(busy=True, next_answer_s=lambda: 0.0021)  # type: ignore[assignment]
+    assert worker._idle_wait_ms() == 3
 
 
 def test_an_abort_finds_every_held_result_sent_before_its_abort_done() -> None:

@@ -1,4 +1,4 @@
-"""`april simulate`'s episodes (broker/sim/episodes.py, broker/sim/engines.py, broker/sim/model.py):
+"""`april simulate`'s episodes (april/sim/episode_plans.py, broker/sim/engines.py, broker/sim/model.py):
 timelines solved by hand, the slot a tool call frees, aborts mid-turn and mid-tool, budgets, the token
 accounting, and the workloads (specs, recorded episodes, `--episodes`)."""
 
@@ -17,8 +17,8 @@ from actors.lengths import EpisodeFile, LengthSpec, LengthSpecError, UniformLeng
 from april.config import AlgoConfig, Config, Mode, replace_fields
 from april.records import FinishReason, SampleStatus, Segment, Span, new_group_samples
 from april.sim.engine_cost import EngineCost
+from april.sim.episode_plans import DrawnEpisodes, EpisodePlan, EpisodePlans, EpisodeWorkload
 from broker.sim.engines import EngineModel
-from broker.sim.episodes import DrawnEpisodes, EpisodePlan, EpisodePlans, EpisodeWorkload
 from broker.sim.figures import Meter, Tally
 from broker.sim.model import SimConfig, SimResult, Simulation, simulate
 from cli.main import app

@@ -4,7 +4,9 @@ Owns: when each simulated request finishes and what it generates. Each decode st
 `april.sim.engine_cost.EngineCost` gives (the one cost model, which `april simulate` also uses): a fixed
 part, a part per active request, and the prefill of every input token newly admitted in that step.
 Response lengths are drawn per sample from a `LengthSpec` (actors/lengths.py), reproducibly from
-(seed, sample identity).
+(seed, sample identity); an episode's turns (`plans`, env.name = "sim") take their lengths from the
+sample's episode plan (`april.sim.episode_plans`, the one `april simulate --episodes` draws), the
+identify hook saying where in its episode the sample stands.
 
 It obeys the same abort / resume / weights semantics as the real engines: `abort` returns partials at
 once; a resumed sample (input = prompt + partial, budget reduced) keeps its drawn total length and
@@ -53,6 +55,7 @@ from actors.engine import EngineError, GenerationOutput, GenerationRequest, Weig
 from actors.lengths import LengthSpec
 from april.records import FinishReason
 from april.sim.engine_cost import EngineCost
+from april.sim.episode_plans import EpisodePlans
 from april.sim.prefix_cache import PrefixCache
 from april.sim.sample_draw import LengthDraw, sample_key
 from april.sim.sample_draw import mix as _mix
@@ -69,6 +72,9 @@ class SampleIdentity:
     key: int  # stable across resumes of one sample (any int; hashed with the seed)
     prompt_len: int  # input_ids[:prompt_len] is the prompt, the rest is the response so far
     prompt: int = 0  # the prompt's identity (april.sim.sample_draw.prompt_key; 0: unknown)
+    model_tokens: int = 0  # an episode's: the response's tokens the model generated (observations not)
+    calls: int = 0  # an episode's: the tool calls answered so far (its turn is the next one)
+    unseen: int = 0  # an episode's: input tokens at its end no engine computed (an answer appended since)
 
     @staticmethod
     def of_sample(group_id: int, index: int, prompt_len: int, prompt: int = 0) -> SampleIdentity:
@@ -95,9 +101,10 @@ class _Running:
     finish: FinishReason  # reason once all of token_ids are out
     started_s: float
     prefill_tokens: int  # input tokens still to prefill (paid in the first step)
-    resumed: bool  # the input holds a partial response: its prefill is a re-prefill
+    reprefill: int  # of those, what an engine had computed before (the resume hand-off cost)
     cached: int  # input tokens whose KV the prefix cache gave back
     kv_version: int  # weights version of the oldest KV this request attends to
+    keeps_kv: bool = False  # an episode's turn whose step follows: its context's KV stays when it ends
     prefilled: bool = False  # the first step ran: the KV of the whole input exists
     produced: int = 0
     marks: list[tuple[int, int]] = field(default_factory=list)  # (produced, version) at each change
@@ -139,6 +146,7 @@ class SimEngine:
         identify: Identify | None = None,
         prompt_corr: float = 0.0,
         keep_kv_across_updates: bool = False,
+        plans: EpisodePlans | None = None,
     ) -> None:
         if slots < 1:
             raise EngineError(f"sim engine: slots = {slots}, expected >= 1")
@@ -152,6 +160,7 @@ class SimEngine:
         if not 0.0 <= prompt_corr < 1.0:
             raise EngineError(f"sim engine: prompt_corr = {prompt_corr}, expected a number in [0, 1)")
         self._draw = LengthDraw(self.lengths, seed, prompt_corr)
+        self.plans = plans  # episodes: each turn's length from the sample's plan (identify hook needed)
         self.slots = slots
         self.version = version
         self.seed = seed
@@ -220,14 +229,19 @@ class SimEngine:
     def _start(self, req: GenerationRequest) -> None:
         ids = np.asarray(req.input_ids, dtype=np.int32)
         ident = self._identity(req, ids)
-        drawn = self.drawn_length(ident.key, ident.prompt)
-        done = len(ids) - ident.prompt_len  # response tokens generated before this request
-        left = drawn - done
+        done = len(ids) - ident.prompt_len  # response tokens before this request (observations too)
+        if self.plans is not None:  # the tokens its current turn has left in the sample's episode
+            _, left = self.plans.of_key(ident.key).turn_of(ident.model_tokens, ident.calls)
+            drawn = done + left
+        else:
+            drawn = self.drawn_length(ident.key, ident.prompt)
+            left = drawn - done
         n = max(0, min(left, req.max_new_tokens))
         finish = FinishReason.STOP if left <= req.max_new_tokens else FinishReason.LENGTH
         tokens, logprobs = self._tokens(ident.key, done, n, stops=finish == FinishReason.STOP)
         hit = self.cache.take(ident.key, len(ids)) if n else None  # only a request that runs takes it
         cached = hit.tokens if hit else 0
+        seen = len(ids) - ident.unseen if done else 0  # what an engine had computed of this input
         run = _Running(
             request_id=req.request_id,
             identity=ident,
@@ -238,9 +252,10 @@ class SimEngine:
             finish=finish,
             started_s=self.elapsed_s,
             prefill_tokens=len(ids) - cached,
-            resumed=done > 0,
+            reprefill=max(0, seen - cached),
             cached=cached,
             kv_version=min(hit.kv_version, self.version) if hit and cached else self.version,
+            keeps_kv=self.plans is not None and not self.plans.of_key(ident.key).ends_after(ident.calls),
             marks=[(0, self.version)],
         )
         if req.max_new_tokens == 0:
@@ -271,9 +286,8 @@ class SimEngine:
         prefill = reprefill = 0
         for run in self._running.values():
             prefill += run.prefill_tokens
-            if run.resumed:
-                reprefill += run.prefill_tokens
-            run.prefill_tokens = 0
+            reprefill += run.reprefill
+            run.prefill_tokens = run.reprefill = 0
             run.prefilled = True
             self.stale_kv_tokens += run.kv_version < self.version
         self.reprefill_tokens += reprefill
@@ -288,6 +302,8 @@ class SimEngine:
         for run in finished:
             del self._running[run.request_id]
             out.append(run.output(run.finish, self.elapsed_s))
+            if run.keeps_kv and run.finish == FinishReason.STOP:  # its step follows: the context stays
+                self.cache.store(run.identity.key, len(run.input_ids) + run.produced, run.kv_version)
         return out
 
     def _advance(self, model_s: float) -> None:

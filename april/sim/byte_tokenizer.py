@@ -23,5 +23,6 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
 
     def decode(self, ids: npt.NDArray[np.int32]) -> str:
-        data = bytes(int(i) - BYTE_OFFSET for i in ids if BYTE_OFFSET <= int(i) < BYTE_OFFSET + 256)
+        a = np.asarray(ids, dtype=np.int64)
+        data = (a[(a >= BYTE_OFFSET) & (a < BYTE_OFFSET + 256)] - BYTE_OFFSET).astype(np.uint8).tobytes()
         return data.decode("utf-8", "replace")

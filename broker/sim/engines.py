@@ -18,7 +18,7 @@ episode's next turn its observation at least. `busy_s` and `reprefill_tokens` gi
 of engine time; `stale_kv_tokens` counts tokens generated while attending to KV computed under older
 weights than the loaded ones (what resume_kv "reuse" costs in exactness).
 
-Episodes (`broker.sim.episodes`' plans: a single-turn sample is a plan of one turn): a reset answers at
+Episodes (`april.sim.episode_plans`' plans: a single-turn sample is a plan of one turn): a reset answers at
 once; a turn decodes its planned tokens (within its budget); its step runs as a tool call holding no
 slot, the context kept in the prefix cache, and answers after the call's latency with the planned
 observation (the episode's last step at the next boundary, done). A call an abort kills leaves the
@@ -50,10 +50,10 @@ from april.protocol import Abort, WeightsReady
 from april.records import FinishReason, Sample, SampleStatus
 from april.sim.byte_tokenizer import ByteTokenizer
 from april.sim.engine_cost import EngineCost
+from april.sim.episode_plans import EpisodePlans, Plans, SingleTurn
 from april.sim.prefix_cache import PrefixCache
 from april.worker_core import Begin, Decision, Phase, RunStep, Settle, StartTurn, StepAnswer, WorkerCore
 from broker.decisions import LeaseOut, Work
-from broker.sim.episodes import EpisodePlans, Plans, SingleTurn
 from broker.sim.figures import Meter
 
 LengthOf = Callable[[Sample], int]  # the drawn total response length of a sample

@@ -11,7 +11,7 @@ the learner takes `learner.sim_step_s` (+ `sim_step_s_per_token` x trained respo
     messages it has read: a Lease is admitted (samples with nothing to generate come straight back), a
     WeightsReady loaded (WeightsLoaded), an Abort answered (the running samples as partials, AbortDone);
     so an abort round-trip lasts until each holder's current step ends;
-  - in episodes (`broker.sim.episodes`, `broker.sim.engines`), the same engine at the boundary after a
+  - in episodes (`april.sim.episode_plans`, `broker.sim.engines`), the same engine at the boundary after a
     tool call answers, and the credit of a slot a turn gave up with no sample to return (a LeaseRequest);
     an AbortDone names the leases whose non-repeatable tool call the worker still waits for, and their
     samples follow when it answers;
@@ -34,12 +34,12 @@ from april import protocol
 from april.config import Config, ConfigError, Mode, ResumeKV
 from april.ledger import Ledger
 from april.records import Sample
+from april.sim.episode_plans import EpisodePlans, EpisodeWorkload, Plans, SingleTurn
 from april.sim.sample_draw import LengthDraw, LengthSampler, prompt_key, sample_key
 from broker.core import BrokerCore
 from broker.decisions import BatchFormed, Decision, LeaseOut, Refuse, Send
 from broker.heldout import open_prompts
 from broker.sim.engines import EngineModel, Output, ToEngine
-from broker.sim.episodes import EpisodePlans, EpisodeWorkload, Plans, SingleTurn
 from broker.sim.figures import ArrivalMeter, Figures, Meter, Tally, compute_figures
 from broker.state import BrokerState, PendingBatch
 
@@ -428,5 +428,5 @@ class Simulation:
 
 def simulate(config: SimConfig, lengths: LengthSampler, episodes: EpisodeWorkload | None = None) -> SimResult:
     """Run one mode for `config.steps` learner steps in virtual time; with `episodes`, each sample is an
-    episode (`broker.sim.episodes`), its turns' lengths from `episodes`, not `lengths`."""
+    episode (`april.sim.episode_plans`), its turns' lengths from `episodes`, not `lengths`."""
     return Simulation(config, lengths, episodes).run()

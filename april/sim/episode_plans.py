@@ -1,4 +1,4 @@
-"""Simulated episodes: how each sample's multi-turn episode will play out, drawn from its identity.
+"""Episode plans: how each sample's multi-turn episode will play out, drawn from its identity.
 
 Owns `EpisodePlan` (a sample's model turns, the tool calls between them and their observations) and
 `EpisodePlans`, the rule that gives every sample its plan: drawn once from (seed, group, index) by an
@@ -8,7 +8,8 @@ episode off (`env.max_turns`, budgets) is the worker core's (`april.worker_core`
 Every mode of one seed sees the same episodes. `SingleTurn` is a single-turn sample as a plan of one
 turn (its drawn response length), so the engines run both through one path.
 
-Knows nothing of engines, time or scheduling: `broker.sim.engines` plays the plans out.
+Knows nothing of engines, time or scheduling: `april simulate`'s engines (`broker.sim.engines`) play the
+plans out in virtual time, a worker's sim engine and sim tools (`actors.sim_tools`) in real processes.
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ class EpisodePlans:
         if plan is None:
             plan = self.plans[sample.key] = self._draw(sample_key(*sample.key))
         return plan
+
+    def of_key(self, key: int) -> EpisodePlan:
+        """The plan of the sample whose identity is `key` (`sample_key(group_id, index)`), not kept."""
+        return self._draw(key)
 
     def forget(self, sample: Sample) -> None:
         """`sample` finished: its plan is not asked for again."""
