@@ -40,7 +40,7 @@ from april.failures import Reason, failure
 from april.records import Sample, SampleStatus
 from april.sim.byte_chat import ByteChat
 from april.sim.byte_tokenizer import ByteTokenizer
-from april.worker_core import Begin, Decision, Held, Phase, RunStep, StepAnswer, WorkerCore
+from april.worker_core import Begin, Decision, Phase, RunStep, StepAnswer, WorkerCore
 
 
 class EpisodeDriver:
@@ -62,15 +62,6 @@ class EpisodeDriver:
     def next_answer_s(self) -> float | None:
         """Seconds until a step is known to answer (simulated tools know; None: poll)."""
         return self.runner.next_answer_s()
-
-    @property
-    def episodes(self) -> dict[int, Held]:
-        """Every episode leased and not settled."""
-        return self.core.held
-
-    def lease_ids(self) -> list[int]:
-        """Leases held here, outside the engine (a WorkerHello names them)."""
-        return [i for i, h in self.core.held.items() if h.phase is not Phase.ENGINE]
 
     def lease(self, lease_id: int, budget: int, greedy: bool, sample: Sample) -> list[Decision]:
         """Take a leased episode: reset it (a new one), run the step it owes, or queue its next turn. A

@@ -127,7 +127,7 @@ class Loop:
 
     def run(self, until: object = None, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
-        while self.driver.episodes or self.held:
+        while self.driver.core.held or self.held:
             if callable(until) and until():
                 return
             assert time.monotonic() < deadline, "episodes did not settle"
@@ -298,7 +298,7 @@ def test_abort_mid_repeatable_step_kills_it_and_the_resume_owes_it(make_driver, 
     slow = dataclasses.replace(ENV, name="episode_envs:SlowCountingEnv")
     loop = Loop(make_driver(slow), engine)
     loop.lease(1, fresh(1))
-    loop.run(until=lambda: 1 in loop.driver.episodes and loop.driver.episodes[1].phase is Phase.STEP)
+    loop.run(until=lambda: 1 in loop.driver.core.held and loop.driver.core.held[1].phase is Phase.STEP)
     deadline = time.monotonic() + 60
     while not step_running(loop.driver):
         assert loop.driver.runner.poll() == [] and time.monotonic() < deadline
@@ -338,7 +338,7 @@ def test_abort_mid_step_that_cannot_be_killed_waits_and_keeps_its_result(
     slow = dataclasses.replace(ENV, name="episode_envs:SlowCountingEnv")
     loop = Loop(make_driver(slow), engine)
     loop.lease(1, leased)
-    assert loop.driver.episodes[1].phase is Phase.STEP  # the owed step is submitted at once
+    assert loop.driver.core.held[1].phase is Phase.STEP  # the owed step is submitted at once
     deadline = time.monotonic() + 60
     while not step_running(loop.driver):  # handed to a child (a queued one would just be dropped)
         assert loop.driver.runner.poll() == [] and time.monotonic() < deadline
@@ -419,7 +419,7 @@ def test_an_abort_at_any_point_of_a_step_runs_it_once(
     fx.hold("before", True)  # the first step to run waits before its effect; the other queues
     loop.lease(1, fresh(1))
     loop.lease(2, fresh(2))
-    steps = loop.driver.episodes
+    steps = loop.driver.core.held
 
     def stepping() -> bool:
         return all(i in steps and steps[i].phase is Phase.STEP for i in (1, 2))
@@ -479,7 +479,7 @@ def test_an_abort_after_a_reset_answered_keeps_it(make_driver, torch_engine) -> 
     episode is waited for and comes back with the prompt the reset made, and resumes to its end."""
     loop = Loop(make_driver(), torch_engine)
     loop.lease(1, fresh(1))
-    assert loop.driver.episodes[1].phase is Phase.RESET
+    assert loop.driver.core.held[1].phase is Phase.RESET
     answered_in_pipe(loop.driver)
     assert loop.driver.runner.cancel(-1)  # reads the answer (as an abort's first cancel would)
     assert loop.driver.runner.pending == 1 and loop.driver.runner.running == 0

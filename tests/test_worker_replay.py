@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_outbox import SentLink
 from test_sim_episodes import config, workload
 
 from actors.engine import GenerationOutput, GenerationRequest
@@ -274,17 +275,6 @@ class NoRewards:
         return []
 
     def close(self) -> None:
-        pass
-
-
-class SentLink:
-    def __init__(self) -> None:
-        self.sent: list[protocol.Message] = []
-
-    def send(self, msg: protocol.Message) -> None:
-        self.sent.append(msg)
-
-    def close(self, linger_ms: int = 0) -> None:
         pass
 
 
