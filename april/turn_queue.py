@@ -1,13 +1,12 @@
 """The episodes a worker holds whose next model turn waits for an engine slot, in the order slots go.
 
-Owns the one rule the worker's episode driver (actors/episode_driver.py) and the simulator's engines
-(broker/sim/engines.py) both follow (docs/episodes.md, "Slots"): an episode that has had a turn in this
-worker's engine, answered by its environment since, takes a freed slot before a lease this worker has
-not started yet (a new lease, or a resumed one whose owed step ran here first); within each kind, first
-come, first served. An abort gives every waiting one back as it is, in that same order.
+Owns the slot order of the worker core (april/worker_core.py, which the real worker and the simulator's
+engines both drive; docs/episodes.md, "Slots"): an episode that has had a turn in this worker's engine,
+answered by its environment since, takes a freed slot before a lease this worker has not started yet (a
+new lease, or a resumed one whose owed step ran here first); within each kind, first come, first served.
+An abort gives every waiting one back as it is, in that same order.
 
-Knows nothing of slots, samples or engines: the holder says when a slot is free and what an item is
-(a lease id for the driver, the simulator's own records for its engines).
+Knows nothing of slots, samples or engines: the core says when a slot is free; an item is a lease id.
 """
 
 from __future__ import annotations
