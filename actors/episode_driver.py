@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from actors.sim_tools import SIM_ENV, SimTools
+from actors.sim_tools import SIM_ENV, SIM_ONLY, SimTools, check_sim
 from actors.tokenizer import HFTokenizer, Tokenizer
 from actors.tool_runner import ToolResult, ToolRunner, ToolRunnerSettings, load_env
 from april.chat import ChatFormat, chat_format
@@ -109,10 +109,9 @@ class EpisodeDriver:
         return out + list(back), waited
 
     def forget(self, returned: Sequence[tuple[int, Sample]]) -> None:
-        """Leases the worker returns: a live state whose episode ended is freed; an interrupted one's
-        stays, for its resume on this worker."""
+        """Leases the worker returned (the core has forgotten them): their states go; a live state whose
+        episode ended is freed, an interrupted one's stays, for its resume on this worker."""
         for lease_id, sample in returned:
-            self.core.forget(lease_id)
             self.states.pop(lease_id, None)
             self.turn.pop(lease_id, None)
             if sample.status is not SampleStatus.INTERRUPTED and holds_live_state(sample.episode):
@@ -133,8 +132,7 @@ class EpisodeDriver:
         state = self.states[d.lease_id]
         turn = state.owed
         if turn is None:
-            turn_start = s.observations[-1].end if s.observations else 0
-            turn = self.chat.parse_turn(self.chat.turn_text(s.response_ids[turn_start:].tolist()))
+            turn = self.chat.parse_turn(self.chat.turn_text(s.response_ids[s.turn_start :].tolist()))
         self.states[d.lease_id] = dataclasses.replace(state, owed=None)
         self.turn[d.lease_id] = turn
         key = StepKey(s.group_id, s.index, state.turns)
@@ -191,7 +189,7 @@ def open_episode_driver(
         return None
     if env.name == SIM_ENV:
         if sim is None or not isinstance(tokenizer, ByteTokenizer):
-            raise _sim_only(None)
+            raise EpisodeError(SIM_ONLY)
         return EpisodeDriver(env, ByteChat(tokenizer), sim, slots)
     if is_openenv(env.name) and not env.gateway:
         raise EpisodeError(
@@ -216,12 +214,7 @@ def check_env(env: EnvConfig, worker: WorkerConfig) -> None:
     if not env.name:
         return
     if env.name == SIM_ENV:
-        if worker.engine != "sim" or worker.model:
-            raise _sim_only(worker)
-        if not (worker.sim_turns or worker.sim_episodes):
-            raise EpisodeError(
-                "env.name = 'sim' plays simulated episodes: set worker.sim_turns or worker.sim_episodes"
-            )
+        check_sim(worker)
         return
     if not worker.model:
         raise _needs_model(env)
@@ -257,15 +250,6 @@ def resume_note(env: EnvConfig) -> str:
             "there, and restarts from its prompt if that worker dies"
         )
     return f"env {env.name}: {where}"
-
-
-def _sim_only(worker: WorkerConfig | None) -> EpisodeError:
-    got = (
-        "" if worker is None else f" (got worker.engine = {worker.engine!r}, worker.model = {worker.model!r})"
-    )
-    return EpisodeError(
-        f"env.name = 'sim' plays simulated episodes: worker.engine = 'sim', no worker.model{got}"
-    )
 
 
 def _needs_model(env: EnvConfig) -> EpisodeError:

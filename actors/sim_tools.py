@@ -24,8 +24,8 @@ import numpy as np
 
 from actors.lengths import EpisodeFile, LengthSpec
 from actors.tool_runner import ToolResult
-from april.config import Config, ConfigError, WorkerConfig
-from april.episode import EnvRequest, EnvStep, Message, ResetRequest, Role, Tool
+from april.config import Config, WorkerConfig
+from april.episode import EnvRequest, EnvStep, EpisodeError, Message, ResetRequest, Role, Tool
 from april.records import Sample
 from april.sim.episode_plans import DrawnEpisodes, EpisodePlans, EpisodeSampler, EpisodeWorkload
 from april.sim.sample_draw import LengthSampler
@@ -58,17 +58,29 @@ def episode_workload(
     return EpisodeWorkload(sampler, observations)
 
 
+SIM_ONLY = "env.name = 'sim' plays simulated episodes: worker.engine = 'sim', no worker.model"
+
+
+def check_sim(w: WorkerConfig) -> None:
+    """What simulated episodes need of the worker, or a one-line EpisodeError: the sim engine without a
+    model (the byte chat), and an episode workload."""
+    if w.engine != "sim" or w.model:
+        raise EpisodeError(f"{SIM_ONLY} (got worker.engine = {w.engine!r}, worker.model = {w.model!r})")
+    if not (w.sim_turns or w.sim_episodes):
+        raise EpisodeError(
+            "env.name = 'sim' plays simulated episodes: set worker.sim_turns or worker.sim_episodes"
+        )
+
+
 def episode_plans(config: Config) -> EpisodePlans | None:
     """The plans a worker of `config` plays (env.name = "sim"), as `april simulate` draws them: the
-    run's seed, the env section's budgets. None for any other environment."""
+    run's seed, the env section's budgets. None for any other environment; `check_sim`'s errors."""
     if config.env.name != SIM_ENV:
         return None
     w = config.worker
+    check_sim(w)
     workload = episode_workload(w, LengthSpec.parse(w.sim_lengths))
-    if workload is None:
-        raise ConfigError(
-            "env.name = 'sim' plays simulated episodes: set worker.sim_turns or worker.sim_episodes"
-        )
+    assert workload is not None  # (check_sim: sim_turns or sim_episodes is set)
     return EpisodePlans(workload, config.run.seed, config.env.max_turns, config.env.max_turn_tokens)
 
 
@@ -124,8 +136,10 @@ class SimTools:
 
     def cancel(self, key: int) -> bool:
         """A step not yet answered is killed when repeatable (True), else waited for (False)."""
-        if key not in self._answers or not self.repeatable:
-            return key not in self._answers
+        if key not in self._answers:  # unknown, or its answer already taken by `poll`
+            return True
+        if not self.repeatable:
+            return False
         del self._answers[key]
         return True
 

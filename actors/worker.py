@@ -103,8 +103,7 @@ def apply_output(sample: Sample, out: GenerationOutput) -> Sample:
             strict=True,
         ):
             s = s.extend(ids, lps, int(vs[0]), FinishReason.NONE)
-    last_version = s.segments[-1].version if s.segments else 0
-    return s.extend([], [], last_version, out.finish_reason)
+    return s.ended(out.finish_reason)
 
 
 def interrupted(sample: Sample, out: GenerationOutput | None) -> Sample:
@@ -143,7 +142,6 @@ class Worker:
         self.meter: SlotMeter | None = None  # slot usage, reported as EngineUsage (from the engine's start)
         # every lease held, and the rules of where each goes (the episode driver's core when episodic)
         self.core = episodes.core if episodes is not None else WorkerCore(cfg.slots, episodic=False)
-        self.core.down = True  # until the engine is built
         self.scoring: dict[int, Sample] = {}  # lease id -> finished sample waiting for its reward
         # results and credit owed to the broker, held up to result_hold_ms and sent as one message
         self.outbox = Outbox(cfg.result_hold_ms / 1e3, max_samples=cfg.slots)
@@ -269,9 +267,8 @@ class Worker:
                 if self.episodes is not None:
                     decisions = self.episodes.lease(lease_id, budget, bool(greedy), sample)
                 else:
-                    if (
-                        sample.prompt_ids.shape[0] == 0
-                    ):  # a text prompt: tokenized once, resumes reuse the ids
+                    # a text prompt: tokenized once, resumes reuse the ids
+                    if sample.prompt_ids.shape[0] == 0:
                         ids = self.tokenizer.encode_prompt(sample.prompt_text, sample.metadata)
                         sample = dataclasses.replace(sample, prompt_ids=ids)
                     decisions = self.core.lease(lease_id, budget, bool(greedy), sample, Begin.TURN)
@@ -382,7 +379,8 @@ class Worker:
             self.core.forget(lease_id)
         if self.episodes is not None:
             self.episodes.forget(items)
-        self.outbox.add(items, self.core.grant() if grant else 0, time.monotonic())
+        granted = self.core.grant() if grant and not self.health.down else 0  # a down engine grants none
+        self.outbox.add(items, granted, time.monotonic())
         if grant:
             self._send_outbox_if_due()
 
@@ -629,8 +627,7 @@ class Worker:
         self.health.returned += back
         self.health.failed += failed
         self.health.go_down(str(exc), time.monotonic())
-        self.core.down = True  # the broker sets the credit to 0 when it hears: nothing more until it serves
-        self.core.set_credit(0)
+        self.core.set_credit(0)  # the broker's, once it hears: nothing more until the engine serves
         self._report_health()
         self._carry_out(decisions)
         if not was_down:
@@ -706,7 +703,6 @@ class Worker:
         if self.engine.active:  # left behind by a failure that was not EngineUnavailable
             self._on_outputs(self.engine.abort(), asked=True)
         self.health.come_up()
-        self.core.down = False
         log.info("engine serves again: leasing resumes")
         self._report_health()
         self.sync.rejoin_broadcast()  # a restarted server joins the learner's group with the others
@@ -732,7 +728,7 @@ class Worker:
             sorted({*self.core.held, *self.scoring, *self.outbox.lease_ids(), *resent}), dtype=np.int64
         )
         version = self.engine.version if self.engine is not None else 0
-        free = 0 if self.engine is None else self.core.free()
+        free = 0 if self.engine is None or self.health.down else self.core.free()
         self.core.set_credit(free)  # what the broker holds once it read the hello
         self.outbox.drop_credit()
         hello = protocol.WorkerHello(

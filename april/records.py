@@ -138,6 +138,11 @@ class Sample:
         return sum(seg.end - seg.start for seg in self.segments)
 
     @property
+    def turn_start(self) -> int:
+        """Where the current model turn starts in the response: after the last observation (0: none)."""
+        return self.observations[-1].end if self.observations else 0
+
+    @property
     def min_version(self) -> int | None:
         """Oldest policy version that produced any response token; None if nothing generated yet."""
         return self.segments[0].version if self.segments else None
@@ -202,6 +207,12 @@ class Sample:
             status=status,
             finish_reason=finish_reason,
         )
+
+    def ended(self, finish_reason: FinishReason) -> Sample:
+        """The sample with `finish_reason` and its status (`extend`'s), no token added: tagged with the
+        last segment's version (0: none yet)."""
+        version = self.segments[-1].version if self.segments else 0
+        return self.extend([], [], version, finish_reason)
 
     def observed(self, new_ids: Sequence[int] | TokenIds) -> Sample:
         """Append observation tokens (log-prob 0.0, no version); return the updated sample.

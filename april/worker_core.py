@@ -124,7 +124,6 @@ class WorkerCore:
         self.waiting: TurnQueue[int] = TurnQueue()  # lease ids of READY leases
         self.active = 0  # leases in the engine
         self.credit = slots  # free slots the broker holds as this worker's credit
-        self.down = False  # the engine cannot serve: no credit
 
     # ------------------------------------------------------------------ events
 
@@ -148,14 +147,14 @@ class WorkerCore:
     def fill(self) -> list[StartTurn]:
         """Free slots to waiting turns: answered episodes first, then leases not started here."""
         out = []
-        while self.active < self.slots and not self.down and (lease_id := self.waiting.take()) is not None:
+        while self.active < self.slots and (lease_id := self.waiting.take()) is not None:
             held = self.held[lease_id]
             held.phase, held.started = Phase.ENGINE, True
             self.active += 1
             s = held.sample
             budget = held.cap - s.response_len
             if self.episodic:  # a turn's tokens so far count against env.max_turn_tokens
-                budget = min(budget, self.max_turn_tokens - (s.response_len - _turn_start(s)))
+                budget = min(budget, self.max_turn_tokens - (s.response_len - s.turn_start))
             budget = max(0, budget)
             out.append(StartTurn(lease_id, s, budget, held.greedy))
         return out
@@ -244,12 +243,8 @@ class WorkerCore:
     # ------------------------------------------------------------------ credit
 
     def grant(self) -> int:
-        """Free slots the broker does not hold as credit yet, granted now. A lease not started here keeps
-        the slot its credit was for; a step holds none."""
-        if self.down:
-            return 0
-        unstarted = sum(1 for h in self.held.values() if not h.started and h.phase is not Phase.RETURNING)
-        fresh = max(0, self.slots - self.active - unstarted - self.credit)
+        """Free slots (`free`) the broker does not hold as credit yet, granted now."""
+        fresh = max(0, self.free() - self.credit)
         self.credit += fresh
         return fresh
 
@@ -258,9 +253,10 @@ class WorkerCore:
         self.credit = credit
 
     def free(self) -> int:
-        """Slots neither in the engine nor kept for a lease not started here (a hello's credit)."""
+        """Slots neither in the engine nor kept for a lease not started here (a reset or owed step keeps
+        the slot its credit was for; a step after a turn here holds none)."""
         unstarted = sum(1 for h in self.held.values() if not h.started and h.phase is not Phase.RETURNING)
-        return 0 if self.down else max(0, self.slots - self.active - unstarted)
+        return max(0, self.slots - self.active - unstarted)
 
     # ------------------------------------------------------------------ queries
 
@@ -290,13 +286,7 @@ class WorkerCore:
         return Settle(held.lease_id, sample, to_score)
 
 
-def _turn_start(sample: Sample) -> int:
-    """Where the current model turn starts in the response: after the last observation."""
-    return sample.observations[-1].end if sample.observations else 0
-
-
 def _ended(sample: Sample, reason: FinishReason, reward: float | None = None) -> Sample:
     """`sample` with its finish reason (ABORT: INTERRUPTED), scored with `reward` when given."""
-    version = sample.segments[-1].version if sample.segments else 0
-    s = sample.extend([], [], version, reason)
+    s = sample.ended(reason)
     return s if reward is None or s.status is not SampleStatus.FINISHED else s.scored(reward)

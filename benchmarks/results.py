@@ -625,7 +625,8 @@ def block_paper_config_gain() -> str:
     )
 
 
-def bench_table(step: str) -> str:
+def bench_table(step: str, *notes: str) -> str:
+    """A bench's runs, one row each, then `notes` (lines), then its source."""
     doc = load(f"bench/{step}/bench.json")
     has_error = "prediction_error" in doc
     head = "| run | samples/s | vs sync | slot util | bubble | wasted tok | off-policy | stale mean/max |"
@@ -639,7 +640,7 @@ def bench_table(step: str) -> str:
             f"{num(f['bubble_frac'])} | {f['wasted_tokens']} | {num(f['offpolicy_token_frac'])} | "
             f"{f['staleness_mean']:.2f}/{f['staleness_max']} | {f['aborted']} | {last} |"
         )
-    return "\n".join([*rows, "", source(step)])
+    return "\n".join([*rows, "", *(f"{n}\n" for n in notes), source(step)])
 
 
 def streamed_latency(broker: dict[str, Any]) -> str:
@@ -1116,9 +1117,10 @@ def block_agentic() -> str:
 def block_agentic_sim() -> str:
     """The agentic episodes as real processes, each run against the simulator's prediction of it."""
     error = max(abs(e) for e in load("bench/agentic-sim/bench.json")["prediction_error"].values())
-    line = f"Every run's samples/s is within {error:.1%} of what `april simulate` predicted for it."
-    table, source_line = bench_table("agentic-sim").rsplit("\n\n", 1)
-    return "\n".join([table, "", line, "", source_line])
+    return bench_table(
+        "agentic-sim",
+        f"Every run's samples/s is within {error:.1%} of what `april simulate` predicted for it.",
+    )
 
 
 def count(n: int) -> str:

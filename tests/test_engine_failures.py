@@ -482,7 +482,7 @@ def test_an_engine_down_fails_a_request_it_had_refused_and_returns_the_others() 
         lid: Sample(group_id=lid, index=0, prompt_ids=PROMPT, status=SampleStatus.RUNNING)
         for lid in (1, 2, 3)
     }
-    worker.core.down = False  # serving, its three requests in the engine
+    # serving, its three requests in the engine
     for lid, s in fresh.items():
         worker.core.lease(lid, 8, False, s, Begin.TURN)
     assert [d.lease_id for d in worker.core.fill()] == [1, 2, 3]

@@ -141,6 +141,7 @@ class Loop:
                 self.turn_ended(sample, o)
             else:
                 self.out[o.request_id] = interrupted(sample, o)
+                self.driver.core.forget(o.request_id)
                 self.driver.forget([(o.request_id, self.out[o.request_id])])
         back, waited = self.driver.abort()
         self.carry_out(back)

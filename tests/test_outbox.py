@@ -112,7 +112,7 @@ def worker_on(hold_ms: float) -> tuple[Worker, SentLink]:
 def owe(worker: Worker, items: list[tuple[int, Sample]], credit: int) -> None:
     """The worker owes `items` with `credit` freed slots: the broker's credit is `credit` short of the
     worker's free slots, so its core grants that many."""
-    worker.core.down = False
+    worker.health.down = False  # an engine that serves grants credit
     worker.core.set_credit(worker.core.free() - credit)
     worker._owe(items)
 

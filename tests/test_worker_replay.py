@@ -297,7 +297,6 @@ def replayed(
     engine = ReplayEngine(SLOTS)
     worker.engine = engine
     worker.health.come_up()
-    worker.core.down = False
     decisions: list[tuple[Any, ...]] = []
     record_decisions(worker.core, decisions)
     try:

@@ -230,8 +230,9 @@ class SimEngine:
         ids = np.asarray(req.input_ids, dtype=np.int32)
         ident = self._identity(req, ids)
         done = len(ids) - ident.prompt_len  # response tokens before this request (observations too)
-        if self.plans is not None:  # the tokens its current turn has left in the sample's episode
-            _, left = self.plans.of_key(ident.key).turn_of(ident.model_tokens, ident.calls)
+        plan = self.plans.of_key(ident.key) if self.plans is not None else None
+        if plan is not None:  # the tokens its current turn has left in the sample's episode
+            _, left = plan.turn_of(ident.model_tokens, ident.calls)
             drawn = done + left
         else:
             drawn = self.drawn_length(ident.key, ident.prompt)
@@ -255,7 +256,7 @@ class SimEngine:
             reprefill=max(0, seen - cached),
             cached=cached,
             kv_version=min(hit.kv_version, self.version) if hit and cached else self.version,
-            keeps_kv=self.plans is not None and not self.plans.of_key(ident.key).ends_after(ident.calls),
+            keeps_kv=plan is not None and not plan.ends_after(ident.calls),
             marks=[(0, self.version)],
         )
         if req.max_new_tokens == 0:

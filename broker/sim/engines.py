@@ -390,7 +390,8 @@ class EngineModel:
 
 def _output(seq: _Seq, produced: int, reason: FinishReason) -> Sample:
     """The turn's sample extended by `produced` tokens, one segment per weights version (what the worker's
-    `apply_output` builds from an engine output), then settled by `reason` (NONE: the episode goes on)."""
+    `apply_output` builds from an engine output), then ended by `reason`: NONE (the turn ended: the
+    worker core says what follows) or ABORT."""
     s = seq.sample
     ends = [start for start, _ in seq.marks[1:]] + [produced]
     for (start, version), end in zip(seq.marks, ends, strict=True):
@@ -398,15 +399,7 @@ def _output(seq: _Seq, produced: int, reason: FinishReason) -> Sample:
             s = s.extend(
                 np.zeros(end - start, np.int32), np.zeros(end - start, np.float32), version, FinishReason.NONE
             )
-    return _settle(s, reason)
-
-
-def _settle(s: Sample, reason: FinishReason) -> Sample:
-    """`s` with its finish reason: INTERRUPTED (ABORT), RUNNING (NONE) or FINISHED and scored (reward 0:
-    no task here)."""
-    last_version = s.segments[-1].version if s.segments else 0
-    s = s.extend([], [], last_version, reason)
-    return s if reason in (FinishReason.ABORT, FinishReason.NONE) else s.scored(0.0)
+    return s.ended(reason)
 
 
 def _owing(s: Sample) -> Sample:
