@@ -113,8 +113,16 @@ class Loop:
                 self.driver.forget([(d.lease_id, d.sample)])
 
     def tick(self) -> None:
+        self.drive()
+        self.generate()
+
+    def drive(self) -> None:
+        """The steps that answered, then the free slots filled."""
         self.carry_out(self.driver.poll())
         self.carry_out(self.driver.core.fill())
+
+    def generate(self) -> None:
+        """One engine step (a token on the torch engine; up to the engine's poll time on vLLM)."""
         if self.engine.active:
             for o in self.engine.step():
                 self.turn_ended(self.held.pop(o.request_id), o)
@@ -131,7 +139,10 @@ class Loop:
             if callable(until) and until():
                 return
             assert time.monotonic() < deadline, "episodes did not settle"
-            self.tick()
+            self.drive()
+            if callable(until) and until():  # before the engine steps: a turn just started has no token
+                return
+            self.generate()
 
     def abort(self) -> list[int]:
         """Every unfinished episode back (self.out); returns the leases waited for."""
@@ -263,35 +274,44 @@ def resume(partial: Sample) -> Sample:
 @pytest.mark.parametrize("turn", [0, 1])
 def test_abort_mid_turn_then_resume_is_the_uninterrupted_transcript(make_driver, engine, turn) -> None:
     """The first turn is cut by max_turn_tokens (its resume must get only the turn's tokens left); the
-    second follows an observation. An engine that generates between our calls (vLLM's async engine)
-    may finish a short turn within a few ticks, and its step may have answered by the abort (then it is
-    waited for and applied, never dropped): the abort is tried after 3, 1 and 0 ticks (0 again, up to
-    eight tries in all: under load vLLM's own thread may outrun every early abort), every try's resume
-    must give the uninterrupted transcript, and one of them must land mid-turn."""
+    second follows an observation. Every try's resume must give the uninterrupted transcript, and one
+    try must land mid-turn. The torch engine makes a token a tick, so three ticks land mid-turn; vLLM's
+    engine generates in a process of its own, so a turn may end, or not have begun, by the abort, and
+    how many tokens a wait brings depends on the machine's load. The wait before the abort is searched:
+    halved after a try that came too late (the turn had ended; a step that had answered is waited for
+    and applied, never dropped), doubled after one too early (not a token of the turn yet)."""
     want = play(make_driver(), engine, {1: fresh(1)})[1]
     assert want.segments[0].end == ENV.max_turn_tokens  # the first turn was cut by its budget
-    caught = []
-    for ticks in (3, 1, 0, 0, 0, 0, 0, 0):
+    ticks, wait_s, tries = 3, 0.0, []
+    for _ in range(24):
         loop = Loop(make_driver(), engine)
         loop.lease(1, fresh(1))
         loop.run(until=lambda lp=loop: 1 in lp.held and len(lp.held[1].observations) == turn)
         for _ in range(ticks):  # a few tokens into the turn
             loop.tick()
+        time.sleep(wait_s)
         if loop.abort():  # a step that had answered: applied once it is read
             loop.run()
         partial = loop.out.pop(1)
         if partial.status == SampleStatus.FINISHED:  # the episode ended before the abort came
             assert_same_transcript(partial, want)
-            caught.append(False)
-            continue
-        start = partial.observations[-1].end if partial.observations else 0
-        np.testing.assert_array_equal(partial.response_ids, want.response_ids[: partial.response_len])
-        assert EpisodeState.from_bytes(partial.episode).turns == len(partial.observations)
-        assert_same_transcript(play(make_driver(), engine, {7: resume(partial)})[7], want)
-        caught.append(len(partial.observations) == turn and partial.response_len > start)
-        if caught[-1]:
+            tries.append("late")
+        else:
+            start = partial.observations[-1].end if partial.observations else 0
+            np.testing.assert_array_equal(partial.response_ids, want.response_ids[: partial.response_len])
+            assert EpisodeState.from_bytes(partial.episode).turns == len(partial.observations)
+            assert_same_transcript(play(make_driver(), engine, {7: resume(partial)})[7], want)
+            if len(partial.observations) > turn:
+                tries.append("late")
+            else:
+                tries.append("caught" if partial.response_len > start else "early")
+        if tries[-1] == "caught":
             break
-    assert any(caught), "no abort landed mid-turn"
+        if tries[-1] == "late":
+            ticks, wait_s = 0, wait_s / 2
+        else:
+            wait_s = max(2 * wait_s, 0.002)
+    assert tries[-1] == "caught", f"no abort landed mid-turn: {tries}"
 
 
 def test_abort_mid_repeatable_step_kills_it_and_the_resume_owes_it(make_driver, engine) -> None:
