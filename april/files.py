@@ -1,5 +1,5 @@
-"""Small file helpers shared by roles: content hashes, atomic replacement, durable renames and reading
-JSON-lines files (metrics.jsonl, eval.jsonl)."""
+"""Small file helpers shared by roles and benchmarks: content hashes, atomic replacement (of text and of
+JSON documents), durable renames and reading JSON-lines files (metrics.jsonl, eval.jsonl)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,11 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json(path: Path, doc: Any, indent: int = 2) -> None:
+    """Replace `path` with `doc` as indented JSON and a final newline, atomically (`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(doc, indent=indent) + "\n")
 
 
 def read_jsonl(path: Path, growing: bool = False) -> list[dict[str, Any]]:

@@ -248,8 +248,21 @@ class Sample:
         """The sample as leased again after an interruption: RUNNING, one more resume (if it has tokens)."""
         # the spans tile the response: asking them whether there are tokens is cheaper than asking numpy
         resumes = self.resumes + 1 if self.segments or self.observations else self.resumes
-        # the constructor with positional arguments in field order, not dataclasses.replace nor keywords:
-        # the broker leases every sample through here (tests/test_records.py checks it against replace)
+        return self._rebuilt(SampleStatus.RUNNING, FinishReason.NONE, resumes, self.leases)
+
+    def returned_by(self, worker: str, leases: tuple[LeaseSpan, ...]) -> Sample:
+        """The sample as the broker keeps it once `worker` returned it changed: `leases` (the history it
+        was leased with: what a worker returns there is not read) and one more span, ending at its
+        response's end."""
+        span = LeaseSpan(worker, int(self.response_ids.shape[0]))
+        return self._rebuilt(self.status, self.finish_reason, self.resumes, (*leases, span))
+
+    def _rebuilt(
+        self, status: SampleStatus, finish_reason: FinishReason, resumes: int, leases: tuple[LeaseSpan, ...]
+    ) -> Sample:
+        """A copy with these four fields: the constructor with positional arguments in field order, not
+        dataclasses.replace nor keywords, as the broker takes every leased and returned sample through
+        here (tests/test_records.py checks it against replace)."""
         return Sample(
             self.group_id,
             self.index,
@@ -257,8 +270,8 @@ class Sample:
             self.response_ids,
             self.response_logprobs,
             self.segments,
-            SampleStatus.RUNNING,
-            FinishReason.NONE,
+            status,
+            finish_reason,
             resumes,
             self.reward,
             self.prompt_text,
@@ -266,31 +279,7 @@ class Sample:
             self.error,
             self.observations,
             self.episode,
-            self.leases,
-        )
-
-    def returned_by(self, worker: str, leases: tuple[LeaseSpan, ...]) -> Sample:
-        """The sample as the broker keeps it once `worker` returned it changed: `leases` (the history it
-        was leased with: what a worker returns there is not read) and one more span, ending at its
-        response's end."""
-        # positional, as `resumed`: the broker takes every returned sample through here
-        return Sample(
-            self.group_id,
-            self.index,
-            self.prompt_ids,
-            self.response_ids,
-            self.response_logprobs,
-            self.segments,
-            self.status,
-            self.finish_reason,
-            self.resumes,
-            self.reward,
-            self.prompt_text,
-            self.metadata,
-            self.error,
-            self.observations,
-            self.episode,
-            (*leases, LeaseSpan(worker, int(self.response_ids.shape[0]))),
+            leases,
         )
 
     def scored(self, reward: float) -> Sample:

@@ -583,7 +583,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "runs": runs,
         "benchmark_wall_s_this_invocation": time.time() - started,
     }
-    (args.out / "accuracy.json").write_text(json.dumps(result, indent=1) + "\n")
+    files.write_json(args.out / "accuracy.json", result, indent=1)
     (args.out / "accuracy.md").write_text(table + "\nPer run:\n\n" + render_runs(runs))
     if curves:
         plot(curves, args.target, args.window, args.out / "accuracy.png")

@@ -69,6 +69,7 @@ from actors.outbox import Outbox  # noqa: E402
 from april import protocol  # noqa: E402
 from april.codec import decode_header  # noqa: E402
 from april.config import load_config  # noqa: E402
+from april.files import write_json  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from april.records import FinishReason, Sample, SampleStatus, new_group_samples  # noqa: E402
 from april.sources import open_source  # noqa: E402
@@ -1183,10 +1184,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "notes": "broker snapshots (fsynced) at every batch formed, as in production",
         "results": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(Path(args.out), report)
+    print(f"wrote {args.out}")
     for scenario in args.scenarios.split(","):
         if args.profile_broker:
             print_profile(Path(args.profile_broker).with_suffix(f".{scenario}.prof"))

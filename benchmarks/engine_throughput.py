@@ -25,7 +25,6 @@ Usage: python benchmarks/engine_throughput.py [--n 256 --slots 32 64 --threads 2
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -38,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from april.files import write_json
 
 # --smoke: the same runs on a model and workload small enough for a few seconds (tests/test_benchmarks.py)
 SMOKE: dict[str, Any] = {
@@ -133,6 +133,11 @@ def run_engine(
     wall = time.perf_counter() - t0
     engine.close()
     assert tokens == sum(lengths)
+    return _figures(wall, tokens, steps)
+
+
+def _figures(wall: float, tokens: int, steps: int) -> dict[str, float]:
+    """One run's row: wall time, tokens, throughput and time per decode step."""
     return {
         "wall_s": wall,
         "useful_tokens": tokens,
@@ -190,13 +195,7 @@ def run_generate(
         steps += longest
     wall = time.perf_counter() - t0
     tokens = sum(lengths)
-    return {
-        "wall_s": wall,
-        "useful_tokens": tokens,
-        "tokens_per_s": tokens / wall,
-        "steps": steps,
-        "ms_per_step": 1e3 * wall / steps,
-    }
+    return _figures(wall, tokens, steps)
 
 
 def step_sweep(model_dir: Path, args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, Any]]:
@@ -303,8 +302,7 @@ def main() -> None:
         "step_sweep": sweep,
         "engine": how,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json(args.out, report)
     print(f"\nwrote {args.out}")
     tmp.cleanup()
 

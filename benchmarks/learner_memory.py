@@ -35,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from april.files import write_json
+
 QWEN3_VOCAB = 151_936
 GIB = 1024**3
 
@@ -251,8 +253,7 @@ def main() -> None:
         "rows": rows,
         "growth_per_token": growth,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

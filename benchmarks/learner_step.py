@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from april.files import write_json
+
 BACKENDS: dict[str, tuple[Literal["torch", "deepspeed"], int]] = {
     "torch": ("torch", 0),
     "zero0": ("deepspeed", 0),
@@ -198,8 +200,7 @@ def main() -> None:
         "target_ratio": 1.15,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from april.config import Config  # noqa: E402
-from april.files import write_text_atomic  # noqa: E402
+from april.files import write_json  # noqa: E402
 from april.ports import free_ports  # noqa: E402
 from april.weights_uri import version_path  # noqa: E402
 from cli.options import resolve_config  # noqa: E402
@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "held_out": held_out,
         "runs": runs,
     }
-    write_text_atomic(out / "learning_run.json", json.dumps(doc, indent=1) + "\n")
+    write_json(out / "learning_run.json", doc, indent=1)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Usage: python benchmarks/scheduling.py --out docs/results/scheduling/scheduling.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from april.config import Mode, replace_fields  # noqa: E402
+from april.files import write_json  # noqa: E402
 from broker.sim.model import SimConfig, simulate  # noqa: E402
 from cli.sim_options import paper_config, resolve_lengths  # noqa: E402
 
@@ -165,8 +165,7 @@ def main() -> None:
         "results": results,
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    write_json(args.out, doc)
     print(f"wrote {args.out}", file=sys.stderr)
 
 

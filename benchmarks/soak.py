@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from april.config import load_config, write_config  # noqa: E402
 from april.episode import EpisodeState  # noqa: E402
-from april.files import read_jsonl  # noqa: E402
+from april.files import read_jsonl, write_json  # noqa: E402
 from april.hf import TINY_MODEL  # noqa: E402
 from april.placement import place  # noqa: E402
 from april.ports import free_ports  # noqa: E402
@@ -302,7 +302,7 @@ def report(
         "run_dir": str(soak.run_dir),
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "kill_moments"}, indent=2), flush=True)
-    (soak.run_dir.parent / "soak.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(soak.run_dir.parent / "soak.json", summary)
     return summary
 
 

@@ -69,6 +69,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from april.config import ConfigError, WeightsConfig, load_config  # noqa: E402
+from april.files import write_json  # noqa: E402
 from april.ports import free_port_pair  # noqa: E402
 
 GB = 1e9
@@ -517,14 +518,7 @@ class Learner:
                 "bytes": path.stat().st_size}  # fmt: skip
 
     def broadcast(self) -> dict[str, Any]:
-        path, _, publish_s = self.publish()
-        self.child.send("broadcast_wait", version=self.version)
-        started = time.perf_counter()
-        report = self.hub.broadcast(self.state, self.version)
-        if "bench-worker" not in report.reached:
-            raise SystemExit(f"broadcast: v{self.version} did not reach the worker: {report}")
-        got = self.child.answer()
-        wall_s = time.perf_counter() - started
+        path, got, wall_s, publish_s, _ = self._broadcast("broadcast", self.hub, "bench-worker")
         return {"publish_s": publish_s, "transfer_s": wall_s - got["load_s"], "load_s": got["load_s"],
                 "sync_s": publish_s + wall_s, "bytes": got["bytes"],
                 "file_bytes": path.stat().st_size}  # fmt: skip
@@ -538,17 +532,25 @@ class Learner:
                 "bytes": path.stat().st_size}  # fmt: skip
 
     def sglang_broadcast(self) -> dict[str, Any]:
-        path, _, publish_s = self.publish()
-        self.child.send("sglang_broadcast_wait", version=self.version)
-        started = time.perf_counter()
-        report = self.sglang_hub.broadcast(self.state, self.version)
-        if "bench-sglang" not in report.reached:
-            raise SystemExit(f"sglang-broadcast: v{self.version} did not reach the server: {report}")
-        got = self.child.answer()
-        wall_s = time.perf_counter() - started
+        path, got, wall_s, publish_s, report = self._broadcast(
+            "sglang_broadcast", self.sglang_hub, "bench-sglang"
+        )
         return {"publish_s": publish_s, "transfer_s": wall_s, "sync_s": publish_s + wall_s,
                 "server_s": got["load_s"], "bytes": got["bytes"],
                 "file_bytes": path.stat().st_size, "buckets": report.buckets}  # fmt: skip
+
+    def _broadcast(self, op: str, hub: Any, member: str) -> tuple[Path, dict[str, Any], float, float, Any]:
+        """Publish, have the child wait for the version (`op`_wait), broadcast it from `hub` and wait for
+        the child's answer: (file, answer, seconds from the broadcast to the answer, publish seconds,
+        the hub's report)."""
+        path, _, publish_s = self.publish()
+        self.child.send(f"{op}_wait", version=self.version)
+        started = time.perf_counter()
+        report = hub.broadcast(self.state, self.version)
+        if member not in report.reached:
+            raise SystemExit(f"{op}: v{self.version} did not reach {member}: {report}")
+        got = self.child.answer()
+        return path, got, time.perf_counter() - started, publish_s, report
 
     def close(self) -> None:
         if self.service is not None:
@@ -678,8 +680,7 @@ def main() -> None:
         "skipped": skipped,
         "sizes": sizes,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    write_json(args.out, report)
     print(f"wrote {args.out}")
 
 

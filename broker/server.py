@@ -31,27 +31,16 @@ from april import protocol
 from april.codec import ProtocolError
 from april.config import Config, ConfigError
 from april.failures import RUN_FAILED
+from april.files import write_json
 from april.keys import server_keys
 from april.protocol import Message, WeightsReady
 from april.records import Sample
 from april.status import BrokerStatus
 from april.transport import configure
 from april.wire_records import SampleBatch
-from broker import snapshot
+from broker import decisions, snapshot
 from broker.auth import CurveGate
 from broker.core import BrokerCore
-from broker.decisions import (
-    BatchFormed,
-    Decision,
-    EvalFinished,
-    LeaseOut,
-    Refuse,
-    RunStopped,
-    Send,
-    Settled,
-    ToLearner,
-    WorkerLost,
-)
 from broker.eval_records import open_eval_records
 from broker.heldout import open_prompts
 from broker.journal import Journal
@@ -198,7 +187,7 @@ class Broker:
         if self.eval_records is not None:
             self.eval_records.close()
         totals = {"at_last_step": self.core.last_step_totals, "at_stop": self.core.run_totals()}
-        (self.run_dir / TOTALS).write_text(json.dumps(totals, indent=2) + "\n", encoding="utf-8")
+        write_json(self.run_dir / TOTALS, totals)
         for sock in (self.worker_sock, self.learner_sock, self.pub_sock):
             sock.close(linger=0)
         if self.gate is not None:
@@ -298,41 +287,43 @@ class Broker:
         """The learner waits for a batch that can be formed, or a batch handed out waits for its snapshot."""
         return self.held_batch is not None or self.core.batch_due()
 
-    def _carry_out(self, decisions: list[Decision], now: float, result: SampleBatch | None = None) -> None:
+    def _carry_out(
+        self, todo: list[decisions.Decision], now: float, result: SampleBatch | None = None
+    ) -> None:
         """Do what the core decided, in its order; `result`: the SampleResult's samples the decisions
         answer (a whole result of settled samples is logged as it came)."""
-        for d in decisions:
+        for d in todo:
             match d:
-                case LeaseOut(worker_id=worker_id, work=work, greedy=greedy):
+                case decisions.LeaseOut(worker_id=worker_id, work=work, greedy=greedy):
                     self._send_worker(worker_id, lease_message(work, greedy, self._acked(worker_id)))
-                case Send(worker_id=worker_id, message=message):
+                case decisions.Send(worker_id=worker_id, message=message):
                     self._send_worker(worker_id, message)
-                case ToLearner(message=message) if self.learner is not None:
+                case decisions.ToLearner(message=message) if self.learner is not None:
                     self._send_learner(message)
-                case Settled(samples=samples, whole=whole):
+                case decisions.Settled(samples=samples, whole=whole):
                     if whole and result is not None and len(result) >= LOG_AS_RECEIVED_MIN:
                         # the arrays as they came, in one record, with the lease spans the books added
                         self.snapshots.log_received(result.with_leases(samples))
                     elif samples:
                         self.snapshots.log_groups([(s.group_id, [s]) for s in samples])
-                case Refuse(peer_id=peer_id, reason=reason, detail=detail, reply=reply):
+                case decisions.Refuse(peer_id=peer_id, reason=reason, detail=detail, reply=reply):
                     self.rejections.count(peer_id, reason)
                     if reply:
                         self._send(self.worker_sock, peer_id.encode(), protocol.Error(reason, detail))
-                case BatchFormed(batch=batch, again=again):
+                case decisions.BatchFormed(batch=batch, again=again):
                     if not again:  # a new batch leaves once the snapshot holding it is durable
                         self.batch_snapshot_seq = self.save_snapshot()
                     self.held_batch = batch
                     self._send_batch(now)
-                case WorkerLost(worker_id=worker_id):
+                case decisions.WorkerLost(worker_id=worker_id):
                     self.acks.pop(worker_id, None)
-                case EvalFinished(result=finished):
+                case decisions.EvalFinished(result=finished):
                     line = json.dumps({"time": time.time(), **finished.to_json()})
                     with open(self.run_dir / EVAL_LOG, "a", encoding="utf-8") as f:
                         f.write(line + "\n")  # the final one lands after the last step
                     if self.eval_records is not None:
                         self.eval_records.submit(finished)
-                case RunStopped(line=line) if self.learner is not None:  # its learner exits with the line
+                case decisions.RunStopped(line=line) if self.learner is not None:  # it exits with the line
                     self._send_learner(protocol.Error(RUN_FAILED, line[:500]))
 
     # ------------------------------------------------------------------ workers
@@ -409,13 +400,13 @@ class Broker:
             case protocol.BatchAck(batch_id=batch_id, metrics=metrics):
                 self._carry_out(core.on_ack(batch_id, now, dict(metrics)), now)
             case protocol.WeightsReady(version=version, uri=uri, sha256=sha256):
-                decisions = core.on_weights(version, uri, sha256, now)
-                if any(isinstance(d, Send) and isinstance(d.message, WeightsReady) for d in decisions):
+                todo = core.on_weights(version, uri, sha256, now)
+                if any(isinstance(d, decisions.Send) and isinstance(d.message, WeightsReady) for d in todo):
                     # the version is durable before any worker hears of it: a restarted broker must not
                     # refuse the tokens of a version its workers generated with (future_version)
                     self._log_journal()
                     self.snapshots.wait_log(self.snapshots.log_seq, timeout=60.0)
-                self._carry_out(decisions, now)
+                self._carry_out(todo, now)
             case protocol.LearnerPhaseReport(phase=phase, detail=detail):
                 self.learner.enter(phase, detail, now)
             case protocol.Disconnect():

@@ -12,7 +12,6 @@ wall seconds; with `--engine torch` everything is real: the model on this machin
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -22,6 +21,7 @@ import typer
 from actors.lengths import EmpiricalLength, LengthSpec
 from actors.sim_tools import SIM_ENV
 from april.config import Config, ConfigError, replace_fields
+from april.files import write_json
 from april.hf import check_model_dir
 from broker.sim.figures import Figures, with_speedups
 from cli.bench_plan import (
@@ -244,7 +244,7 @@ def run_bench(
         )
     measured = with_speedups(measured)
     doc = bench_json(measured, setting.to_json(), predicted, setting.time_scale)
-    (out / "bench.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    write_json(out / "bench.json", doc)
     (out / "bench.md").write_text(bench_markdown(doc, measured, predicted), encoding="utf-8")
     slots = setting.config.worker.slots
     title = f"april bench, {setting.engine} engine, {setting.workload}: {setting.engines} x {slots} slots"

@@ -14,7 +14,6 @@ reward. Both are usable on their own (any HF model directory, optionally a run's
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from april.config import DataConfig
 from april.data import PromptRecord, export_jsonl
 from april.envs.calculator import CalculatorEnvironment, CalculatorPromptSource, parse_numbers
 from april.envs.reasoning_gym import ReasoningGymError, ReasoningGymSource
-from april.files import write_text_atomic
+from april.files import write_json
 from april.provenance import provenance
 from april.records import FinishReason
 from april.task import MAX_NEW_TOKENS, TaskPromptSource
@@ -280,7 +279,7 @@ def run_sft(out_dir: Path, settings: SftSettings, eval_prompts: int, report: Pat
             ),
             "provenance": provenance(),
         }
-        write_text_atomic(report, json.dumps(figures, indent=2) + "\n")
+        write_json(report, figures)
     return result
 
 

@@ -273,11 +273,18 @@ def policy_loss(
     `current_version` is the version of the weights before this batch's update (pi_prox's version).
     `Tr` may be 0 (every response empty): the loss is then 0, still connected to `logp_new`.
     """
-    _check_inputs(logp_new, logp_behaviour, logp_proximal, advantages, token_mask, versions, cfg)
-    if logp_ref is not None and logp_ref.shape != logp_new.shape:
-        raise ValueError(f"policy_loss: logp_ref {tuple(logp_ref.shape)}, expected {tuple(logp_new.shape)}")
-    if entropy is not None and entropy.shape != logp_new.shape:
-        raise ValueError(f"policy_loss: entropy {tuple(entropy.shape)}, expected {tuple(logp_new.shape)}")
+    _check_shapes(
+        logp_new,
+        advantages,
+        logp_behaviour=logp_behaviour,
+        token_mask=token_mask,
+        versions=versions,
+        logp_proximal=logp_proximal,
+        logp_ref=logp_ref,
+        entropy=entropy,
+    )
+    if logp_proximal is None and needs_proximal(cfg.offpolicy):
+        raise ValueError(f"policy_loss: offpolicy {cfg.offpolicy.value!r} needs logp_proximal, got None")
     mask = token_mask.bool()
     m = mask.to(logp_new.dtype)  # [B, Tr]
     candidates = mask & ~(versions < current_version) if cfg.offpolicy is OffPolicy.MASK else mask
@@ -363,28 +370,17 @@ def kl_estimate(d: Tensor, cfg: LossConfig) -> Tensor:
     return torch.where(d < 0, kl.clamp(max=cfg.kl_clamp), kl) if cfg.kl_clamp > 0 else kl
 
 
-def _check_inputs(
-    logp_new: Tensor,
-    logp_behaviour: Tensor,
-    logp_proximal: Tensor | None,
-    advantages: Tensor,
-    token_mask: Tensor,
-    versions: Tensor,
-    cfg: LossConfig,
-) -> None:
+def _check_shapes(logp_new: Tensor, advantages: Tensor, **per_token: Tensor | None) -> None:
+    """ValueError unless `logp_new` is [B, Tr], every given `per_token` tensor has its shape and
+    `advantages` is [B] or [B, Tr]."""
     shape = tuple(logp_new.shape)
     if len(shape) != 2:
         raise ValueError(f"policy_loss: logp_new of shape {shape}, expected [B, Tr]")
-    named = {"logp_behaviour": logp_behaviour, "token_mask": token_mask, "versions": versions}
-    if logp_proximal is not None:
-        named["logp_proximal"] = logp_proximal
-    for name, tensor in named.items():
-        if tuple(tensor.shape) != shape:
+    for name, tensor in per_token.items():
+        if tensor is not None and tuple(tensor.shape) != shape:
             raise ValueError(f"policy_loss: {name} of shape {tuple(tensor.shape)}, expected {shape}")
     if tuple(advantages.shape) not in (shape, shape[:1]):
         raise ValueError(f"policy_loss: advantages of shape {tuple(advantages.shape)}, expected {shape[:1]}")
-    if logp_proximal is None and needs_proximal(cfg.offpolicy):
-        raise ValueError(f"policy_loss: offpolicy {cfg.offpolicy.value!r} needs logp_proximal, got None")
 
 
 def _aggregator(cfg: LossConfig, m: Tensor, n_samples: int, n_tokens: int) -> _Agg:

@@ -29,7 +29,7 @@ import numpy as np
 from april import protocol
 from april.config import Config
 from april.failures import STATS_PREFIX
-from april.files import read_jsonl, write_text_atomic
+from april.files import read_jsonl, write_json, write_text_atomic
 from april.weights_uri import WORKER_SYNC_STATS
 from learner.wandb_sink import WandbRun  # wandb itself is imported only when a WandbRun is opened
 
@@ -263,7 +263,7 @@ def write_summary(run_dir: Path, metrics_path: Path) -> None:
         "reward_mean_first": lines[0]["reward_mean"],
         "reward_mean_last": lines[-1]["reward_mean"],
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(run_dir / "summary.json", summary)
 
 
 def forget_steps_from(path: Path, step: int) -> None:

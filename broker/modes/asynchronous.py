@@ -43,7 +43,7 @@ class Async(ModePolicy):
         learner_version: int,
     ) -> bool:
         """Only a batch that keeps the staleness bound for every group, this batch's and the later ones'."""
-        return keeps_bound_counted(algo, complete_versions, Counter(incomplete_versions), learner_version)
+        return keeps_staleness_bound(algo, complete_versions, incomplete_versions, learner_version)
 
     def held_by_admission(self, algo: AlgoConfig, counts: PoolCounts, version: int) -> bool:
         return counts.accepted >= admission_limit(algo, version)
@@ -73,7 +73,8 @@ def keeps_staleness_bound(
     learner_version: int,
 ) -> bool:
     """async: whether a batch taken now (the B complete groups of least slack) leaves every untrained group
-    a batch in time. Groups are given by their oldest token version (None: no token yet).
+    a batch in time. Groups are given by their oldest token version (None: no token yet), listed or
+    counted (a Counter by version: then it costs O(versions), not O(groups)).
 
     One batch of B groups is trained per version. Let N(k) be the untrained groups (complete or not, none
     in the unacked batch) with slack <= k, C(k) the complete ones. The rule: for every k in 0..eta,
@@ -99,24 +100,14 @@ def keeps_staleness_bound(
     learner's version (async relays new weights and aborts before leasing again); if I is broken anyway,
     min(B, .) asks for at most a batch of the most urgent groups, so batches still form.
     """
-    return keeps_bound_counted(algo, Counter(complete), Counter(incomplete), learner_version)
-
-
-def keeps_bound_counted(
-    algo: AlgoConfig,
-    complete: Counter[int | None],
-    incomplete: Counter[int | None],
-    learner_version: int,
-) -> bool:
-    """`keeps_staleness_bound` with the groups counted by oldest token version: O(versions)."""
     b, eta = algo.rollout_batch_size, algo.max_staleness
     total: Counter[int] = Counter()  # untrained groups by slack
     ready: Counter[int] = Counter()  # complete ones by slack
-    for m, count in complete.items():
+    for m, count in _counted(complete).items():
         k = slack(m, learner_version, eta)
         total[k] += count
         ready[k] += count
-    for m, count in incomplete.items():
+    for m, count in _counted(incomplete).items():
         total[slack(m, learner_version, eta)] += count
     # Between two slack values that occur, N(k) and C(k) stay put while min(B, N(k) - k x B) only falls,
     # so the rule need only be checked at k = 0 and where a group's slack is: O(groups), whatever eta
@@ -127,3 +118,7 @@ def keeps_bound_counted(
         if c < min(b, n - k * b):
             return False
     return True
+
+
+def _counted(versions: Iterable[int | None]) -> Counter[int | None]:
+    return versions if isinstance(versions, Counter) else Counter(versions)
