@@ -69,14 +69,8 @@ class ToolCall:
     def to_openai(self) -> dict[str, Any]:
         """`{"id", "type": "function", "function": {"name", "arguments"}}`, arguments as an object (as chat
         templates take them; the OpenAI HTTP API sends a JSON string, which `from_openai` accepts too)."""
-        out: dict[str, Any] = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": dict(self.arguments)},
-        }
-        if self.error:
-            out["error"] = self.error
-        return out
+        function = {"name": self.name, "arguments": dict(self.arguments)}
+        return _with_present({"id": self.id, "type": "function", "function": function}, error=self.error)
 
     @classmethod
     def from_openai(cls, obj: object) -> ToolCall:
@@ -109,14 +103,12 @@ class Message:
     name: str = ""  # a tool message: the tool's name
 
     def to_openai(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role.value, "content": self.content}
-        if self.tool_calls:
-            out["tool_calls"] = [call.to_openai() for call in self.tool_calls]
-        if self.tool_call_id:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name:
-            out["name"] = self.name
-        return out
+        return _with_present(
+            {"role": self.role.value, "content": self.content},
+            tool_calls=[call.to_openai() for call in self.tool_calls],
+            tool_call_id=self.tool_call_id,
+            name=self.name,
+        )
 
     @classmethod
     def from_openai(cls, obj: object) -> Message:
@@ -541,6 +533,11 @@ def one_line(exc: BaseException) -> str:
     message = " ".join(str(exc).split())
     text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _with_present(out: dict[str, Any], **optional: Any) -> dict[str, Any]:
+    """`out` and those `optional` fields that are not empty: the OpenAI form leaves absent ones out."""
+    return out | {key: value for key, value in optional.items() if value}
 
 
 def _finite(value: object) -> bool:

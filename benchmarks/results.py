@@ -394,6 +394,14 @@ def source(step: str) -> str:
     )
 
 
+def sourced(step: str, *parts: str | list[str]) -> str:
+    """A block: its paragraphs (a string, or lines: a table), a blank line between two, and the source
+    line of `step` under them."""
+    return "\n\n".join(
+        [*(part if isinstance(part, str) else "\n".join(part) for part in parts), source(step)]
+    )
+
+
 def x(value: float) -> str:
     return f"{value:.2f}x"
 
@@ -467,16 +475,14 @@ def block_calculator_held_out() -> str:
         parts = " / ".join(f"{by[k][0]:.2f}" for k in (2, 3, 4) if k in by) + f" / {long:.2f}"
         version = name if name == "v0" else f"v{final}"
         rows.append(f"| {version} | {s['accuracy']:.3f} | {parts} | {ev['greedy']['accuracy']:.3f} |")
-    return "\n".join(
-        [
-            *rows,
-            "",
+    return sourced(
+        "calculator-run",
+        rows,
+        (
             f"The first {doc['eval_prompts']} held-out calculator prompts (seed 0, never trained on), "
             f"{doc['eval_samples']} samples each at T=1, and once greedily; v0 is models/tiny-calculator as "
-            f"shipped, v{final} the run's final weights.",
-            "",
-            source("calculator-run"),
-        ]
+            f"shipped, v{final} the run's final weights."
+        ),
     )
 
 
@@ -570,13 +576,12 @@ def block_sft_calculator() -> str:
         e = doc["eval"][mode]
         by = ", ".join(f"{k}: {a:.2f}" for k, (a, _) in e["by_numbers"].items())
         evals.append(f"{mode} {e['accuracy']:.3f} over {e['samples']} episodes (by numbers to sum: {by})")
-    return "\n".join(
-        [
+    return sourced(
+        "sft-calculator",
+        (
             f"{doc['parameters'] / 1e6:.2f}M parameters, {doc['steps']} steps, {doc['wall_s']:.0f} s; "
-            f"held-out accuracy {'; '.join(evals)}.",
-            "",
-            source("sft-calculator"),
-        ]
+            f"held-out accuracy {'; '.join(evals)}."
+        ),
     )
 
 
@@ -585,7 +590,7 @@ def block_simulate() -> str:
     rows = ["| mode | trained samples/s | vs sync |", "|---|---|---|"]
     for mode, fig in doc["modes"].items():
         rows.append(f"| {mode} | {fig['samples_per_s']:.3f} | {x(fig['speedup'])} |")
-    return "\n".join([*rows, "", source("simulate")])
+    return sourced("simulate", rows)
 
 
 def block_paper_config() -> str:
@@ -601,18 +606,16 @@ def block_paper_config() -> str:
             f"| {mode} | {f['samples_per_s']:.3f} | {x(f['speedup'])} | {f['offpolicy_token_frac']:.3f} | "
             f"{f['aborted']} / {f['resumed']} | {f['wasted_tokens']} |"
         )
-    return "\n".join(
-        [
-            *rows,
-            "",
+    return sourced(
+        "paper-config",
+        rows,
+        (
             f"{s['steps']} steps of {s['rollout_batch_size']} x {s['n_samples_per_prompt']} samples "
             f"(over-sampling {s['over_sampling_batch_size']}, {s['max_new_tokens']} tokens max) on "
             f"{s['engines']} engines x {s['slots']} slots; lengths {s['lengths']}; the sim engine's cost "
             f"(decode step {s['decode_ms']:g} + {s['decode_ms_per_seq']:g} ms a sequence, prefill "
-            f"{s['prefill_ms_per_token']:g} ms a token) and a {s['learner_step_s']:g} s learner step.",
-            "",
-            source("paper-config"),
-        ]
+            f"{s['prefill_ms_per_token']:g} ms a token) and a {s['learner_step_s']:g} s learner step."
+        ),
     )
 
 
@@ -742,16 +745,14 @@ def block_learner_memory() -> str:
         f"{g['from_tokens']:,}->{g['to_tokens']:,}: {g['bytes'] / 1024:.0f}"
         for g in doc["growth_per_token"]["before"]
     )
-    return "\n".join(
-        [
-            *rows,
-            "",
+    return sourced(
+        "learner-memory",
+        rows,
+        (
             f"Peak = the child process's maximum resident set (interpreter, torch and "
             f"{args['backend']} included), `mb` = micro-batches in the step. KiB of peak added per token, "
-            f"after: {growth}; before: {before}. Target: {doc['target_bytes'] / gib:.0f} GiB.",
-            "",
-            source("learner-memory"),
-        ]
+            f"after: {growth}; before: {before}. Target: {doc['target_bytes'] / gib:.0f} GiB."
+        ),
     )
 
 
@@ -783,7 +784,7 @@ def block_weight_sync() -> str:
         )
     if doc["skipped"]:
         notes.append("Not measured: " + "; ".join(f"{t} ({why})" for t, why in doc["skipped"].items()) + ".")
-    return "\n".join([*rows, "", " ".join(notes), "", source("weight-sync")])
+    return sourced("weight-sync", rows, " ".join(notes))
 
 
 def block_weight_sync_sglang() -> str:
@@ -808,13 +809,13 @@ def block_weight_sync_sglang() -> str:
             f"{size['size']}: the disk path takes {x(r['sync_s'])} the collective's sync time, "
             f"{x(r['transfer_s'])} its time after the publish."
         )
-    return "\n".join([*rows, "", " ".join(notes), "", source("weight-sync-sglang")])
+    return sourced("weight-sync-sglang", rows, " ".join(notes))
 
 
 def block_accuracy() -> str:
     text = (DOCS / "results/accuracy/accuracy.md").read_text()
     body = re.sub(r"^# .*\n+", "", text)  # the file's own title: the doc has its heading
-    return "\n".join([body.strip(), "", source("accuracy")])
+    return sourced("accuracy", body.strip())
 
 
 def block_accuracy_summary() -> str:
@@ -874,7 +875,7 @@ def block_soak_table() -> str:
         f"| checks | {', '.join(f'{k}: {ok}' for k, ok in s['checks'].items())} |",
         f"| wall time | {s['wall_s']:,.0f} s |",
     ]
-    return "\n".join([*rows, "", source("soak")])
+    return sourced("soak", rows)
 
 
 def block_compose() -> str:
@@ -896,16 +897,14 @@ def block_compose() -> str:
     rows = ["| phase of `make compose-test` | seconds |", "|---|---|"]
     rows += [f"| {names.get(k, k)} | {v:.0f} |" for k, v in r["phases_s"].items()]
     rows.append(f"| all, checks and `down -v` included | {r['total_s']:.0f} |")
-    return "\n".join(
-        [
+    return sourced(
+        "compose",
+        (
             f"Image `april:cpu` {img['april'] / 1e3:.2f} GB on `{r['base_image']}` ({img['base']:.0f} MB), "
             f"of which torch {img['torch_in_april'] / 1e3:.2f} GB. Workers loaded weights by "
-            f"{run['weights_transports']}.",
-            "",
-            *rows,
-            "",
-            source("compose"),
-        ]
+            f"{run['weights_transports']}."
+        ),
+        rows,
     )
 
 
@@ -984,7 +983,7 @@ def block_scheduling() -> str:
         f"{p['correlated'][0]:g}, {p['correlated'][1]} prompts. Min-max over seeds and slot utilisation per "
         "run are in the JSON."
     )
-    return "\n".join([*rows, "", note, "", source("scheduling")])
+    return sourced("scheduling", rows, note)
 
 
 def gathered_row(pair: dict[str, Any], plain: dict[str, Any]) -> str:
