@@ -64,6 +64,11 @@ class HeldModel:
         model.load_weights(tensors.items())
         return model
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (the launch checkpoint's): what a loaded tensor is rounded to."""
+        return next(iter(self.params.values())).dtype
+
     def _allocate(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One parameter per SGLang name, shaped from the checkpoint (SGLang shapes them from the config;
         for a complete checkpoint the two agree)."""
