@@ -335,7 +335,7 @@ def run_one(run_dir: Path, mode: str, seed: int, args: argparse.Namespace) -> No
         ).returncode
     ended = time.time()
     info = {"command": cmd, "launched_at": launched, "ended_at": ended, "returncode": code}
-    (run_dir / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
+    files.write_json(run_dir / RUN_INFO, info, indent=1)
     print(f"[accuracy] {mode} seed {seed}: exit {code} after {ended - launched:.0f}s (log {log})", flush=True)
 
 

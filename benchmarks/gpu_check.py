@@ -51,6 +51,7 @@ from gpu.hardware import arch_list_for_deepspeed  # noqa: E402
 from gpu.image import PHASE_NEEDS, preflight_line  # noqa: E402
 from gpu.record import PhaseRecord, PhaseSkipped, read_record  # noqa: E402
 
+from april.files import write_json  # noqa: E402
 from april.provenance import provenance  # noqa: E402
 
 SHOWN_OUT = "docs/results/gpu-check"  # where the artifact is meant to be committed
@@ -510,9 +511,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> dict[str, Any]:  # after every phase: a check killed from outside keeps what it measured
         doc = {**artifact(args, environment, results, time.monotonic() - started), "packages": packages}
-        (args.out / "gpu_check.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        write_json(args.out / "gpu_check.json", doc, indent=1)
         prov = stamp(args, argv, doc["device"], doc["wall_s"])
-        (args.out / "provenance.json").write_text(json.dumps(prov, indent=2) + "\n", encoding="utf-8")
+        write_json(args.out / "provenance.json", prov)
         return doc
 
     with (

@@ -45,6 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from april.files import write_json  # noqa: E402
 from april.provenance import provenance  # noqa: E402
 
 DOCS = REPO / "docs"
@@ -361,7 +362,7 @@ def run_step(step: Step, docs: Path, smoke: bool = False) -> Path:
             shutil.copy2(work / rel, staged / Path(rel).name)
         stamp["wall_s"] = round(wall_s, 1)
         stamp["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
-        (staged / "provenance.json").write_text(json.dumps(stamp, indent=2) + "\n", encoding="utf-8")
+        write_json(staged / "provenance.json", stamp)
         if dest.exists():
             shutil.rmtree(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)

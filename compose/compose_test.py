@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from april.files import write_json
 from april.ledger import Ledger
 from april.weights_uri import version_path
 
@@ -432,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         REPORT["total_s"] = round(time.monotonic() - t0, 1)
         if args.report:
             args.report.parent.mkdir(parents=True, exist_ok=True)
-            args.report.write_text(json.dumps(REPORT, indent=2) + "\n")
+            write_json(args.report, REPORT)
     if REPORT["outcome"] == "passed":
         say(f"passed in {REPORT['total_s']:.0f} s")
     return 1 if REPORT["outcome"] == "failed" else 0
