@@ -56,8 +56,8 @@ def weight_version(url: str) -> str:
 def assert_holds(held: HeldModel, published: dict[str, torch.Tensor]) -> None:
     """The server holds what the learner published last, at the server's own dtype: the learner publishes
     float32 and a bfloat16 server (the tiny model's launch dtype) rounds what it loads, as SGLang's
-    weight loaders copy into their parameters. Found by CI: once a step had changed the weights, exact
-    float32 equality failed."""
+    weight loaders copy into their parameters (model_loader/weight_utils.py: default_weight_loader,
+    `param.data.copy_`). Found by CI: once a step had changed the weights, float32 equality failed."""
     for name, tensor in published.items():
         want = tensor.to(held.dtype).float()
         assert torch.equal(torch.tensor(held.get_weights_by_name(name, 1 << 30)), want), name
